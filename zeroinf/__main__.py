@@ -1,0 +1,5 @@
+import sys
+
+from zeroinf.cli import main
+
+sys.exit(main())

@@ -1,0 +1,42 @@
+"""``zeroinf`` command line: one subcommand per tool, each in its own module.
+
+Each entry of :data:`COMMANDS` names a module exposing ``add_arguments(parser)`` and
+``main(args) -> int``. Modules are imported only when their subcommand runs, so
+``zeroinf report`` works even when an unrelated tool's optional dependency is missing.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from typing import List, Optional
+
+#: subcommand -> (module, one-line help)
+COMMANDS = {
+    "train": ("zeroinf.train", "train a transformer on real text with ZeRO-Infinity offload"),
+    "report": ("zeroinf.report", "show the torch version, CPU ISA paths, op and I/O backend states"),
+    "estimate": ("zeroinf.estimate", "memory per device/host/NVMe for DDP, ZeRO-1/2/3 and offload"),
+    "plan": ("zeroinf.plan", "choose the cheapest placement that fits and write its config"),
+    "tune-io": ("zeroinf.io.tune", "sweep aio block size / queue depth on a path, print the best block"),
+}
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    """Entry point of the ``zeroinf`` console script; returns the process exit code."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = argparse.ArgumentParser(prog="zeroinf", description="ZeRO-Infinity offload engine for PyTorch")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, (_module, help_text) in COMMANDS.items():
+        sub.add_parser(name, help=help_text, add_help=False)
+    if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
+        parser.print_help()
+        return 0 if not argv or argv[0] in ("-h", "--help") else 2
+    module = importlib.import_module(COMMANDS[argv[0]][0])
+    cmd_parser = argparse.ArgumentParser(prog=f"zeroinf {argv[0]}", description=COMMANDS[argv[0]][1])
+    module.add_arguments(cmd_parser)
+    args = cmd_parser.parse_args(argv[1:])
+    return int(module.main(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

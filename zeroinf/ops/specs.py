@@ -1,0 +1,95 @@
+"""Declarations of the C++ ops: sources and flags, with no import of torch.
+
+This module is read by ``setup.py`` (AOT build, ``ZEROINF_BUILD_OPS=1``) and by
+``zeroinf.ops.loader`` (JIT build), so both paths compile the same sources with the same
+flags. It must stay importable without torch and without the ``zeroinf`` package.
+
+Flags policy: no ``-march=native``. Wide SIMD paths are compiled with per-function
+``__attribute__((target(...)))`` in the kernel sources and chosen at run time by cpuid, so a
+binary built on one x86-64 machine runs on any other.
+"""
+from __future__ import annotations
+
+import ctypes.util
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, List, Tuple
+
+#: Root of the C++ sources: ``<repo>/csrc`` in a checkout, ``zeroinf/csrc`` in an installed
+#: wheel (setup.py copies them there as package data so a wheel can still JIT-build).
+_PKG_DIR = Path(__file__).resolve().parent.parent
+
+
+def csrc_root() -> Path:
+    """Directory holding the op folders (``adam/``, ``aio/``, ...).
+
+    Raises:
+        FileNotFoundError: neither the checkout's ``csrc/`` nor the packaged copy exists.
+    """
+    for cand in (_PKG_DIR.parent / "csrc", _PKG_DIR / "csrc"):
+        if cand.is_dir():
+            return cand
+    raise FileNotFoundError(f"zeroinf C++ sources not found next to {_PKG_DIR}")
+
+
+@dataclass(frozen=True)
+class OpSpec:
+    """One C++ op: its sources (relative to ``csrc/``) and its compiler/linker flags.
+
+    ``configure`` is an optional probe run at build time; it returns extra
+    ``(cflags, ldflags, notes)`` — e.g. the aio op adds ``-laio`` only when libaio is found and
+    otherwise ``-DZEROINF_NO_LIBAIO`` plus a note saying why.
+    """
+
+    name: str
+    sources: Tuple[str, ...]
+    cflags: Tuple[str, ...] = ("-O3", "-std=c++17", "-fopenmp")
+    ldflags: Tuple[str, ...] = ("-fopenmp",)
+    configure: Callable[[], Tuple[List[str], List[str], List[str]]] | None = field(default=None, compare=False)
+
+    def flags(self) -> Tuple[List[str], List[str], List[str]]:
+        """Return ``(cflags, ldflags, notes)`` including the probe's and ``ZEROINF_EXTRA_CFLAGS``."""
+        cflags, ldflags, notes = list(self.cflags), list(self.ldflags), []
+        if self.configure is not None:
+            c, l, n = self.configure()
+            cflags += c
+            ldflags += l
+            notes += n
+        extra = os.environ.get("ZEROINF_EXTRA_CFLAGS", "").split()
+        cflags += extra
+        return cflags, ldflags, notes
+
+    def source_paths(self) -> List[Path]:
+        root = csrc_root()
+        return [root / s for s in self.sources]
+
+
+def _libaio_probe() -> Tuple[List[str], List[str], List[str]]:
+    """Link against libaio when both its header and library are present."""
+    header = any(Path(d, "libaio.h").exists() for d in ("/usr/include", "/usr/local/include"))
+    lib = ctypes.util.find_library("aio")
+    if header and lib:
+        return [], ["-laio"], []
+    why = []
+    if not header:
+        why.append("libaio.h not found (install libaio-dev)")
+    if not lib:
+        why.append("libaio.so not found (install libaio1/libaio-dev)")
+    return ["-DZEROINF_NO_LIBAIO"], [], ["libaio backend not built: " + "; ".join(why)]
+
+
+# The registry: one entry per folder under csrc/. Kernels and bindings are separate files.
+OPS = {
+    "adam": OpSpec(
+        name="adam",
+        sources=("adam/cpu_adam.cpp", "adam/bindings.cpp"),
+    ),
+    "aio": OpSpec(
+        name="aio",
+        sources=("aio/aio_handle.cpp", "aio/bindings.cpp"),
+        cflags=("-O3", "-std=c++17"),
+        ldflags=("-lpthread",),
+        configure=_libaio_probe,
+    ),
+}
