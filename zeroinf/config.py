@@ -1,0 +1,620 @@
+"""DeepSpeed-compatible configuration: a JSON dict (or file) → typed, frozen, validated dataclasses.
+
+Key names, meanings and defaults follow DeepSpeed's config (``deepspeed/runtime/config.py``,
+``deepspeed/runtime/zero/config.py``, ``offload_config.py``, ``fp16/loss_scaler.py``,
+``lr_schedules.py``), so a user's existing config carries over. Three kinds of key:
+
+* implemented keys are parsed into the dataclasses below, with their type checked;
+* DeepSpeed keys this project does not implement yet raise :class:`ConfigError` saying
+  "not supported yet" (never silently ignored);
+* any other key raises :class:`ConfigError` listing the allowed keys of its block.
+
+Every error message starts with the key path (``"zero_optimization.offload_optimizer.device: ..."``)
+and the exception carries it as ``.key_path``. This module has no side effects: checks that touch
+the machine (``nvme_path`` writable, free disk, pinned-memory budget) run in
+:func:`zeroinf.initialize`.
+
+Extension: the ``"zeroinf"`` block holds the few settings DeepSpeed has no key for
+(``grad_norm_type``: the norm used for ``gradient_clipping`` and the global gradient norm,
+2.0 by default as in DeepSpeed, or ``"inf"``).
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass, field
+from typing import Any, Dict, Mapping, Optional, Tuple
+
+__all__ = [
+    "AioConfig", "BF16Config", "ConfigError", "FP16Config", "OffloadOptimizerConfig",
+    "OffloadParamConfig", "OptimizerConfig", "SchedulerConfig", "ZeroConfig", "ZeroInfConfig",
+    "ZeroInfExtraConfig", "min_optimizer_buffer_count", "parse_config",
+]
+
+
+class ConfigError(ValueError):
+    """A config value is invalid, unknown or not supported; ``key_path`` names it (dotted)."""
+
+    def __init__(self, key_path: str, message: str):
+        self.key_path = key_path
+        super().__init__(f"{key_path}: {message}")
+
+
+# ----------------------------------------------------------------------------------------------
+# value readers: each takes the block dict, the key and the block's path, and checks the type.
+
+_MISSING = object()
+
+
+def _path(prefix: str, key: str) -> str:
+    return f"{prefix}.{key}" if prefix else key
+
+
+def _int(block: Mapping, key: str, prefix: str, default: Any, *, min_value: Optional[int] = None) -> Any:
+    v = block.get(key, _MISSING)
+    if v is _MISSING or v is None:
+        return default
+    # JSON writers emit 5e8 for 500000000; accept floats with no fractional part, as DeepSpeed does.
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or (isinstance(v, float) and (not math.isfinite(v) or v != int(v))):
+        raise ConfigError(_path(prefix, key), f"expected an integer, got {v!r}")
+    v = int(v)
+    if min_value is not None and v < min_value:
+        raise ConfigError(_path(prefix, key), f"must be >= {min_value}, got {v}")
+    return v
+
+
+def _float(block: Mapping, key: str, prefix: str, default: Any, *, min_value: Optional[float] = None,
+           allow_inf: bool = False) -> Any:
+    v = block.get(key, _MISSING)
+    if v is _MISSING or v is None:
+        return default
+    if allow_inf and isinstance(v, str) and v.lower() in ("inf", "infinity"):
+        return math.inf
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or (not allow_inf and not math.isfinite(v)):
+        raise ConfigError(_path(prefix, key), f"expected a number, got {v!r}")
+    if min_value is not None and v < min_value:
+        raise ConfigError(_path(prefix, key), f"must be >= {min_value}, got {v}")
+    return float(v)
+
+
+def _bool(block: Mapping, key: str, prefix: str, default: bool) -> bool:
+    v = block.get(key, _MISSING)
+    if v is _MISSING or v is None:
+        return default
+    if not isinstance(v, bool):
+        raise ConfigError(_path(prefix, key), f"expected true or false, got {v!r}")
+    return v
+
+
+def _choice(block: Mapping, key: str, prefix: str, default: str, allowed: Tuple[str, ...]) -> str:
+    v = block.get(key, _MISSING)
+    if v is _MISSING or v is None:
+        return default
+    if not isinstance(v, str) or v.lower() not in allowed:
+        raise ConfigError(_path(prefix, key), f"expected one of {', '.join(allowed)}, got {v!r}")
+    return v.lower()
+
+
+def _block(config: Mapping, key: str, prefix: str) -> Dict[str, Any]:
+    v = config.get(key, _MISSING)
+    if v is _MISSING or v is None:
+        return {}
+    if not isinstance(v, Mapping):
+        raise ConfigError(_path(prefix, key), f"expected an object (dict), got {type(v).__name__}")
+    return dict(v)
+
+
+def _check_keys(block: Mapping, prefix: str, allowed: Tuple[str, ...], unsupported: Mapping[str, str] = {}) -> None:
+    """Raise for the first key of ``block`` that is unsupported or unknown (in sorted order)."""
+    for key in sorted(block):
+        if key in unsupported and isinstance(block[key], Mapping) and block[key].get("enabled", True) is False:
+            continue  # a disabled feature block (e.g. "tensorboard": {"enabled": false}) asks for nothing
+        if key in unsupported:
+            why = unsupported[key]
+            raise ConfigError(_path(prefix, key), f"not supported yet{': ' + why if why else ''}")
+        if key not in allowed:
+            raise ConfigError(_path(prefix, key), f"unknown key; allowed keys{' in ' + prefix if prefix else ''}: "
+                              f"{', '.join(sorted(allowed))}")
+
+
+def _unsupported_if(block: Mapping, key: str, prefix: str, harmless: Any) -> None:
+    """A DeepSpeed key we accept only at its no-op value ``harmless``."""
+    if key in block and block[key] is not None and block[key] != harmless:
+        raise ConfigError(_path(prefix, key), f"not supported yet (only {json.dumps(harmless)} is accepted), "
+                          f"got {block[key]!r}")
+
+
+# ----------------------------------------------------------------------------------------------
+# the dataclasses
+
+
+@dataclass(frozen=True)
+class OptimizerConfig:
+    """``optimizer {type, params}``. Only Adam and AdamW.
+
+    As in DeepSpeed, ``type: "Adam"`` means decoupled weight decay (AdamW) unless
+    ``params.adam_w_mode`` is false; ``type: "AdamW"`` always decouples.
+    """
+
+    type: str = "adamw"          #: "adam" or "adamw" (lower case)
+    lr: float = 1e-3
+    betas: Tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+    adam_w_mode: bool = True     #: decoupled weight decay (AdamW) when true, L2 (Adam) when false
+    bias_correction: bool = True
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """``scheduler {type, params}``: DeepSpeed's WarmupLR, WarmupDecayLR or WarmupCosineLR.
+
+    Field meanings follow ``deepspeed/runtime/lr_schedules.py``; ``total_num_steps`` is required
+    for the two decaying schedules.
+    """
+
+    type: str                    #: "WarmupLR" | "WarmupDecayLR" | "WarmupCosineLR"
+    warmup_min_lr: float = 0.0
+    warmup_max_lr: float = 1e-3
+    warmup_num_steps: int = 1000
+    warmup_type: str = "log"     #: "log" or "linear"
+    total_num_steps: Optional[int] = None
+    warmup_min_ratio: float = 0.0   #: WarmupCosineLR only
+    cos_min_ratio: float = 1e-4     #: WarmupCosineLR only
+
+
+@dataclass(frozen=True)
+class FP16Config:
+    """``fp16``: half-precision parameters with fp32 master weights and loss scaling.
+
+    ``loss_scale`` 0 means dynamic scaling: start at ``2**initial_scale_power``; on an inf/nan
+    gradient skip the step and, once ``hysteresis`` overflows have been seen, halve the scale (never
+    below ``min_loss_scale``); after ``loss_scale_window`` clean steps double it.
+    """
+
+    enabled: bool = False
+    loss_scale: float = 0.0
+    initial_scale_power: int = 16
+    loss_scale_window: int = 1000
+    hysteresis: int = 2
+    consecutive_hysteresis: bool = False
+    min_loss_scale: float = 1.0
+
+
+@dataclass(frozen=True)
+class BF16Config:
+    """``bf16`` (alias ``bfloat16``): bf16 parameters and gradients, fp32 master weights."""
+
+    enabled: bool = False
+
+
+@dataclass(frozen=True)
+class OffloadOptimizerConfig:
+    """``zero_optimization.offload_optimizer``: where master weights and Adam moments live.
+
+    ``buffer_count``: pinned buffers (each one sub-group of fp32) used to swap the optimizer state
+    with NVMe; at least :func:`min_optimizer_buffer_count` (3 swapped tensors per sub-group —
+    master, exp_avg, exp_avg_sq — times the sub-groups in flight).
+    """
+
+    device: str = "none"         #: "none" | "cpu" | "nvme"
+    nvme_path: Optional[str] = None
+    buffer_count: int = 4
+    pin_memory: bool = False
+    pipeline_read: bool = False
+    pipeline_write: bool = False
+    fast_init: bool = False
+
+
+@dataclass(frozen=True)
+class OffloadParamConfig:
+    """``zero_optimization.offload_param`` (stage 3 only): where parameter shards live."""
+
+    device: str = "none"         #: "none" | "cpu" | "nvme"
+    nvme_path: Optional[str] = None
+    buffer_count: int = 5
+    buffer_size: int = 100_000_000   #: elements per buffer
+    max_in_cpu: int = 1_000_000_000  #: elements
+    pin_memory: bool = False
+
+
+@dataclass(frozen=True)
+class ZeroConfig:
+    """``zero_optimization``; sizes are in elements, as in DeepSpeed."""
+
+    stage: int = 0
+    offload_optimizer: OffloadOptimizerConfig = field(default_factory=OffloadOptimizerConfig)
+    offload_param: OffloadParamConfig = field(default_factory=OffloadParamConfig)
+    sub_group_size: int = 1_000_000_000
+    reduce_bucket_size: int = 500_000_000
+    allgather_bucket_size: int = 500_000_000
+    overlap_comm: bool = False
+    contiguous_gradients: bool = True
+    reduce_scatter: bool = True
+    allgather_partitions: bool = True
+    round_robin_gradients: bool = False
+    stage3_prefetch_bucket_size: int = 50_000_000
+    stage3_param_persistence_threshold: int = 100_000
+    stage3_max_live_parameters: int = 1_000_000_000
+    stage3_max_reuse_distance: int = 1_000_000_000
+    stage3_gather_16bit_weights_on_model_save: bool = False
+
+
+@dataclass(frozen=True)
+class AioConfig:
+    """``aio``: the async I/O handle's knobs, with DeepSpeed's names (bytes for sizes)."""
+
+    block_size: int = 1 << 20
+    queue_depth: int = 8
+    intra_op_parallelism: int = 1
+    single_submit: bool = False
+    overlap_events: bool = True
+
+    def as_dict(self) -> Dict[str, Any]:
+        """The block as a dict for :meth:`zeroinf.io.AsyncIOHandle.from_config`."""
+        return {"block_size": self.block_size, "queue_depth": self.queue_depth,
+                "intra_op_parallelism": self.intra_op_parallelism, "single_submit": self.single_submit,
+                "overlap_events": self.overlap_events}
+
+
+@dataclass(frozen=True)
+class ZeroInfExtraConfig:
+    """``zeroinf``: settings DeepSpeed has no key for."""
+
+    grad_norm_type: float = 2.0  #: 2.0 (DeepSpeed's) or math.inf ("inf" in JSON)
+
+
+@dataclass(frozen=True)
+class ZeroInfConfig:
+    """The whole validated config. Batch sizes are resolved so that
+    ``train_batch_size == train_micro_batch_size_per_gpu * gradient_accumulation_steps * world_size``.
+    """
+
+    train_batch_size: int
+    train_micro_batch_size_per_gpu: int
+    gradient_accumulation_steps: int
+    world_size: int = 1
+    optimizer: Optional[OptimizerConfig] = None
+    scheduler: Optional[SchedulerConfig] = None
+    fp16: FP16Config = field(default_factory=FP16Config)
+    bf16: BF16Config = field(default_factory=BF16Config)
+    gradient_clipping: float = 0.0
+    zero_optimization: ZeroConfig = field(default_factory=ZeroConfig)
+    aio: AioConfig = field(default_factory=AioConfig)
+    steps_per_print: int = 10
+    wall_clock_breakdown: bool = False
+    zeroinf: ZeroInfExtraConfig = field(default_factory=ZeroInfExtraConfig)
+
+    @property
+    def precision(self) -> str:
+        """"fp16", "bf16" or "fp32": the dtype of the model's parameters and gradients."""
+        return "fp16" if self.fp16.enabled else "bf16" if self.bf16.enabled else "fp32"
+
+
+# ----------------------------------------------------------------------------------------------
+# DeepSpeed keys that exist but are not implemented here (value: why / what to do instead)
+
+_TOP_UNSUPPORTED = {
+    "amp": "use bf16 or fp16",
+    "activation_checkpointing": "use torch.utils.checkpoint in the model",
+    "autotuning": "", "comms_logger": "", "communication_data_type": "", "compression_training": "",
+    "curriculum_learning": "", "data_efficiency": "", "data_types": "", "dataloader_drop_last": "",
+    "elasticity": "", "flops_profiler": "", "gradient_predivide_factor": "", "prescale_gradients": "",
+    "pipeline": "", "sparse_attention": "", "sparse_gradients": "", "tensorboard": "", "wandb": "",
+    "csv_monitor": "", "monitor_config": "", "checkpoint": "", "quantize_training": "",
+    "eigenvalue": "", "progressive_layer_drop": "", "memory_breakdown": "", "dump_state": "",
+    "torch_autocast": "", "fp8": "", "seq_parallel_communication_data_type": "", "hybrid_engine": "",
+    "zero_allow_untested_optimizer": "", "zero_force_ds_cpu_optimizer": "", "timers": "",
+    "disable_allgather": "", "weight_quantization": "", "graph_harvesting": "", "compile": "",
+    "use_node_local_storage": "", "load_universal_checkpoint": "", "nebula": "",
+    "gradient_accumulation_dtype": "",
+}
+_TOP_ALLOWED = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
+                "optimizer", "scheduler", "fp16", "bf16", "bfloat16", "gradient_clipping",
+                "zero_optimization", "aio", "steps_per_print", "wall_clock_breakdown", "zeroinf")
+
+_ZERO_ALLOWED = tuple(f.name for f in ZeroConfig.__dataclass_fields__.values()) + (
+    "stage3_gather_fp16_weights_on_model_save",)
+_ZERO_UNSUPPORTED = {
+    "cpu_offload": "deprecated in DeepSpeed; use offload_optimizer {device: cpu}",
+    "cpu_offload_param": "deprecated in DeepSpeed; use offload_param {device: cpu}",
+    "cpu_offload_use_pin_memory": "deprecated in DeepSpeed; use offload_optimizer.pin_memory",
+    "elastic_checkpoint": "", "ignore_unused_parameters": "", "legacy_stage1": "",
+    "load_from_fp32_weights": "", "zero_hpz_partition_size": "", "zero_quantized_weights": "",
+    "zero_quantized_nontrainable_weights": "", "zero_quantized_gradients": "", "mics_shard_size": "",
+    "mics_hierarchical_params_gather": "", "memory_efficient_linear": "", "pipeline_loading_checkpoint": "",
+    "override_module_apply": "", "log_trace_cache_warnings": "", "use_multi_rank_bucket_allreduce": "",
+    "module_granularity_threshold": "", "use_all_reduce_for_fetch_params": "",
+    "stage3_module_granularity_threshold": "", "offload_optimizer_config": "", "zeropp_loco_param": "",
+    "allgather_sequential": "", "prefetch_bucket_size": "use stage3_prefetch_bucket_size",
+    "param_persistence_threshold": "use stage3_param_persistence_threshold",
+    "max_live_parameters": "use stage3_max_live_parameters",
+    "max_reuse_distance": "use stage3_max_reuse_distance",
+    "gather_16bit_weights_on_model_save": "use stage3_gather_16bit_weights_on_model_save",
+    "save_mmap_storage": "", "log_memory_usage": "",
+}
+_OFFLOAD_OPT_ALLOWED = tuple(OffloadOptimizerConfig.__dataclass_fields__)
+_OFFLOAD_OPT_UNSUPPORTED = {"ratio": "only the whole optimizer state can be offloaded (ratio 1.0)",
+                            "super_offload": "", "cpuadam_cores_perc": ""}
+_OFFLOAD_PARAM_ALLOWED = tuple(OffloadParamConfig.__dataclass_fields__)
+_OPT_PARAMS_ALLOWED = ("lr", "betas", "eps", "weight_decay", "adam_w_mode", "bias_correction", "amsgrad",
+                       "torch_adam", "fused")
+_SCHED_PARAMS = {
+    "warmuplr": ("warmup_min_lr", "warmup_max_lr", "warmup_num_steps", "warmup_type", "last_batch_iteration"),
+    "warmupdecaylr": ("warmup_min_lr", "warmup_max_lr", "warmup_num_steps", "warmup_type", "total_num_steps",
+                      "last_batch_iteration"),
+    "warmupcosinelr": ("total_num_steps", "warmup_min_ratio", "warmup_num_steps", "cos_min_ratio", "warmup_type",
+                       "last_batch_iteration"),
+}
+_SCHED_NAMES = {"warmuplr": "WarmupLR", "warmupdecaylr": "WarmupDecayLR", "warmupcosinelr": "WarmupCosineLR"}
+_SCHED_UNSUPPORTED = ("onecyclelr", "lrrangetest", "warmupcosine")
+_FP16_ALLOWED = tuple(FP16Config.__dataclass_fields__)
+_FP16_UNSUPPORTED = {"auto_cast": "", "fp16_master_weights_and_grads": "", "fp16_optimizer_states": ""}
+_BF16_ALLOWED = ("enabled",)
+_BF16_UNSUPPORTED = {"immediate_grad_update": "", "check_grad_overflow": "", "bf16_master_weights_and_grads": "",
+                     "bf16_optimizer_states": ""}
+_AIO_ALLOWED = tuple(AioConfig.__dataclass_fields__) + ("thread_count",)
+_AIO_UNSUPPORTED = {"use_gds": "GPUDirect Storage"}
+
+
+def min_optimizer_buffer_count(pipeline_read: bool, pipeline_write: bool) -> int:
+    """Fewest ``offload_optimizer.buffer_count`` buffers the NVMe optimizer swapper can run with.
+
+    Each sub-group swaps 3 fp32 tensors (master weights, exp_avg, exp_avg_sq), and the sub-groups in
+    flight are the one being stepped, plus the next one being read (``pipeline_read``), plus the
+    previous one being written (``pipeline_write``): ``3 * (1 + pipeline_read + pipeline_write)``.
+    """
+    return 3 * (1 + int(pipeline_read) + int(pipeline_write))
+
+
+# ----------------------------------------------------------------------------------------------
+# parsing
+
+
+def _parse_optimizer(config: Mapping) -> Optional[OptimizerConfig]:
+    block = _block(config, "optimizer", "")
+    if not block:
+        return None
+    _check_keys(block, "optimizer", ("type", "params"))
+    typ = block.get("type")
+    if not isinstance(typ, str):
+        raise ConfigError("optimizer.type", f"expected one of Adam, AdamW, got {typ!r}")
+    if typ.lower() not in ("adam", "adamw"):
+        raise ConfigError("optimizer.type", f"{typ!r} is not supported yet; supported: Adam, AdamW")
+    typ = typ.lower()
+    p = _block(block, "params", "optimizer")
+    pre = "optimizer.params"
+    _check_keys(p, pre, _OPT_PARAMS_ALLOWED)
+    _unsupported_if(p, "amsgrad", pre, False)
+    for k in ("torch_adam", "fused"):   # implementation choices of DeepSpeed; ours is always CPU Adam
+        if k in p and not isinstance(p[k], bool):
+            raise ConfigError(f"{pre}.{k}", f"expected true or false, got {p[k]!r}")
+    betas = p.get("betas", (0.9, 0.999))
+    if (not isinstance(betas, (list, tuple)) or len(betas) != 2
+            or not all(isinstance(b, (int, float)) and not isinstance(b, bool) and 0.0 <= b < 1.0 for b in betas)):
+        raise ConfigError(f"{pre}.betas", f"expected two numbers in [0, 1), got {betas!r}")
+    adam_w_mode = _bool(p, "adam_w_mode", pre, True)
+    if typ == "adamw" and not adam_w_mode:
+        raise ConfigError(f"{pre}.adam_w_mode", "false contradicts optimizer.type AdamW; use type Adam")
+    return OptimizerConfig(type=typ, lr=_float(p, "lr", pre, 1e-3, min_value=0.0),
+                           betas=(float(betas[0]), float(betas[1])),
+                           eps=_float(p, "eps", pre, 1e-8, min_value=0.0),
+                           weight_decay=_float(p, "weight_decay", pre, 0.0, min_value=0.0),
+                           adam_w_mode=adam_w_mode, bias_correction=_bool(p, "bias_correction", pre, True))
+
+
+def _parse_scheduler(config: Mapping) -> Optional[SchedulerConfig]:
+    block = _block(config, "scheduler", "")
+    if not block:
+        return None
+    _check_keys(block, "scheduler", ("type", "params"))
+    typ = block.get("type")
+    if not isinstance(typ, str) or typ.lower() not in _SCHED_PARAMS:
+        if isinstance(typ, str) and typ.lower() in _SCHED_UNSUPPORTED:
+            raise ConfigError("scheduler.type", f"{typ!r} is not supported yet; supported: {', '.join(_SCHED_NAMES.values())}")
+        raise ConfigError("scheduler.type", f"expected one of {', '.join(_SCHED_NAMES.values())}, got {typ!r}")
+    key = typ.lower()
+    p = _block(block, "params", "scheduler")
+    pre = "scheduler.params"
+    _check_keys(p, pre, _SCHED_PARAMS[key])
+    _unsupported_if(p, "last_batch_iteration", pre, -1)
+    total = _int(p, "total_num_steps", pre, None, min_value=1)
+    if key != "warmuplr" and total is None:
+        raise ConfigError(f"{pre}.total_num_steps", f"required by {_SCHED_NAMES[key]}")
+    warmup = _int(p, "warmup_num_steps", pre, 1000, min_value=0)
+    if total is not None and key == "warmupcosinelr" and total <= warmup:
+        raise ConfigError(f"{pre}.total_num_steps", f"must exceed warmup_num_steps ({warmup}), got {total}")
+    cfg = SchedulerConfig(
+        type=_SCHED_NAMES[key], warmup_min_lr=_float(p, "warmup_min_lr", pre, 0.0, min_value=0.0),
+        warmup_max_lr=_float(p, "warmup_max_lr", pre, 1e-3, min_value=0.0), warmup_num_steps=warmup,
+        warmup_type=_choice(p, "warmup_type", pre, "log", ("log", "linear")), total_num_steps=total,
+        warmup_min_ratio=_float(p, "warmup_min_ratio", pre, 0.0, min_value=0.0),
+        cos_min_ratio=_float(p, "cos_min_ratio", pre, 1e-4, min_value=0.0))
+    return cfg
+
+
+def _parse_fp16(config: Mapping) -> FP16Config:
+    p = _block(config, "fp16", "")
+    _check_keys(p, "fp16", _FP16_ALLOWED, _FP16_UNSUPPORTED)
+    return FP16Config(enabled=_bool(p, "enabled", "fp16", False),
+                      loss_scale=_float(p, "loss_scale", "fp16", 0.0, min_value=0.0),
+                      initial_scale_power=_int(p, "initial_scale_power", "fp16", 16, min_value=0),
+                      loss_scale_window=_int(p, "loss_scale_window", "fp16", 1000, min_value=1),
+                      hysteresis=_int(p, "hysteresis", "fp16", 2, min_value=1),
+                      consecutive_hysteresis=_bool(p, "consecutive_hysteresis", "fp16", False),
+                      min_loss_scale=_float(p, "min_loss_scale", "fp16", 1.0, min_value=0.0))
+
+
+def _parse_bf16(config: Mapping) -> BF16Config:
+    if "bf16" in config and "bfloat16" in config:
+        raise ConfigError("bfloat16", "given together with bf16; use only bf16")
+    name = "bfloat16" if "bfloat16" in config else "bf16"
+    p = _block(config, name, "")
+    _check_keys(p, name, _BF16_ALLOWED, _BF16_UNSUPPORTED)
+    return BF16Config(enabled=_bool(p, "enabled", name, False))
+
+
+def _parse_zero(config: Mapping) -> ZeroConfig:
+    z = _block(config, "zero_optimization", "")
+    pre = "zero_optimization"
+    _check_keys(z, pre, _ZERO_ALLOWED, _ZERO_UNSUPPORTED)
+    if "stage3_gather_fp16_weights_on_model_save" in z and "stage3_gather_16bit_weights_on_model_save" in z:
+        raise ConfigError(f"{pre}.stage3_gather_fp16_weights_on_model_save",
+                          "given together with stage3_gather_16bit_weights_on_model_save; use only the latter")
+    stage = _int(z, "stage", pre, 0)
+    if stage not in (0, 1, 2, 3):
+        raise ConfigError(f"{pre}.stage", f"expected one of 0, 1, 2, 3, got {stage}")
+
+    oo = _block(z, "offload_optimizer", pre)
+    opre = f"{pre}.offload_optimizer"
+    _check_keys(oo, opre, _OFFLOAD_OPT_ALLOWED, _OFFLOAD_OPT_UNSUPPORTED)
+    oo_cfg = OffloadOptimizerConfig(
+        device=_choice(oo, "device", opre, "none", ("none", "cpu", "nvme")),
+        nvme_path=_nvme_path(oo, opre), buffer_count=_int(oo, "buffer_count", opre, 4, min_value=1),
+        pin_memory=_bool(oo, "pin_memory", opre, False), pipeline_read=_bool(oo, "pipeline_read", opre, False),
+        pipeline_write=_bool(oo, "pipeline_write", opre, False), fast_init=_bool(oo, "fast_init", opre, False))
+    if oo_cfg.device == "nvme":
+        if not oo_cfg.nvme_path:
+            raise ConfigError(f"{opre}.nvme_path", "required when device is nvme")
+        need = min_optimizer_buffer_count(oo_cfg.pipeline_read, oo_cfg.pipeline_write)
+        if oo_cfg.buffer_count < need:
+            what = " and ".join(k for k in ("pipeline_read", "pipeline_write") if getattr(oo_cfg, k)) or "no pipelining"
+            raise ConfigError(f"{opre}.buffer_count",
+                              f"{oo_cfg.buffer_count} is too small for {what}; the minimum is {need} "
+                              "(3 swapped tensors per sub-group x sub-groups in flight)")
+
+    op = _block(z, "offload_param", pre)
+    ppre = f"{pre}.offload_param"
+    _check_keys(op, ppre, _OFFLOAD_PARAM_ALLOWED)
+    op_cfg = OffloadParamConfig(
+        device=_choice(op, "device", ppre, "none", ("none", "cpu", "nvme")), nvme_path=_nvme_path(op, ppre),
+        buffer_count=_int(op, "buffer_count", ppre, 5, min_value=1),
+        buffer_size=_int(op, "buffer_size", ppre, 100_000_000, min_value=1),
+        max_in_cpu=_int(op, "max_in_cpu", ppre, 1_000_000_000, min_value=0),
+        pin_memory=_bool(op, "pin_memory", ppre, False))
+    if op_cfg.device != "none" and stage != 3:
+        raise ConfigError(f"{ppre}.device", f"parameter offload needs zero_optimization.stage 3, got stage {stage}")
+    if op_cfg.device == "nvme" and not op_cfg.nvme_path:
+        raise ConfigError(f"{ppre}.nvme_path", "required when device is nvme")
+    gather16 = z.get("stage3_gather_16bit_weights_on_model_save", z.get("stage3_gather_fp16_weights_on_model_save"))
+    return ZeroConfig(
+        stage=stage, offload_optimizer=oo_cfg, offload_param=op_cfg,
+        sub_group_size=_int(z, "sub_group_size", pre, 1_000_000_000, min_value=1),
+        reduce_bucket_size=_int(z, "reduce_bucket_size", pre, 500_000_000, min_value=1),
+        allgather_bucket_size=_int(z, "allgather_bucket_size", pre, 500_000_000, min_value=1),
+        overlap_comm=_bool(z, "overlap_comm", pre, stage == 3),
+        contiguous_gradients=_bool(z, "contiguous_gradients", pre, True),
+        reduce_scatter=_bool(z, "reduce_scatter", pre, True),
+        allgather_partitions=_bool(z, "allgather_partitions", pre, True),
+        round_robin_gradients=_bool(z, "round_robin_gradients", pre, False),
+        stage3_prefetch_bucket_size=_int(z, "stage3_prefetch_bucket_size", pre, 50_000_000, min_value=0),
+        stage3_param_persistence_threshold=_int(z, "stage3_param_persistence_threshold", pre, 100_000, min_value=0),
+        stage3_max_live_parameters=_int(z, "stage3_max_live_parameters", pre, 1_000_000_000, min_value=1),
+        stage3_max_reuse_distance=_int(z, "stage3_max_reuse_distance", pre, 1_000_000_000, min_value=0),
+        stage3_gather_16bit_weights_on_model_save=_bool(
+            {"v": gather16}, "v", f"{pre}.stage3_gather_16bit_weights_on_model_save", False))
+
+
+def _nvme_path(block: Mapping, prefix: str) -> Optional[str]:
+    v = block.get("nvme_path")
+    if v is None:
+        return None
+    if not isinstance(v, (str, os.PathLike)) or not str(v):
+        raise ConfigError(f"{prefix}.nvme_path", f"expected a directory path string, got {v!r}")
+    return os.fspath(v)
+
+
+def _parse_aio(config: Mapping) -> AioConfig:
+    a = _block(config, "aio", "")
+    _check_keys(a, "aio", _AIO_ALLOWED, _AIO_UNSUPPORTED)
+    if "thread_count" in a and "intra_op_parallelism" in a:
+        raise ConfigError("aio.thread_count", "given together with intra_op_parallelism (its new name); use only one")
+    par = _int(a, "intra_op_parallelism", "aio", None, min_value=1)
+    if par is None:
+        par = _int(a, "thread_count", "aio", 1, min_value=1)
+    block_size = _int(a, "block_size", "aio", 1 << 20, min_value=512)
+    if block_size % 512:
+        raise ConfigError("aio.block_size", f"must be a multiple of 512 bytes (O_DIRECT), got {block_size}")
+    return AioConfig(block_size=block_size, queue_depth=_int(a, "queue_depth", "aio", 8, min_value=1),
+                     intra_op_parallelism=par, single_submit=_bool(a, "single_submit", "aio", False),
+                     overlap_events=_bool(a, "overlap_events", "aio", True))
+
+
+def _parse_batch(config: Mapping, world_size: int) -> Tuple[int, int, int]:
+    """Resolve the three batch keys the way DeepSpeed does (``_set_batch_related_parameters``)."""
+    tbs = _int(config, "train_batch_size", "", None, min_value=1)
+    mbs = _int(config, "train_micro_batch_size_per_gpu", "", None, min_value=1)
+    gas = _int(config, "gradient_accumulation_steps", "", None, min_value=1)
+    ws = world_size
+    if tbs is not None and mbs is not None and gas is not None:
+        if tbs != mbs * gas * ws:
+            raise ConfigError("train_batch_size", f"{tbs} != train_micro_batch_size_per_gpu ({mbs}) * "
+                              f"gradient_accumulation_steps ({gas}) * world size ({ws}) = {mbs * gas * ws}")
+    elif tbs is not None and mbs is not None:
+        if tbs % (mbs * ws):
+            raise ConfigError("train_batch_size", f"{tbs} is not divisible by train_micro_batch_size_per_gpu "
+                              f"({mbs}) * world size ({ws})")
+        gas = tbs // (mbs * ws)
+    elif tbs is not None and gas is not None:
+        if tbs % (gas * ws):
+            raise ConfigError("train_batch_size", f"{tbs} is not divisible by gradient_accumulation_steps "
+                              f"({gas}) * world size ({ws})")
+        mbs = tbs // (gas * ws)
+    elif mbs is not None and gas is not None:
+        tbs = mbs * gas * ws
+    elif tbs is not None:
+        if tbs % ws:
+            raise ConfigError("train_batch_size", f"{tbs} is not divisible by world size ({ws})")
+        gas, mbs = 1, tbs // ws
+    elif mbs is not None:
+        gas, tbs = 1, mbs * ws
+    else:
+        raise ConfigError("train_batch_size", "either train_batch_size or train_micro_batch_size_per_gpu is required")
+    return tbs, mbs, gas
+
+
+def parse_config(config: "Mapping[str, Any] | str | os.PathLike", world_size: int = 1) -> ZeroInfConfig:
+    """Validate a DeepSpeed-format config and return it as frozen dataclasses.
+
+    Args:
+        config: the config dict, or the path of a JSON file holding it.
+        world_size: data-parallel degree the batch sizes are checked against.
+
+    Returns:
+        :class:`ZeroInfConfig` with every default filled in and the batch sizes resolved.
+
+    Raises:
+        ConfigError: an unknown key (the message lists the allowed keys), a DeepSpeed key not
+            supported yet, a wrong type, or an impossible combination; the message starts with the
+            key path and ``.key_path`` holds it.
+        FileNotFoundError: ``config`` is a path that does not exist.
+    """
+    if isinstance(config, (str, os.PathLike)):
+        with open(config, "r", encoding="utf-8") as f:
+            try:
+                config = json.load(f)
+            except json.JSONDecodeError as e:
+                raise ConfigError("", f"{os.fspath(config)} is not valid JSON: {e}") from None
+    if not isinstance(config, Mapping):
+        raise ConfigError("", f"expected a dict or a JSON file path, got {type(config).__name__}")
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size must be a positive int, got {world_size!r}")
+    _check_keys(config, "", _TOP_ALLOWED, _TOP_UNSUPPORTED)
+    tbs, mbs, gas = _parse_batch(config, world_size)
+    fp16, bf16 = _parse_fp16(config), _parse_bf16(config)
+    if fp16.enabled and bf16.enabled:
+        raise ConfigError("fp16.enabled", "fp16 and bf16 cannot both be enabled")
+    extra = _block(config, "zeroinf", "")
+    _check_keys(extra, "zeroinf", ("grad_norm_type",))
+    norm_type = _float(extra, "grad_norm_type", "zeroinf", 2.0, allow_inf=True)
+    if not (norm_type == math.inf or norm_type >= 1.0):
+        raise ConfigError("zeroinf.grad_norm_type", f"expected a number >= 1 or \"inf\", got {norm_type!r}")
+    return ZeroInfConfig(
+        train_batch_size=tbs, train_micro_batch_size_per_gpu=mbs, gradient_accumulation_steps=gas,
+        world_size=world_size, optimizer=_parse_optimizer(config), scheduler=_parse_scheduler(config),
+        fp16=fp16, bf16=bf16, gradient_clipping=_float(config, "gradient_clipping", "", 0.0, min_value=0.0),
+        zero_optimization=_parse_zero(config), aio=_parse_aio(config),
+        steps_per_print=_int(config, "steps_per_print", "", 10, min_value=1),
+        wall_clock_breakdown=_bool(config, "wall_clock_breakdown", "", False),
+        zeroinf=ZeroInfExtraConfig(grad_norm_type=norm_type))
