@@ -4,6 +4,9 @@
                         zeroinf._ops_<name> (needs torch already installed, so install with
                         `pip install --no-build-isolation .`). Unset: no C++ is compiled at
                         install time; ops are JIT-built on first use (see zeroinf/ops/loader.py).
+                        CUDA ops (spec.cuda) are skipped, with a note, unless torch is a CUDA
+                        build, nvcc is found, and a GPU is visible or TORCH_CUDA_ARCH_LIST is set
+                        (specs.cuda_blockers(aot=True)); TORCH_CUDA_ARCH_LIST picks the targets.
   DEBUG=1               with ZEROINF_BUILD_OPS, compile with -O0 -g instead of -O3.
   MAX_JOBS              parallel compile jobs (default: from cores and free RAM).
 """
@@ -11,6 +14,7 @@ import importlib.util
 import json
 import os
 import shutil
+import sys
 from pathlib import Path
 
 from setuptools import find_packages, setup
@@ -26,6 +30,7 @@ def _load_specs():
     # zeroinf/ops/specs.py imports nothing from torch or zeroinf, so it can be read here.
     spec = importlib.util.spec_from_file_location("_zeroinf_specs", ROOT / "zeroinf" / "ops" / "specs.py")
     mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # dataclasses resolves string annotations through sys.modules
     spec.loader.exec_module(mod)
     return mod
 
@@ -36,7 +41,7 @@ def get_extensions():
         return [], {}
     try:
         import torch
-        from torch.utils.cpp_extension import BuildExtension, CppExtension
+        from torch.utils.cpp_extension import BuildExtension, CppExtension, CUDAExtension
     except ImportError as exc:
         raise SystemExit(
             "ZEROINF_BUILD_OPS=1 needs torch installed before the build: "
@@ -44,16 +49,21 @@ def get_extensions():
     specs = _load_specs()
     exts = []
     for name, op in specs.OPS.items():
+        blockers = specs.cuda_blockers(aot=True) if op.cuda else []
+        if blockers:
+            print(f"zeroinf: CUDA op {name} not built: " + "; ".join(blockers))
+            continue
         cflags, ldflags, notes = op.flags()
         for note in notes:
             print(f"zeroinf: {note}")
         if _truthy("DEBUG"):
             cflags = [f for f in cflags if not f.startswith("-O")] + ["-O0", "-g"]
-        exts.append(CppExtension(
+        ext_class = CUDAExtension if op.cuda else CppExtension
+        exts.append(ext_class(
             name=f"zeroinf._ops_{name}",
             sources=[str(p.relative_to(ROOT)) for p in op.source_paths()],
             include_dirs=[str(ROOT / "csrc" / "includes"), str(ROOT / "csrc" / name)],
-            extra_compile_args=cflags,
+            extra_compile_args={"cxx": cflags, "nvcc": list(op.cuda_cflags)} if op.cuda else cflags,
             extra_link_args=ldflags,
         ))
     (ROOT / "zeroinf" / "_build_info.json").write_text(json.dumps({"torch": torch.__version__}))

@@ -37,7 +37,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Dict, Optional
 
-from .specs import OPS, OpSpec, csrc_root
+from .specs import OPS, OpSpec, csrc_root, cuda_blockers
 
 __all__ = [
     "OpBuildError",
@@ -114,6 +114,9 @@ def _build_key(spec: OpSpec, cflags, ldflags, cxx: str) -> str:
         h.update(f.read_bytes())
     for part in (cflags, ldflags, [torch.__version__, sys.version, _compiler_version(cxx)]):
         h.update(json.dumps(list(part)).encode())
+    if spec.cuda:
+        cuda_part = [list(spec.cuda_cflags), torch.version.cuda, os.environ.get("TORCH_CUDA_ARCH_LIST", "")]
+        h.update(json.dumps(cuda_part).encode())
     return h.hexdigest()[:16]
 
 
@@ -184,6 +187,7 @@ def _jit_build(spec: OpSpec) -> ModuleType:
                 sources=[str(p) for p in spec.source_paths()],
                 extra_cflags=cflags,
                 extra_ldflags=ldflags,
+                extra_cuda_cflags=list(spec.cuda_cflags) if spec.cuda else None,
                 extra_include_paths=[str(csrc_root() / "includes"), str(csrc_root() / spec.name)],
                 build_directory=str(build_dir),
                 verbose=False,
@@ -227,6 +231,9 @@ def load_op(name: str) -> ModuleType:
             return _loaded[name]
         if ops_disabled():
             raise OpUnavailableError("C++ ops disabled by ZEROINF_DISABLE_OPS=1")
+        blockers = cuda_blockers() if OPS[name].cuda else []
+        if blockers:
+            raise OpUnavailableError(f"CUDA op '{name}' not built: " + "; ".join(blockers))
         mod = _prebuilt(name)
         if mod is None:
             mod = _jit_build(OPS[name])
@@ -267,6 +274,9 @@ def op_status(name: str) -> dict:
         return {"op": name, "state": "loaded", "why": getattr(_loaded[name], "__file__", ""), "notes": notes}
     if ops_disabled():
         return {"op": name, "state": "fallback", "why": "ZEROINF_DISABLE_OPS=1", "notes": notes}
+    blockers = cuda_blockers() if spec.cuda else []
+    if blockers:
+        return {"op": name, "state": "fallback", "why": "; ".join(blockers), "notes": notes}
     if importlib.util.find_spec(f"zeroinf._ops_{name}") is not None and not os.environ.get("ZEROINF_FORCE_JIT"):
         return {"op": name, "state": "prebuilt", "why": "installed with ZEROINF_BUILD_OPS=1", "notes": notes}
     cxx = _compiler()

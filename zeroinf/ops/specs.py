@@ -47,6 +47,10 @@ class OpSpec:
     cflags: Tuple[str, ...] = ("-O3", "-std=c++17", "-fopenmp")
     ldflags: Tuple[str, ...] = ("-fopenmp",)
     configure: Callable[[], Tuple[List[str], List[str], List[str]]] | None = field(default=None, compare=False)
+    #: True for an op with ``.cu`` sources: built (JIT or AOT) only where :func:`cuda_blockers`
+    #: is empty, with ``cuda_cflags`` passed to nvcc and ``TORCH_CUDA_ARCH_LIST`` honoured by torch.
+    cuda: bool = False
+    cuda_cflags: Tuple[str, ...] = ()
 
     def flags(self) -> Tuple[List[str], List[str], List[str]]:
         """Return ``(cflags, ldflags, notes)`` including the probe's and ``ZEROINF_EXTRA_CFLAGS``."""
@@ -79,11 +83,40 @@ def _libaio_probe() -> Tuple[List[str], List[str], List[str]]:
     return ["-DZEROINF_NO_LIBAIO"], [], ["libaio backend not built: " + "; ".join(why)]
 
 
+def cuda_blockers(aot: bool = False) -> List[str]:
+    """Reasons a CUDA op cannot be built here; an empty list means it can.
+
+    JIT (``aot=False``, at first use): torch must be a CUDA build (``torch.version.cuda`` set), a
+    CUDA device must be visible and nvcc must be found. AOT (``aot=True``, ``ZEROINF_BUILD_OPS=1``):
+    a CUDA build of torch and nvcc, plus either a visible device or an explicit
+    ``TORCH_CUDA_ARCH_LIST`` (an image build has no GPU, so it must name its targets).
+
+    Imports torch lazily, so this module stays importable without it.
+    """
+    try:
+        import torch
+        from torch.utils.cpp_extension import CUDA_HOME
+    except ImportError:
+        return ["torch is not installed"]
+    why = []
+    if torch.version.cuda is None:
+        why.append(f"torch {torch.__version__} is not a CUDA build (torch.version.cuda is None)")
+    elif CUDA_HOME is None:
+        why.append("the CUDA toolkit (nvcc) was not found; set CUDA_HOME")
+    has_device = torch.version.cuda is not None and torch.cuda.is_available()
+    if not has_device and not (aot and os.environ.get("TORCH_CUDA_ARCH_LIST", "").strip()):
+        why.append("no CUDA device is visible" + (" and TORCH_CUDA_ARCH_LIST is not set" if aot else ""))
+    return why
+
+
 # The registry: one entry per folder under csrc/. Kernels and bindings are separate files.
 OPS = {
     "adam": OpSpec(
         name="adam",
         sources=("adam/cpu_adam.cpp", "adam/bindings.cpp"),
+        # -ffp-contract=off: no fused multiply-add contraction, so the AVX-512, AVX2 and scalar
+        # paths round identically (tests compare them bit for bit).
+        cflags=("-O3", "-std=c++17", "-fopenmp", "-ffp-contract=off"),
     ),
     "aio": OpSpec(
         name="aio",
@@ -91,5 +124,15 @@ OPS = {
         cflags=("-O3", "-std=c++17"),
         ldflags=("-lpthread",),
         configure=_libaio_probe,
+    ),
+    # GPU kernels (the fused gradient-bucket pass); zeroinf/ops/cuda_grad.py is their Python face
+    # and torch fallback. Never compiled where cuda_blockers() has reasons (e.g. CPU-only torch).
+    "cuda": OpSpec(
+        name="cuda",
+        sources=("cuda/grad_bucket.cu", "cuda/bindings.cpp"),
+        cflags=("-O3", "-std=c++17"),
+        ldflags=(),
+        cuda=True,
+        cuda_cflags=("-O3", "-std=c++17"),
     ),
 }
