@@ -193,9 +193,9 @@ class BF16Config:
 class OffloadOptimizerConfig:
     """``zero_optimization.offload_optimizer``: where master weights and Adam moments live.
 
-    ``buffer_count``: pinned buffers (each one sub-group of fp32) used to swap the optimizer state
-    with NVMe; at least :func:`min_optimizer_buffer_count` (3 swapped tensors per sub-group —
-    master, exp_avg, exp_avg_sq — times the sub-groups in flight).
+    ``buffer_count``: pinned buffers used to swap the optimizer state with NVMe; each holds one
+    sub-group's swapped state (fp32 master, exp_avg, exp_avg_sq: ``12 * sub-group numel`` bytes);
+    at least :func:`min_optimizer_buffer_count` (the sub-groups in flight).
     """
 
     device: str = "none"         #: "none" | "cpu" | "nvme"
@@ -361,11 +361,12 @@ _AIO_UNSUPPORTED = {"use_gds": "GPUDirect Storage"}
 def min_optimizer_buffer_count(pipeline_read: bool, pipeline_write: bool) -> int:
     """Fewest ``offload_optimizer.buffer_count`` buffers the NVMe optimizer swapper can run with.
 
-    Each sub-group swaps 3 fp32 tensors (master weights, exp_avg, exp_avg_sq), and the sub-groups in
-    flight are the one being stepped, plus the next one being read (``pipeline_read``), plus the
-    previous one being written (``pipeline_write``): ``3 * (1 + pipeline_read + pipeline_write)``.
+    One buffer holds one sub-group's swapped state (fp32 master weights, exp_avg, exp_avg_sq), and
+    the sub-groups in flight are the one being stepped, plus the next one being read
+    (``pipeline_read``), plus the previous one being written (``pipeline_write``):
+    ``1 + pipeline_read + pipeline_write``.
     """
-    return 3 * (1 + int(pipeline_read) + int(pipeline_write))
+    return 1 + int(pipeline_read) + int(pipeline_write)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -482,7 +483,7 @@ def _parse_zero(config: Mapping) -> ZeroConfig:
             what = " and ".join(k for k in ("pipeline_read", "pipeline_write") if getattr(oo_cfg, k)) or "no pipelining"
             raise ConfigError(f"{opre}.buffer_count",
                               f"{oo_cfg.buffer_count} is too small for {what}; the minimum is {need} "
-                              "(3 swapped tensors per sub-group x sub-groups in flight)")
+                              "(one buffer per sub-group in flight)")
 
     op = _block(z, "offload_param", pre)
     ppre = f"{pre}.offload_param"

@@ -1,0 +1,357 @@
+"""The optimizer side of ZeRO stages 1–3: fp32 master weights and Adam moments per sub-group.
+
+A rank's trainable state is a list of flat fp32 *sub-groups* (at most ``sub_group_size`` elements
+each). :class:`SubGroupOptimizer` holds, per sub-group, the master weights, ``exp_avg`` and
+``exp_avg_sq`` in CPU memory (``device="cpu"``, pinned when an accelerator exists, or ``"none"``)
+or in NVMe swap files (``device="nvme"``, through :class:`zeroinf.io.TensorSwapper`). It never sees
+modules, ranks or communication: the caller hands it each sub-group's fp32 gradient (a CPU tensor)
+and a flat tensor that receives the updated parameters.
+
+Interface (kept small; stage 3 uses the same one for its unit shards)::
+
+    opt = SubGroupOptimizer([SubGroupSpec("g0/s0", numel, param_group=0), ...],
+                            device="nvme", swap_dir=..., buffer_count=4,
+                            pipeline_read=True, pipeline_write=True, aio=cfg.aio)
+    opt.init_master(i, fp32_values)            # once per sub-group, before the first step
+    opt.step(step=t, hyper=[{"lr":..., "betas":(b1, b2), "eps":..., "weight_decay":...,
+                             "adamw_mode": True, "bias_correction": True}],
+             grad=lambda i: fp32_cpu_grad_i,    # numel == specs[i].numel
+             out=lambda i: flat_param_i,        # fp32 | bf16 | fp16, numel == specs[i].numel, or None
+             grad_scale=1.0, indices=None)      # indices: a subset, in the order to step them
+    with opt.state(i) as (master, exp_avg, exp_avg_sq): ...   # read, e.g. to save a checkpoint
+    opt.load_state(i, master, exp_avg, exp_avg_sq)           # write, e.g. from a checkpoint
+    opt.close()
+
+Numerics are those of :func:`zeroinf.optim.adam_step` (bit-compatible with ``torch.optim.AdamW``
+up to float rounding); ``step`` is the 1-based step number used for bias correction, identical
+for all sub-groups of a step.
+
+[Note: NVMe pipelining] With one swap handle, ``wait()`` completes everything in flight, so the
+loop issues, for sub-group ``i``: the write of ``i-1`` (``pipeline_write``) and the read of ``i+1``
+(``pipeline_read``) *before* running Adam on ``i``, and waits after it. Reads and writes therefore
+overlap the Adam compute, and at most ``1 + pipeline_read + pipeline_write`` sub-groups hold a
+buffer at once (``zeroinf.config.min_optimizer_buffer_count``).
+"""
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
+
+import torch
+
+__all__ = ["SubGroupSpec", "SubGroupOptimizer"]
+
+
+@dataclass(frozen=True)
+class SubGroupSpec:
+    """One sub-group: a stable ``key`` (used in swap-file names and checkpoints), its ``numel``
+    (fp32 elements) and the index of the param group whose hyper-parameters apply."""
+
+    key: str
+    numel: int
+    param_group: int = 0
+
+
+@dataclass
+class _Record:
+    """State of one sub-group. ``state`` is (master, exp_avg, exp_avg_sq) when resident on the CPU,
+    else None (on NVMe, or not initialised yet). ``buffer`` is the pinned buffer index it occupies
+    while swapped in."""
+
+    spec: SubGroupSpec
+    state: Optional[Tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None
+    initialised: bool = False
+    buffer: Optional[int] = None
+
+
+@dataclass
+class OptimizerStats:
+    """Counters for the last :meth:`SubGroupOptimizer.step` (seconds, bytes)."""
+
+    adam_s: float = 0.0
+    io_wait_s: float = 0.0
+    bytes_read: int = 0
+    bytes_written: int = 0
+
+
+class SubGroupOptimizer:
+    """Master weights and Adam moments for a list of sub-groups, on CPU or NVMe.
+
+    Args:
+        specs: the sub-groups, keys unique.
+        device: "none" or "cpu" (state in CPU memory) or "nvme" (swap files).
+        swap_dir: directory for the swap files (required for "nvme"); a private subfolder is used.
+        buffer_count: pinned swap buffers for "nvme", each holding one sub-group's three fp32
+            tensors (``12 * max numel`` bytes); at least ``1 + pipeline_read + pipeline_write``.
+        pipeline_read / pipeline_write: overlap the next sub-group's swap-in / the previous one's
+            swap-out with the current Adam compute.
+        pin_memory: pin the CPU-resident state (only with CUDA present; ignored on CPU-only
+            machines where page-locking buys nothing for CPU compute).
+        aio: the ``aio`` config (dict or :class:`zeroinf.config.AioConfig`) for the I/O handle.
+
+    Raises:
+        ValueError: duplicate keys, a non-positive numel, an unknown device, too few buffers.
+    """
+
+    def __init__(self, specs: Sequence[SubGroupSpec], *, device: str = "cpu", swap_dir: Optional[str] = None,
+                 buffer_count: int = 4, pipeline_read: bool = False, pipeline_write: bool = False,
+                 pin_memory: bool = False, aio=None):
+        keys = [s.key for s in specs]
+        if len(set(keys)) != len(keys):
+            raise ValueError(f"SubGroupOptimizer: duplicate sub-group keys in {keys}")
+        for s in specs:
+            if s.numel <= 0:
+                raise ValueError(f"SubGroupOptimizer: sub-group {s.key!r} has numel {s.numel}; must be > 0")
+        if device not in ("none", "cpu", "nvme"):
+            raise ValueError(f"SubGroupOptimizer: device must be none, cpu or nvme, got {device!r}")
+        self.specs: List[SubGroupSpec] = list(specs)
+        self.device = device
+        self.pipeline_read, self.pipeline_write = bool(pipeline_read), bool(pipeline_write)
+        self.stats = OptimizerStats()
+        self._records = [_Record(s) for s in self.specs]
+        self._pin = bool(pin_memory) and torch.cuda.is_available()
+        self._swapper = None
+        self._buffers: List[torch.Tensor] = []
+        self._pool = None
+        if device == "nvme":
+            need = 1 + self.pipeline_read + self.pipeline_write
+            if buffer_count < need:
+                raise ValueError(f"SubGroupOptimizer: buffer_count {buffer_count} is too small; pipeline_read="
+                                 f"{self.pipeline_read}, pipeline_write={self.pipeline_write} need at least {need}")
+            if swap_dir is None:
+                raise ValueError("SubGroupOptimizer: swap_dir is required for device 'nvme'")
+            self._open_swap(swap_dir, buffer_count, aio)
+
+    # ------------------------------------------------------------------------------------------
+    # set-up
+
+    def _open_swap(self, swap_dir: str, buffer_count: int, aio) -> None:
+        from zeroinf.io import AsyncIOHandle, PinnedBufferPool, TensorSwapper
+
+        if aio is not None and not isinstance(aio, Mapping):
+            aio = aio.as_dict()
+        handle = AsyncIOHandle.from_config(dict(aio or {}))
+        self._swapper = TensorSwapper(swap_dir, handle)
+        for s in self.specs:
+            for name in ("master", "exp_avg", "exp_avg_sq"):
+                self._swapper.register(f"{s.key}/{name}", s.numel, torch.float32)
+        max_numel = max((s.numel for s in self.specs), default=1)
+        # only as many buffers as can be in flight: more would pin memory that is never used
+        count = min(buffer_count, 1 + self.pipeline_read + self.pipeline_write, max(1, len(self.specs)))
+        self._pool = PinnedBufferPool(count, 3 * 4 * max_numel)
+        self._buffers = [self._pool.acquire() for _ in range(count)]
+        self._free = list(range(count))
+
+    def _views(self, buf_index: int, numel: int) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        buf = self._buffers[buf_index]
+        flat = buf.view(torch.uint8).view(torch.float32) if buf.dtype != torch.float32 else buf
+        return flat[:numel], flat[numel:2 * numel], flat[2 * numel:3 * numel]
+
+    def _items(self, rec: _Record):
+        views = self._views(rec.buffer, rec.spec.numel)
+        return [(f"{rec.spec.key}/{n}", t) for n, t in zip(("master", "exp_avg", "exp_avg_sq"), views)]
+
+    def _new_cpu_state(self, numel: int) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return tuple(torch.zeros(numel, dtype=torch.float32, pin_memory=self._pin) for _ in range(3))
+
+    def init_master(self, index: int, values: torch.Tensor) -> None:
+        """Set sub-group ``index``'s master weights to ``values`` (any float dtype, numel as the
+        spec) and its moments to zero. Raises ValueError on a numel mismatch."""
+        rec = self._records[index]
+        if values.numel() != rec.spec.numel:
+            raise ValueError(f"init_master: sub-group {rec.spec.key!r} has numel {rec.spec.numel}, "
+                             f"values have {values.numel()}")
+        self.load_state(index, values, None, None)
+
+    def load_state(self, index: int, master: torch.Tensor, exp_avg: Optional[torch.Tensor],
+                   exp_avg_sq: Optional[torch.Tensor]) -> None:
+        """Overwrite sub-group ``index``'s state (moments None → zeros). For NVMe the data is
+        written to the swap files before this returns. Raises ValueError on a numel mismatch."""
+        rec = self._records[index]
+        for name, t in (("master", master), ("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)):
+            if t is not None and t.numel() != rec.spec.numel:
+                raise ValueError(f"load_state: {name} of sub-group {rec.spec.key!r} has numel {t.numel()}, "
+                                 f"expected {rec.spec.numel}")
+        if self.device == "nvme":
+            rec.buffer = self._free.pop()
+            dst = self._views(rec.buffer, rec.spec.numel)
+        else:
+            if rec.state is None:
+                rec.state = self._new_cpu_state(rec.spec.numel)
+            dst = rec.state
+        for d, src in zip(dst, (master, exp_avg, exp_avg_sq)):
+            if src is None:
+                d.zero_()
+            else:
+                d.copy_(src.detach().reshape(-1))
+        if self.device == "nvme":
+            self._swapper.swap_out(self._items(rec), async_op=False)
+            self._swapper.wait()
+            self._free.append(rec.buffer)
+            rec.buffer = None
+        rec.initialised = True
+
+    @contextlib.contextmanager
+    def state(self, index: int) -> Iterator[Tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """Yield sub-group ``index``'s (master, exp_avg, exp_avg_sq) fp32 tensors for reading.
+
+        For NVMe they live in a swap buffer only inside the ``with`` block (one sub-group at a
+        time, so a checkpoint streams the state); do not keep references past the block.
+        """
+        rec = self._records[index]
+        self._check_initialised(rec)
+        if self.device != "nvme":
+            yield rec.state
+            return
+        rec.buffer = self._free.pop()
+        try:
+            self._swapper.swap_in(self._items(rec), async_op=False)
+            self._swapper.wait()
+            yield self._views(rec.buffer, rec.spec.numel)
+        finally:
+            self._free.append(rec.buffer)
+            rec.buffer = None
+
+    def _check_initialised(self, rec: _Record) -> None:
+        if not rec.initialised:
+            raise RuntimeError(f"SubGroupOptimizer: sub-group {rec.spec.key!r} was never initialised "
+                               "(call init_master or load_state first)")
+
+    # ------------------------------------------------------------------------------------------
+    # the step
+
+    def step(self, *, step: int, hyper: Sequence[Mapping], grad: Callable[[int], torch.Tensor],
+             out: Callable[[int], Optional[torch.Tensor]], grad_scale: float = 1.0,
+             indices: Optional[Sequence[int]] = None) -> None:
+        """Run one Adam step over the sub-groups ``indices`` (default: all, in order).
+
+        Args:
+            step: 1-based step number after increment (bias correction), as torch uses.
+            hyper: per param group: ``lr``, ``betas`` (b1, b2), ``eps``, ``weight_decay``, and
+                optionally ``adamw_mode`` (default True) and ``bias_correction`` (default True).
+            grad: ``grad(i)`` → the fp32 (or bf16/fp16) contiguous CPU gradient of sub-group i.
+            out: ``out(i)`` → a flat tensor receiving the updated parameters (fp32, bf16 or fp16,
+                any device), or None.
+            grad_scale: gradients are divided by it (loss scale, or loss scale / clip coefficient).
+        """
+        from zeroinf.optim import adam_step
+
+        order = list(range(len(self._records))) if indices is None else list(indices)
+        st = self.stats = OptimizerStats()
+
+        def run_adam(i: int, master, m, v) -> None:
+            rec = self._records[i]
+            g = grad(i)
+            if g.numel() != rec.spec.numel:
+                raise ValueError(f"step: gradient of sub-group {rec.spec.key!r} has numel {g.numel()}, "
+                                 f"expected {rec.spec.numel}")
+            h = hyper[rec.spec.param_group]
+            b1, b2 = h["betas"]
+            dst = out(i)
+            low = None
+            if dst is not None and dst.dtype in (torch.bfloat16, torch.float16):
+                low = dst if dst.device.type == "cpu" and dst.is_contiguous() else torch.empty(
+                    rec.spec.numel, dtype=dst.dtype)
+            t0 = time.perf_counter()
+            adam_step(master, g, m, v, step=int(step), lr=float(h["lr"]), beta1=float(b1), beta2=float(b2),
+                      eps=float(h["eps"]), weight_decay=float(h["weight_decay"]),
+                      adamw_mode=bool(h.get("adamw_mode", True)), bias_correction=bool(h.get("bias_correction", True)),
+                      grad_scale=float(grad_scale), params_out=low)
+            st.adam_s += time.perf_counter() - t0
+            if dst is not None:
+                if low is None:
+                    dst.reshape(-1).copy_(master)
+                elif low is not dst:
+                    dst.reshape(-1).copy_(low)
+
+        if self.device != "nvme":
+            for i in order:
+                rec = self._records[i]
+                self._check_initialised(rec)
+                run_adam(i, *rec.state)
+            return
+
+        swapper = self._swapper
+        nbytes = lambda i: 12 * self._records[i].spec.numel
+        loaded = set()
+        pending_write: Optional[int] = None
+
+        def wait() -> None:
+            t0 = time.perf_counter()
+            swapper.wait()
+            st.io_wait_s += time.perf_counter() - t0
+
+        def free(i: Optional[int]) -> None:
+            if i is not None:
+                self._free.append(self._records[i].buffer)
+                self._records[i].buffer = None
+
+        def read(i: int) -> None:
+            rec = self._records[i]
+            self._check_initialised(rec)
+            rec.buffer = self._free.pop()
+            swapper.swap_in(self._items(rec), async_op=True)
+            st.bytes_read += nbytes(i)
+            loaded.add(i)
+
+        def write(i: int) -> None:
+            swapper.swap_out(self._items(self._records[i]), async_op=True)
+            st.bytes_written += nbytes(i)
+
+        try:
+            for pos, i in enumerate(order):
+                rec = self._records[i]
+                writing = pending_write
+                pending_write = None
+                if writing is not None:
+                    write(writing)  # the previous sub-group's swap-out overlaps this one's read/Adam
+                if i not in loaded:
+                    read(i)
+                    wait()
+                    free(writing)
+                    writing = None
+                if self.pipeline_read and pos + 1 < len(order):
+                    read(order[pos + 1])  # overlaps this sub-group's Adam
+                run_adam(i, *self._views(rec.buffer, rec.spec.numel))
+                if self.pipeline_write:
+                    pending_write = i
+                else:
+                    write(i)
+                wait()
+                free(writing)
+                if not self.pipeline_write:
+                    free(i)
+            if pending_write is not None:
+                write(pending_write)
+                wait()
+                free(pending_write)
+                pending_write = None
+        except BaseException:
+            # leave the swapper idle and every buffer free, so a failed step can be reported
+            with contextlib.suppress(Exception):
+                swapper.wait()
+            for rec in self._records:
+                if rec.buffer is not None:
+                    self._free.append(rec.buffer)
+                    rec.buffer = None
+            raise
+
+    # ------------------------------------------------------------------------------------------
+
+    def pinned_bytes(self) -> int:
+        """Bytes of pinned swap buffers held (0 unless device is "nvme")."""
+        return sum(b.numel() * b.element_size() for b in self._buffers)
+
+    def close(self) -> None:
+        """Release the swap buffers and close the swapper (files stay for inspection). Idempotent."""
+        if self._swapper is not None:
+            try:
+                self._swapper.wait()
+            finally:
+                for b in self._buffers:
+                    self._pool.release(b)
+                self._buffers = []
+                self._swapper.close()
+                self._swapper = None
