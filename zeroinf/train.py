@@ -1,0 +1,738 @@
+"""``zeroinf train``: train a decoder-only transformer on real text with ZeRO-Infinity offload.
+
+One command, no download: by default a tiny Llama-style model on the bytes of the Python standard
+library found on this machine, with the offload preset ``--offload`` (a DeepSpeed-format config
+shipped in ``zeroinf/presets``) or ``--config FILE.json``. The loop is the DeepSpeed one::
+
+    engine, *_ = zeroinf.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+    for step: for micro-batch: loss = engine(input_ids=x, labels=x).loss; engine.backward(loss); engine.step()
+
+Outputs under ``--out`` (rank 0 writes them): ``log.jsonl`` (one record per optimizer step, fields in
+:data:`LOG_FIELDS`), ``loss.png`` (loss curve and memory per tier), ``summary.json`` /
+``summary.txt``, ``run.json`` (the run's arguments, for ``--resume``), ``checkpoint/`` (written on
+Ctrl-C / SIGTERM), ``trace.json`` (``--trace``).
+
+``--compare`` trains the same steps again with plain PyTorch (``torch.optim.AdamW``, fp32 master
+weights when the run is bf16/fp16, same clipping, same learning rate per step, all ranks' rows in one
+process) and fails (exit 3) when the two loss curves differ by more than :data:`COMPARE_ATOL`.
+
+Exit codes: 0 done; 2 bad input (one line on stderr naming the culprit); 3 ``--compare`` mismatch;
+130 interrupted (checkpoint saved; ``--resume OUT`` continues).
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import json
+import math
+import os
+import resource
+import shutil
+import signal
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Dict, List, Optional
+
+import torch
+
+__all__ = ["add_arguments", "main", "TrainError", "LOG_FIELDS", "COMPARE_ATOL", "PlainEngine"]
+
+PRESET_DIR = Path(__file__).resolve().parent / "presets"
+OFFLOADS = ("none", "cpu", "nvme-optimizer", "infinity")
+#: the offload used when --offload and --config are both absent
+DEFAULT_OFFLOAD = "infinity"
+
+#: every record of log.jsonl has these keys (units in the name: _s seconds, _bytes bytes)
+LOG_FIELDS = (
+    "step", "loss", "lr", "grad_norm", "tokens", "tokens_per_s", "step_s", "compute_s", "io_wait_s",
+    "optimizer_s", "device_bytes", "pinned_cpu_bytes", "nvme_bytes", "rss_bytes", "engine",
+)
+
+#: largest allowed |loss(offload) - loss(reference)| per step for --compare, by training dtype.
+#: fp32: both runs do the same fp32 math in a different order, so rounding differences only
+#: (grown over 20-40 steps of a chaotic optimisation); bf16/fp16: the offloaded model computes in
+#: 16 bits like the reference, but reductions and casts may differ in order — one bf16 ulp at
+#: loss ~5 is 0.03.
+COMPARE_ATOL = {"fp32": 2e-3, "bf16": 0.1, "fp16": 0.05}
+
+EXIT_BAD_INPUT, EXIT_MISMATCH, EXIT_INTERRUPTED = 2, 3, 130
+
+
+class TrainError(ValueError):
+    """Bad input to ``zeroinf train``; the message starts with the offending option or path."""
+
+
+# ----------------------------------------------------------------------------------------- CLI
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """Add ``zeroinf train``'s options to ``p``."""
+    g = p.add_argument_group("model and data")
+    g.add_argument("--model", default=None, help="llama (default), gpt2, or path/to/config.json")
+    g.add_argument("--size", default=None, help="size preset: tiny (default), yardstick, 125m, 350m, 1b, 3b")
+    g.add_argument("--init", default=None, metavar="PATH",
+                   help="initial weights: a local .safetensors file or Hugging Face model folder (default: random)")
+    g.add_argument("--data", default=None, metavar="PATH",
+                   help="a .txt file, a folder of text files, or a .jsonl with a 'text' field "
+                        "(default: the Python standard library's .py and doc files on this machine)")
+    g.add_argument("--tokenizer", default=None, metavar="DIR",
+                   help="a local Hugging Face tokenizer folder (default: bytes, vocabulary 256)")
+    g = p.add_argument_group("offload")
+    g.add_argument("--offload", choices=OFFLOADS, default=None,
+                   help=f"shipped DeepSpeed-format preset (default {DEFAULT_OFFLOAD}: params and optimizer on NVMe)")
+    g.add_argument("--config", default=None, metavar="FILE.json", help="your own DeepSpeed-format config instead")
+    g.add_argument("--nvme-path", default=None, metavar="DIR",
+                   help="swap directory (default: a private temp dir under the working directory, removed "
+                        "at the end unless --keep)")
+    g.add_argument("--keep", action="store_true", help="keep the default swap directory")
+    g.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default=None,
+                   help="training precision (default: the config's; fp32 for the presets)")
+    g.add_argument("--engine", choices=("zeroinf", "torch"), default="zeroinf",
+                   help="torch = plain PyTorch + torch.optim.AdamW, no offload (a baseline)")
+    g = p.add_argument_group("training")
+    g.add_argument("--steps", type=int, default=None, help="optimizer steps (default 40)")
+    g.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default 128)")
+    g.add_argument("--micro-batch", type=int, default=None, help="sequences per rank per micro-step")
+    g.add_argument("--grad-accum", type=int, default=None, help="micro-steps per optimizer step")
+    g.add_argument("--lr", type=float, default=None, help="learning rate (default: the config's)")
+    g.add_argument("--seed", type=int, default=None, help="model init and batch order (default 0)")
+    g = p.add_argument_group("output")
+    g.add_argument("--out", default=None, metavar="DIR", help="log, plot and summary (default ./zeroinf-train)")
+    g.add_argument("--trace", action="store_true", help="write the Perfetto trace of one step to OUT/trace.json")
+    g.add_argument("--compare", action="store_true",
+                   help="also train without offload (plain PyTorch) and check both loss curves agree")
+    g.add_argument("--resume", default=None, metavar="DIR", help="continue the run whose --out was DIR")
+    g.add_argument("--no-plot", action="store_true", help="skip the PNG")
+
+
+#: options a --resume may change; everything else is taken from the interrupted run
+_RESUME_OVERRIDABLE = ("steps", "compare", "trace", "keep", "no_plot", "nvme_path")
+_DEFAULTS = dict(model="llama", size="tiny", steps=40, seq_len=128, seed=0, out="zeroinf-train")
+
+
+def main(args: argparse.Namespace) -> int:
+    """Run ``zeroinf train``; returns the exit code (see the module docstring)."""
+    from zeroinf.data import DataError
+    from zeroinf.models import ModelError
+    bad = [DataError, ModelError, TrainError]
+    with contextlib.suppress(ImportError):
+        from zeroinf.config import ConfigError
+        bad.append(ConfigError)
+    try:
+        return _Run(args).run()
+    except tuple(bad) as exc:
+        print(f"zeroinf train: error: {_one_line(exc)}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+
+
+def _one_line(exc: BaseException) -> str:
+    return " ".join(str(exc).split())
+
+
+# ---------------------------------------------------------------------------- distributed bits
+@dataclass
+class _Dist:
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    initialized_here: bool = False
+
+    @classmethod
+    def from_env(cls) -> "_Dist":
+        """Ranks from torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK); gloo on CPU, NCCL on CUDA."""
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        d = cls(int(os.environ.get("RANK", "0")), world, int(os.environ.get("LOCAL_RANK", "0")))
+        if world > 1 and not torch.distributed.is_initialized():
+            backend = "nccl" if torch.cuda.is_available() else "gloo"
+            torch.distributed.init_process_group(backend=backend)
+            d.initialized_here = True
+        return d
+
+    def all_max(self, value: float) -> float:
+        if self.world_size == 1:
+            return value
+        t = torch.tensor([value], dtype=torch.float64)
+        torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
+        return float(t.item())
+
+    def all_mean(self, value: float) -> float:
+        if self.world_size == 1:
+            return value
+        t = torch.tensor([value], dtype=torch.float64)
+        torch.distributed.all_reduce(t)
+        return float(t.item()) / self.world_size
+
+    def barrier(self) -> None:
+        if self.world_size > 1:
+            torch.distributed.barrier()
+
+
+# ------------------------------------------------------------------------- the reference engine
+class PlainEngine:
+    """Plain PyTorch with the engine's interface: the ``--engine torch`` baseline and the
+    ``--compare`` reference.
+
+    ``torch.optim.AdamW(foreach=False)`` over fp32 parameters. In ``bf16``/``fp16`` the model is
+    cast to that dtype and the optimizer steps fp32 master copies, written back with ``.to(dtype)``
+    (the mixed-precision recipe of the ZeRO paper, without loss scaling: fp16 here is for
+    comparison on short runs only). ``backward`` divides the loss by ``grad_accum`` as DeepSpeed
+    does; ``step`` updates at every ``grad_accum``-th call, after clipping the global gradient norm
+    to ``clip`` (``torch.nn.utils.clip_grad_norm_``, 0 = off).
+    """
+
+    def __init__(self, model: torch.nn.Module, *, lr: float, betas=(0.9, 0.999), eps: float = 1e-8,
+                 weight_decay: float = 0.0, clip: float = 0.0, grad_accum: int = 1, dtype: str = "fp32",
+                 device: str = "cpu"):
+        self.dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
+        self.module = model.to(device=device, dtype=self.dtype)
+        self.params = [p for p in self.module.parameters() if p.requires_grad]
+        if self.dtype == torch.float32:
+            self.master = self.params
+        else:
+            self.master = [p.detach().float().clone().requires_grad_(True) for p in self.params]
+        self.optimizer = torch.optim.AdamW(self.master, lr=lr, betas=tuple(betas), eps=eps,
+                                           weight_decay=weight_decay, foreach=False)
+        self.clip, self.grad_accum, self.device = clip, grad_accum, torch.device(device)
+        self.global_steps, self.micro_steps, self._norm = 0, 0, None
+
+    def __call__(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    forward = __call__
+
+    def backward(self, loss: torch.Tensor) -> None:
+        (loss / self.grad_accum).backward()
+
+    def step(self) -> None:
+        self.micro_steps += 1
+        if self.micro_steps % self.grad_accum:
+            return
+        if self.master is not self.params:
+            for m, p in zip(self.master, self.params):
+                m.grad = None if p.grad is None else p.grad.float()
+        norm = torch.nn.utils.clip_grad_norm_(self.master, self.clip if self.clip > 0 else float("inf"))
+        self._norm = float(norm)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.master is not self.params:
+            with torch.no_grad():
+                for m, p in zip(self.master, self.params):
+                    p.copy_(m)
+                    p.grad = None
+        self.global_steps += 1
+
+    def set_lr(self, lr: float) -> None:
+        for g in self.optimizer.param_groups:
+            g["lr"] = lr
+
+    def get_lr(self) -> List[float]:
+        return [g["lr"] for g in self.optimizer.param_groups]
+
+    def get_global_grad_norm(self) -> Optional[float]:
+        return self._norm
+
+    def train(self):
+        self.module.train()
+
+    def eval(self):
+        self.module.eval()
+
+    def stats(self) -> Dict[str, float]:
+        return {}
+
+    def save_checkpoint(self, save_dir: str, tag: str) -> None:
+        path = Path(save_dir) / tag
+        path.mkdir(parents=True, exist_ok=True)
+        state = {"module": self.module.state_dict(), "optimizer": self.optimizer.state_dict(),
+                 "master": [m.detach() for m in self.master] if self.master is not self.params else [],
+                 "global_steps": self.global_steps, "micro_steps": self.micro_steps}
+        torch.save(state, path / "plain_engine.pt.tmp")
+        os.replace(path / "plain_engine.pt.tmp", path / "plain_engine.pt")
+
+    def load_checkpoint(self, load_dir: str, tag: str) -> None:
+        state = torch.load(Path(load_dir) / tag / "plain_engine.pt", weights_only=True)
+        self.module.load_state_dict(state["module"])
+        with torch.no_grad():
+            for m, saved in zip(self.master if self.master is not self.params else [], state["master"]):
+                m.copy_(saved)
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.global_steps, self.micro_steps = state["global_steps"], state["micro_steps"]
+
+
+# ---------------------------------------------------------------------------- the run itself
+@dataclass
+class _StepRecord:
+    values: Dict[str, object] = field(default_factory=dict)
+
+
+class _Stop:
+    """SIGINT/SIGTERM -> stop after the current step (a second Ctrl-C kills at once)."""
+
+    def __init__(self):
+        self.requested = False
+        self._old = {}
+
+    def __enter__(self):
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            self._old[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def _handle(self, signum, frame):
+        self.requested = True
+        signal.signal(signum, self._old.get(signum, signal.SIG_DFL))
+
+    def __exit__(self, *exc):
+        for sig, old in self._old.items():
+            signal.signal(sig, old)
+
+
+class _Run:
+    def __init__(self, args: argparse.Namespace):
+        self.args = args
+        self.dist = _Dist()
+        self.tmp_nvme: Optional[Path] = None
+
+    # ---- set-up ----------------------------------------------------------------------------
+    def _resolve_args(self) -> argparse.Namespace:
+        a = argparse.Namespace(**vars(self.args))
+        self.start_step = 1
+        if a.resume:
+            run_json = Path(a.resume) / "run.json"
+            if not run_json.is_file():
+                raise TrainError(f"--resume {a.resume}: no run.json there (is it the --out of an earlier run?)")
+            saved = json.loads(run_json.read_text())
+            if not (Path(a.resume) / "checkpoint" / "latest").exists():
+                raise TrainError(f"--resume {a.resume}: no checkpoint/latest there (the run was not interrupted)")
+            for k, v in saved["args"].items():
+                if k not in _RESUME_OVERRIDABLE or getattr(a, k, None) is None:
+                    setattr(a, k, v)
+            a.out = a.resume
+            self.start_step = int(saved["completed_steps"]) + 1
+        for k, v in _DEFAULTS.items():
+            if getattr(a, k) is None:
+                setattr(a, k, v)
+        for name in ("steps", "seq_len", "micro_batch", "grad_accum"):
+            v = getattr(a, name)
+            if v is not None and v < 1:
+                raise TrainError(f"--{name.replace('_', '-')} {v}: must be >= 1")
+        if a.lr is not None and not (a.lr > 0 and math.isfinite(a.lr)):
+            raise TrainError(f"--lr {a.lr}: must be a positive number")
+        if a.config is not None and a.offload is not None:
+            raise TrainError("--config and --offload: give one of them, not both")
+        if a.engine == "torch" and (a.offload not in (None, "none") or a.config is not None):
+            raise TrainError("--engine torch: trains without offload; drop --offload/--config")
+        return a
+
+    def _nvme_dir(self, a) -> Path:
+        if a.nvme_path is None:
+            self.tmp_nvme = Path(tempfile.mkdtemp(prefix=f".zeroinf-nvme-r{self.dist.rank}-", dir=os.getcwd()))
+            return self.tmp_nvme
+        path = Path(a.nvme_path)
+        try:
+            path.mkdir(parents=True, exist_ok=True)
+            probe = path / f".zeroinf-write-probe-{os.getpid()}"
+            with open(probe, "wb") as fh:
+                fh.write(b"\0" * 4096)
+            probe.unlink()
+        except OSError as exc:
+            raise TrainError(f"--nvme-path {a.nvme_path}: not a writable directory ({exc.strerror})") from exc
+        return path
+
+    def _build_config(self, a) -> dict:
+        if a.engine == "torch":
+            cfg = json.loads((PRESET_DIR / "none.json").read_text())
+            where = "preset none"
+        elif a.config is not None:
+            try:
+                cfg = json.loads(Path(a.config).read_text())
+            except OSError as exc:
+                raise TrainError(f"--config {a.config}: cannot read ({exc.strerror})") from exc
+            except json.JSONDecodeError as exc:
+                raise TrainError(f"--config {a.config}: not valid JSON ({exc.msg}, line {exc.lineno})") from exc
+            if not isinstance(cfg, dict):
+                raise TrainError(f"--config {a.config}: the top level must be a JSON object")
+            where = a.config
+        else:
+            a.offload = a.offload or DEFAULT_OFFLOAD
+            cfg = json.loads((PRESET_DIR / f"{a.offload}.json").read_text())
+            where = f"preset {a.offload}"
+        self.config_source = where
+        if a.micro_batch is not None or "train_micro_batch_size_per_gpu" not in cfg:
+            cfg["train_micro_batch_size_per_gpu"] = a.micro_batch or 8
+        if a.grad_accum is not None or "gradient_accumulation_steps" not in cfg:
+            cfg["gradient_accumulation_steps"] = a.grad_accum or 1
+        cfg.pop("train_batch_size", None) if a.micro_batch or a.grad_accum else None
+        if a.lr is not None:
+            cfg.setdefault("optimizer", {"type": "AdamW", "params": {}}).setdefault("params", {})["lr"] = a.lr
+        if a.dtype is not None:
+            cfg["bf16"] = {"enabled": a.dtype == "bf16"}
+            if a.dtype == "fp16":
+                cfg["fp16"] = {"enabled": True}
+            else:
+                cfg.pop("fp16", None)
+        zo = cfg.get("zero_optimization", {})
+        uses_nvme = any(isinstance(zo.get(k), dict) and zo[k].get("device") == "nvme"
+                        for k in ("offload_param", "offload_optimizer"))
+        if uses_nvme and (a.nvme_path is not None or a.config is None):
+            nvme = str(self._nvme_dir(a))
+            for k in ("offload_param", "offload_optimizer"):
+                if isinstance(zo.get(k), dict) and zo[k].get("device") == "nvme":
+                    zo[k]["nvme_path"] = nvme
+        self.uses_nvme = uses_nvme
+        self.nvme_paths = sorted({str(zo[k]["nvme_path"]) for k in ("offload_param", "offload_optimizer")
+                                  if isinstance(zo.get(k), dict) and zo[k].get("device") == "nvme"
+                                  and zo[k].get("nvme_path")})
+        return cfg
+
+    def _dtype_of(self, cfg: dict) -> str:
+        if cfg.get("bf16", {}).get("enabled"):
+            return "bf16"
+        if cfg.get("fp16", {}).get("enabled"):
+            return "fp16"
+        return "fp32"
+
+    def _optimizer_params(self, cfg: dict) -> dict:
+        opt = cfg.get("optimizer") or {}
+        p = opt.get("params", {})
+        return dict(lr=float(p.get("lr", 1e-3)), betas=tuple(p.get("betas", (0.9, 0.999))),
+                    eps=float(p.get("eps", 1e-8)), weight_decay=float(p.get("weight_decay", 0.01)),
+                    clip=float(cfg.get("gradient_clipping", 0.0)))
+
+    def _make_engine(self, a, cfg, model, device):
+        if a.engine == "torch":
+            hp = self._optimizer_params(cfg)
+            return PlainEngine(model, grad_accum=cfg["gradient_accumulation_steps"], dtype=self._dtype_of(cfg),
+                               device=device, **hp)
+        try:
+            from zeroinf import initialize
+        except ImportError as exc:
+            raise TrainError(f"{self.config_source}: zeroinf.initialize is not in this build of zeroinf "
+                             f"({exc}); use --engine torch for a run without offload") from exc
+        stage = cfg.get("zero_optimization", {}).get("stage", 0)
+        if stage == 3:
+            try:
+                import zeroinf.runtime.stage3  # noqa: F401
+            except ImportError as exc:
+                raise TrainError(f"{self.config_source}: zero_optimization.stage 3 (params offload, "
+                                 f"--offload infinity) needs the stage-3 runtime, not in this build "
+                                 f"({exc}); use --offload nvme-optimizer") from exc
+        engine, _opt, _dl, _sched = initialize(model=model, model_parameters=model.parameters(), config=cfg)
+        return engine
+
+    # ---- the loop --------------------------------------------------------------------------
+    def run(self) -> int:
+        a = self._resolve_args()
+        from zeroinf.data import Batches, ByteTokenizer, HFTokenizer, load_tokens
+        from zeroinf.models import build_config, build_model, count_params
+
+        self.dist = _Dist.from_env()
+        rank0 = self.dist.rank == 0
+        out = Path(a.out)
+        cfg = self._build_config(a)
+        if a.config is not None and a.engine == "zeroinf":
+            with contextlib.suppress(ImportError):
+                from zeroinf.config import parse_config
+                parse_config(cfg, world_size=self.dist.world_size)
+        tokenizer = HFTokenizer(a.tokenizer) if a.tokenizer else ByteTokenizer()
+        tokens = load_tokens(a.data, tokenizer, a.seq_len + 1)
+        mcfg = build_config(a.model, a.size, tokenizer.vocab_size, a.seq_len, a.init)
+        model = build_model(mcfg, a.seed, a.init)
+        n_params = count_params(model)
+        micro_batch, grad_accum = cfg["train_micro_batch_size_per_gpu"], cfg["gradient_accumulation_steps"]
+        batches = Batches(tokens, a.seq_len, micro_batch, a.seed)
+        device = f"cuda:{self.dist.local_rank}" if torch.cuda.is_available() else "cpu"
+        if rank0:
+            out.mkdir(parents=True, exist_ok=True)
+        try:
+            engine = self._make_engine(a, cfg, model, device)
+            if a.resume:
+                engine.load_checkpoint(str(out / "checkpoint"), "latest")
+            dtype = self._dtype_of(cfg)
+            if rank0:
+                print(f"zeroinf train: {a.model} {a.size if a.model in ('llama', 'gpt2') else ''} "
+                      f"{n_params / 1e6:.2f}M params, {dtype}, {self.config_source}, "
+                      f"{self.dist.world_size} rank(s) x micro-batch {micro_batch} x accum {grad_accum} x "
+                      f"seq {a.seq_len}, {tokens.numel() / 1e6:.1f}M tokens of "
+                      f"{a.data or 'Python standard library'}; out {out}", flush=True)
+            records, interrupted = self._loop(a, engine, batches, grad_accum, device, out)
+            code = 0
+            if rank0:
+                summary = self._summary(a, records, n_params, dtype, out)
+                if not a.no_plot:
+                    self._plot(records, out, title=f"{a.model} {n_params / 1e6:.1f}M, {self.config_source}")
+                print(summary, flush=True)
+            if interrupted:
+                if rank0:
+                    print(f"zeroinf train: interrupted after step {self.completed}; checkpoint in "
+                          f"{out / 'checkpoint'}; continue with: zeroinf train --resume {out}", flush=True)
+                return EXIT_INTERRUPTED
+            if a.compare:
+                code = self._compare(a, cfg, mcfg, batches, grad_accum, out)
+            return code
+        finally:
+            if self.tmp_nvme is not None and not a.keep:
+                shutil.rmtree(self.tmp_nvme, ignore_errors=True)
+            if self.dist.initialized_here:
+                torch.distributed.destroy_process_group()
+
+    def _loop(self, a, engine, batches, grad_accum, device, out: Path):
+        from tqdm import tqdm
+        rank0 = self.dist.rank == 0
+        records: List[dict] = []
+        log_path = out / "log.jsonl"
+        if rank0 and a.resume:
+            records = [json.loads(line) for line in log_path.read_text().splitlines() if line.strip()]
+            records = [r for r in records if r["step"] < self.start_step]
+        log = open(log_path, "w") if rank0 else None
+        if log is not None:
+            for r in records:
+                log.write(json.dumps(r) + "\n")
+            log.flush()
+        self.completed = self.start_step - 1
+        tokens_per_step = batches.micro_batch * batches.seq_len * grad_accum * self.dist.world_size
+        trace_step = min(self.start_step + 1, a.steps) if a.trace else None
+        bar = tqdm(total=a.steps, initial=self.start_step - 1, disable=not rank0, unit="step",
+                   dynamic_ncols=True, file=sys.stderr)
+        engine.train()
+        interrupted = False
+        try:
+            with _Stop() as stop:
+                for step in range(self.start_step, a.steps + 1):
+                    prof = self._profiler() if step == trace_step else contextlib.nullcontext()
+                    before = _engine_stats(engine)
+                    with prof as p:
+                        rec = self._one_step(engine, batches, step, grad_accum, device)
+                    if step == trace_step and rank0:
+                        p.export_chrome_trace(str(out / "trace.json"))
+                    after = _engine_stats(engine)
+                    rec.update(self._tiers(engine, before, after, rec))
+                    rec["tokens"] = tokens_per_step
+                    rec["tokens_per_s"] = tokens_per_step / rec["step_s"]
+                    records.append(rec)
+                    self.completed = step
+                    if log is not None:
+                        log.write(json.dumps(rec) + "\n")
+                        log.flush()
+                    bar.set_postfix(loss=f"{rec['loss']:.4f}", tok_s=f"{rec['tokens_per_s']:.0f}",
+                                    step_s=f"{rec['step_s']:.2f}")
+                    bar.update(1)
+                    if self.dist.all_max(1.0 if stop.requested else 0.0) > 0 and step < a.steps:
+                        interrupted = True
+                        break
+        finally:
+            bar.close()
+            if log is not None:
+                log.close()
+        if interrupted:
+            engine.save_checkpoint(str(out / "checkpoint"), "latest")
+        self.dist.barrier()
+        if rank0:
+            run = {"args": {k: v for k, v in vars(a).items() if k != "resume"},
+                   "completed_steps": self.completed, "interrupted": interrupted,
+                   "time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+            tmp = out / "run.json.tmp"
+            tmp.write_text(json.dumps(run, indent=1))
+            os.replace(tmp, out / "run.json")
+        return records, interrupted
+
+    @staticmethod
+    def _profiler():
+        from torch.profiler import ProfilerActivity, profile
+        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+        return profile(activities=acts)
+
+    def _one_step(self, engine, batches, step: int, grad_accum: int, device) -> dict:
+        t0 = time.perf_counter()
+        losses, opt_s = [], 0.0
+        for micro in range(grad_accum):
+            x = batches.get(step, micro, self.dist.rank, self.dist.world_size).to(device)
+            out = engine(input_ids=x, labels=x)
+            engine.backward(out.loss)
+            losses.append(float(out.loss.detach().float()))
+            t = time.perf_counter()
+            engine.step()
+            if micro == grad_accum - 1:
+                opt_s = time.perf_counter() - t
+        step_s = time.perf_counter() - t0
+        norm = engine.get_global_grad_norm()
+        lr = engine.get_lr()
+        return {"step": step, "loss": self.dist.all_mean(sum(losses) / len(losses)),
+                "lr": float(lr[0] if isinstance(lr, (list, tuple)) else lr),
+                "grad_norm": None if norm is None else float(norm), "step_s": step_s, "optimizer_s": opt_s}
+
+    def _tiers(self, engine, before: dict, after: dict, rec: dict) -> dict:
+        """Time split and memory per tier for one step (see LOG_FIELDS)."""
+        import psutil
+        delta = {k: after[k] - before.get(k, 0) for k in after
+                 if isinstance(after[k], (int, float)) and not isinstance(after[k], bool)}
+        io_wait = _pick(delta, ("io_wait_s", "io_wait_seconds", "wait_io_s", "io_wait")) or 0.0
+        opt = _pick(delta, ("optimizer_s", "optimizer_seconds", "optim_s"))
+        optimizer_s = opt if opt is not None else rec["optimizer_s"]
+        module = getattr(engine, "module", None)
+        device_bytes = 0
+        if module is not None:
+            seen = set()
+            for p in module.parameters():
+                if id(p) in seen:
+                    continue
+                seen.add(id(p))
+                device_bytes += p.numel() * p.element_size()
+                if p.grad is not None:
+                    device_bytes += p.grad.numel() * p.grad.element_size()
+        pinned = _pick(after, ("pinned_cpu_bytes", "pinned_bytes", "cpu_pinned_bytes", "pinned_buffer_bytes"))
+        return {"compute_s": max(0.0, rec["step_s"] - optimizer_s - io_wait), "io_wait_s": io_wait,
+                "optimizer_s": optimizer_s, "device_bytes": device_bytes,
+                "pinned_cpu_bytes": int(pinned or 0), "nvme_bytes": _dir_bytes(self.nvme_paths),
+                "rss_bytes": psutil.Process().memory_info().rss, "engine": after}
+
+    # ---- reporting -------------------------------------------------------------------------
+    def _summary(self, a, records: List[dict], n_params: int, dtype: str, out: Path) -> str:
+        if not records:
+            return "zeroinf train: no step completed"
+        timed = records[1:] if len(records) > 1 else records
+        med = sorted(r["step_s"] for r in timed)[len(timed) // 2]
+        mean = lambda k: sum(r[k] for r in timed) / len(timed)  # noqa: E731
+        k = min(5, len(records))
+        peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        s = {
+            "params": n_params, "dtype": dtype, "config": self.config_source, "ranks": self.dist.world_size,
+            "steps": len(records), "tokens_per_step": records[-1]["tokens"],
+            "median_step_s": med, "tokens_per_s": records[-1]["tokens"] / med,
+            "compute_s": mean("compute_s"), "io_wait_s": mean("io_wait_s"), "optimizer_s": mean("optimizer_s"),
+            "loss_first5": sum(r["loss"] for r in records[:k]) / k,
+            "loss_last5": sum(r["loss"] for r in records[-k:]) / k,
+            "peak_rss_bytes": peak_rss,
+            "peak_device_bytes": max(r["device_bytes"] for r in records),
+            "peak_pinned_cpu_bytes": max(r["pinned_cpu_bytes"] for r in records),
+            "peak_nvme_bytes": max(r["nvme_bytes"] for r in records),
+        }
+        (out / "summary.json").write_text(json.dumps(s, indent=1) + "\n")
+        gib = 2 ** 30
+        lines = [
+            f"{'params':<26}{n_params:,} ({dtype}, {self.config_source}, {self.dist.world_size} rank(s))",
+            f"{'steps':<26}{len(records)} x {records[-1]['tokens']} tokens",
+            f"{'loss first 5 -> last 5':<26}{s['loss_first5']:.4f} -> {s['loss_last5']:.4f}",
+            f"{'step time (median)':<26}{med:.3f} s   {s['tokens_per_s']:.0f} tokens/s",
+            f"{'  compute / io wait / opt':<26}{s['compute_s']:.3f} / {s['io_wait_s']:.3f} / {s['optimizer_s']:.3f} s (mean)",
+            f"{'peak memory (GiB)':<26}device {s['peak_device_bytes'] / gib:.3f}  pinned CPU "
+            f"{s['peak_pinned_cpu_bytes'] / gib:.3f}  NVMe {s['peak_nvme_bytes'] / gib:.3f}  RSS {peak_rss / gib:.3f}",
+            f"{'written':<26}{out / 'log.jsonl'}" + ("" if a.no_plot else f", {out / 'loss.png'}")
+            + f", {out / 'summary.json'}" + (f", {out / 'trace.json'}" if a.trace else ""),
+        ]
+        text = "\n".join(lines)
+        (out / "summary.txt").write_text(text + "\n")
+        return text
+
+    @staticmethod
+    def _plot(records: List[dict], out: Path, title: str, reference: Optional[List[float]] = None) -> None:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        steps = [r["step"] for r in records]
+        fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+        ax1.plot(steps, [r["loss"] for r in records], label="this run")
+        if reference is not None:
+            ax1.plot(steps[:len(reference)], reference, "--", label="no offload (PyTorch)")
+        ax1.set_xlabel("step")
+        ax1.set_ylabel("loss")
+        ax1.set_title(title, fontsize=9)
+        ax1.legend()
+        for key, label in (("device_bytes", "device"), ("pinned_cpu_bytes", "pinned CPU"),
+                           ("nvme_bytes", "NVMe"), ("rss_bytes", "process RSS")):
+            ax2.plot(steps, [r[key] / 2 ** 20 for r in records], label=label)
+        ax2.set_xlabel("step")
+        ax2.set_ylabel("MiB")
+        ax2.set_title("memory per tier", fontsize=9)
+        ax2.legend()
+        fig.tight_layout()
+        fig.savefig(out / "loss.png", dpi=90)
+        plt.close(fig)
+
+    # ---- --compare ------------------------------------------------------------------------
+    def _compare(self, a, cfg, mcfg, batches, grad_accum, out: Path) -> int:
+        """Rank 0 replays the run with :class:`PlainEngine` (all ranks' rows in one process)."""
+        import psutil
+        from zeroinf.data import Batches
+        from zeroinf.models import build_model
+        code = 0
+        if self.dist.rank == 0:
+            records = [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines() if line.strip()]
+            dtype = self._dtype_of(cfg)
+            n = sum(p.numel() for p in build_model(mcfg, a.seed, a.init).parameters())
+            need = n * 20
+            if need > 0.8 * psutil.virtual_memory().available:
+                print(f"zeroinf train: --compare skipped: training without offload needs ~{need / 2**30:.1f} GiB "
+                      f"of RAM, {psutil.virtual_memory().available / 2**30:.1f} GiB available", flush=True)
+            else:
+                code = self._compare_rank0(a, cfg, mcfg, batches, grad_accum, out, records, dtype)
+        if self.dist.world_size > 1:
+            code = int(self.dist.all_max(float(code)))
+        return code
+
+    def _compare_rank0(self, a, cfg, mcfg, batches, grad_accum, out, records, dtype) -> int:
+        from zeroinf.data import Batches
+        from zeroinf.models import build_model
+        world = self.dist.world_size
+        ref_batches = Batches(batches.tokens, batches.seq_len, batches.micro_batch, batches.seed)
+        hp = self._optimizer_params(cfg)
+        engine = PlainEngine(build_model(mcfg, a.seed, a.init), grad_accum=grad_accum, dtype=dtype, **hp)
+        ref = []
+        t0 = time.perf_counter()
+        for r in records:
+            step = r["step"]
+            engine.set_lr(r["lr"])
+            losses = []
+            for micro in range(grad_accum):
+                x = ref_batches.get(step, micro, world_size=world, rows=slice(None))
+                loss = engine(input_ids=x, labels=x).loss
+                engine.backward(loss)
+                engine.step()
+                losses.append(float(loss.detach().float()))
+            ref.append(sum(losses) / len(losses))
+        ref_s = (time.perf_counter() - t0) / max(1, len(records))
+        diffs = [abs(r["loss"] - x) for r, x in zip(records, ref)]
+        worst = max(range(len(diffs)), key=diffs.__getitem__)
+        tol = COMPARE_ATOL[dtype]
+        print(f"\n--compare: this run vs plain PyTorch (torch.optim.AdamW, {dtype}, no offload)")
+        print(f"{'step':>6} {'this run':>10} {'no offload':>11} {'|diff|':>10}")
+        stride = max(1, len(records) // 20)
+        for i, (r, x, d) in enumerate(zip(records, ref, diffs)):
+            if i % stride == 0 or i == len(records) - 1 or i == worst:
+                print(f"{r['step']:6d} {r['loss']:10.5f} {x:11.5f} {d:10.2e}")
+        ok = diffs[worst] <= tol
+        print(f"largest difference {diffs[worst]:.3e} at step {records[worst]['step']} "
+              f"(allowed {tol:g} for {dtype}): {'PASS' if ok else 'FAIL'}; "
+              f"reference {ref_s:.3f} s/step", flush=True)
+        (out / "compare.json").write_text(json.dumps({"dtype": dtype, "atol": tol, "max_abs_diff": diffs[worst],
+                                                      "loss": [r["loss"] for r in records], "reference": ref}))
+        if not a.no_plot:
+            self._plot(records, out, title="this run vs no offload", reference=ref)
+        return 0 if ok else EXIT_MISMATCH
+
+
+def _engine_stats(engine) -> dict:
+    fn = getattr(engine, "stats", None)
+    if fn is None:
+        return {}
+    s = fn()
+    return {k: v for k, v in dict(s).items() if isinstance(v, (int, float, str, bool)) or v is None}
+
+
+def _pick(d: dict, names) -> Optional[float]:
+    for n in names:
+        if n in d and isinstance(d[n], (int, float)):
+            return float(d[n])
+    return None
+
+
+def _dir_bytes(paths: List[str]) -> int:
+    """Bytes allocated on disk (st_blocks * 512) by the files under ``paths``."""
+    total = 0
+    for root in paths:
+        for dirpath, _dirs, files in os.walk(root):
+            for f in files:
+                with contextlib.suppress(OSError):
+                    total += os.stat(os.path.join(dirpath, f)).st_blocks * 512
+    return total
