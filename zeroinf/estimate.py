@@ -1,0 +1,714 @@
+"""Memory per accelerator, per host and on NVMe for DDP, ZeRO-1/2/3 and ZeRO-Offload/Infinity.
+
+Library and the ``zeroinf estimate`` command. Units: bytes everywhere in the API; the command
+prints decimal GB (10**9 bytes) by default, or GiB (2**30 bytes) with ``--unit GiB``, and says
+which in the table header.
+
+Model states follow the ZeRO paper (Rajbhandari et al. 2020, "ZeRO: Memory Optimizations Toward
+Training Trillion Parameter Models", Sec. 3.1 and 5.1): with P parameters, N data-parallel ranks,
+``Ψp``/``Ψg`` bytes per parameter and per gradient and ``K`` bytes of optimizer state per parameter
+(for mixed-precision Adam: Ψp = Ψg = 2, K = 12 = fp32 master 4 + exp_avg 4 + exp_avg_sq 4)::
+
+    stage 0 (DDP)  (Ψp + Ψg + K) P            mixed-precision Adam: 16P
+    stage 1        (Ψp + Ψg) P + K P/N                               4P + 12P/N
+    stage 2        Ψp P + (Ψg + K) P/N                               2P + 14P/N
+    stage 3        (Ψp + Ψg + K) P/N                                 16P/N
+
+P/N is rounded up (``ceil(P/N)``): every rank holds an equal, padded partition.
+
+Offload moves named terms off the accelerator (ZeRO-Offload, Ren et al. 2021, Sec. 4; ZeRO-Infinity,
+Rajbhandari et al. 2021, Sec. 5), as DeepSpeed's own estimators count them
+(``estimate_zero2_model_states_mem_needs``, ``estimate_zero3_model_states_mem_needs``):
+
+* ``offload_optimizer`` cpu|nvme: the K-byte optimizer state goes to pinned host memory or NVMe
+  (with an fp32 master copy even in fp32 training, so K = 4 + the optimizer's own state there);
+  the rank's gradient partition goes to pinned host memory in fp32 (4 bytes per parameter; the CPU
+  optimizer reads it there). With partitioned gradients (stage 2, 3) the accelerator then keeps none
+  (only a reduce bucket, not counted); with stages 0 and 1 it still computes the full gradient.
+* ``offload_param`` cpu|nvme (stage 3 only): the Ψp-byte parameter partition goes to pinned host
+  memory or NVMe. The accelerator holds only the units gathered for compute; with a model (not a
+  bare parameter count) the largest unit (a transformer block, or a single parameter outside the
+  blocks) is counted as ``(Ψp + Ψg) x its parameters`` for every stage-3 row.
+* NVMe rows add the pinned host memory the swapping needs (buffers and the ``max_in_cpu`` parameter
+  cache; defaults of :mod:`zeroinf.config` unless a config gives them; see :class:`SwapBuffers`).
+  The buffer bytes are computed here (``buffer_count x round_up(bytes, 4096)``) because
+  ``zeroinf.io.pinned_pool_bytes`` had not landed when this was written.
+
+"Per host" and "NVMe" are per node: the sum over the node's ``gpus_per_node`` ranks.
+
+Not counted: the CUDA context and allocator fragmentation, reduce/all-gather buckets, temporary
+buffers of the optimizer step, the host copy of the model while it is built (use ``zeroinf.Init``),
+and activations unless their flags are given (:func:`activation_bytes`).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Dict, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
+
+__all__ = [
+    "GB", "GiB", "PRESETS", "PRECISIONS", "OPTIMIZERS", "PLACEMENTS", "Precision", "Placement",
+    "ModelInfo", "SwapBuffers", "Term", "Estimate", "parse_count", "parse_bytes", "load_model_config",
+    "model_info", "count_params", "activation_bytes", "estimate", "estimate_all", "swap_buffers_from_config",
+    "placement_from_config", "PLAN_SWAP", "add_model_arguments", "resolve_model", "format_table", "add_arguments", "main",
+]
+
+GB = 10**9
+GiB = 2**30
+
+#: Model presets: explicit Hugging Face config dicts (no download). Sizes as published by their
+#: authors (LLaMA: Touvron et al. 2023, Table 2; Llama 2: Touvron et al. 2023b; GPT-2 small).
+PRESETS: Dict[str, dict] = {
+    "llama-7b": dict(model_type="llama", vocab_size=32000, hidden_size=4096, intermediate_size=11008,
+                     num_hidden_layers=32, num_attention_heads=32, max_position_embeddings=2048,
+                     rms_norm_eps=1e-6, tie_word_embeddings=False),
+    "llama-13b": dict(model_type="llama", vocab_size=32000, hidden_size=5120, intermediate_size=13824,
+                      num_hidden_layers=40, num_attention_heads=40, max_position_embeddings=2048,
+                      rms_norm_eps=1e-6, tie_word_embeddings=False),
+    "llama-33b": dict(model_type="llama", vocab_size=32000, hidden_size=6656, intermediate_size=17920,
+                      num_hidden_layers=60, num_attention_heads=52, max_position_embeddings=2048,
+                      rms_norm_eps=1e-6, tie_word_embeddings=False),
+    "llama-65b": dict(model_type="llama", vocab_size=32000, hidden_size=8192, intermediate_size=22016,
+                      num_hidden_layers=80, num_attention_heads=64, max_position_embeddings=2048,
+                      rms_norm_eps=1e-5, tie_word_embeddings=False),
+    "llama2-7b": dict(model_type="llama", vocab_size=32000, hidden_size=4096, intermediate_size=11008,
+                      num_hidden_layers=32, num_attention_heads=32, max_position_embeddings=4096,
+                      rms_norm_eps=1e-5, tie_word_embeddings=False),
+    "llama2-70b": dict(model_type="llama", vocab_size=32000, hidden_size=8192, intermediate_size=28672,
+                       num_hidden_layers=80, num_attention_heads=64, num_key_value_heads=8,
+                       max_position_embeddings=4096, rms_norm_eps=1e-5, tie_word_embeddings=False),
+    "gpt2": dict(model_type="gpt2", vocab_size=50257, n_embd=768, n_layer=12, n_head=12, n_positions=1024),
+}
+
+
+@dataclass(frozen=True)
+class Precision:
+    """Bytes per parameter of each model-state kind for one training precision.
+
+    Attributes:
+        name: ``"fp16"``, ``"bf16"`` (16-bit params and grads with fp32 master weights) or ``"fp32"``.
+        param_bytes: Ψp, bytes per parameter of the compute copy.
+        grad_bytes: Ψg, bytes per gradient element.
+        master_bytes: bytes per parameter of the fp32 master copy held with the optimizer (0 in fp32:
+            the parameters are the master weights).
+    """
+
+    name: str
+    param_bytes: int
+    grad_bytes: int
+    master_bytes: int
+
+
+PRECISIONS: Dict[str, Precision] = {
+    "fp16": Precision("fp16", 2, 2, 4),
+    "bf16": Precision("bf16", 2, 2, 4),
+    "fp32": Precision("fp32", 4, 4, 0),
+}
+
+#: fp32 optimizer state per parameter, bytes, without the master copy: Adam/AdamW exp_avg and
+#: exp_avg_sq; SGD with momentum its momentum buffer; Adagrad its sum of squares; plain SGD none.
+OPTIMIZERS: Dict[str, int] = {"adam": 8, "adamw": 8, "sgd-momentum": 4, "adagrad": 4, "sgd": 0}
+
+OFFLOAD_DEVICES = ("none", "cpu", "nvme")
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where the model states live: ZeRO stage and the two DeepSpeed offload devices.
+
+    Attributes:
+        stage: ZeRO stage 0 (plain data parallel), 1, 2 or 3.
+        offload_param: ``zero_optimization.offload_param.device``: none|cpu|nvme (stage 3 only).
+        offload_optimizer: ``zero_optimization.offload_optimizer.device``: none|cpu|nvme.
+
+    Raises:
+        ValueError: unknown stage or device, or ``offload_param`` other than none below stage 3.
+    """
+
+    stage: int
+    offload_param: str = "none"
+    offload_optimizer: str = "none"
+
+    def __post_init__(self):
+        if self.stage not in (0, 1, 2, 3):
+            raise ValueError(f"zero_optimization.stage: {self.stage!r} is not one of 0, 1, 2, 3")
+        for key, dev in (("offload_param", self.offload_param), ("offload_optimizer", self.offload_optimizer)):
+            if dev not in OFFLOAD_DEVICES:
+                raise ValueError(f"zero_optimization.{key}.device: {dev!r} is not one of none, cpu, nvme")
+        if self.offload_param != "none" and self.stage != 3:
+            raise ValueError(f"zero_optimization.offload_param.device: {self.offload_param!r} needs stage 3 "
+                             f"(parameters are partitioned only at stage 3), got stage {self.stage}")
+
+    def label(self) -> str:
+        return f"stage {self.stage}, offload_param={self.offload_param}, offload_optimizer={self.offload_optimizer}"
+
+
+#: Every placement the table shows: stages 0-2 with the optimizer on each tier, and stage 3 with
+#: all nine pairs of parameter and optimizer tiers.
+PLACEMENTS: Tuple[Placement, ...] = tuple(
+    [Placement(s, "none", o) for s in (0, 1, 2) for o in OFFLOAD_DEVICES]
+    + [Placement(3, p, o) for p in OFFLOAD_DEVICES for o in OFFLOAD_DEVICES])
+
+
+@dataclass(frozen=True)
+class SwapBuffers:
+    """Pinned host memory that NVMe swapping keeps, sized as ``zeroinf.config`` defines the keys.
+
+    Attributes:
+        param_buffer_count: ``offload_param.buffer_count`` (default 5).
+        param_buffer_size: ``offload_param.buffer_size``, parameter elements per buffer (default 1e8).
+        param_max_in_cpu: ``offload_param.max_in_cpu``, parameter elements of this rank's partition
+            cached in pinned memory (default 1e9).
+        optimizer_buffer_count: ``offload_optimizer.buffer_count`` (default 4); each buffer holds one
+            sub-group's fp32 master weights and optimizer moments: ``K x sub-group elements`` bytes
+            (see :class:`zeroinf.config.OffloadOptimizerConfig`).
+        sub_group_size: ``zero_optimization.sub_group_size``, elements (default 1e9); a sub-group
+            has ``min(sub_group_size, ceil(P/N))`` elements.
+        alignment: bytes each buffer is rounded up to (O_DIRECT: 4096).
+    """
+
+    param_buffer_count: int = 5
+    param_buffer_size: int = 100_000_000
+    param_max_in_cpu: int = 1_000_000_000
+    optimizer_buffer_count: int = 4
+    sub_group_size: int = 1_000_000_000
+    alignment: int = 4096
+
+
+#: The swap settings ``zeroinf plan`` writes, and the table assumes without ``--config``: sub-groups
+#: of 1e8 elements (the 1e9 default would pin 4 x 12 GB per rank for optimizer buffers) and no
+#: ``max_in_cpu`` parameter cache (parameters go to NVMe when the host cannot hold them).
+PLAN_SWAP = SwapBuffers(sub_group_size=100_000_000, param_max_in_cpu=0)
+
+
+def _pool_bytes(count: int, size: int, alignment: int) -> int:
+    # Same rule as the contract's zeroinf.io.pinned_pool_bytes: each buffer rounded up to the alignment.
+    return count * (-(-size // alignment) * alignment)
+
+
+@dataclass(frozen=True)
+class Term:
+    """One addend of an estimate.
+
+    Attributes:
+        name: what it is (``"parameters"``, ``"optimizer state"``, ...).
+        tier: ``"device"``, ``"host"`` or ``"nvme"``.
+        bytes: bytes per rank.
+        formula: how ``bytes`` was computed, with the numbers filled in.
+    """
+
+    name: str
+    tier: str
+    bytes: int
+    formula: str
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """Memory of one placement.
+
+    Attributes:
+        placement: the stage and offload devices.
+        params: P, the number of parameters.
+        world_size: N, data-parallel ranks.
+        gpus_per_node: ranks per host; host and NVMe totals are per node.
+        terms: the addends, bytes per rank.
+    """
+
+    placement: Placement
+    params: int
+    world_size: int
+    gpus_per_node: int
+    terms: Tuple[Term, ...]
+
+    def _tier(self, tier: str) -> int:
+        return sum(t.bytes for t in self.terms if t.tier == tier)
+
+    @property
+    def per_device_bytes(self) -> int:
+        """Bytes on each accelerator."""
+        return self._tier("device")
+
+    @property
+    def per_host_bytes(self) -> int:
+        """Bytes of (pinned) host memory per node: per-rank host terms x gpus_per_node."""
+        return self._tier("host") * self.gpus_per_node
+
+    @property
+    def nvme_bytes(self) -> int:
+        """Bytes of NVMe swap space per node: per-rank NVMe terms x gpus_per_node."""
+        return self._tier("nvme") * self.gpus_per_node
+
+    def row(self) -> dict:
+        """The JSON row of ``zeroinf estimate --json``."""
+        return {"stage": self.placement.stage, "offload_param": self.placement.offload_param,
+                "offload_optimizer": self.placement.offload_optimizer,
+                "per_device_bytes": self.per_device_bytes, "per_host_bytes": self.per_host_bytes,
+                "nvme_bytes": self.nvme_bytes}
+
+
+# ---------------------------------------------------------------------------------------------
+# Parsing of sizes and counts
+
+_SUFFIX_COUNT = {"": 1, "k": 10**3, "m": 10**6, "b": 10**9, "g": 10**9, "t": 10**12}
+_SUFFIX_BYTES = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12, "pb": 10**15,
+                 "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "pib": 2**50}
+
+
+def parse_count(text: Union[str, int, float]) -> int:
+    """A parameter count from ``7e9``, ``7B``, ``6.7b``, ``350M``, ``1.2T`` or an int.
+
+    Suffixes are decimal: K = 1e3, M = 1e6, B (or G) = 1e9, T = 1e12. The result is rounded to the
+    nearest integer.
+
+    Raises:
+        ValueError: not a positive number with an optional suffix.
+    """
+    if isinstance(text, (int, float)) and not isinstance(text, bool):
+        value = float(text)
+    else:
+        m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([kKmMbBgGtT]?)\s*", str(text))
+        if not m:
+            raise ValueError(f"parameter count {text!r}: expected a number such as 7e9, 7B or 350M")
+        value = float(m.group(1)) * _SUFFIX_COUNT[m.group(2).lower()]
+    if not math.isfinite(value) or value < 1:
+        raise ValueError(f"parameter count {text!r}: must be at least 1")
+    return int(round(value))
+
+
+def parse_bytes(text: Union[str, int]) -> int:
+    """Bytes from ``80GB``, ``1TB``, ``80GiB``, ``512MiB`` or a plain number of bytes.
+
+    GB/TB/MB/KB are decimal (1e9, 1e12, ...); GiB/TiB/MiB/KiB are binary (2**30, 2**40, ...).
+
+    Raises:
+        ValueError: not a non-negative number with one of those units.
+    """
+    if isinstance(text, int) and not isinstance(text, bool):
+        value = float(text)
+    else:
+        m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]*)\s*", str(text))
+        unit = m.group(2).lower() if m else None
+        if not m or (unit and unit not in _SUFFIX_BYTES):
+            raise ValueError(f"size {text!r}: expected a number with a unit such as 80GB (1e9 bytes), "
+                             f"80GiB (2**30 bytes) or 1TB")
+        value = float(m.group(1)) * _SUFFIX_BYTES[unit or "b"]
+    if not math.isfinite(value) or value < 0:
+        raise ValueError(f"size {text!r}: must be non-negative")
+    return int(round(value))
+
+
+# ---------------------------------------------------------------------------------------------
+# Models
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What the estimates need to know about a model.
+
+    Attributes:
+        name: preset name, config path, or ``"P=<count>"``.
+        params: P, unique parameters (tied weights once, embeddings included).
+        largest_unit: parameters of the largest unit ZeRO-3 gathers at once (a transformer block, or
+            one parameter outside the blocks); None when unknown.
+        hidden, layers, heads, vocab: shape, for activation memory; None when unknown.
+    """
+
+    name: str
+    params: int
+    largest_unit: Optional[int] = None
+    hidden: Optional[int] = None
+    layers: Optional[int] = None
+    heads: Optional[int] = None
+    vocab: Optional[int] = None
+
+
+def load_model_config(model: Union[str, os.PathLike, Mapping]) -> dict:
+    """A Hugging Face config dict from a preset name, a config.json path (or its folder), or a dict.
+
+    Raises:
+        ValueError: unknown preset name, unreadable or invalid JSON, or no ``model_type`` key.
+    """
+    if isinstance(model, Mapping):
+        cfg = dict(model)
+        where = "config dict"
+    elif str(model) in PRESETS:
+        return dict(PRESETS[str(model)])
+    else:
+        path = Path(model)
+        if path.is_dir():
+            path = path / "config.json"
+        if not path.is_file():
+            raise ValueError(f"model {str(model)!r}: neither a preset ({', '.join(sorted(PRESETS))}) "
+                             f"nor an existing config.json")
+        try:
+            cfg = json.loads(path.read_text())
+        except (OSError, ValueError) as exc:
+            raise ValueError(f"model config {str(path)!r}: cannot read JSON: {exc}") from exc
+        where = str(path)
+    if not isinstance(cfg, dict) or "model_type" not in cfg:
+        raise ValueError(f"model config {where}: no 'model_type' key (a Hugging Face config.json has one)")
+    return cfg
+
+
+def _build_meta(cfg: dict):
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    rest = {k: v for k, v in cfg.items() if k != "model_type"}
+    try:
+        hf_config = AutoConfig.for_model(cfg["model_type"], **rest)
+    except (ValueError, KeyError) as exc:
+        raise ValueError(f"model config: model_type {cfg['model_type']!r} is not known to transformers: {exc}") from exc
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(hf_config)
+    return hf_config, model
+
+
+def _largest_unit(model) -> Optional[int]:
+    block_classes = set(getattr(model, "_no_split_modules", None) or ())
+    if not block_classes:
+        return None
+    in_blocks = set()
+    largest = 0
+    for module in model.modules():
+        if type(module).__name__ in block_classes:
+            params = list(module.parameters())
+            in_blocks.update(id(p) for p in params)
+            largest = max(largest, sum(p.numel() for p in params))
+    for p in model.parameters():
+        if id(p) not in in_blocks:
+            largest = max(largest, p.numel())
+    return largest
+
+
+def model_info(model: Union[str, os.PathLike, Mapping]) -> ModelInfo:
+    """Count a model's parameters by building it on the meta device (no memory, no download).
+
+    Args:
+        model: a preset name (:data:`PRESETS`), a Hugging Face config.json path or folder, or a dict.
+
+    Returns:
+        :class:`ModelInfo` with P = unique parameters of ``AutoModelForCausalLM.from_config`` (tied
+        input/output embeddings counted once) and the largest gathered unit (blocks are the
+        model's ``_no_split_modules`` classes).
+
+    Raises:
+        ValueError: see :func:`load_model_config`, or a config transformers cannot build.
+    """
+    cfg = load_model_config(model)
+    hf_config, built = _build_meta(cfg)
+    params = sum(p.numel() for p in built.parameters())  # parameters() yields a tied tensor once
+    name = str(model) if not isinstance(model, Mapping) else cfg["model_type"]
+
+    def attr(key):
+        try:
+            value = getattr(hf_config, key)
+        except AttributeError:
+            return None
+        return value if isinstance(value, int) else None
+
+    return ModelInfo(name=name, params=params, largest_unit=_largest_unit(built),
+                     hidden=attr("hidden_size"), layers=attr("num_hidden_layers"),
+                     heads=attr("num_attention_heads"), vocab=attr("vocab_size"))
+
+
+def count_params(model: Union[str, os.PathLike, Mapping]) -> int:
+    """Unique parameters of a model built on the meta device; see :func:`model_info`."""
+    return model_info(model).params
+
+
+# ---------------------------------------------------------------------------------------------
+# Formulas
+
+
+def activation_bytes(seq_len: int, micro_batch: int, hidden: int, layers: int, heads: int, *,
+                     checkpointing: str = "none", attention_scores: bool = True) -> int:
+    """Activation memory of a GPT-style transformer per accelerator, bytes (16-bit activations).
+
+    Source: Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer
+    Models", Sec. 4.1 (Eq. 1, no tensor or sequence parallelism) and Sec. 5: one layer stores
+    ``s b h (34 + 5 a s / h)`` bytes, of which ``5 a s^2 b`` are the attention scores, softmax and
+    its dropout mask. With s = ``seq_len``, b = ``micro_batch``, h = ``hidden``, a = ``heads``,
+    L = ``layers``:
+
+    * ``checkpointing="none"``: ``L s b h (34 + 5 a s / h)``;
+    * ``"selective"`` (recompute attention scores only, Sec. 5): ``34 L s b h``;
+    * ``"full"`` (store each layer's input, recompute the layer in backward, Sec. 4.2):
+      ``2 L s b h`` plus one layer rematerialised during its backward, ``s b h (34 + 5 a s / h)``.
+
+    ``attention_scores=False`` drops the ``5 a s / h`` part, for fused attention (SDPA, flash) that
+    never stores the s x s matrices. Not counted: the embedding and the output logits (Sec. 4.3),
+    and MLPs whose width differs from 4h (Llama's SwiGLU): the formula is an estimate for those.
+
+    Raises:
+        ValueError: a non-positive size or an unknown ``checkpointing``.
+    """
+    for key, v in (("seq_len", seq_len), ("micro_batch", micro_batch), ("hidden", hidden),
+                   ("layers", layers), ("heads", heads)):
+        if not isinstance(v, int) or v < 1:
+            raise ValueError(f"activation memory: {key} must be a positive integer, got {v!r}")
+    sbh = seq_len * micro_batch * hidden
+    scores = 5 * heads * seq_len * seq_len * micro_batch if attention_scores else 0  # = sbh * 5as/h
+    one_layer = 34 * sbh + scores
+    if checkpointing == "none":
+        return layers * one_layer
+    if checkpointing == "selective":
+        return layers * 34 * sbh
+    if checkpointing == "full":
+        return 2 * layers * sbh + one_layer
+    raise ValueError(f"activation memory: checkpointing {checkpointing!r} is not one of none, selective, full")
+
+
+def _fmt(n: int) -> str:
+    return f"{n:,}"
+
+
+def estimate(params: int, placement: Placement, *, world_size: int = 1, gpus_per_node: Optional[int] = None,
+             precision: str = "bf16", optimizer: str = "adam", largest_unit: Optional[int] = None,
+             activations: int = 0, activations_formula: str = "Korthikanti et al. 2022, Sec. 4",
+             swap: SwapBuffers = SwapBuffers()) -> Estimate:
+    """Bytes per accelerator, per host and on NVMe for one placement (formulas: module docstring).
+
+    Args:
+        params: P, number of parameters.
+        placement: stage and offload devices.
+        world_size: N, data-parallel ranks (GPUs per node x nodes).
+        gpus_per_node: ranks per host (default ``world_size``: one node); host and NVMe bytes are per node.
+        precision: ``"bf16"``/``"fp16"`` (fp32 master weights) or ``"fp32"``.
+        optimizer: a key of :data:`OPTIMIZERS`.
+        largest_unit: parameters gathered at once at stage 3 (None: not counted).
+        activations: activation bytes per accelerator (see :func:`activation_bytes`), added as a term.
+        activations_formula: how ``activations`` was computed, shown with the term.
+        swap: pinned buffer sizes for NVMe rows.
+
+    Raises:
+        ValueError: non-positive counts, ``gpus_per_node`` not dividing ``world_size``, unknown
+            precision or optimizer.
+    """
+    if not isinstance(params, int) or params < 1:
+        raise ValueError(f"params: must be a positive integer, got {params!r}")
+    if not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size: must be a positive integer, got {world_size!r}")
+    gpn = world_size if gpus_per_node is None else gpus_per_node
+    if not isinstance(gpn, int) or gpn < 1 or world_size % gpn:
+        raise ValueError(f"gpus_per_node: {gpn!r} must be a positive divisor of world_size {world_size}")
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision: {precision!r} is not one of {', '.join(PRECISIONS)}")
+    if optimizer not in OPTIMIZERS:
+        raise ValueError(f"optimizer: {optimizer!r} is not one of {', '.join(OPTIMIZERS)}")
+    prec = PRECISIONS[precision]
+    # An offloaded optimizer always steps an fp32 master copy of its own, even in fp32 training.
+    master = prec.master_bytes if placement.offload_optimizer == "none" else 4
+    k = master + OPTIMIZERS[optimizer]
+    n = world_size
+    shard = -(-params // n)
+    st = placement.stage
+    terms: List[Term] = []
+
+    def count(partitioned: bool) -> Tuple[int, str]:
+        if partitioned:
+            return shard, f"ceil(P/N) = ceil({_fmt(params)}/{n}) = {_fmt(shard)}"
+        return params, f"P = {_fmt(params)}"
+
+    # parameters
+    numel, what = count(st == 3)
+    tier = {"none": "device", "cpu": "host", "nvme": "nvme"}[placement.offload_param]
+    terms.append(Term(f"{prec.name} parameters", tier, prec.param_bytes * numel,
+                      f"{prec.param_bytes} B x {what}"))
+    if st == 3 and largest_unit:
+        terms.append(Term("gathered unit (params + grads)", "device",
+                          (prec.param_bytes + prec.grad_bytes) * largest_unit,
+                          f"({prec.param_bytes} + {prec.grad_bytes}) B x largest unit {_fmt(largest_unit)}"))
+    # gradients
+    numel, what = count(st >= 2)
+    if placement.offload_optimizer == "none" or st < 2:
+        terms.append(Term(f"{prec.name} gradients", "device", prec.grad_bytes * numel, f"{prec.grad_bytes} B x {what}"))
+    # optimizer state
+    numel, what = count(st >= 1)
+    parts = f"master {master} + {optimizer} {OPTIMIZERS[optimizer]}" if master else f"{optimizer}"
+    tier = {"none": "device", "cpu": "host", "nvme": "nvme"}[placement.offload_optimizer]
+    terms.append(Term("optimizer state (fp32)", tier, k * numel, f"K = {k} B ({parts}) x {what}"))
+    if placement.offload_optimizer != "none":
+        terms.append(Term("gradient partition (fp32, pinned)", "host", 4 * numel, f"4 B x {what}"))
+    if placement.offload_optimizer == "nvme":
+        elems = min(swap.sub_group_size, numel)
+        terms.append(Term("optimizer swap buffers (pinned)", "host",
+                          _pool_bytes(swap.optimizer_buffer_count, k * elems, swap.alignment),
+                          f"buffer_count {swap.optimizer_buffer_count} x K {k} B x min(sub_group_size, partition) "
+                          f"{_fmt(elems)}, each rounded up to {swap.alignment} B"))
+    if placement.offload_param == "nvme":
+        terms.append(Term("parameter swap buffers (pinned)", "host",
+                          _pool_bytes(swap.param_buffer_count, prec.param_bytes * swap.param_buffer_size, swap.alignment),
+                          f"buffer_count {swap.param_buffer_count} x {prec.param_bytes} B x buffer_size "
+                          f"{_fmt(swap.param_buffer_size)}, each rounded up to {swap.alignment} B"))
+        cached = min(swap.param_max_in_cpu, shard)
+        if cached:
+            terms.append(Term("parameter cache (pinned, max_in_cpu)", "host", prec.param_bytes * cached,
+                              f"{prec.param_bytes} B x min(max_in_cpu, ceil(P/N)) = {_fmt(cached)}"))
+    if activations:
+        terms.append(Term("activations", "device", int(activations), activations_formula))
+    return Estimate(placement=placement, params=params, world_size=n, gpus_per_node=gpn, terms=tuple(terms))
+
+
+def estimate_all(params: int, **kwargs) -> List[Estimate]:
+    """:func:`estimate` for every placement of :data:`PLACEMENTS`, in that order."""
+    return [estimate(params, pl, **kwargs) for pl in PLACEMENTS]
+
+
+# ---------------------------------------------------------------------------------------------
+# DeepSpeed config
+
+
+def placement_from_config(cfg) -> Placement:
+    """The :class:`Placement` of a parsed config (:func:`zeroinf.config.parse_config`)."""
+    z = cfg.zero_optimization
+    return Placement(z.stage, z.offload_param.device, z.offload_optimizer.device)
+
+
+def swap_buffers_from_config(cfg) -> SwapBuffers:
+    """The pinned swap buffers of a parsed config (:func:`zeroinf.config.parse_config`)."""
+    z = cfg.zero_optimization
+    return SwapBuffers(param_buffer_count=z.offload_param.buffer_count,
+                       param_buffer_size=z.offload_param.buffer_size,
+                       param_max_in_cpu=z.offload_param.max_in_cpu,
+                       optimizer_buffer_count=z.offload_optimizer.buffer_count,
+                       sub_group_size=z.sub_group_size)
+
+
+# ---------------------------------------------------------------------------------------------
+# Command line
+
+
+def add_model_arguments(parser: argparse.ArgumentParser) -> None:
+    """Options shared by ``zeroinf estimate`` and ``zeroinf plan``: model, ranks, precision, activations."""
+    src = parser.add_mutually_exclusive_group(required=True)
+    src.add_argument("--params", type=parse_count, help="parameter count, e.g. 7e9, 7B, 350M")
+    src.add_argument("--model", help=f"a Hugging Face config.json (or its folder) or a preset: "
+                                     f"{', '.join(PRESETS)}; parameters counted on the meta device")
+    parser.add_argument("--gpus", type=int, default=1, help="accelerators per node (default 1)")
+    parser.add_argument("--nodes", type=int, default=1, help="nodes (default 1); N = gpus x nodes")
+    parser.add_argument("--precision", choices=list(PRECISIONS), default=None,
+                        help="bf16/fp16 (fp32 master weights) or fp32 (default bf16, or the --config's)")
+    parser.add_argument("--largest-unit", type=parse_count, default=None,
+                        help="parameters of the largest unit gathered at stage 3 (default: from --model)")
+    act = parser.add_argument_group("activations (Korthikanti et al. 2022); counted when --seq-len is given")
+    act.add_argument("--seq-len", type=int, help="sequence length, tokens")
+    act.add_argument("--micro-batch", type=int, default=1, help="micro-batch per accelerator (default 1)")
+    act.add_argument("--checkpointing", choices=["none", "selective", "full"], default="none",
+                     help="activation checkpointing (default none)")
+    act.add_argument("--fused-attention", action="store_true",
+                     help="attention never stores the s x s scores (SDPA/flash)")
+    act.add_argument("--hidden", type=int, help="hidden size (default: from --model)")
+    act.add_argument("--layers", type=int, help="transformer layers (default: from --model)")
+    act.add_argument("--heads", type=int, help="attention heads (default: from --model)")
+
+
+def resolve_model(args: argparse.Namespace) -> Tuple[ModelInfo, int]:
+    """The model and the activation bytes the shared options describe.
+
+    Raises:
+        ValueError: a bad model, a count below 1, or activation flags missing a shape.
+    """
+    for key in ("gpus", "nodes"):
+        if getattr(args, key) < 1:
+            raise ValueError(f"--{key}: must be at least 1, got {getattr(args, key)}")
+    info = model_info(args.model) if args.model else ModelInfo(name=f"P={_fmt(args.params)}", params=args.params)
+    if args.largest_unit is not None:
+        info = ModelInfo(info.name, info.params, args.largest_unit, info.hidden, info.layers, info.heads, info.vocab)
+    act = 0
+    if args.seq_len is not None:
+        shape = {k: getattr(args, k) if getattr(args, k) is not None else getattr(info, k)
+                 for k in ("hidden", "layers", "heads")}
+        missing = [k for k, v in shape.items() if v is None]
+        if missing:
+            raise ValueError(f"--seq-len: activation memory needs {', '.join('--' + m for m in missing)} "
+                             f"(or a --model that has them)")
+        act = activation_bytes(args.seq_len, args.micro_batch, checkpointing=args.checkpointing,
+                               attention_scores=not args.fused_attention, **shape)
+    return info, act
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Options of ``zeroinf estimate``."""
+    add_model_arguments(parser)
+    parser.add_argument("--optimizer", choices=list(OPTIMIZERS), default="adam",
+                        help="optimizer whose state is counted (default adam: K = 12 B/param with fp32 master)")
+    parser.add_argument("--config", help="a DeepSpeed config JSON (validated by zeroinf.config.parse_config "
+                                         "with N ranks): show only its placement, with its precision and "
+                                         "pinned swap buffers")
+    parser.add_argument("--stage", type=int, choices=[0, 1, 2, 3], help="show only this stage")
+    parser.add_argument("--unit", choices=["GB", "GiB"], default="GB",
+                        help="GB = 1e9 bytes (default) or GiB = 2**30 bytes")
+    parser.add_argument("--terms", action="store_true", help="print every term with its formula")
+    parser.add_argument("--json", action="store_true", help="print JSON (bytes) instead of the table")
+
+
+def format_table(rows: Sequence[Estimate], unit: str = "GB", terms: bool = False) -> str:
+    """The human-readable table of ``zeroinf estimate``; sizes in ``unit`` (``"GB"`` or ``"GiB"``)."""
+    div = GB if unit == "GB" else GiB
+    head = ("stage", "offload_param", "offload_optimizer", f"per device", f"per host", f"NVMe")
+    lines = [f"{head[0]:>5}  {head[1]:<13}  {head[2]:<17}  {head[3]:>12}  {head[4]:>12}  {head[5]:>12}"]
+    for e in rows:
+        p = e.placement
+        lines.append(f"{p.stage:>5}  {p.offload_param:<13}  {p.offload_optimizer:<17}  "
+                     f"{e.per_device_bytes / div:>12,.2f}  {e.per_host_bytes / div:>12,.2f}  {e.nvme_bytes / div:>12,.2f}")
+        if terms:
+            for t in e.terms:
+                lines.append(f"{'':>7}{t.tier:<6} {t.bytes / div:>12,.3f} {unit}/rank  {t.name}: {t.formula}")
+    return "\n".join(lines)
+
+
+def main(args: argparse.Namespace) -> int:
+    """Run ``zeroinf estimate``; returns 0, or 2 after printing a usage error to stderr."""
+    import sys
+
+    try:
+        info, act = resolve_model(args)
+        precision = args.precision or "bf16"
+        swap = PLAN_SWAP
+        placements = list(PLACEMENTS)
+        n = args.gpus * args.nodes
+        if args.config:
+            from zeroinf.config import parse_config
+
+            cfg = parse_config(args.config, world_size=n)
+            placements = [placement_from_config(cfg)]
+            swap = swap_buffers_from_config(cfg)
+            precision = args.precision or cfg.precision
+        if args.stage is not None:
+            placements = [p for p in placements if p.stage == args.stage]
+        rows = [estimate(info.params, pl, world_size=n, gpus_per_node=args.gpus, precision=precision,
+                         optimizer=args.optimizer, largest_unit=info.largest_unit, activations=act, swap=swap)
+                for pl in placements]
+    except (ValueError, OSError) as exc:  # ConfigError is a ValueError
+        print(f"zeroinf estimate: error: {exc}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps({"params": info.params, "world_size": n, "rows": [r.row() for r in rows]}, indent=1))
+        return 0
+    k = PRECISIONS[precision].master_bytes + OPTIMIZERS[args.optimizer]
+    k_off = 4 + OPTIMIZERS[args.optimizer]
+    print(f"model {info.name}: P = {_fmt(info.params)} parameters"
+          + (f", largest unit {_fmt(info.largest_unit)}" if info.largest_unit else ""))
+    print(f"N = {n} ranks ({args.gpus} per node x {args.nodes} nodes); {precision}"
+          + (" with fp32 master weights" if PRECISIONS[precision].master_bytes else "")
+          + f"; {args.optimizer}: K = {k} B/param of optimizer state"
+          + (f" ({k_off} when offloaded: it keeps its own fp32 master)" if k_off != k else ""))
+    if act:
+        print(f"activations: {act / GB:,.2f} GB per device (seq {args.seq_len}, micro-batch {args.micro_batch}, "
+              f"checkpointing {args.checkpointing})")
+    if not args.config:
+        print(f"NVMe rows: sub_group_size {swap.sub_group_size:.0e}, offload_optimizer.buffer_count "
+              f"{swap.optimizer_buffer_count}, offload_param buffer_count {swap.param_buffer_count} x buffer_size "
+              f"{swap.param_buffer_size:.0e}, max_in_cpu {swap.param_max_in_cpu} (as zeroinf plan writes; "
+              f"--config for others)")
+    print(f"sizes in {args.unit} ({'1e9' if args.unit == 'GB' else '2**30'} bytes); "
+          f"per device = each accelerator; per host and NVMe = per node")
+    print(format_table(rows, args.unit, args.terms))
+    return 0
