@@ -1,0 +1,138 @@
+// Python bindings of the CPU Adam kernels: tensor checks (ValueError naming the argument), the
+// folding of hyper-parameters into single-precision coefficients, and the GIL released while the
+// kernel runs. The kernels themselves are in cpu_adam.cpp.
+#include <torch/extension.h>
+
+#include <cmath>
+#include <string>
+
+#include "cpu_adam.h"
+
+namespace za = zeroinf::adam;
+
+namespace {
+
+za::Isa parse_isa(const std::string& isa) {
+  if (isa.empty() || isa == "auto") return za::best_isa();
+  for (za::Isa i : {za::Isa::kScalar, za::Isa::kAvx2, za::Isa::kAvx512})
+    if (isa == za::isa_name(i)) {
+      const std::string why = za::isa_unsupported_reason(i);
+      TORCH_CHECK_VALUE(why.empty(), "isa='", isa, "' cannot run here: ", why);
+      return i;
+    }
+  TORCH_CHECK_VALUE(false, "isa must be one of 'auto', 'avx512', 'avx2', 'scalar'; got '", isa, "'");
+  return za::Isa::kScalar;
+}
+
+za::DType to_dtype(at::ScalarType t) {
+  switch (t) {
+    case at::kFloat: return za::DType::kF32;
+    case at::kBFloat16: return za::DType::kBF16;
+    case at::kHalf: return za::DType::kF16;
+    default: return za::DType::kNone;
+  }
+}
+
+void check_buffer(const at::Tensor& t, const char* name, int64_t numel) {
+  TORCH_CHECK_VALUE(t.device().is_cpu(), name, " must be a CPU tensor, got device ", t.device());
+  TORCH_CHECK_VALUE(t.is_contiguous(), name, " must be contiguous (the update is written in place; "
+                    "a contiguous copy would lose it)");
+  TORCH_CHECK_VALUE(t.numel() == numel, name, " has ", t.numel(), " elements, params has ", numel);
+}
+
+struct Checked {
+  za::DType gt, ot;
+  void* out;
+};
+
+Checked check_all(const at::Tensor& params, const at::Tensor& grads, const at::Tensor& exp_avg,
+                  const at::Tensor& exp_avg_sq, const c10::optional<at::Tensor>& params_out) {
+  const int64_t n = params.numel();
+  check_buffer(params, "params", n);
+  TORCH_CHECK_VALUE(params.scalar_type() == at::kFloat, "params must be float32, got ", params.scalar_type());
+  check_buffer(exp_avg, "exp_avg", n);
+  TORCH_CHECK_VALUE(exp_avg.scalar_type() == at::kFloat, "exp_avg must be float32, got ", exp_avg.scalar_type());
+  check_buffer(exp_avg_sq, "exp_avg_sq", n);
+  TORCH_CHECK_VALUE(exp_avg_sq.scalar_type() == at::kFloat, "exp_avg_sq must be float32, got ",
+                    exp_avg_sq.scalar_type());
+  check_buffer(grads, "grads", n);
+  Checked c{to_dtype(grads.scalar_type()), za::DType::kNone, nullptr};
+  TORCH_CHECK_VALUE(c.gt != za::DType::kNone, "grads must be float32, bfloat16 or float16, got ",
+                    grads.scalar_type());
+  if (params_out.has_value()) {
+    check_buffer(*params_out, "params_out", n);
+    c.ot = to_dtype(params_out->scalar_type());
+    TORCH_CHECK_VALUE(c.ot == za::DType::kBF16 || c.ot == za::DType::kF16,
+                      "params_out must be bfloat16 or float16, got ", params_out->scalar_type());
+    c.out = params_out->data_ptr();
+  }
+  return c;
+}
+
+void adam_step(at::Tensor params, at::Tensor grads, at::Tensor exp_avg, at::Tensor exp_avg_sq,
+               c10::optional<at::Tensor> params_out, int64_t step, double lr, double beta1, double beta2,
+               double eps, double weight_decay, bool adamw_mode, bool bias_correction, double grad_scale,
+               const std::string& isa) {
+  const Checked c = check_all(params, grads, exp_avg, exp_avg_sq, params_out);
+  TORCH_CHECK_VALUE(step >= 1, "step must be >= 1 (the step number after increment), got ", step);
+  TORCH_CHECK_VALUE(std::isfinite(grad_scale) && grad_scale > 0, "grad_scale must be finite and > 0, got ",
+                    grad_scale);
+  const za::Isa path = parse_isa(isa);
+  // Coefficients in double, rounded once to float (torch.optim.AdamW passes the same values as
+  // Python floats to its kernels).
+  const double bc1 = bias_correction ? 1.0 - std::pow(beta1, static_cast<double>(step)) : 1.0;
+  const double bc2 = bias_correction ? 1.0 - std::pow(beta2, static_cast<double>(step)) : 1.0;
+  za::Hyper h{};
+  h.step_size = static_cast<float>(lr / bc1);
+  h.inv_bc2_sqrt = static_cast<float>(1.0 / std::sqrt(bc2));
+  h.eps = static_cast<float>(eps);
+  h.beta1 = static_cast<float>(beta1);
+  h.one_minus_beta1 = static_cast<float>(1.0 - beta1);
+  h.beta2 = static_cast<float>(beta2);
+  h.one_minus_beta2 = static_cast<float>(1.0 - beta2);
+  h.use_decay = adamw_mode && weight_decay != 0.0;
+  h.decay = static_cast<float>(1.0 - lr * weight_decay);
+  h.use_l2 = !adamw_mode && weight_decay != 0.0;
+  h.l2 = static_cast<float>(weight_decay);
+  h.divide_grad = grad_scale != 1.0;
+  h.grad_scale = static_cast<float>(grad_scale);
+  const int threads = at::get_num_threads();
+  py::gil_scoped_release no_gil;
+  za::adam_update(path, params.data_ptr<float>(), grads.data_ptr(), c.gt, exp_avg.data_ptr<float>(),
+                  exp_avg_sq.data_ptr<float>(), c.out, c.ot, params.numel(), h, threads);
+}
+
+void stream_rmw(at::Tensor params, at::Tensor grads, at::Tensor exp_avg, at::Tensor exp_avg_sq,
+                c10::optional<at::Tensor> params_out, const std::string& isa) {
+  const Checked c = check_all(params, grads, exp_avg, exp_avg_sq, params_out);
+  const za::Isa path = parse_isa(isa);
+  const int threads = at::get_num_threads();
+  py::gil_scoped_release no_gil;
+  za::stream_rmw(path, params.data_ptr<float>(), grads.data_ptr(), c.gt, exp_avg.data_ptr<float>(),
+                 exp_avg_sq.data_ptr<float>(), c.out, c.ot, params.numel(), threads);
+}
+
+py::dict isa_info() {
+  py::dict d;
+  d["chosen"] = za::isa_name(za::best_isa());
+  py::dict paths;
+  for (za::Isa i : {za::Isa::kAvx512, za::Isa::kAvx2, za::Isa::kScalar})
+    paths[za::isa_name(i)] = za::isa_unsupported_reason(i);
+  d["unsupported"] = paths;
+  return d;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "zeroinf fused CPU Adam (see zeroinf.optim for the documented Python API)";
+  m.def("adam_step", &adam_step, "In-place fused Adam/AdamW step over flat contiguous CPU buffers",
+        py::arg("params"), py::arg("grads"), py::arg("exp_avg"), py::arg("exp_avg_sq"),
+        py::arg("params_out"), py::arg("step"), py::arg("lr"), py::arg("beta1"), py::arg("beta2"),
+        py::arg("eps"), py::arg("weight_decay"), py::arg("adamw_mode"), py::arg("bias_correction"),
+        py::arg("grad_scale"), py::arg("isa"));
+  m.def("stream_rmw", &stream_rmw, "Bandwidth roof: the Adam step's loads and stores, one add each",
+        py::arg("params"), py::arg("grads"), py::arg("exp_avg"), py::arg("exp_avg_sq"),
+        py::arg("params_out"), py::arg("isa"));
+  m.def("isa_info", &isa_info, "{'chosen': name, 'unsupported': {name: reason or ''}}");
+}

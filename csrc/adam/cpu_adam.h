@@ -1,0 +1,53 @@
+// Fused Adam / AdamW over flat fp32 buffers: the kernel API (no torch types; see bindings.cpp).
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace zeroinf {
+namespace adam {
+
+// Instruction-set paths, widest last. All give identical bits (see csrc/includes/simd.h).
+enum class Isa : int { kScalar = 0, kAvx2 = 1, kAvx512 = 2 };
+// Element type of the gradient input and of the optional 16-bit parameter output.
+enum class DType : int { kNone = 0, kF32 = 1, kBF16 = 2, kF16 = 3 };
+
+const char* isa_name(Isa isa);
+// Empty string when `isa` can run on this CPU, else the reason it cannot.
+std::string isa_unsupported_reason(Isa isa);
+// The widest supported path, probed once with __builtin_cpu_supports and cached.
+Isa best_isa();
+
+// Per-call hyper-parameters, already folded into single-precision coefficients by the caller
+// (bindings.cpp computes them in double precision from lr, betas, step, ...). One element update:
+//   g  = grad / grad_scale                         (only when divide_grad)
+//   p  = p * decay                                 (AdamW; decay = 1 - lr * weight_decay)
+//   g  = g + p * l2                                (Adam with L2; l2 = weight_decay)
+//   m  = m * beta1 + g * (1 - beta1)
+//   v  = v * beta2 + ((1 - beta2) * g) * g
+//   p  = p - step_size * (m / (sqrt(v) * inv_bc2_sqrt + eps))
+//   out = p rounded to bf16/fp16                   (when an output is given)
+// with step_size = lr / (1 - beta1^step), inv_bc2_sqrt = 1 / sqrt(1 - beta2^step) (both 1-based
+// step, or lr and 1 without bias correction); formula of Loshchilov & Hutter, "Decoupled Weight
+// Decay Regularization" (2019), Algorithm 2, in the operation order of torch.optim.AdamW.
+struct Hyper {
+  float step_size, inv_bc2_sqrt, eps;
+  float beta1, one_minus_beta1, beta2, one_minus_beta2;
+  float decay, l2, grad_scale;
+  bool use_decay, use_l2, divide_grad;
+};
+
+// In-place update of n elements; `grads` and `out` point at elements of type `gt` / `ot`
+// (out may be nullptr with ot == kNone). Splits the range into cache-sized tiles over
+// `nthreads` OpenMP threads.
+void adam_update(Isa isa, float* params, const void* grads, DType gt, float* exp_avg,
+                 float* exp_avg_sq, void* out, DType ot, int64_t n, const Hyper& h, int nthreads);
+
+// The bandwidth roof of the same memory traffic: reads grads, params, exp_avg, exp_avg_sq,
+// writes params, exp_avg, exp_avg_sq (+ out), with one add per stream instead of Adam's math.
+void stream_rmw(Isa isa, float* params, const void* grads, DType gt, float* exp_avg,
+                float* exp_avg_sq, void* out, DType ot, int64_t n, int nthreads);
+
+}  // namespace adam
+}  // namespace zeroinf

@@ -1,0 +1,190 @@
+"""``CPUAdam``: a ``torch.optim.Optimizer`` drop-in for ``torch.optim.AdamW`` on CPU parameters."""
+from __future__ import annotations
+
+from typing import Any, Callable, Dict, Iterable, Optional, Tuple
+
+import torch
+
+from .functional import adam_step
+
+__all__ = ["CPUAdam"]
+
+_PARAM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+#: Moment and master tensors CPUAdam keeps in float32 whatever the parameter's dtype.
+_FP32_STATE = ("exp_avg", "exp_avg_sq", "master_param")
+
+
+class CPUAdam(torch.optim.Optimizer):
+    """Adam/AdamW on CPU parameters with the fused zeroinf kernel (:func:`zeroinf.optim.adam_step`).
+
+    A user swaps it in for ``torch.optim.AdamW`` with no other change: param groups,
+    ``add_param_group``, LR schedulers (they edit ``group["lr"]``), ``zero_grad``, closures, and
+    betas/lr/weight decay changed between steps are all honoured as torch does.
+
+    Numerics: float32 arithmetic; agrees with ``torch.optim.AdamW(foreach=False)`` to float
+    rounding (max abs difference around 1e-7 per step on unit-scale parameters).
+
+    State (``state_dict()``) is torch's AdamW layout: per parameter ``step`` (a float32 scalar
+    tensor, counted per tensor), ``exp_avg`` and ``exp_avg_sq``; each param group carries torch's
+    keys too (``amsgrad``, ``maximize``, ``decoupled_weight_decay``, ...). Checkpoints therefore
+    move between CPUAdam and torch.optim.AdamW both ways and load with
+    ``torch.load(weights_only=True)``.
+
+    bf16/fp16 parameters: the optimizer keeps an fp32 master copy (``state["master_param"]``)
+    and fp32 moments, steps the master with the parameter's own-dtype gradient and writes the
+    rounded result back into the parameter in the same pass (bit-equal to
+    ``master.to(param.dtype)``). Loading a state dict keeps these tensors in fp32.
+
+    Parameters on an accelerator are not supported: ``step`` raises ``ValueError`` naming the
+    parameter. Use ``torch.optim.AdamW(fused=True)`` for them, or keep the parameters on CPU
+    (e.g. ``zeroinf.initialize`` with ``offload_optimizer``), which is what this class is for.
+
+    Args:
+        params: iterable of parameters or of param-group dicts.
+        lr: learning rate (float, or a 0-dim tensor read with ``float()`` at every step).
+        betas: ``(beta1, beta2)``, each in [0, 1).
+        eps: added to the denominator, > 0 usually; must be >= 0.
+        weight_decay: decoupled (``adamw_mode=True``) or L2 (``False``) weight decay, >= 0.
+        adamw_mode: AdamW (decoupled decay) if True, Adam with L2 penalty if False.
+        bias_correction: divide moments by ``1 - beta**step``.
+        amsgrad: must be False; AMSGrad is not implemented (raises ``ValueError``).
+        maximize: maximize the objective (the gradient is negated), as in torch.
+
+    Raises:
+        ValueError: a hyper-parameter out of range, ``amsgrad=True``, a parameter that is not a
+            floating CPU tensor of dtype fp32/bf16/fp16 (at ``step``), or a sparse gradient.
+    """
+
+    def __init__(self, params: Iterable, lr: float = 1e-3, betas: Tuple[float, float] = (0.9, 0.999),
+                 eps: float = 1e-8, weight_decay: float = 0.0, adamw_mode: bool = True,
+                 bias_correction: bool = True, *, amsgrad: bool = False, maximize: bool = False):
+        _check_hyper(dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad))
+        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
+                        maximize=maximize, adamw_mode=adamw_mode, bias_correction=bias_correction,
+                        # torch.optim.Adam's keys, so the state dict loads there with the same meaning:
+                        decoupled_weight_decay=adamw_mode, foreach=None, capturable=False,
+                        differentiable=False, fused=None)
+        super().__init__(params, defaults)
+
+    def add_param_group(self, param_group: Dict[str, Any]) -> None:
+        """Add a param group (see ``torch.optim.Optimizer.add_param_group``); validates its options."""
+        _check_hyper(param_group)
+        super().add_param_group(param_group)
+
+    def __setstate__(self, state: Dict[str, Any]) -> None:
+        super().__setstate__(state)
+        for group in self.param_groups:
+            # A state dict from torch.optim.AdamW/Adam has no adamw_mode: take its decoupled flag.
+            group.setdefault("adamw_mode", group.get("decoupled_weight_decay", True))
+            group.setdefault("bias_correction", True)
+            group.setdefault("amsgrad", False)
+            group.setdefault("maximize", False)
+            _check_hyper(group)
+
+    def state_dict(self) -> Dict[str, Any]:
+        """torch's optimizer state dict; each group's ``decoupled_weight_decay`` mirrors ``adamw_mode``."""
+        sd = super().state_dict()
+        for group in sd["param_groups"]:
+            group["decoupled_weight_decay"] = bool(group.get("adamw_mode", True))
+        return sd
+
+    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        """Load a CPUAdam or torch.optim.AdamW/Adam state dict.
+
+        torch casts floating state to each parameter's dtype; for bf16/fp16 parameters the moments
+        (and master copy) are put back to float32 from the saved values, so nothing is rounded.
+        """
+        saved = {pid: {k: v for k, v in st.items() if k in _FP32_STATE and torch.is_tensor(v)}
+                 for pid, st in state_dict["state"].items()}
+        super().load_state_dict(state_dict)
+        ids = [pid for g in state_dict["param_groups"] for pid in g["params"]]
+        params = [p for g in self.param_groups for p in g["params"]]
+        for pid, p in zip(ids, params):
+            if p.dtype != torch.float32 and saved.get(pid):
+                for k, v in saved[pid].items():
+                    self.state[p][k] = v.detach().to(device="cpu", dtype=torch.float32, copy=True).contiguous()
+
+    @torch.no_grad()
+    def step(self, closure: Optional[Callable[[], Any]] = None):
+        """One optimizer step over every parameter that has a gradient.
+
+        Args:
+            closure: re-evaluates the model and returns the loss (run with grad enabled).
+
+        Returns:
+            The closure's loss, or None.
+
+        Raises:
+            ValueError: a parameter off the CPU, of an unsupported dtype, or with a sparse gradient.
+        """
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for gi, group in enumerate(self.param_groups):
+            _check_hyper(group)
+            beta1, beta2 = (float(b) for b in group["betas"])
+            hyper = dict(lr=float(group["lr"]), beta1=beta1, beta2=beta2, eps=float(group["eps"]),
+                         weight_decay=float(group["weight_decay"]), adamw_mode=bool(group["adamw_mode"]),
+                         bias_correction=bool(group["bias_correction"]))
+            for pi, p in enumerate(group["params"]):
+                if p.grad is None:
+                    continue
+                self._step_param(p, f"param_groups[{gi}]['params'][{pi}]", hyper, bool(group["maximize"]))
+        return loss
+
+    def _step_param(self, p: torch.Tensor, where: str, hyper: dict, maximize: bool) -> None:
+        grad = p.grad
+        if p.device.type != "cpu":
+            raise ValueError(f"CPUAdam: {where} is on {p.device}; CPUAdam steps CPU parameters only. "
+                             f"Use torch.optim.AdamW(fused=True) for accelerator parameters, or offload "
+                             f"the optimizer with zeroinf.initialize")
+        if p.dtype not in _PARAM_DTYPES:
+            raise ValueError(f"CPUAdam: {where} has dtype {p.dtype}; expected float32, bfloat16 or float16")
+        if grad.is_sparse:
+            raise ValueError(f"CPUAdam: {where} has a sparse gradient; CPUAdam supports dense gradients only")
+        if grad.device.type != "cpu":
+            raise ValueError(f"CPUAdam: the gradient of {where} is on {grad.device}; expected CPU")
+        state = self.state[p]
+        if len(state) == 0:
+            state["step"] = torch.tensor(0.0, dtype=torch.float32)
+            state["exp_avg"] = torch.zeros(p.shape, dtype=torch.float32)
+            state["exp_avg_sq"] = torch.zeros(p.shape, dtype=torch.float32)
+        if p.dtype != torch.float32 and "master_param" not in state:
+            state["master_param"] = p.detach().to(torch.float32, copy=True).contiguous()
+        state["step"] += 1
+        step = int(state["step"].item())
+
+        grad = grad.contiguous()
+        if maximize:
+            grad = -grad
+        if p.dtype == torch.float32:
+            master, out = p.detach(), None
+        else:
+            master, out = state["master_param"], p.detach()
+        # Buffers that are not contiguous (a transposed parameter, a state tensor loaded with
+        # another layout) are stepped through contiguous copies which are then copied back.
+        bufs = {"params": master, "exp_avg": state["exp_avg"], "exp_avg_sq": state["exp_avg_sq"]}
+        if out is not None:
+            bufs["params_out"] = out
+        work = {k: (v if v.is_contiguous() else v.contiguous()) for k, v in bufs.items()}
+        adam_step(work["params"].view(-1), grad.view(-1), work["exp_avg"].view(-1), work["exp_avg_sq"].view(-1),
+                  step=step, params_out=work["params_out"].view(-1) if out is not None else None, **hyper)
+        for k, v in bufs.items():
+            if work[k] is not v:
+                v.copy_(work[k])
+
+
+def _check_hyper(group: Dict[str, Any]) -> None:
+    if group.get("amsgrad", False):
+        raise ValueError("CPUAdam: amsgrad=True is not implemented; use torch.optim.AdamW(amsgrad=True)")
+    if "lr" in group and not float(group["lr"]) >= 0.0:
+        raise ValueError(f"CPUAdam: invalid lr {group['lr']} (must be >= 0)")
+    if "eps" in group and not float(group["eps"]) >= 0.0:
+        raise ValueError(f"CPUAdam: invalid eps {group['eps']} (must be >= 0)")
+    if "weight_decay" in group and not float(group["weight_decay"]) >= 0.0:
+        raise ValueError(f"CPUAdam: invalid weight_decay {group['weight_decay']} (must be >= 0)")
+    if "betas" in group:
+        betas = tuple(group["betas"])
+        if len(betas) != 2 or not all(0.0 <= float(b) < 1.0 for b in betas):
+            raise ValueError(f"CPUAdam: invalid betas {group['betas']} (need two values in [0, 1))")

@@ -1,0 +1,186 @@
+"""The fused Adam/AdamW step over flat buffers: the C++ op, and the pure-PyTorch reference.
+
+:func:`adam_step` is what :class:`zeroinf.optim.CPUAdam` and the ZeRO runtime's optimizer call
+for each parameter or sub-group. It runs the C++ op (``csrc/adam``; AVX-512, AVX2 or scalar,
+chosen at run time) and falls back to :func:`adam_step_reference` — the same arithmetic in
+PyTorch ops, also the tests' second reference — only when ops are unavailable
+(``ZEROINF_DISABLE_OPS=1`` or no compiler), after one warning. A failed build raises
+:class:`zeroinf.ops.OpBuildError`.
+
+``ZEROINF_ADAM_ISA=avx512|avx2|scalar`` (read at every call) forces one instruction-set path,
+``auto`` or unset takes the widest this CPU supports. All paths give the same bits.
+"""
+from __future__ import annotations
+
+import math
+import os
+from typing import Optional
+
+import torch
+
+from ..ops import try_load_op
+
+__all__ = ["adam_step", "adam_step_reference", "isa_info", "stream_rmw", "ISA_ENV"]
+
+#: Environment variable that forces an instruction-set path of the C++ op.
+ISA_ENV = "ZEROINF_ADAM_ISA"
+_ISAS = ("auto", "avx512", "avx2", "scalar")
+_GRAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_OUT_DTYPES = (torch.bfloat16, torch.float16)
+_FALLBACK = "the pure-PyTorch Adam (zeroinf.optim.adam_step_reference)"
+
+
+def _forced_isa() -> str:
+    isa = os.environ.get(ISA_ENV, "auto").strip().lower() or "auto"
+    if isa not in _ISAS:
+        raise ValueError(f"{ISA_ENV}={isa!r}: expected one of {', '.join(_ISAS)}")
+    return isa
+
+
+def _check(name: str, t, numel: Optional[int], dtypes) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.device.type != "cpu":
+        raise ValueError(f"{name} must be a CPU tensor, got device {t.device}")
+    if t.dtype not in dtypes:
+        raise ValueError(f"{name} must have dtype {' or '.join(str(d) for d in dtypes)}, got {t.dtype}")
+    if not t.is_contiguous():
+        raise ValueError(f"{name} must be contiguous (the update is written in place; a contiguous "
+                         f"copy would lose it)")
+    if numel is not None and t.numel() != numel:
+        raise ValueError(f"{name} has {t.numel()} elements, params has {numel}")
+
+
+def _check_all(params, grads, exp_avg, exp_avg_sq, params_out) -> None:
+    _check("params", params, None, (torch.float32,))
+    n = params.numel()
+    _check("grads", grads, n, _GRAD_DTYPES)
+    _check("exp_avg", exp_avg, n, (torch.float32,))
+    _check("exp_avg_sq", exp_avg_sq, n, (torch.float32,))
+    if params_out is not None:
+        _check("params_out", params_out, n, _OUT_DTYPES)
+
+
+def adam_step(params: torch.Tensor, grads: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
+              *, step: int, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float,
+              adamw_mode: bool = True, bias_correction: bool = True, grad_scale: float = 1.0,
+              params_out: Optional[torch.Tensor] = None) -> None:
+    """One Adam/AdamW step, in place, over flat contiguous CPU buffers of equal numel.
+
+    Per element, in float32 (Loshchilov & Hutter, "Decoupled Weight Decay Regularization",
+    Algorithm 2; the operation order of ``torch.optim.AdamW``)::
+
+        g = grads / grad_scale
+        p = p * (1 - lr * weight_decay)              if adamw_mode
+        g = g + weight_decay * p                     otherwise (L2, torch.optim.Adam)
+        m = beta1 * m + (1 - beta1) * g
+        v = beta2 * v + (1 - beta2) * g * g
+        p = p - lr / bc1 * m / (sqrt(v) / sqrt(bc2) + eps)
+        params_out = p.to(params_out.dtype)          if params_out is given
+
+    with ``bc1 = 1 - beta1**step`` and ``bc2 = 1 - beta2**step`` (1 when ``bias_correction`` is
+    False). Agrees with ``torch.optim.AdamW(foreach=False)`` to float rounding (about 1e-7 per
+    step on unit-scale parameters; the result is not bit-identical to torch because
+    ``1/sqrt(bc2)`` is folded into one multiply).
+
+    Args:
+        params: fp32 master parameters, any shape, contiguous; updated in place.
+        grads: fp32, bf16 or fp16 gradients (read only).
+        exp_avg, exp_avg_sq: fp32 first and second moments; updated in place.
+        step: the 1-based step number after increment (``torch.optim`` convention).
+        lr, beta1, beta2, eps, weight_decay: the usual hyper-parameters (Python floats).
+        adamw_mode: decoupled weight decay (AdamW) if True, L2 added to the gradient if False.
+        bias_correction: divide by ``1 - beta**step`` as torch does.
+        grad_scale: the gradients are divided by it first (fp16 loss scaling folded in).
+        params_out: optional bf16/fp16 buffer receiving the updated parameters, bit-equal to
+            ``params.to(params_out.dtype)`` (round to nearest even; NaN as torch casts it).
+
+    Raises:
+        ValueError: a buffer is not a contiguous CPU tensor of the required dtype and numel (the
+            message names it), ``step < 1``, ``grad_scale`` not finite and positive, or
+            ``ZEROINF_ADAM_ISA`` names a path this CPU cannot run.
+        zeroinf.ops.OpBuildError: the C++ op failed to build.
+    """
+    _check_all(params, grads, exp_avg, exp_avg_sq, params_out)
+    step = int(step)
+    if step < 1:
+        raise ValueError(f"step must be >= 1 (the step number after increment), got {step}")
+    if not (math.isfinite(grad_scale) and grad_scale > 0):
+        raise ValueError(f"grad_scale must be finite and > 0, got {grad_scale}")
+    isa = _forced_isa()
+    op = try_load_op("adam", _FALLBACK)
+    if op is None:
+        adam_step_reference(params, grads, exp_avg, exp_avg_sq, step=step, lr=lr, beta1=beta1, beta2=beta2,
+                            eps=eps, weight_decay=weight_decay, adamw_mode=adamw_mode,
+                            bias_correction=bias_correction, grad_scale=grad_scale, params_out=params_out)
+        return
+    op.adam_step(params, grads, exp_avg, exp_avg_sq, params_out, step, float(lr), float(beta1), float(beta2),
+                 float(eps), float(weight_decay), bool(adamw_mode), bool(bias_correction), float(grad_scale),
+                 isa)
+
+
+@torch.no_grad()
+def adam_step_reference(params: torch.Tensor, grads: torch.Tensor, exp_avg: torch.Tensor,
+                        exp_avg_sq: torch.Tensor, *, step: int, lr: float, beta1: float, beta2: float,
+                        eps: float, weight_decay: float, adamw_mode: bool = True,
+                        bias_correction: bool = True, grad_scale: float = 1.0,
+                        params_out: Optional[torch.Tensor] = None) -> None:
+    """:func:`adam_step` written with PyTorch ops: the runtime fallback and the tests' reference.
+
+    Same arguments, formula and errors as :func:`adam_step`; float32 arithmetic in the same order
+    as the C++ kernel, so the two agree to about one rounding step.
+    """
+    _check_all(params, grads, exp_avg, exp_avg_sq, params_out)
+    bc1 = 1.0 - beta1 ** step if bias_correction else 1.0
+    bc2 = 1.0 - beta2 ** step if bias_correction else 1.0
+    g = grads.float()
+    if grad_scale != 1.0:
+        g = g / grad_scale
+    if weight_decay != 0.0:
+        if adamw_mode:
+            params.mul_(1.0 - lr * weight_decay)
+        else:
+            g = g + params * weight_decay
+    exp_avg.mul_(beta1).add_(g * (1.0 - beta1))
+    exp_avg_sq.mul_(beta2).add_(g * (1.0 - beta2) * g)
+    denom = exp_avg_sq.sqrt().mul_(1.0 / math.sqrt(bc2)).add_(eps)
+    params.sub_((exp_avg / denom).mul_(lr / bc1))
+    if params_out is not None:
+        params_out.copy_(params)
+
+
+def stream_rmw(params: torch.Tensor, grads: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
+               params_out: Optional[torch.Tensor] = None) -> None:
+    """The memory roof of :func:`adam_step`: the same loads and stores, one add per stream.
+
+    Reads ``grads``, ``params``, ``exp_avg``, ``exp_avg_sq``; writes ``params + grads`` etc. back
+    (and ``params_out``). Meaningless numbers: for bench/cpu_adam.py, which times it as the
+    bandwidth ceiling of a single-pass Adam over the same bytes.
+
+    Raises:
+        ValueError: as :func:`adam_step`.
+        zeroinf.ops.OpUnavailableError, zeroinf.ops.OpBuildError: the C++ op is unavailable.
+    """
+    from ..ops import load_op
+
+    _check_all(params, grads, exp_avg, exp_avg_sq, params_out)
+    load_op("adam").stream_rmw(params, grads, exp_avg, exp_avg_sq, params_out, _forced_isa())
+
+
+def isa_info() -> dict:
+    """Instruction-set paths of the Adam op, for ``zeroinf report``; builds the op if needed.
+
+    Returns:
+        ``{"chosen": "avx512"|"avx2"|"scalar"|"torch", "forced": value of ZEROINF_ADAM_ISA or
+        None, "unsupported": {path: reason, "" when it runs here}}``. ``chosen`` is "torch" when
+        the op is unavailable and the pure-PyTorch reference runs.
+    """
+    forced = os.environ.get(ISA_ENV) or None
+    op = try_load_op("adam", _FALLBACK)
+    if op is None:
+        return {"chosen": "torch", "forced": forced, "unsupported": {}}
+    info = dict(op.isa_info())
+    if forced and forced != "auto":
+        info["chosen"] = forced
+    info["forced"] = forced
+    return info
