@@ -1,0 +1,675 @@
+"""Stage 3 parameter manager: partitioned parameters, gathered just in time.
+
+How one iteration runs (one rank's view):
+
+* Root forward pre-hook: start the iteration (trace key = ``torch.is_grad_enabled()``), enter the
+  saved-tensor hooks and the foreign-access mode, gather the persistent unit (if stale) and the
+  root unit.
+* Unit forward pre-hook: request the unit (gathered on demand, or already prefetched), then let
+  the scheduler prefetch the next units of the trace. Post-hook: hook the unit's outputs for the
+  backward, release the unit unless it is used again within ``stage3_max_reuse_distance``.
+* Backward: a multi-grad hook on each unit call's outputs requests the unit before its backward
+  runs. Each parameter's post-accumulate-grad hook copies its gradient into the unit's flat
+  gradient; when all of a unit's trainable parameters have their gradient, the flat gradient
+  is reduced over ranks, the rank's shard is added to its fp32 CPU gradient buffer (accumulated
+  over micro-batches), and the unit is released. A callback at the end of the backward reduces
+  whatever is left (parameters that got no gradient) and releases everything.
+
+[Note: saved tensors] Autograd saves parameters (and views such as ``weight.t()``) for the
+backward. Left alone, those references would keep every released flat buffer alive until the
+backward. A ``saved_tensors_hooks`` pair replaces any saved tensor that lies in a gathered flat
+buffer with a (group, offset, size, stride) reference and rebuilds the view at unpack time,
+gathering the unit again if it was released. So memory follows the live-parameter count, and a
+weight used by another module's forward is still correct in the backward.
+
+[Note: foreign access] A module may read a parameter that belongs to another, released unit (a
+head tied to an embedding it does not own, ``other.weight`` in a forward). While the model's
+forward runs, a ``TorchFunctionMode`` looks at the parameters passed to every torch function;
+a released one has its unit gathered on demand (counted as ``foreign_gathers``) and kept until
+the current unit's forward ends. A released parameter is therefore never seen as an empty
+placeholder inside a forward.
+
+[Note: I/O thread] With NVMe partitions, reads run on one background thread (the CPU stand-in
+for a side stream), so the NVMe reads of the next units overlap the current unit's compute.
+All swap-file traffic (reads, and write-backs after the optimizer step) goes through that one
+thread, so the swapper is never used from two threads at once. Collectives run on the caller's
+thread only, in the same order on every rank (the trace is the same on every rank).
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import threading
+import weakref
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_flatten
+
+from .options import Stage3ConfigError, Stage3Options
+from .prefetch import PrefetchScheduler
+from .stats import Stage3Stats, TraceRecorder
+from .tiers import DeviceStore, HostCache, HostStore, NvmeStore
+from .units import FlatGroup, ParamSlot, Unit, UnitState, build_units, find_unit_modules
+
+__all__ = ["Stage3ParameterManager", "managers"]
+
+_MANAGERS: "weakref.WeakSet[Stage3ParameterManager]" = weakref.WeakSet()
+
+
+def managers() -> List["Stage3ParameterManager"]:
+    """The live managers of this process (for ``gathered_parameters``)."""
+    return list(_MANAGERS)
+
+
+class _SavedRef:
+    """A saved tensor that lies in a flat buffer: rebuilt from the group at unpack time."""
+
+    __slots__ = ("group", "offset", "size", "stride")
+
+    def __init__(self, group: FlatGroup, offset: int, size, stride):
+        self.group, self.offset, self.size, self.stride = group, offset, size, stride
+
+
+class _ForeignAccessMode(TorchFunctionMode):
+    """See [Note: foreign access]."""
+
+    def __init__(self, manager: "Stage3ParameterManager"):
+        super().__init__()
+        self.m = manager
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        m = self.m
+        if not m._busy:
+            for a in _shallow_args(args, kwargs):
+                if isinstance(a, nn.Parameter):
+                    rec = m._slot_of.get(a)
+                    if rec is not None and rec[0].state is not UnitState.GATHERED:
+                        m._gather_foreign(rec[0], getattr(func, "__name__", str(func)))
+        return func(*args, **kwargs)
+
+
+def _shallow_args(args, kwargs):
+    for a in args:
+        if isinstance(a, (list, tuple)):
+            yield from a
+        else:
+            yield a
+    yield from kwargs.values()
+
+
+class Stage3ParameterManager:
+    """Partition a module's parameters over ranks and tiers; gather them just in time.
+
+    Args:
+        module: the model. Its parameters must have their full values on construction (the
+            same on every rank; rank 0's are broadcast when ``world_size > 1``), or have been
+            partitioned already by :class:`zeroinf.Init`.
+        options: :class:`Stage3Options` (DeepSpeed ``zero_optimization`` stage-3 keys).
+        device: compute device (default: CUDA if available, else CPU).
+        process_group: ``torch.distributed`` group (default: the world when initialized).
+        swapper: a ``zeroinf.io.TensorSwapper`` for NVMe partitions (default: one made under
+            ``<nvme_path>/zeroinf_params_rank<r>``).
+
+    Raises:
+        Stage3ConfigError: ``offload_param.buffer_size`` is smaller than the largest unit
+            partition, or ``stage3_max_live_parameters`` below the root unit plus the largest
+            unit; the message names the unit and the minimum.
+
+    How an engine drives it (stage 3):
+
+    * construct it after building the model; call the model normally (hooks do the rest);
+    * after ``loss.backward()`` the fp32 gradient of every partition is in
+      ``group.grad_shard`` for ``group in manager.groups()`` (CPU, ``shard_numel`` elements,
+      summed over the backward passes since :meth:`zero_grad`, averaged over ranks);
+    * step the optimizer over those shards: :meth:`read_param_shard` /
+      :meth:`write_param_shard` move a partition between its home tier and a caller's tensor
+      (or use ``group.store.local()`` for the device/CPU tiers), then call :meth:`params_updated`
+      so the persistent unit is gathered afresh; then :meth:`zero_grad`.
+    """
+
+    def __init__(self, module: nn.Module, options: Optional[Stage3Options] = None, *,
+                 device: Optional[torch.device] = None, process_group=None, swapper=None,
+                 unit_modules: Optional[Sequence[Tuple[str, nn.Module]]] = None):
+        self.options = opts = options or Stage3Options()
+        self.module = module
+        self.device = torch.device(device) if device is not None else (
+            torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu"))
+        self.group = process_group
+        if dist.is_available() and dist.is_initialized():
+            self.world_size, self.rank = dist.get_world_size(process_group), dist.get_rank(process_group)
+        else:
+            self.world_size, self.rank = 1, 0
+        self.stats = Stage3Stats()
+        self.tracer = TraceRecorder()
+        self._busy = 0
+        self._live = 0
+        self._active: List[Unit] = []
+        self._foreign: List[Unit] = []
+        self._in_iteration = False
+        self._in_backward = False
+        self._callback_queued = False
+        self._persistent_stale = True
+        self._ctx: Optional[contextlib.ExitStack] = None
+        self._placeholders: Dict[torch.dtype, torch.Tensor] = {}
+        self._listeners: List[Callable[[List[FlatGroup]], None]] = []
+        self._storage_of: Dict[int, FlatGroup] = {}
+        self._handles: list = []
+
+        from .init import init_shapes  # parameters partitioned at construction (zeroinf.Init)
+        shapes = init_shapes(module)
+        if unit_modules is None:
+            unit_modules = find_unit_modules(module, opts.unit_classes)
+        self.units: List[Unit] = build_units(module, list(unit_modules), opts.param_persistence_threshold,
+                                             self.world_size, shapes)
+        self._slot_of: Dict[nn.Parameter, Tuple[Unit, FlatGroup, ParamSlot]] = {}
+        for u in self.units:
+            for g in u.groups:
+                for s in g.slots:
+                    self._slot_of[s.param] = (u, g, s)
+        self._check_limits()
+        self._io: Optional[ThreadPoolExecutor] = None
+        self._swapper = None
+        self._make_stores(swapper)
+        self._partition_initial(shapes)
+        self.scheduler = PrefetchScheduler(self, opts.prefetch_bucket_size, opts.max_live_parameters,
+                                           opts.max_reuse_distance)
+        self._install_hooks()
+        _MANAGERS.add(self)
+
+    # ------------------------------------------------------------------------ set-up
+    def _check_limits(self) -> None:
+        opts = self.options
+        blocks = [u for u in self.units if u.index >= 2 and u.groups]
+        root = self.units[1]
+        biggest = max(blocks, key=lambda u: u.numel, default=None)
+        need_live = root.numel + (biggest.numel if biggest else 0)
+        if opts.max_live_parameters < need_live:
+            who = f"the root unit ({root.numel}) plus unit '{biggest.name}' ({biggest.numel})" if biggest else "the root unit"
+            raise Stage3ConfigError("zero_optimization.stage3_max_live_parameters",
+                                    f"{opts.max_live_parameters} elements cannot hold {who}; the minimum is {need_live}")
+        if opts.offload_param_device == "nvme":
+            part = max((g for u in self.units for g in u.groups), key=lambda g: g.shard_numel, default=None)
+            if part is not None and opts.buffer_size < part.shard_numel:
+                name = self.units[int(part.key.split("/")[0][4:])].name
+                raise Stage3ConfigError("zero_optimization.offload_param.buffer_size",
+                                        f"{opts.buffer_size} elements is smaller than the partition of unit '{name}' "
+                                        f"({part.key}, {part.shard_numel} elements); the minimum is {part.shard_numel}")
+            need = self.min_buffer_count()
+            if opts.buffer_count < need:
+                raise Stage3ConfigError("zero_optimization.offload_param.buffer_count",
+                                        f"{opts.buffer_count} is too few: the largest unit has {need} dtype "
+                                        f"partitions read at once; the minimum is {need}")
+
+    def min_buffer_count(self) -> int:
+        """Staging buffers needed: the largest number of partitions one unit reads at once
+        (one per dtype). Reads run one unit at a time on the I/O thread, prefetch included."""
+        return max((len(u.groups) for u in self.units), default=1) or 1
+
+    def _make_stores(self, swapper) -> None:
+        opts = self.options
+        tier = opts.offload_param_device
+        if tier == "nvme":
+            from zeroinf import io as zio  # contract B
+            if swapper is None:
+                d = os.path.join(opts.nvme_path, f"zeroinf_params_rank{self.rank}")
+                os.makedirs(d, exist_ok=True)
+                handle = zio.AsyncIOHandle.from_config(opts.aio) if opts.aio else zio.AsyncIOHandle()
+                swapper = zio.TensorSwapper(d, handle)
+            self._swapper = swapper
+            elem = max((torch.empty(0, dtype=g.dtype).element_size() for u in self.units for g in u.groups), default=4)
+            self._pool = zio.PinnedBufferPool(opts.buffer_count, opts.buffer_size * elem)
+            self._cache = HostCache(opts.max_in_cpu, opts.pin_memory) if opts.max_in_cpu > 0 else None
+            self._io = ThreadPoolExecutor(1, thread_name_prefix="zeroinf-stage3-io")
+        for u in self.units:
+            for g in u.groups:
+                if tier == "nvme":
+                    g.store = NvmeStore(self._swapper, f"rank{self.rank}/param/{g.key}", g.shard_numel, g.dtype,
+                                        self._pool, self._cache)
+                elif tier == "cpu":
+                    g.store = HostStore(g.shard_numel, g.dtype, opts.pin_memory)
+                else:
+                    g.store = DeviceStore(g.shard_numel, g.dtype, self.device)
+
+    def _shard_range(self, g: FlatGroup) -> Tuple[int, int]:
+        return self.rank * g.shard_numel, (self.rank + 1) * g.shard_numel
+
+    def _partition_initial(self, shapes) -> None:
+        """Copy each group's full values into this rank's partition, one group at a time, then
+        drop the full parameter data."""
+        from .init import take_init_values
+        for u in self.units:
+            for g in u.groups:
+                flat = torch.zeros(g.padded_numel, dtype=g.dtype, device=self.device)
+                for s in g.slots:
+                    src = take_init_values(s.param) if s.param in shapes else s.param.data
+                    flat[s.offset:s.offset + s.numel].copy_(src.reshape(-1))
+                if self.world_size > 1:
+                    dist.broadcast(flat, src=dist.get_global_rank(self.group, 0) if self.group is not None else 0,
+                                   group=self.group)
+                lo, hi = self._shard_range(g)
+                self._run_io(g.store.write_from, flat[lo:hi])
+                for s in g.slots:
+                    s.param.data = self._placeholder(g.dtype)
+                del flat
+
+    def _placeholder(self, dtype: torch.dtype) -> torch.Tensor:
+        t = self._placeholders.get(dtype)
+        if t is None:
+            t = self._placeholders[dtype] = torch.empty(0, dtype=dtype, device=self.device)
+        return t
+
+    def _install_hooks(self) -> None:
+        root = self.module
+        self._handles.append(root.register_forward_pre_hook(self._root_pre_forward))
+        self._handles.append(root.register_forward_hook(self._root_post_forward, always_call=True))
+        for u in self.units[2:]:
+            self._handles.append(u.module.register_forward_pre_hook(lambda m, a, u=u: self._pre_forward(u)))
+            self._handles.append(u.module.register_forward_hook(lambda m, a, o, u=u: self._post_forward(u, o),
+                                                                always_call=True))
+        for u in self.units:
+            for g in u.groups:
+                for s in g.slots:
+                    if s.param.requires_grad:
+                        self._handles.append(s.param.register_post_accumulate_grad_hook(self._post_accumulate))
+
+    def remove_hooks(self) -> None:
+        """Detach from the module (parameters stay partitioned)."""
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+
+    # ------------------------------------------------------------------------ I/O plumbing
+    def _run_io(self, fn, *args):
+        """Run a tier transfer on the I/O thread (NVMe) or inline, and wait for it."""
+        if self._io is None:
+            return fn(*args)
+        return self._io.submit(fn, *args).result()
+
+    def _read_partitions(self, unit: Unit) -> None:
+        t0 = self.tracer.now()
+        nbytes = 0
+        for g in unit.groups:
+            lo, hi = self._shard_range(g)
+            nbytes += g.store.read_into(g.full[lo:hi])
+        t1 = self.tracer.now()
+        tier = self.options.offload_param_device
+        if tier == "nvme":
+            self.stats.add("bytes_nvme_read", nbytes)
+            self.stats.add("io_busy_s", t1 - t0)
+        elif tier == "cpu":
+            self.stats.add("bytes_host_read", nbytes)
+        self.tracer.span(f"read {unit.name}", "transfer", t0, t1,
+                         thread="io" if self._io is not None else "compute", args={"bytes": nbytes, "tier": tier})
+
+    # ------------------------------------------------------------------------ gather / release
+    @property
+    def live_numel(self) -> int:
+        """Elements of non-persistent units gathered or being gathered."""
+        return self._live
+
+    def is_pinned(self, unit: Unit) -> bool:
+        """True while the unit is in use (running forward, or awaiting its gradients)."""
+        return unit.persistent or unit in self._active or unit in self._foreign or (
+            self._in_backward and unit.state is UnitState.GATHERED and 0 < unit.grads_seen < unit.trainable)
+
+    def issue(self, unit: Unit) -> None:
+        """Start gathering ``unit`` (its tier reads; the all-gather runs in :meth:`_complete`)."""
+        if unit.state is not UnitState.RELEASED:
+            return
+        if not unit.persistent:
+            self._live += unit.numel
+            self.stats.live(self._live)
+        for g in unit.groups:
+            g.full = torch.empty(g.padded_numel, dtype=g.dtype, device=self.device)
+        unit.state = UnitState.FETCHING
+        self.stats.add("gathers")
+        if self._io is not None:
+            unit.future = self._io.submit(self._read_partitions, unit)
+        else:
+            self._read_partitions(unit)
+            unit.future = None
+
+    def _complete(self, unit: Unit) -> None:
+        if unit.state is UnitState.GATHERED:
+            return
+        if unit.state is UnitState.RELEASED:
+            self.issue(unit)
+        if unit.future is not None:
+            t0 = self.tracer.now()
+            done = unit.future.done()
+            unit.future.result()
+            unit.future = None
+            t1 = self.tracer.now()
+            if not done:
+                self.stats.add("wait_io_s", t1 - t0)
+                self.tracer.span(f"wait {unit.name}", "wait", t0, t1)
+        if self.world_size > 1:
+            for g in unit.groups:
+                t0 = self.tracer.now()
+                lo, hi = self._shard_range(g)
+                mine = g.full[lo:hi].clone()
+                dist.all_gather(list(g.full.chunk(self.world_size)), mine, group=self.group)
+                self.stats.add("bytes_allgather", g.full.numel() * g.full.element_size())
+                self.tracer.span(f"all_gather {g.key}", "comm", t0, self.tracer.now())
+        for g in unit.groups:
+            self._storage_of[g.full.untyped_storage().data_ptr()] = g
+            for s in g.slots:
+                s.param.data = g.full[s.offset:s.offset + s.numel].view(s.shape)
+        unit.state = UnitState.GATHERED
+
+    def release(self, unit: Unit) -> None:
+        """Drop the unit's full buffers; parameters become empty placeholders."""
+        if unit.state is UnitState.RELEASED:
+            return
+        if unit.future is not None:  # a read still writes into the buffer
+            unit.future.result()
+            unit.future = None
+        for g in unit.groups:
+            if g.full is not None:
+                self._storage_of.pop(g.full.untyped_storage().data_ptr(), None)
+            for s in g.slots:
+                s.param.data = self._placeholder(g.dtype)
+            g.full = None
+        if not unit.persistent:
+            self._live -= unit.numel
+        unit.state = UnitState.RELEASED
+        self.stats.add("releases")
+
+    def _make_room(self, unit: Unit) -> None:
+        """Release prefetched and kept units until ``unit`` fits under max_live_parameters."""
+        limit = self.options.max_live_parameters
+        if unit.persistent or unit.state is not UnitState.RELEASED or self._live + unit.numel <= limit:
+            return
+        self.scheduler.drop_prefetched()
+        for u in self.units:
+            if self._live + unit.numel <= limit:
+                break
+            if u.state is not UnitState.RELEASED and not self.is_pinned(u):
+                self.release(u)
+        if self._live + unit.numel > limit:
+            live = [u.name for u in self.units if u.state is not UnitState.RELEASED and not u.persistent]
+            raise RuntimeError(f"zeroinf stage 3: gathering unit '{unit.name}' ({unit.numel} elements) would exceed "
+                               f"zero_optimization.stage3_max_live_parameters={limit}; in use: {live} "
+                               f"({self._live} elements). Raise the limit.")
+
+    def _request(self, unit: Unit, phase: str) -> None:
+        """A unit is needed now: count, gather (on demand if not prefetched), prefetch ahead."""
+        was_live = unit.state is UnitState.GATHERED
+        hit = self.scheduler.on_request(unit, phase)
+        if was_live:
+            self.stats.add("already_live")
+        elif hit:
+            self.stats.add("prefetch_hits")
+        else:
+            self.stats.add("prefetch_misses")
+        self._make_room(unit)
+        self._complete(unit)
+        self.scheduler.schedule()
+
+    def _gather_foreign(self, unit: Unit, why: str) -> None:
+        self._busy += 1
+        try:
+            self.stats.add("foreign_gathers")
+            self._request(unit, "fwd")
+            if unit not in self._foreign:
+                self._foreign.append(unit)
+        finally:
+            self._busy -= 1
+
+    # ------------------------------------------------------------------------ saved tensors
+    def _pack(self, t: torch.Tensor):
+        if self._storage_of and t.layout is torch.strided and t.device == self.device:
+            try:
+                g = self._storage_of.get(t.untyped_storage().data_ptr())
+            except RuntimeError:
+                g = None
+            if g is not None and g.full is not None and t.untyped_storage().data_ptr() == g.full.untyped_storage().data_ptr():
+                return _SavedRef(g, t.storage_offset(), tuple(t.shape), tuple(t.stride()))
+        return t
+
+    def _unpack(self, x):
+        if isinstance(x, _SavedRef):
+            g = x.group
+            if g.full is None:
+                unit = self._unit_of_group(g)
+                self._busy += 1
+                try:
+                    self._request(unit, "bwd")
+                finally:
+                    self._busy -= 1
+            return g.full.as_strided(x.size, x.stride, x.offset)
+        return x
+
+    def _unit_of_group(self, g: FlatGroup) -> Unit:
+        return self.units[int(g.key.split("/")[0][4:])]
+
+    # ------------------------------------------------------------------------ forward hooks
+    def _root_pre_forward(self, module, args):
+        self._busy += 1
+        try:
+            if self._in_iteration:  # a grad-enabled forward that had no backward
+                self._end_iteration()
+            self._in_iteration = True
+            self._callback_queued = False
+            self._in_backward = False
+            self.scheduler.begin(torch.is_grad_enabled())
+            self._t_iter = self.tracer.now()
+            ctx = contextlib.ExitStack()
+            ctx.enter_context(torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack))
+            ctx.enter_context(_ForeignAccessMode(self))
+            self._ctx = ctx
+            if self._persistent_stale and self.units[0].groups:
+                self.release(self.units[0])
+                self._complete(self.units[0])
+                self._persistent_stale = False
+            self._active.append(self.units[1])
+            self._request(self.units[1], "fwd")
+        finally:
+            self._busy -= 1
+
+    def _root_post_forward(self, module, args, output):
+        self._busy += 1
+        try:
+            if self._ctx is not None:
+                self._ctx.close()
+                self._ctx = None
+            if self.units[1] in self._active:
+                self._active.remove(self.units[1])
+            self._release_foreign()
+            self.tracer.span("forward", "unit", self._t_iter, self.tracer.now())
+            for u in self.units[1:]:
+                if u.state is not UnitState.RELEASED and not self.is_pinned(u):
+                    self.release(u)
+            if torch.is_grad_enabled() and self._hook_outputs(self.units[1], output):
+                return output
+            self._end_iteration()
+        finally:
+            self._busy -= 1
+        return output
+
+    def _pre_forward(self, unit: Unit):
+        self._busy += 1
+        try:
+            if not self._in_iteration:
+                raise RuntimeError(f"zeroinf stage 3: unit '{unit.name}' was called outside the managed model's "
+                                   "forward; call the model itself, or wrap the call in "
+                                   "zeroinf.gathered_parameters(module.parameters())")
+            self._active.append(unit)
+            unit._t0 = self.tracer.now()
+            self._request(unit, "fwd")
+        finally:
+            self._busy -= 1
+
+    def _post_forward(self, unit: Unit, output):
+        self._busy += 1
+        try:
+            if unit in self._active:
+                self._active.remove(unit)
+            self.tracer.span(f"fwd {unit.name}", "unit", getattr(unit, "_t0", self.tracer.now()), self.tracer.now())
+            if torch.is_grad_enabled():
+                self._hook_outputs(unit, output)
+            self._release_foreign()
+            if not self.scheduler.keep_after_use(unit) and unit not in self._active:
+                self.release(unit)
+        finally:
+            self._busy -= 1
+        return None
+
+    def _release_foreign(self) -> None:
+        for u in list(self._foreign):
+            self._foreign.remove(u)
+            if u not in self._active and not self.scheduler.keep_after_use(u):
+                self.release(u)
+
+    def _hook_outputs(self, unit: Unit, output) -> bool:
+        leaves, _ = tree_flatten(output)
+        ts = [t for t in leaves if isinstance(t, torch.Tensor) and t.requires_grad]
+        if not ts:
+            return False
+        torch.autograd.graph.register_multi_grad_hook(ts, lambda grads, u=unit: self._pre_backward(u), mode="any")
+        return True
+
+    # ------------------------------------------------------------------------ backward hooks
+    def _pre_backward(self, unit: Unit) -> None:
+        self._busy += 1
+        try:
+            if not self._callback_queued:
+                self._callback_queued = True
+                self._in_backward = True
+                self._t_bwd = self.tracer.now()
+                torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+            unit._t0 = self.tracer.now()
+            self._request(unit, "bwd")
+        finally:
+            self._busy -= 1
+
+    def _post_accumulate(self, param: nn.Parameter) -> None:
+        unit, g, s = self._slot_of[param]
+        grad = param.grad
+        if grad is None:
+            return
+        if g.grad_full is None:
+            g.grad_full = torch.zeros(g.padded_numel, dtype=g.dtype, device=self.device)
+        g.grad_full[s.offset:s.offset + s.numel].add_(grad.reshape(-1))
+        param.grad = None
+        unit.grads_seen += 1
+        if unit.grads_seen == unit.trainable:
+            self._reduce(unit)
+            if not unit.persistent and unit not in self._active:
+                self.tracer.span(f"bwd {unit.name}", "unit", getattr(unit, "_t0", self.tracer.now()), self.tracer.now())
+                self.release(unit)
+
+    def _reduce(self, unit: Unit) -> None:
+        """Average the unit's flat gradients over ranks; add the rank's shard to ``grad_shard``."""
+        did = False
+        for g in unit.groups:
+            if g.grad_full is None:
+                continue
+            t0 = self.tracer.now()
+            if self.world_size > 1:
+                # gloo has no reduce-scatter: all-reduce, then keep this rank's shard
+                dist.all_reduce(g.grad_full, group=self.group)
+                g.grad_full.div_(self.world_size)
+                self.stats.add("bytes_reduce", g.grad_full.numel() * g.grad_full.element_size())
+            lo, hi = self._shard_range(g)
+            if g.grad_shard is None:
+                g.grad_shard = torch.zeros(g.shard_numel, dtype=torch.float32, device="cpu")
+            g.grad_shard.add_(g.grad_full[lo:hi].to(device="cpu", dtype=torch.float32))
+            g.grad_full = None
+            did = True
+            self.tracer.span(f"reduce {g.key}", "comm", t0, self.tracer.now())
+        if did:
+            unit.reduces_this_backward += 1
+            self.stats.add("reduces")
+
+    def _end_backward(self) -> None:
+        self._busy += 1
+        try:
+            for u in self.units:
+                if any(g.grad_full is not None for g in u.groups):
+                    self._reduce(u)
+            self._in_backward = False
+            if self.tracer is not None and hasattr(self, "_t_bwd"):
+                self.tracer.span("backward", "unit", self._t_bwd, self.tracer.now())
+            self._end_iteration()
+        finally:
+            self._busy -= 1
+
+    def _end_iteration(self) -> None:
+        self.scheduler.end()
+        self._active.clear()
+        self._foreign.clear()
+        for u in self.units[1:]:
+            self.release(u)
+        self.last_reduce_counts = {u.name: u.reduces_this_backward for u in self.units if u.groups}
+        for u in self.units:
+            u.grads_seen = 0
+            u.reduces_this_backward = 0
+        self._in_iteration = False
+        self._in_backward = False
+        self.stats.finish()
+        self.tracer.finish()
+
+    # ------------------------------------------------------------------------ optimizer side
+    def groups(self) -> List[FlatGroup]:
+        """Every flat group of every unit (persistent first, then root, then blocks)."""
+        return [g for u in self.units for g in u.groups]
+
+    def read_param_shard(self, g: FlatGroup, dst: torch.Tensor) -> None:
+        """Copy this rank's partition of ``g`` (``shard_numel`` elements) into ``dst``."""
+        self._run_io(g.store.read_into, dst)
+
+    def write_param_shard(self, g: FlatGroup, src: torch.Tensor) -> None:
+        """Store ``src`` as this rank's partition of ``g`` on its home tier (synchronously)."""
+        t0 = self.tracer.now()
+        n = self._run_io(g.store.write_from, src)
+        key = "bytes_nvme_written" if self.options.offload_param_device == "nvme" else "bytes_host_written"
+        self.stats.add(key, n)
+        self.tracer.span(f"write {g.key}", "transfer", t0, self.tracer.now(), thread="io" if self._io else "compute")
+
+    def params_updated(self, groups: Optional[List[FlatGroup]] = None) -> None:
+        """Partitions changed outside a forward (optimizer step): gather the persistent unit
+        afresh before the next forward."""
+        self._persistent_stale = True
+        if self.units[0].state is not UnitState.RELEASED:
+            self.release(self.units[0])
+
+    def zero_grad(self) -> None:
+        """Zero every ``grad_shard`` (after an optimizer step)."""
+        for g in self.groups():
+            if g.grad_shard is not None:
+                g.grad_shard.zero_()
+
+    def add_write_listener(self, fn: Callable[[List[FlatGroup]], None]) -> None:
+        """``fn(groups)`` runs after ``gathered_parameters`` wrote new values into partitions
+        (an engine re-reads its fp32 master weights from them)."""
+        self._listeners.append(fn)
+
+    # ------------------------------------------------------------------------ visibility
+    def stats_dict(self) -> Dict[str, Any]:
+        """Counters of the last finished iteration (see :class:`Stage3Stats`)."""
+        out = self.stats.snapshot()
+        out["traces_recorded"] = self.scheduler.traces_recorded
+        out["live_now"] = self._live
+        return out
+
+    def trace(self, path: "str | os.PathLike") -> int:
+        """Write the last iteration's transfers and unit executions as Chrome/Perfetto JSON."""
+        return self.tracer.write(path)
+
+    def close(self) -> None:
+        """Release everything, stop the I/O thread, close the swapper."""
+        for u in self.units:
+            self.release(u)
+        if self._io is not None:
+            self._io.shutdown(wait=True)
+            self._io = None
+        if self._swapper is not None and hasattr(self._swapper, "close"):
+            self._swapper.close()

@@ -1,0 +1,137 @@
+"""Trace-then-schedule prefetch.
+
+The first iteration (forward + backward) of each kind records the order in which units are
+requested: ``(unit index, phase)`` with phase ``"fwd"`` or ``"bwd"``. Kinds are keyed by
+``torch.is_grad_enabled()`` at the forward, so an eval forward under ``no_grad`` keeps its own
+trace and never disturbs the training trace. Later iterations follow the trace: each request
+advances a cursor, and the units next in the trace are gathered ahead of use, bounded by
+``stage3_prefetch_bucket_size`` (elements in flight ahead) and ``stage3_max_live_parameters``.
+
+A request that differs from the trace (a conditional branch, a different generate length), or an
+iteration that ends before its trace does, is a divergence: everything prefetched and not yet
+used is released, the rest of the iteration is served on demand, the new order is recorded and
+replaces the old trace, and a warning is issued once per cause.
+"""
+from __future__ import annotations
+
+import warnings
+from typing import Dict, Hashable, List, Optional, Set, Tuple
+
+__all__ = ["PrefetchScheduler"]
+
+Entry = Tuple[int, str]
+
+
+class PrefetchScheduler:
+    """Decides what to gather ahead and what to keep; the manager does the moving.
+
+    Args:
+        manager: the :class:`~zeroinf.runtime.stage3.manager.Stage3ParameterManager`; used
+            through ``units``, ``live_numel``, ``issue(unit)``, ``release(unit)``,
+            ``is_pinned(unit)`` and ``stats``.
+        prefetch_bucket_size: elements that may be in flight ahead of use (0: no prefetch).
+        max_live_parameters: bound on gathered elements.
+        max_reuse_distance: a unit requested again within this many elements is kept.
+    """
+
+    def __init__(self, manager, prefetch_bucket_size: int, max_live_parameters: int, max_reuse_distance: int):
+        self.m = manager
+        self.bucket = prefetch_bucket_size
+        self.max_live = max_live_parameters
+        self.max_reuse = max_reuse_distance
+        self.traces: Dict[Hashable, List[Entry]] = {}
+        self.key: Hashable = None
+        self.trace: Optional[List[Entry]] = None
+        self.pos = 0
+        self.record: List[Entry] = []
+        self.diverged = False
+        self.active = False
+        self.prefetched: Set[int] = set()
+        self.traces_recorded = 0
+        self._warned: Set[str] = set()
+
+    # --- iteration boundaries -------------------------------------------------------------
+    def begin(self, key: Hashable) -> None:
+        self.key, self.trace = key, self.traces.get(key)
+        self.pos, self.record, self.diverged, self.active = 0, [], False, True
+
+    @property
+    def following(self) -> bool:
+        return self.active and self.trace is not None and not self.diverged
+
+    def end(self) -> None:
+        """Close the iteration: store a fresh trace if none was followed to its end."""
+        if not self.active:
+            return
+        if self.following and self.pos != len(self.trace):
+            self._diverge("iteration-ended-early",
+                          f"the iteration ended after {self.pos} of {len(self.trace)} recorded unit requests")
+        if self.trace is None or self.diverged:
+            self.traces[self.key] = list(self.record)
+            self.traces_recorded += 1
+        self.drop_prefetched()
+        self.active = False
+
+    # --- requests -------------------------------------------------------------------------
+    def on_request(self, unit, phase: str) -> bool:
+        """Note a request; returns True when the unit was prefetched for it."""
+        entry = (unit.index, phase)
+        if self.active:
+            self.record.append(entry)
+        if self.following:
+            if self.pos < len(self.trace) and self.trace[self.pos] == entry:
+                self.pos += 1
+            else:
+                exp = self.trace[self.pos] if self.pos < len(self.trace) else None
+                want = f"{self.m.units[exp[0]].name} ({exp[1]})" if exp else "the end of the trace"
+                self._diverge(f"{exp}->{entry}",
+                              f"expected {want}, got {unit.name} ({phase})")
+        hit = unit.index in self.prefetched
+        self.prefetched.discard(unit.index)
+        return hit
+
+    def _diverge(self, cause: str, text: str) -> None:
+        self.diverged = True
+        self.m.stats.add("invalidations")
+        if cause not in self._warned:
+            self._warned.add(cause)
+            warnings.warn(f"zeroinf stage 3: unit order differs from the recorded trace ({text}); "
+                          "serving on demand and recording a new trace. This warning is shown once per cause.",
+                          RuntimeWarning, stacklevel=3)
+        self.drop_prefetched()
+
+    def drop_prefetched(self) -> None:
+        """Release every unit gathered ahead that has not been used yet."""
+        for idx in sorted(self.prefetched):
+            u = self.m.units[idx]
+            if not self.m.is_pinned(u):
+                self.m.release(u)
+        self.prefetched.clear()
+
+    def schedule(self) -> None:
+        """Gather the next units of the trace ahead of use, within the bucket and live bounds."""
+        if not self.following or self.bucket <= 0:
+            return
+        ahead = sum(self.m.units[i].numel for i in self.prefetched)
+        for idx, _phase in self.trace[self.pos:]:
+            u = self.m.units[idx]
+            if u.persistent or u.state.value != "released":
+                continue
+            if ahead + u.numel > self.bucket or self.m.live_numel + u.numel > self.max_live:
+                break
+            self.m.issue(u)
+            self.prefetched.add(idx)
+            ahead += u.numel
+
+    def keep_after_use(self, unit) -> bool:
+        """True when ``unit`` is requested again within ``max_reuse_distance`` elements."""
+        if not self.following:
+            return False
+        dist = 0
+        for idx, _phase in self.trace[self.pos:]:
+            if idx == unit.index:
+                return dist <= self.max_reuse
+            dist += self.m.units[idx].numel
+            if dist > self.max_reuse:
+                return False
+        return False

@@ -1,0 +1,106 @@
+"""Per-iteration counters and a Chrome/Perfetto trace of transfers and unit executions."""
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from typing import Any, Dict, List, Optional
+
+__all__ = ["Stage3Stats", "TraceRecorder"]
+
+_COUNTERS = (
+    "gathers",              # units gathered (prefetched or on demand)
+    "prefetch_hits",        # requests served by a prefetch issued earlier
+    "prefetch_misses",      # requests that had to gather on demand
+    "already_live",         # requests for a unit that was still gathered (reuse)
+    "invalidations",        # trace divergences
+    "foreign_gathers",      # units gathered because another module read their weights
+    "reduces",              # unit gradient reductions
+    "releases",
+    "bytes_nvme_read", "bytes_nvme_written", "bytes_host_read", "bytes_host_written",
+    "bytes_allgather", "bytes_reduce",
+)
+
+
+class Stage3Stats:
+    """Counters of one iteration (forward + backward); ``snapshot()`` of the last one.
+
+    Units: ``bytes_*`` in bytes; ``wait_io_s`` seconds the compute thread blocked on gathers;
+    ``io_busy_s`` seconds the I/O thread spent reading/writing; ``live_high_water`` elements.
+    """
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self.current: Dict[str, float] = {}
+        self.last: Dict[str, float] = {}
+        self.totals: Dict[str, float] = {}
+        self.live_high_water_all = 0
+        self.reset()
+
+    def reset(self) -> None:
+        self.current = {k: 0 for k in _COUNTERS}
+        self.current.update(wait_io_s=0.0, io_busy_s=0.0, live_high_water=0)
+
+    def add(self, key: str, value: float = 1) -> None:
+        with self._lock:
+            self.current[key] = self.current.get(key, 0) + value
+            self.totals[key] = self.totals.get(key, 0) + value
+
+    def live(self, live_now: int) -> None:
+        if live_now > self.current["live_high_water"]:
+            self.current["live_high_water"] = live_now
+        self.live_high_water_all = max(self.live_high_water_all, live_now)
+
+    def finish(self) -> None:
+        """Close the iteration: its counters become ``last`` and a new one starts."""
+        self.last = dict(self.current)
+        self.reset()
+
+    def snapshot(self) -> Dict[str, Any]:
+        """The last finished iteration's counters, ``io_hidden_fraction`` (share of I/O time
+        the compute did not wait for), and cumulative ``totals``."""
+        out: Dict[str, Any] = dict(self.last)
+        busy = out.get("io_busy_s", 0.0)
+        out["io_hidden_fraction"] = (max(0.0, 1.0 - out.get("wait_io_s", 0.0) / busy) if busy > 0 else None)
+        out["live_high_water_all"] = self.live_high_water_all
+        out["totals"] = dict(self.totals)
+        return out
+
+
+class TraceRecorder:
+    """Collects complete events (``ph: "X"``) of the current iteration; keeps the last finished
+    iteration for :meth:`write`. Times are microseconds since the recorder was made."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._t0 = time.perf_counter()
+        self._current: List[Dict[str, Any]] = []
+        self.last: List[Dict[str, Any]] = []
+
+    def now(self) -> float:
+        return time.perf_counter()
+
+    def span(self, name: str, cat: str, start: float, end: float, thread: str = "compute",
+             args: Optional[Dict[str, Any]] = None) -> None:
+        ev = {"name": name, "cat": cat, "ph": "X", "pid": os.getpid(), "tid": thread,
+              "ts": (start - self._t0) * 1e6, "dur": max(0.0, end - start) * 1e6}
+        if args:
+            ev["args"] = args
+        with self._lock:
+            self._current.append(ev)
+
+    def finish(self) -> None:
+        with self._lock:
+            self.last, self._current = self._current, []
+
+    def write(self, path: "str | os.PathLike") -> int:
+        """Write the last finished iteration as Chrome trace JSON (open in chrome://tracing or
+        ui.perfetto.dev); returns the number of events. Written to a temporary name first and
+        renamed, so a failed write never leaves a truncated file under ``path``."""
+        events = list(self.last)
+        tmp = f"{os.fspath(path)}.tmp{os.getpid()}"
+        with open(tmp, "w") as f:
+            json.dump({"traceEvents": events, "displayTimeUnit": "ms"}, f)
+        os.replace(tmp, path)
+        return len(events)

@@ -1,0 +1,154 @@
+"""Home tiers of a rank's parameter partitions: device, host (CPU) or NVMe swap file.
+
+Every store holds one flat partition of ``numel`` elements of one dtype and offers
+``read_into(dst)`` (partition -> ``dst``, returns bytes read from the tier) and
+``write_from(src)`` (``src`` -> partition, returns bytes written). ``local()`` returns the
+partition itself where it is an addressable tensor (device and CPU tiers) and ``None`` for NVMe.
+"""
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from typing import Optional
+
+import torch
+
+__all__ = ["host_empty", "DeviceStore", "HostStore", "NvmeStore", "HostCache"]
+
+
+def host_empty(numel: int, dtype: torch.dtype, pin: bool) -> torch.Tensor:
+    """A host tensor of ``numel`` elements, pinned when ``pin`` and an accelerator exists
+    (a CPU-only torch has no pinned allocator)."""
+    pin = pin and torch.cuda.is_available()
+    return torch.empty(numel, dtype=dtype, pin_memory=pin)
+
+
+class DeviceStore:
+    """Partition on the compute device (``offload_param.device: none``)."""
+
+    tier = "none"
+
+    def __init__(self, numel: int, dtype: torch.dtype, device: torch.device):
+        self.numel, self.dtype = numel, dtype
+        self.tensor = torch.zeros(numel, dtype=dtype, device=device)
+
+    def local(self) -> Optional[torch.Tensor]:
+        return self.tensor
+
+    def read_into(self, dst: torch.Tensor) -> int:
+        dst.copy_(self.tensor, non_blocking=True)
+        return 0
+
+    def write_from(self, src: torch.Tensor) -> int:
+        self.tensor.copy_(src)
+        return 0
+
+
+class HostStore(DeviceStore):
+    """Partition in host memory, pinned when possible (``offload_param.device: cpu``)."""
+
+    tier = "cpu"
+
+    def __init__(self, numel: int, dtype: torch.dtype, pin: bool):
+        self.numel, self.dtype = numel, dtype
+        self.tensor = host_empty(numel, dtype, pin)
+        self.tensor.zero_()
+
+    def read_into(self, dst: torch.Tensor) -> int:
+        dst.copy_(self.tensor, non_blocking=True)
+        return self.tensor.numel() * self.tensor.element_size()
+
+    def write_from(self, src: torch.Tensor) -> int:
+        self.tensor.copy_(src)
+        return self.tensor.numel() * self.tensor.element_size()
+
+
+class HostCache:
+    """Host copies of NVMe partitions, at most ``max_elements`` elements, least recently used
+    evicted first (``offload_param.max_in_cpu``). Thread-safe."""
+
+    def __init__(self, max_elements: int, pin: bool):
+        self.max_elements, self.pin = max_elements, pin
+        self._lock = threading.Lock()
+        self._entries: "OrderedDict[str, torch.Tensor]" = OrderedDict()
+        self._used = 0
+
+    def get(self, key: str) -> Optional[torch.Tensor]:
+        with self._lock:
+            t = self._entries.get(key)
+            if t is not None:
+                self._entries.move_to_end(key)
+            return t
+
+    def put(self, key: str, src: torch.Tensor) -> None:
+        """Cache a copy of ``src`` (replacing an older one) if it fits, evicting LRU entries."""
+        n = src.numel()
+        with self._lock:
+            old = self._entries.pop(key, None)
+            if old is not None:
+                self._used -= old.numel()
+            if n > self.max_elements:
+                return
+            while self._used + n > self.max_elements and self._entries:
+                _, ev = self._entries.popitem(last=False)
+                self._used -= ev.numel()
+            t = host_empty(n, src.dtype, self.pin)
+            t.copy_(src)
+            self._entries[key] = t
+            self._used += n
+
+    @property
+    def used_elements(self) -> int:
+        return self._used
+
+
+class NvmeStore:
+    """Partition in an NVMe swap file, read through a pinned staging buffer.
+
+    Args:
+        swapper: a ``zeroinf.io.TensorSwapper``; the partition is registered under ``key``.
+        pool: a ``zeroinf.io.PinnedBufferPool`` whose buffers hold at least one partition.
+        cache: optional :class:`HostCache` (``max_in_cpu``).
+    """
+
+    tier = "nvme"
+
+    def __init__(self, swapper, key: str, numel: int, dtype: torch.dtype, pool, cache: Optional[HostCache]):
+        self.swapper, self.key, self.numel, self.dtype = swapper, key, numel, dtype
+        self.pool, self.cache = pool, cache
+        self.nbytes = numel * torch.empty(0, dtype=dtype).element_size()
+        swapper.register(key, numel, dtype)
+
+    def local(self) -> Optional[torch.Tensor]:
+        return None
+
+    def _staging(self):
+        buf = self.pool.acquire()
+        return buf, buf.view(torch.uint8)[: self.nbytes].view(self.dtype)
+
+    def read_into(self, dst: torch.Tensor) -> int:
+        if self.cache is not None:
+            hit = self.cache.get(self.key)
+            if hit is not None:
+                dst.copy_(hit)
+                return 0
+        buf, view = self._staging()
+        try:
+            self.swapper.swap_in([(self.key, view)], async_op=False)
+            dst.copy_(view)
+            if self.cache is not None:
+                self.cache.put(self.key, view)
+        finally:
+            self.pool.release(buf)
+        return self.nbytes
+
+    def write_from(self, src: torch.Tensor) -> int:
+        buf, view = self._staging()
+        try:
+            view.copy_(src)
+            self.swapper.swap_out([(self.key, view)], async_op=False)
+            if self.cache is not None:
+                self.cache.put(self.key, view)
+        finally:
+            self.pool.release(buf)
+        return self.nbytes

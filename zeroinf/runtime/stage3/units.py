@@ -1,0 +1,187 @@
+"""Units: the groups of parameters that are gathered and released together.
+
+A unit is a module whose class is in the unit class list (transformer blocks), found
+automatically for Hugging Face models (``_no_split_modules``) and for models holding an
+``nn.ModuleList`` of same-class blocks. Every parameter outside the blocks, and every parameter
+shared by two blocks, belongs to the root unit, which is gathered for the whole forward and
+backward. Parameters with fewer than ``param_persistence_threshold`` elements form the
+persistent unit, gathered once and kept gathered.
+
+Each unit owns one :class:`FlatGroup` per parameter dtype: a flat buffer of all its parameters
+of that dtype, padded to a multiple of the world size and partitioned into equal shards.
+"""
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass, field
+from typing import Dict, Iterable, List, Optional, Sequence, Set, Tuple
+
+import torch
+from torch import nn
+
+__all__ = ["UnitState", "ParamSlot", "FlatGroup", "Unit", "find_unit_modules", "build_units"]
+
+
+class UnitState(enum.Enum):
+    """Where a unit's full parameters are: released (only shards exist), fetching (a gather is
+    in flight), gathered (module parameters are views into the full flat buffers)."""
+
+    RELEASED = "released"
+    FETCHING = "fetching"
+    GATHERED = "gathered"
+
+
+@dataclass(eq=False)
+class ParamSlot:
+    """One parameter's place in its group's flat buffer (elements)."""
+
+    name: str
+    param: nn.Parameter
+    offset: int
+    numel: int
+    shape: torch.Size
+
+
+@dataclass(eq=False)
+class FlatGroup:
+    """The flat buffer of one unit and one dtype, partitioned over ranks.
+
+    Attributes:
+        key: stable name, ``"unit<i>/<dtype>"``; also the swap-file key suffix.
+        numel: elements of all parameters; ``padded_numel`` is a multiple of the world size;
+            ``shard_numel = padded_numel // world_size`` is this rank's partition size.
+        store: the rank's partition on its home tier (see ``tiers.py``).
+        full: the gathered flat buffer (``padded_numel`` elements) or ``None`` when released.
+        grad_full: the unit's flat gradient during backward, ``None`` otherwise.
+        grad_shard: fp32 CPU gradient of this rank's partition, accumulated over micro-batches.
+    """
+
+    key: str
+    dtype: torch.dtype
+    slots: List[ParamSlot]
+    numel: int
+    padded_numel: int
+    shard_numel: int
+    store: object = None
+    full: Optional[torch.Tensor] = None
+    grad_full: Optional[torch.Tensor] = None
+    grad_shard: Optional[torch.Tensor] = None
+
+
+@dataclass(eq=False)
+class Unit:
+    """A gather/release unit (see module docstring)."""
+
+    index: int
+    name: str
+    module: Optional[nn.Module]
+    groups: List[FlatGroup]
+    persistent: bool = False
+    state: UnitState = UnitState.RELEASED
+    future: object = None
+    trainable: int = 0  # parameters with requires_grad
+    grads_seen: int = 0  # post-accumulate hooks fired this backward
+    reduces_this_backward: int = 0
+
+    @property
+    def numel(self) -> int:
+        """Gathered elements (padded), the unit's share of the live-parameter count."""
+        return sum(g.padded_numel for g in self.groups)
+
+    @property
+    def shard_numel(self) -> int:
+        return sum(g.shard_numel for g in self.groups)
+
+
+def find_unit_modules(model: nn.Module, unit_classes: Optional[Sequence[str]] = None) -> List[Tuple[str, nn.Module]]:
+    """Return ``(qualified name, module)`` of the outermost modules that form units.
+
+    Order of choice: ``unit_classes`` (class names) if given; a Hugging Face model's
+    ``_no_split_modules``; the element class of any ``nn.ModuleList`` holding two or more
+    modules of one class (transformer blocks). An empty list means only the root unit.
+
+    Raises:
+        ValueError: ``unit_classes`` names a class that no submodule has.
+    """
+    classes: Set[str]
+    if unit_classes:
+        classes = set(unit_classes)
+        present = {type(m).__name__ for m in model.modules()}
+        missing = sorted(classes - present)
+        if missing:
+            raise ValueError(f"stage3 unit_classes: no submodule has class {missing}; classes present: {sorted(present)}")
+    else:
+        classes = set(getattr(model, "_no_split_modules", None) or [])
+        if not classes:
+            for m in model.modules():
+                if isinstance(m, nn.ModuleList) and len(m) >= 2:
+                    kinds = {type(c).__name__ for c in m}
+                    if len(kinds) == 1:
+                        classes |= kinds
+    out: List[Tuple[str, nn.Module]] = []
+    taken: List[str] = []
+    for name, m in model.named_modules():
+        if m is model or type(m).__name__ not in classes:
+            continue
+        if any(name.startswith(t + ".") for t in taken):
+            continue  # nested inside an outer unit
+        taken.append(name)
+        out.append((name, m))
+    return out
+
+
+def _groups_for(index: int, named: List[Tuple[str, nn.Parameter]], world_size: int,
+                shapes: Dict[nn.Parameter, torch.Size]) -> List[FlatGroup]:
+    by_dtype: Dict[torch.dtype, List[Tuple[str, nn.Parameter]]] = {}
+    for n, p in named:
+        by_dtype.setdefault(p.dtype, []).append((n, p))
+    groups = []
+    for dtype, items in by_dtype.items():
+        slots, off = [], 0
+        for n, p in items:
+            shape = torch.Size(shapes.get(p, p.shape))
+            slots.append(ParamSlot(n, p, off, math.prod(shape), shape))
+            off += math.prod(shape)
+        padded = int(math.ceil(off / world_size) * world_size) if off else 0
+        groups.append(FlatGroup(key=f"unit{index}/{str(dtype).replace('torch.', '')}", dtype=dtype,
+                                slots=slots, numel=off, padded_numel=padded,
+                                shard_numel=padded // world_size))
+    return groups
+
+
+def build_units(model: nn.Module, unit_modules: List[Tuple[str, nn.Module]], persistence_threshold: int,
+                world_size: int, shapes: Optional[Dict[nn.Parameter, torch.Size]] = None) -> List[Unit]:
+    """Assign every parameter of ``model`` to exactly one unit and lay out the flat groups.
+
+    ``shapes`` gives the true shape of parameters whose data was already partitioned away
+    (``zeroinf.Init``); others use ``p.shape``. Unit 0 is the persistent unit, unit 1 the root
+    unit, then one unit per entry of ``unit_modules`` (units without parameters are kept so that
+    indices match modules, with no groups).
+    """
+    shapes = shapes or {}
+    owner: Dict[nn.Parameter, List[int]] = {}
+    names: Dict[nn.Parameter, str] = {}
+    for ui, (mname, mod) in enumerate(unit_modules):
+        for pname, p in mod.named_parameters(remove_duplicate=True):
+            owner.setdefault(p, []).append(ui)
+            names.setdefault(p, f"{mname}.{pname}" if mname else pname)
+    per_unit: List[List[Tuple[str, nn.Parameter]]] = [[] for _ in unit_modules]
+    persistent: List[Tuple[str, nn.Parameter]] = []
+    root: List[Tuple[str, nn.Parameter]] = []
+    for fq, p in model.named_parameters(remove_duplicate=True):
+        numel = math.prod(shapes.get(p, p.shape))
+        units_of = owner.get(p, [])
+        if numel < persistence_threshold:
+            persistent.append((fq, p))
+        elif len(units_of) == 1:
+            per_unit[units_of[0]].append((fq, p))
+        else:  # outside every block, or shared by two blocks
+            root.append((fq, p))
+    units = [Unit(0, "<persistent>", None, _groups_for(0, persistent, world_size, shapes), persistent=True),
+             Unit(1, "<root>", model, _groups_for(1, root, world_size, shapes))]
+    for ui, (mname, mod) in enumerate(unit_modules):
+        units.append(Unit(ui + 2, mname, mod, _groups_for(ui + 2, per_unit[ui], world_size, shapes)))
+    for u in units:
+        u.trainable = sum(1 for g in u.groups for s in g.slots if s.param.requires_grad)
+    return units
