@@ -1,0 +1,241 @@
+"""zeroinf.estimate: model-state formulas, the source article's examples, parameter counting, CLI.
+
+References are independent of the code under test: byte counts worked out by hand from the ZeRO
+paper's rules, the article's own inputs, published parameter counts, and a closed-form Llama count.
+"""
+import json
+
+import pytest
+
+from zeroinf import cli
+from zeroinf.estimate import (GB, GiB, PLACEMENTS, Placement, SwapBuffers, activation_bytes, count_params,
+                              estimate, model_info, parse_bytes, parse_count)
+
+# --- formulas on a small exact case --------------------------------------------------------------
+# P = 1000, N = 4 (2 ranks per node), bf16 + Adam: Ψp = Ψg = 2, K = 12, ceil(P/N) = 250.
+# Swap settings chosen so every term is visible: optimizer buffers 2 x round_up(12 B x min(100, part), 64)
+# = 2 x 1216 = 2432; param buffers 3 x round_up(2 B x 50, 64) = 384; max_in_cpu cache 2 B x min(10, 250) = 20.
+SMALL_SWAP = SwapBuffers(param_buffer_count=3, param_buffer_size=50, param_max_in_cpu=10,
+                         optimizer_buffer_count=2, sub_group_size=100, alignment=64)
+# (stage, offload_param, offload_optimizer): (device bytes, host bytes per rank, NVMe bytes per rank)
+SMALL_EXPECTED = {
+    (0, "none", "none"): (2000 + 2000 + 12000, 0, 0),
+    (0, "none", "cpu"): (2000 + 2000, 12000 + 4000, 0),
+    (0, "none", "nvme"): (2000 + 2000, 4000 + 2432, 12000),
+    (1, "none", "none"): (2000 + 2000 + 3000, 0, 0),
+    (1, "none", "cpu"): (2000 + 2000, 3000 + 1000, 0),
+    (1, "none", "nvme"): (2000 + 2000, 1000 + 2432, 3000),
+    (2, "none", "none"): (2000 + 500 + 3000, 0, 0),
+    (2, "none", "cpu"): (2000, 3000 + 1000, 0),
+    (2, "none", "nvme"): (2000, 1000 + 2432, 3000),
+    (3, "none", "none"): (500 + 500 + 3000, 0, 0),
+    (3, "none", "cpu"): (500, 3000 + 1000, 0),
+    (3, "none", "nvme"): (500, 1000 + 2432, 3000),
+    (3, "cpu", "none"): (500 + 3000, 500, 0),
+    (3, "cpu", "cpu"): (0, 500 + 3000 + 1000, 0),
+    (3, "cpu", "nvme"): (0, 500 + 1000 + 2432, 3000),
+    (3, "nvme", "none"): (500 + 3000, 384 + 20, 500),
+    (3, "nvme", "cpu"): (0, 3000 + 1000 + 384 + 20, 500),
+    (3, "nvme", "nvme"): (0, 1000 + 2432 + 384 + 20, 3000 + 500),
+}
+
+
+def test_every_placement_is_covered():
+    assert {(p.stage, p.offload_param, p.offload_optimizer) for p in PLACEMENTS} == set(SMALL_EXPECTED)
+    assert len(PLACEMENTS) == 18
+
+
+@pytest.mark.parametrize("key", sorted(SMALL_EXPECTED), ids=lambda k: f"s{k[0]}-p{k[1]}-o{k[2]}")
+def test_small_exact_case(key):
+    dev, host, nvme = SMALL_EXPECTED[key]
+    e = estimate(1000, Placement(*key), world_size=4, gpus_per_node=2, precision="bf16", optimizer="adam",
+                 swap=SMALL_SWAP)
+    assert (e.per_device_bytes, e.per_host_bytes, e.nvme_bytes) == (dev, 2 * host, 2 * nvme)
+    assert all(t.formula for t in e.terms)
+
+
+@pytest.mark.parametrize("params,n", [(1, 1), (1000, 4), (1001, 4), (7_000_000_007, 3), (65_000_000_000, 128)])
+def test_zero_paper_formulas(params, n):
+    s = -(-params // n)  # equal, padded partitions
+    got = [estimate(params, Placement(st), world_size=n, precision="fp16").per_device_bytes for st in range(4)]
+    assert got == [16 * params, 4 * params + 12 * s, 2 * params + 14 * s, 16 * s]
+
+
+def test_precision_and_optimizer_bytes():
+    p = 1000
+    # fp32: params are the master weights; Adam keeps m and v (8 B); grads 4 B.
+    assert estimate(p, Placement(0), precision="fp32").per_device_bytes == (4 + 4 + 8) * p
+    # ... but an offloaded optimizer keeps its own fp32 master: K = 12 on the host.
+    e = estimate(p, Placement(2, "none", "cpu"), precision="fp32")
+    assert (e.per_device_bytes, e.per_host_bytes) == (4 * p, 12 * p + 4 * p)
+    assert estimate(p, Placement(0), optimizer="sgd-momentum").per_device_bytes == (2 + 2 + 4 + 4) * p
+    assert estimate(p, Placement(0), optimizer="adagrad").per_device_bytes == (2 + 2 + 4 + 4) * p
+    assert estimate(p, Placement(0), optimizer="sgd").per_device_bytes == (2 + 2 + 4) * p
+
+
+def test_stage3_gathered_unit_and_activations_are_device_terms():
+    e0 = estimate(1000, Placement(3, "cpu", "cpu"), world_size=4)
+    e1 = estimate(1000, Placement(3, "cpu", "cpu"), world_size=4, largest_unit=300, activations=77)
+    assert e1.per_device_bytes - e0.per_device_bytes == (2 + 2) * 300 + 77
+    assert e1.per_host_bytes == e0.per_host_bytes
+    # no gathering below stage 3: the whole model is resident anyway
+    assert estimate(1000, Placement(2), largest_unit=300).per_device_bytes == estimate(1000, Placement(2)).per_device_bytes
+
+
+@pytest.mark.parametrize("bad", [dict(world_size=0), dict(world_size=4, gpus_per_node=3), dict(precision="fp8"),
+                                 dict(optimizer="lion")])
+def test_bad_arguments_name_the_key(bad):
+    key = next(iter(bad)) if "gpus_per_node" not in bad else "gpus_per_node"
+    with pytest.raises(ValueError, match=key):
+        estimate(1000, Placement(0), **bad)
+
+
+def test_param_offload_needs_stage3():
+    with pytest.raises(ValueError, match="offload_param.device"):
+        Placement(2, "cpu", "none")
+
+
+# --- the source article (shared/seed): LLaMA-65B on 128 GPUs, 70B on 8 GPUs ----------------------
+
+def test_article_llama65b_table():
+    rows = {st: estimate(65 * 10**9, Placement(st), world_size=128, precision="fp16").per_device_bytes / GB
+            for st in range(4)}
+    assert rows[0] == 1040.0                       # article: 1040 GB
+    assert rows[1] == pytest.approx(266.1, abs=0.05)   # article prints 260 GB: drops the 12P/N term
+    assert rows[2] == pytest.approx(137.1, abs=0.05)   # article prints 195 GB: follows from no formula
+    assert rows[3] == pytest.approx(8.1, abs=0.05)     # article: 8.1 GB
+    assert abs(rows[1] - 260) > 5 and abs(rows[2] - 195) > 50
+
+
+@pytest.mark.parametrize("shards,params_gb,optim_gb", [(8, 17.5, 105.0), (16, 8.75, 52.5)])
+def test_article_70b_zero3_shards(shards, params_gb, optim_gb):
+    e = estimate(70 * 10**9, Placement(3), world_size=shards, precision="fp16")
+    terms = {t.name: t.bytes for t in e.terms}
+    assert terms["fp16 parameters"] / GB == params_gb   # article: 70B x 2 / 8 / 2 = 8.75 GB
+    assert terms["fp16 gradients"] / GB == params_gb
+    assert terms["optimizer state (fp32)"] / GB == optim_gb   # article: 70B x 12 / 8 / 2 = 52.5 GB
+
+
+# --- counting parameters on the meta device ------------------------------------------------------
+
+def llama_closed_form(v, h, i, layers, heads, kv_heads, tied):
+    """Parameters of a Llama decoder (no biases), derived from the architecture by hand."""
+    head_dim = h // heads
+    attn = h * h + 2 * h * kv_heads * head_dim + h * h          # q, k, v, o
+    mlp = 3 * h * i                                             # gate, up, down
+    per_layer = attn + mlp + 2 * h                              # two RMSNorms
+    return v * h + layers * per_layer + h + (0 if tied else v * h)
+
+
+@pytest.mark.parametrize("tied,kv_heads,vocab", [(False, 4, 1000), (True, 4, 1000), (False, 2, 100)])
+def test_llama_config_count_equals_closed_form(tmp_path, tied, kv_heads, vocab):
+    cfg = dict(model_type="llama", vocab_size=vocab, hidden_size=64, intermediate_size=176, num_hidden_layers=3,
+               num_attention_heads=4, num_key_value_heads=kv_heads, tie_word_embeddings=tied)
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(cfg))
+    want = llama_closed_form(vocab, 64, 176, 3, 4, kv_heads, tied)
+    assert count_params(cfg) == want
+    info = model_info(str(path))
+    assert info.params == want
+    assert (info.hidden, info.layers, info.heads, info.vocab) == (64, 3, 4, vocab)
+    # largest unit: a whole decoder layer, or the embedding when that is larger
+    layer = 2 * 64 * 64 + 2 * 64 * kv_heads * 16 + 3 * 64 * 176 + 2 * 64
+    assert info.largest_unit == max(layer, vocab * 64)
+
+
+def test_presets_match_published_counts():
+    assert count_params("llama-7b") == 6_738_415_616       # LLaMA-7B (Touvron et al. 2023)
+    assert count_params("gpt2") == 124_439_808             # GPT-2 small, lm_head tied to wte: counted once
+
+
+def test_unknown_model_is_named():
+    with pytest.raises(ValueError, match="no-such-model"):
+        model_info("no-such-model")
+
+
+# --- activations ---------------------------------------------------------------------------------
+
+def test_activation_formula_korthikanti():
+    s, b, h, L, a = 2048, 2, 4096, 32, 32
+    per_layer = s * b * h * 34 + 5 * a * s * s * b          # s b h (34 + 5 a s / h)
+    assert activation_bytes(s, b, h, L, a) == L * per_layer
+    assert activation_bytes(s, b, h, L, a, checkpointing="selective") == L * 34 * s * b * h
+    assert activation_bytes(s, b, h, L, a, checkpointing="full") == 2 * L * s * b * h + per_layer
+    assert activation_bytes(s, b, h, L, a, attention_scores=False) == L * 34 * s * b * h
+    with pytest.raises(ValueError, match="checkpointing"):
+        activation_bytes(s, b, h, L, a, checkpointing="some")
+
+
+# --- parsing -------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("text,want", [("7e9", 7 * 10**9), ("7B", 7 * 10**9), ("6.7b", 6_700_000_000),
+                                       ("350M", 350 * 10**6), ("1.5T", 1_500_000_000_000), ("12", 12)])
+def test_parse_count(text, want):
+    assert parse_count(text) == want
+
+
+@pytest.mark.parametrize("text,want", [("80GB", 80 * GB), ("80GiB", 80 * GiB), ("1TB", 10**12),
+                                       ("512MiB", 512 * 2**20), ("4096", 4096)])
+def test_parse_bytes(text, want):
+    assert parse_bytes(text) == want
+
+
+@pytest.mark.parametrize("fn,text", [(parse_count, "7 apples"), (parse_count, "0"), (parse_bytes, "80 GBs"),
+                                     (parse_bytes, "-1GB")])
+def test_parse_errors(fn, text):
+    with pytest.raises(ValueError, match="expected|must be"):
+        fn(text)
+
+
+# --- command line --------------------------------------------------------------------------------
+
+def test_cli_json_llama65b(capsys):
+    rc = cli.main(["estimate", "--params", "65e9", "--gpus", "8", "--nodes", "16", "--precision", "fp16", "--json"])
+    assert rc == 0
+    out = json.loads(capsys.readouterr().out)
+    assert (out["params"], out["world_size"], len(out["rows"])) == (65 * 10**9, 128, 18)
+    assert set(out["rows"][0]) == {"stage", "offload_param", "offload_optimizer", "per_device_bytes",
+                                   "per_host_bytes", "nvme_bytes"}
+    plain = {r["stage"]: r["per_device_bytes"] for r in out["rows"]
+             if r["offload_param"] == r["offload_optimizer"] == "none"}
+    assert plain == {0: 1040 * GB, 1: 266_093_750_000, 2: 137_109_375_000, 3: 8_125_000_000}
+    # stage 2 + optimizer on CPU: 8 ranks per node each keep 16 B x P/N on the host
+    row = next(r for r in out["rows"] if (r["stage"], r["offload_optimizer"]) == (2, "cpu"))
+    assert (row["per_device_bytes"], row["per_host_bytes"]) == (130 * GB, 8 * 16 * 507_812_500)
+
+
+def test_cli_table_says_units(capsys):
+    assert cli.main(["estimate", "--params", "7B", "--unit", "GiB", "--stage", "3", "--terms"]) == 0
+    out = capsys.readouterr().out
+    assert "GiB (2**30 bytes)" in out and "ceil(P/N)" in out
+    assert f"{16 * 7e9 / GiB:,.2f}" in out
+
+
+def test_cli_with_config_and_activations(tmp_path, capsys):
+    cfg = {"train_micro_batch_size_per_gpu": 1, "fp16": {"enabled": True},
+           "zero_optimization": {"stage": 3, "sub_group_size": 1000,
+                                 "offload_optimizer": {"device": "nvme", "nvme_path": str(tmp_path), "buffer_count": 3},
+                                 "offload_param": {"device": "cpu"}}}
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(cfg))
+    rc = cli.main(["estimate", "--params", "1e6", "--gpus", "2", "--config", str(path), "--json",
+                   "--seq-len", "8", "--hidden", "4", "--layers", "2", "--heads", "2"])
+    assert rc == 0
+    (row,) = json.loads(capsys.readouterr().out)["rows"]
+    assert (row["stage"], row["offload_param"], row["offload_optimizer"]) == (3, "cpu", "nvme")
+    act = 2 * (8 * 4 * 34 + 5 * 2 * 64)
+    assert row["per_device_bytes"] == act
+    per_rank_host = 2 * 500_000 + 4 * 500_000 + 3 * 12_288   # params, fp32 grads, 3 x round_up(12 B x 1000, 4096)
+    assert row["per_host_bytes"] == 2 * per_rank_host
+    assert row["nvme_bytes"] == 2 * 12 * 500_000
+
+
+def test_cli_errors_name_the_input(tmp_path, capsys):
+    assert cli.main(["estimate", "--model", str(tmp_path / "missing.json")]) == 2
+    assert "missing.json" in capsys.readouterr().err
+    bad = tmp_path / "ds.json"
+    bad.write_text(json.dumps({"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 5}}))
+    assert cli.main(["estimate", "--params", "1e6", "--config", str(bad)]) == 2
+    assert "zero_optimization.stage" in capsys.readouterr().err
+    assert cli.main(["estimate", "--params", "1e6", "--seq-len", "8"]) == 2
+    assert "--hidden" in capsys.readouterr().err
