@@ -1,0 +1,91 @@
+// Python bindings of the aio engine. zeroinf/io/handle.py is the public face: it opens the
+// files, checks sizes and turns failed Completion records into OSError subclasses.
+#include <torch/extension.h>
+
+#include "aio_handle.h"
+
+namespace py = pybind11;
+using zeroinf::aio::Backend;
+using zeroinf::aio::Completion;
+using zeroinf::aio::Engine;
+
+namespace {
+
+py::tuple to_tuple(const Completion& c) {
+  return py::make_tuple(c.id, c.is_read, c.bytes_requested, c.bytes_done, c.err, c.err_offset, c.what);
+}
+
+std::unique_ptr<Engine> make_engine(const std::string& backend, int64_t block_size, int queue_depth,
+                                    int intra_op_parallelism, bool single_submit, bool overlap_events,
+                                    const std::string& fault) {
+  Backend b;
+  if (backend == "libaio") {
+    b = Backend::kLibaio;
+  } else if (backend == "threads") {
+    b = Backend::kThreads;
+  } else {
+    throw py::value_error("backend must be 'libaio' or 'threads', got '" + backend + "'");
+  }
+  return std::make_unique<Engine>(b, block_size, queue_depth, intra_op_parallelism, single_submit,
+                                  overlap_events, fault);
+}
+
+int64_t submit(Engine& e, bool is_read, const torch::Tensor& buffer, int64_t nbytes, int fd_direct,
+               int fd_buffered, int64_t file_offset) {
+  TORCH_CHECK(buffer.device().is_cpu(), "aio buffer must be a CPU tensor, got ", buffer.device());
+  TORCH_CHECK(buffer.is_contiguous(), "aio buffer must be contiguous");
+  const int64_t have = buffer.numel() * static_cast<int64_t>(buffer.element_size());
+  TORCH_CHECK(nbytes >= 0 && nbytes <= have, "aio request of ", nbytes, " bytes but the buffer holds ", have);
+  TORCH_CHECK(file_offset >= 0, "file_offset must be >= 0, got ", file_offset);
+  TORCH_CHECK(fd_buffered >= 0, "a buffered file descriptor is required");
+  char* ptr = static_cast<char*>(buffer.data_ptr());
+  return e.submit(is_read, ptr, nbytes, fd_direct, fd_buffered, file_offset);
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "zeroinf async file I/O engine (libaio or a pread/pwrite thread pool)";
+  m.attr("ALIGN") = zeroinf::aio::kAlign;
+  py::class_<Engine>(m, "Engine")
+      .def(py::init(&make_engine), py::arg("backend"), py::arg("block_size"), py::arg("queue_depth"),
+           py::arg("intra_op_parallelism"), py::arg("single_submit"), py::arg("overlap_events"),
+           py::arg("fault") = "")
+      .def("submit", &submit, py::arg("is_read"), py::arg("buffer"), py::arg("nbytes"),
+           py::arg("fd_direct"), py::arg("fd_buffered"), py::arg("file_offset"),
+           "Queue a transfer of the buffer's first nbytes; returns the request id.")
+      .def(
+          "wait_one",
+          [](Engine& e, int64_t id) {
+            Completion c;
+            {
+              py::gil_scoped_release nogil;
+              c = e.wait_one(id);
+            }
+            return to_tuple(c);
+          },
+          py::arg("id"),
+          "Block until request id finished: (id, is_read, requested, done, errno, err_offset, what).")
+      .def(
+          "wait_all",
+          [](Engine& e) {
+            std::vector<Completion> cs;
+            {
+              py::gil_scoped_release nogil;
+              cs = e.wait_all();
+            }
+            py::list out;
+            for (const auto& c : cs) out.append(to_tuple(c));
+            return out;
+          },
+          "Block until nothing is in flight; list of finished records not yet collected.")
+      .def("in_flight", &Engine::in_flight);
+  m.def(
+      "libaio_status",
+      []() {
+        std::string why;
+        bool ok = zeroinf::aio::libaio_usable(&why);
+        return py::make_tuple(ok, why);
+      },
+      "(usable, why): libaio compiled in and io_setup accepted.");
+}

@@ -1,0 +1,357 @@
+"""``AsyncIOHandle``: DeepSpeed ``aio_handle``-compatible reads and writes of tensor bytes.
+
+Alignment and file-size rules (all sizes in bytes, alignment 4096):
+
+* The file always holds exactly the tensor's bytes: a write of ``n`` bytes at ``file_offset``
+  touches ``[file_offset, file_offset + n)`` and nothing else — no padding. The 4096-aligned
+  prefix goes through O_DIRECT; the tail (``n % 4096`` bytes) through a buffered descriptor.
+* A write at ``file_offset == 0`` leaves the file exactly ``n`` bytes long (a longer file is
+  truncated after the write succeeded). Writes at other offsets never shrink a file.
+* A read at ``file_offset == 0`` is a whole-file read: the buffer must be exactly the file's size
+  (:class:`~zeroinf.io.errors.SizeMismatchError` otherwise). A read at another offset must lie
+  inside the file (:class:`~zeroinf.io.errors.ReadPastEndError` otherwise).
+* Buffers need not be aligned: unaligned ones are staged through aligned bounce buffers (C++
+  backends) or use buffered I/O (``python`` backend); aligned ones (e.g. from
+  :class:`~zeroinf.io.PinnedBufferPool`) are fastest. A non-4096-aligned ``file_offset`` makes
+  the whole request buffered.
+* When the filesystem refuses O_DIRECT (``open`` fails with EINVAL), I/O on it is buffered and
+  one ``RuntimeWarning`` per filesystem per process says so.
+"""
+from __future__ import annotations
+
+import errno
+import os
+import threading
+import warnings
+from dataclasses import dataclass
+from typing import Dict, List, Optional
+
+import torch
+
+from .backends import ALIGN, choose_backend, fault_spec, make_engine
+from .errors import AIOError, SizeMismatchError, ReadPastEndError, make_error
+
+__all__ = ["AsyncIOHandle"]
+
+#: st_dev of filesystems already warned about refusing O_DIRECT (one warning per process each).
+_NO_DIRECT_WARNED: set = set()
+
+_AIO_KEYS = ("block_size", "queue_depth", "intra_op_parallelism", "thread_count", "single_submit",
+             "overlap_events", "use_gds", "backend")
+
+
+@dataclass
+class _Pending:
+    path: str
+    is_read: bool
+    offset: int
+    nbytes: int
+    fd_buffered: int
+    fd_direct: int
+    tensor: torch.Tensor  # keeps the caller's memory alive until the request is collected
+    truncate_to: int = -1
+
+
+def _byte_view(buffer, name: str = "buffer") -> torch.Tensor:
+    if not isinstance(buffer, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(buffer).__name__}")
+    if buffer.device.type != "cpu":
+        raise ValueError(f"{name} must be a CPU tensor, got device {buffer.device}")
+    if not buffer.is_contiguous():
+        raise ValueError(f"{name} must be contiguous (a .contiguous() copy would not receive the data)")
+    return buffer.reshape(-1).view(torch.uint8)
+
+
+class AsyncIOHandle:
+    """Reads and writes contiguous CPU tensors' bytes to files, synchronously or asynchronously.
+
+    Knobs and their meanings follow DeepSpeed's ``aio`` config block, so existing blocks carry
+    over (see :meth:`from_config`).
+
+    Args:
+        block_size: bytes per submitted transfer; a positive multiple of 4096 (default 1 MiB).
+        queue_depth: transfers in flight per parallel lane (default 8).
+        intra_op_parallelism: parallel lanes splitting each request (libaio: threads each with
+            their own io context; threads/python: multiplies the pool size). Old name: ``thread_count``.
+        single_submit: submit one transfer per ``io_submit`` call instead of batches (libaio).
+        overlap_events: refill the queue as soon as any transfer completes; when False a lane
+            waits for all its in-flight transfers before submitting more (libaio).
+        backend: ``"libaio"``, ``"threads"`` or ``"python"``; ``ZEROINF_AIO_BACKEND`` overrides
+            it; None probes (see :mod:`zeroinf.io.backends`).
+        thread_count: DeepSpeed's old name of ``intra_op_parallelism``.
+
+    Raises:
+        ValueError: a knob out of range (the message names it).
+        BackendUnavailableError: the chosen backend cannot run here (the message says why).
+
+    The caller keeps each buffer unchanged (writes) or unread (reads) until the request is waited
+    for; the handle holds a reference so the memory stays alive.
+    """
+
+    def __init__(self, block_size: int = 1 << 20, queue_depth: int = 8, intra_op_parallelism: int = 1,
+                 single_submit: bool = False, overlap_events: bool = True, backend: Optional[str] = None,
+                 *, thread_count: Optional[int] = None):
+        if thread_count is not None:
+            if intra_op_parallelism not in (1, thread_count):
+                raise ValueError(f"thread_count={thread_count} and intra_op_parallelism={intra_op_parallelism} "
+                                 "disagree; give only intra_op_parallelism")
+            intra_op_parallelism = thread_count
+        for key, value, ok in (
+                ("block_size", block_size, isinstance(block_size, int) and block_size > 0 and block_size % ALIGN == 0),
+                ("queue_depth", queue_depth, isinstance(queue_depth, int) and queue_depth >= 1),
+                ("intra_op_parallelism", intra_op_parallelism,
+                 isinstance(intra_op_parallelism, int) and intra_op_parallelism >= 1)):
+            if not ok or isinstance(value, bool):
+                rule = f"a positive multiple of {ALIGN} bytes" if key == "block_size" else "an integer >= 1"
+                raise ValueError(f"{key}: expected {rule}, got {value!r}")
+        self.block_size = block_size
+        self.queue_depth = queue_depth
+        self.intra_op_parallelism = intra_op_parallelism
+        self.single_submit = bool(single_submit)
+        self.overlap_events = bool(overlap_events)
+        self._fault = fault_spec()
+        self.backend = choose_backend(backend)
+        self._engine = make_engine(self.backend, block_size, queue_depth, intra_op_parallelism,
+                                   self.single_submit, self.overlap_events, self._fault)
+        self._lock = threading.Lock()      # guards _pending
+        self._wait_lock = threading.RLock()  # one collector at a time (sync ops and wait())
+        self._pending: Dict[int, _Pending] = {}
+
+    @classmethod
+    def from_config(cls, aio: dict) -> "AsyncIOHandle":
+        """Build a handle from a DeepSpeed ``aio`` config block.
+
+        Accepted keys: ``block_size``, ``queue_depth``, ``intra_op_parallelism`` (or the old
+        ``thread_count``), ``single_submit``, ``overlap_events``, ``use_gds`` (must be false), and
+        zeroinf's ``backend``.
+
+        Raises:
+            ValueError: an unknown key or a bad value; the message starts with ``aio.<key>:``.
+        """
+        if not isinstance(aio, dict):
+            raise ValueError(f"aio: expected a dict, got {type(aio).__name__}")
+        for key in aio:
+            if key not in _AIO_KEYS:
+                raise ValueError(f"aio.{key}: unknown key; known keys: {', '.join(_AIO_KEYS)}")
+        if aio.get("use_gds"):
+            raise ValueError("aio.use_gds: GPUDirect Storage is not supported by zeroinf; set it to false")
+        for key in ("single_submit", "overlap_events"):
+            if key in aio and not isinstance(aio[key], bool):
+                raise ValueError(f"aio.{key}: expected true or false, got {aio[key]!r}")
+        kwargs = {k: aio[k] for k in ("block_size", "queue_depth", "intra_op_parallelism", "single_submit",
+                                      "overlap_events", "backend", "thread_count") if k in aio}
+        try:
+            return cls(**kwargs)
+        except ValueError as exc:
+            raise ValueError(f"aio.{exc}") from exc
+
+    # DeepSpeed aio_handle getters, so DeepNVMe code can switch.
+    def get_block_size(self) -> int:
+        return self.block_size
+
+    def get_queue_depth(self) -> int:
+        return self.queue_depth
+
+    def get_single_submit(self) -> bool:
+        return self.single_submit
+
+    def get_overlap_events(self) -> bool:
+        return self.overlap_events
+
+    def get_intra_op_parallelism(self) -> int:
+        return self.intra_op_parallelism
+
+    def get_thread_count(self) -> int:
+        return self.intra_op_parallelism
+
+    # -- submission ---------------------------------------------------------------------------
+    def _open(self, path: str, is_read: bool, offset: int, nbytes: int):
+        flags = os.O_RDONLY if is_read else (os.O_WRONLY | os.O_CREAT)
+        what = "reading" if is_read else "writing"
+        try:
+            fd = os.open(path, flags | os.O_CLOEXEC, 0o600)
+        except OSError as exc:
+            raise make_error(exc.errno or errno.EIO, f"cannot open {path} for {what}", path, offset, nbytes,
+                             0) from exc
+        try:
+            st = os.fstat(fd)
+            if is_read:
+                if offset == 0 and nbytes != st.st_size:
+                    raise SizeMismatchError(
+                        errno.EINVAL, f"whole-file read of {path}: the buffer holds {nbytes} bytes but the file "
+                        f"holds {st.st_size} ({'larger' if nbytes > st.st_size else 'smaller'} than the file)",
+                        path, offset, nbytes, 0)
+                if offset + nbytes > st.st_size:
+                    raise ReadPastEndError(
+                        errno.ENODATA, f"read of {nbytes} bytes at offset {offset} of {path} goes past its end "
+                        f"({st.st_size} bytes)", path, offset, nbytes, 0)
+            fd_direct = -1
+            if nbytes >= ALIGN and offset % ALIGN == 0:
+                fd_direct = self._open_direct(path, flags, st.st_dev)
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd, fd_direct
+
+    def _open_direct(self, path: str, flags: int, dev: int) -> int:
+        try:
+            if self._fault == "nodirect":
+                raise OSError(errno.EINVAL, "O_DIRECT refused (ZEROINF_AIO_FAULT=nodirect)")
+            return os.open(path, (flags & ~os.O_CREAT) | os.O_DIRECT | os.O_CLOEXEC)
+        except OSError as exc:
+            if exc.errno != errno.EINVAL:
+                raise make_error(exc.errno or errno.EIO, f"cannot open {path} with O_DIRECT", path, 0, 0, 0) from exc
+            if dev not in _NO_DIRECT_WARNED:
+                _NO_DIRECT_WARNED.add(dev)
+                warnings.warn(f"the filesystem holding {path} refuses O_DIRECT; zeroinf uses buffered I/O "
+                              "there (slower, and it fills the page cache)", RuntimeWarning, stacklevel=5)
+            return -1
+
+    def _submit(self, is_read: bool, buffer, filename, file_offset: int) -> int:
+        path = os.fspath(filename)
+        if not isinstance(file_offset, int) or isinstance(file_offset, bool) or file_offset < 0:
+            raise ValueError(f"file_offset must be an integer >= 0, got {file_offset!r}")
+        flat = _byte_view(buffer)
+        nbytes = flat.numel()
+        fd, fd_direct = self._open(path, is_read, file_offset, nbytes)
+        try:
+            rid = self._engine.submit(is_read, flat, nbytes, fd_direct, fd, file_offset)
+        except BaseException:
+            os.close(fd)
+            if fd_direct >= 0:
+                os.close(fd_direct)
+            raise
+        truncate_to = -1
+        if not is_read and file_offset == 0:
+            truncate_to = nbytes
+        with self._lock:
+            self._pending[rid] = _Pending(path, is_read, file_offset, nbytes, fd, fd_direct, buffer, truncate_to)
+        return rid
+
+    def _finish(self, rec: tuple) -> Optional[AIOError]:
+        rid, is_read, requested, done, err, err_offset, what = rec
+        with self._lock:
+            p = self._pending.pop(rid, None)
+        if p is None:
+            return AIOError(errno.EINVAL, f"internal: completion for unknown request {rid} ({what})", "?", 0,
+                            requested, done)
+        exc = None
+        op = "read" if is_read else "write"
+        if err:
+            exc = make_error(err, f"{op} of {p.path}: {what}", p.path, err_offset if err_offset >= 0 else p.offset,
+                             requested, done)
+        elif done != requested:
+            exc = make_error(errno.EIO, f"{op} of {p.path}: short transfer", p.path, p.offset, requested, done)
+        elif p.truncate_to >= 0:
+            try:
+                if os.fstat(p.fd_buffered).st_size > p.truncate_to:
+                    os.ftruncate(p.fd_buffered, p.truncate_to)
+            except OSError as e:
+                exc = make_error(e.errno or errno.EIO, f"truncating {p.path} to {p.truncate_to} bytes failed",
+                                 p.path, p.truncate_to, requested, done)
+        for fd in (p.fd_direct, p.fd_buffered):
+            if fd >= 0:
+                try:
+                    os.close(fd)
+                except OSError as e:
+                    exc = exc or make_error(e.errno or errno.EIO, f"closing {p.path} after the {op} failed",
+                                            p.path, p.offset, requested, done)
+        return exc
+
+    # -- DeepSpeed aio_handle operations ------------------------------------------------------
+    def sync_pread(self, buffer: torch.Tensor, filename, file_offset: int = 0) -> int:
+        """Read ``buffer.numel() * buffer.element_size()`` bytes at ``file_offset`` into ``buffer``.
+
+        Args:
+            buffer: a contiguous CPU tensor of any dtype and shape (a view with a storage offset
+                is fine: exactly its bytes are written, nothing past them).
+            filename: the file (str or path-like).
+            file_offset: byte offset in the file; 0 means a whole-file read (sizes must match).
+
+        Returns:
+            The bytes read (always the buffer's size).
+
+        Raises:
+            AIOError (OSError) subclasses: AIOFileNotFoundError, SizeMismatchError,
+            ReadPastEndError, DeviceIOError, ... carrying path, offset, bytes requested/done, errno.
+        """
+        return self._sync(True, buffer, filename, file_offset)
+
+    def sync_pwrite(self, buffer: torch.Tensor, filename, file_offset: int = 0) -> int:
+        """Write ``buffer``'s bytes at ``file_offset`` (creating the file, mode 0600, if needed).
+
+        Returns:
+            The bytes written (always the buffer's size).
+
+        Raises:
+            AIOError (OSError) subclasses: AIOFileNotFoundError (missing directory),
+            DiskFullError (ENOSPC), DeviceIOError (EIO), ...; a short write is retried to
+            completion or raised, never reported done.
+        """
+        return self._sync(False, buffer, filename, file_offset)
+
+    def _sync(self, is_read: bool, buffer, filename, file_offset: int) -> int:
+        with self._wait_lock:
+            rid = self._submit(is_read, buffer, filename, file_offset)
+            exc = self._finish(self._engine.wait_one(rid))
+        if exc is not None:
+            raise exc
+        return _byte_view(buffer).numel()
+
+    def async_pread(self, buffer: torch.Tensor, filename, file_offset: int = 0) -> None:
+        """Queue a read like :meth:`sync_pread`; returns once submitted. Errors in opening or
+        size checks raise here; transfer errors raise from :meth:`wait`."""
+        self._submit(True, buffer, filename, file_offset)
+
+    def async_pwrite(self, buffer: torch.Tensor, filename, file_offset: int = 0) -> None:
+        """Queue a write like :meth:`sync_pwrite`; returns once submitted. Do not modify
+        ``buffer`` before :meth:`wait` returns."""
+        self._submit(False, buffer, filename, file_offset)
+
+    def wait(self) -> int:
+        """Wait for every queued request.
+
+        Returns:
+            The number of requests completed (0 when nothing was pending).
+
+        Raises:
+            AIOError subclass: the first failed request (in submission order); the other
+            failures, if any, are in its ``other_errors`` list. All requests are finished and
+            their files closed before it raises.
+        """
+        with self._wait_lock:
+            recs = self._engine.wait_all()
+            errors: List[AIOError] = []
+            for rec in recs:
+                exc = self._finish(rec)
+                if exc is not None:
+                    errors.append(exc)
+        if errors:
+            errors[0].other_errors = errors[1:]
+            raise errors[0]
+        return len(recs)
+
+    def pending(self) -> int:
+        """Requests submitted and not yet collected by :meth:`wait`."""
+        with self._lock:
+            return len(self._pending)
+
+    def close(self) -> None:
+        """Wait for pending requests (raising their errors) and stop the worker threads."""
+        try:
+            self.wait()
+        finally:
+            shutdown = getattr(self._engine, "shutdown", None)
+            if shutdown is not None:
+                shutdown()
+
+    def __enter__(self) -> "AsyncIOHandle":
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return (f"AsyncIOHandle(backend={self.backend!r}, block_size={self.block_size}, "
+                f"queue_depth={self.queue_depth}, intra_op_parallelism={self.intra_op_parallelism}, "
+                f"single_submit={self.single_submit}, overlap_events={self.overlap_events})")

@@ -1,0 +1,259 @@
+"""A fixed budget of aligned, page-locked host buffers for swapping.
+
+With CUDA present the buffers are CUDA pinned memory (``torch.empty(..., pin_memory=True)``),
+so host↔device copies are DMA. Without CUDA they are one anonymous ``mmap`` that is pre-faulted
+(``MAP_POPULATE``) and ``mlock``-ed, so the kernel never pages them out or faults them in during
+an O_DIRECT transfer (DeepSpeed measured its locked buffers 2–3× faster than plain tensors for aio).
+
+:func:`pinned_pool_bytes` gives the exact number of bytes a pool will lock, so a config can be
+checked before anything is allocated.
+"""
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import mmap
+import os
+import resource
+import threading
+from typing import List, Optional
+
+import torch
+
+__all__ = ["PinnedBufferPool", "PinnedMemoryError", "PoolExhaustedError", "pinned_pool_bytes"]
+
+_PAGE = mmap.PAGESIZE
+_CAP_IPC_LOCK = 14  # linux/capability.h
+
+
+class PinnedMemoryError(MemoryError):
+    """The pool's budget exceeds available memory or the memlock limit, or locking failed."""
+
+
+class PoolExhaustedError(RuntimeError):
+    """:meth:`PinnedBufferPool.acquire` found every buffer in use."""
+
+
+def _check_positive(name: str, value) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{name}: expected an integer >= 1, got {value!r}")
+
+
+def _slot_bytes(buffer_size: int, alignment: int) -> int:
+    step = max(alignment, _PAGE)
+    return -(-buffer_size // step) * step
+
+
+def pinned_pool_bytes(buffer_count: int, buffer_size: int, alignment: int = 4096) -> int:
+    """Exact bytes a ``PinnedBufferPool(buffer_count, buffer_size, alignment)`` locks.
+
+    Each buffer occupies ``buffer_size`` rounded up to ``max(alignment, page size)``, so every
+    buffer starts aligned: ``buffer_count * ceil(buffer_size / step) * step``.
+
+    Args:
+        buffer_count: number of buffers (>= 1).
+        buffer_size: bytes per buffer (>= 1).
+        alignment: byte alignment of each buffer's start, a power of two (default 4096, the
+            O_DIRECT alignment).
+
+    Raises:
+        ValueError: a non-positive count or size, or an alignment that is not a power of two.
+    """
+    _check_positive("buffer_count", buffer_count)
+    _check_positive("buffer_size", buffer_size)
+    _check_positive("alignment", alignment)
+    if alignment & (alignment - 1):
+        raise ValueError(f"alignment: expected a power of two, got {alignment}")
+    return buffer_count * _slot_bytes(buffer_size, alignment)
+
+
+def _has_cap_ipc_lock() -> bool:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("CapEff:"):
+                    return bool(int(line.split()[1], 16) >> _CAP_IPC_LOCK & 1)
+    except OSError:
+        pass
+    return False
+
+
+def _locked_bytes() -> int:
+    """Bytes this process has locked already (VmLck), 0 if unknown."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmLck:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def _memlock_limit() -> Optional[int]:
+    """The soft RLIMIT_MEMLOCK in bytes, or None when unlimited or not enforced (CAP_IPC_LOCK)."""
+    soft, _hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+    if soft == resource.RLIM_INFINITY or _has_cap_ipc_lock():
+        return None
+    return soft
+
+
+def _available_bytes() -> int:
+    import psutil
+
+    return psutil.virtual_memory().available
+
+
+_libc = None
+
+
+def _mlock(addr: int, length: int) -> None:
+    global _libc
+    if _libc is None:
+        _libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+        _libc.mlock.argtypes = _libc.munlock.argtypes = (ctypes.c_void_p, ctypes.c_size_t)
+    if _libc.mlock(ctypes.c_void_p(addr), ctypes.c_size_t(length)) != 0:
+        e = ctypes.get_errno()
+        raise PinnedMemoryError(f"mlock of {length} bytes failed: {os.strerror(e)}")
+
+
+def _munlock(addr: int, length: int) -> None:
+    if _libc is not None:
+        _libc.munlock(ctypes.c_void_p(addr), ctypes.c_size_t(length))
+
+
+class PinnedBufferPool:
+    """``buffer_count`` aligned, page-locked uint8 buffers of ``buffer_size`` bytes each.
+
+    Args:
+        buffer_count: number of buffers (>= 1).
+        buffer_size: bytes per buffer (>= 1).
+        alignment: start alignment of each buffer in bytes, a power of two (default 4096).
+
+    Raises:
+        ValueError: bad arguments.
+        PinnedMemoryError: raised *before allocating* when :func:`pinned_pool_bytes` exceeds the
+            available memory or the soft ``RLIMIT_MEMLOCK`` (unless the process has
+            CAP_IPC_LOCK); or when ``mlock`` itself fails (the memory is released first).
+
+    Buffers are 1-D ``torch.uint8`` CPU tensors of exactly ``buffer_size`` elements; use
+    :meth:`view` for a typed view. :meth:`acquire` hands one out, :meth:`release` takes it back.
+    """
+
+    def __init__(self, buffer_count: int, buffer_size: int, alignment: int = 4096):
+        total = pinned_pool_bytes(buffer_count, buffer_size, alignment)
+        self.buffer_count, self.buffer_size, self.alignment = buffer_count, buffer_size, alignment
+        self.pinned_bytes = total
+        budget = f"{buffer_count} x {buffer_size} bytes = {total} bytes pinned"
+        avail = _available_bytes()
+        if total > avail:
+            raise PinnedMemoryError(f"pinned buffer pool of {budget} exceeds the {avail} bytes of available memory")
+        self._cuda = torch.cuda.is_available()
+        if not self._cuda:
+            limit = _memlock_limit()
+            if limit is not None and total + _locked_bytes() > limit:
+                raise PinnedMemoryError(
+                    f"pinned buffer pool of {budget} exceeds the memlock limit (RLIMIT_MEMLOCK soft = {limit} "
+                    f"bytes, {_locked_bytes()} already locked); raise it with `ulimit -l` or use fewer/smaller buffers")
+        self._lock = threading.Lock()
+        self._mmap = None
+        self._addr = 0
+        slot = _slot_bytes(buffer_size, alignment)
+        if self._cuda:
+            self._buffers = [torch.empty(slot, dtype=torch.uint8, pin_memory=True)[:buffer_size]
+                             for _ in range(buffer_count)]
+        else:
+            extra = max(0, alignment - _PAGE)
+            flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_POPULATE", 0)
+            self._mmap = mmap.mmap(-1, total + extra, flags=flags)
+            whole = torch.frombuffer(self._mmap, dtype=torch.uint8)
+            skip = (-whole.data_ptr()) % alignment
+            self._addr = whole.data_ptr() + skip
+            try:
+                _mlock(self._addr, total)
+            except PinnedMemoryError as exc:
+                del whole
+                self._release_mapping()
+                raise PinnedMemoryError(f"pinned buffer pool of {budget}: {exc}") from None
+            self._buffers = [whole[skip + i * slot: skip + i * slot + buffer_size] for i in range(buffer_count)]
+        self._free: List[int] = list(range(buffer_count - 1, -1, -1))
+        self._ptrs = {b.data_ptr(): i for i, b in enumerate(self._buffers)}
+
+    @property
+    def pinned(self) -> bool:
+        """True while the buffers are locked (CUDA-pinned or mlock-ed)."""
+        return self._cuda or self._addr != 0
+
+    def buffers(self) -> List[torch.Tensor]:
+        """All buffers, in order (whether acquired or not)."""
+        return list(self._buffers)
+
+    def free_count(self) -> int:
+        """Buffers not currently acquired."""
+        with self._lock:
+            return len(self._free)
+
+    def acquire(self) -> torch.Tensor:
+        """Take a free buffer (uint8, ``buffer_size`` elements, ``alignment``-aligned).
+
+        Raises:
+            PoolExhaustedError: every buffer is in use.
+        """
+        with self._lock:
+            if not self._free:
+                raise PoolExhaustedError(f"all {self.buffer_count} pinned buffers of {self.buffer_size} bytes "
+                                         "are in use; release one first or enlarge buffer_count")
+            return self._buffers[self._free.pop()]
+
+    def release(self, buffer: torch.Tensor) -> None:
+        """Return a buffer obtained from :meth:`acquire` (or a view starting at its first byte).
+
+        Raises:
+            ValueError: the tensor is not one of this pool's buffers, or it is already free.
+        """
+        idx = self._ptrs.get(buffer.data_ptr()) if isinstance(buffer, torch.Tensor) else None
+        if idx is None:
+            raise ValueError("release(): the tensor does not start at one of this pool's buffers")
+        with self._lock:
+            if idx in self._free:
+                raise ValueError(f"release(): buffer {idx} is already free (released twice?)")
+            self._free.append(idx)
+
+    @staticmethod
+    def view(buffer: torch.Tensor, dtype: torch.dtype, numel: int, shape=None) -> torch.Tensor:
+        """The first ``numel`` elements of ``buffer`` as ``dtype`` (optionally reshaped to ``shape``).
+
+        Raises:
+            ValueError: ``numel`` elements of ``dtype`` do not fit in the buffer.
+        """
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        need = numel * itemsize
+        if need > buffer.numel() * buffer.element_size():
+            raise ValueError(f"{numel} x {dtype} ({need} bytes) does not fit a buffer of "
+                             f"{buffer.numel() * buffer.element_size()} bytes")
+        out = buffer.view(torch.uint8)[:need].view(dtype)
+        return out.view(shape) if shape is not None else out
+
+    def _release_mapping(self) -> None:
+        if self._addr:
+            _munlock(self._addr, self.pinned_bytes)
+            self._addr = 0
+        if self._mmap is not None:
+            try:
+                self._mmap.close()
+            except BufferError:
+                pass  # tensors still view it; the mapping goes when they do
+            self._mmap = None
+
+    def close(self) -> None:
+        """Unlock and drop the buffers. Tensors still held by the caller stay valid (unlocked)."""
+        self._buffers = []
+        self._free = []
+        self._ptrs = {}
+        self._release_mapping()
+
+    def __enter__(self) -> "PinnedBufferPool":
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()

@@ -1,0 +1,300 @@
+"""``TensorSwapper``: named tensors swapped out to and in from files under one directory.
+
+Layout: ``<swap_dir>/zeroinf-swap/`` (mode 0700) holds, per key, ``<name>.swp`` (mode 0600,
+exactly the tensor's bytes) and ``<name>.json`` (its manifest entry: key, numel, dtype, shape,
+nbytes, whether it holds swapped-out data, optional CRC32). ``<name>`` comes from the key alone
+(a readable slug plus a hash of the key), so two processes that register the same keys use the
+same files — never ``id()`` or registration order.
+
+[Note: stale files] A file is read as weights only when its manifest entry says it was written
+for this key with the same numel/dtype/shape *and* the file has exactly that many bytes. Files
+left by another config are reported (one ``RuntimeWarning`` at :meth:`register`) and reset;
+reading a key that was never written, or whose file was truncated since, raises
+:class:`~zeroinf.io.errors.StaleSwapFileError`. With ``checksum=True`` the CRC32 recorded at swap
+out is verified at swap in (:class:`~zeroinf.io.errors.ChecksumMismatchError`).
+"""
+from __future__ import annotations
+
+import errno
+import hashlib
+import json
+import os
+import re
+import warnings
+import zlib
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Dict, Iterable, List, Optional, Tuple
+
+import torch
+
+from .errors import AIOError, ChecksumMismatchError, StaleSwapFileError, make_error
+from .handle import AsyncIOHandle
+
+__all__ = ["TensorSwapper"]
+
+_SUBDIR = "zeroinf-swap"
+
+
+@dataclass
+class _Entry:
+    """Manifest entry of one key (also written as ``<name>.json``)."""
+
+    key: str
+    numel: int
+    dtype: str
+    shape: List[int]
+    nbytes: int
+    written: bool = False
+    crc32: Optional[int] = None
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+def _crc32(t: torch.Tensor) -> int:
+    return zlib.crc32(memoryview(t.reshape(-1).view(torch.uint8).numpy()))
+
+
+class TensorSwapper:
+    """Swap named CPU tensors to files and back through an :class:`AsyncIOHandle`.
+
+    Args:
+        swap_dir: an existing directory (e.g. on NVMe); files go in its ``zeroinf-swap/`` subdir.
+        handle: the I/O handle to use (default: ``AsyncIOHandle()`` with default knobs).
+        checksum: record a CRC32 at swap out and verify it at swap in (costs a pass over the data).
+
+    Raises:
+        AIOFileNotFoundError: ``swap_dir`` does not exist.
+        NotADirectoryError: ``swap_dir`` is not a directory.
+
+    Keys are caller-chosen stable strings such as ``"rank0/subgroup3/exp_avg"``.
+    """
+
+    def __init__(self, swap_dir, handle: Optional[AsyncIOHandle] = None, *, checksum: bool = False):
+        base = Path(swap_dir)
+        if not base.exists():
+            raise make_error(errno.ENOENT, f"swap directory {base} does not exist", str(base), 0, 0, 0)
+        if not base.is_dir():
+            raise NotADirectoryError(errno.ENOTDIR, "swap_dir is not a directory", str(base))
+        self.directory = base / _SUBDIR
+        self.directory.mkdir(mode=0o700, exist_ok=True)
+        os.chmod(self.directory, 0o700)
+        self._own_handle = handle is None
+        self.handle = handle if handle is not None else AsyncIOHandle()
+        self.checksum = bool(checksum)
+        self._entries: Dict[str, _Entry] = {}
+        self._pending: List[Tuple[str, str, torch.Tensor, Optional[int]]] = []  # (op, key, tensor, crc)
+
+    # -- names and manifest -------------------------------------------------------------------
+    @staticmethod
+    def file_stem(key: str) -> str:
+        """File name stem for ``key``: a readable slug plus 12 hex digits of its SHA-256."""
+        slug = re.sub(r"[^A-Za-z0-9._-]+", "_", key).strip("._")[:80] or "key"
+        return f"{slug}-{hashlib.sha256(key.encode()).hexdigest()[:12]}"
+
+    def path_for(self, key: str) -> Path:
+        """The swap file of ``key`` (whether or not it is registered)."""
+        return self.directory / (self.file_stem(key) + ".swp")
+
+    def _meta_path(self, key: str) -> Path:
+        return self.directory / (self.file_stem(key) + ".json")
+
+    def _save_entry(self, e: _Entry) -> None:
+        meta = self._meta_path(e.key)
+        tmp = meta.with_suffix(".json.tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            json.dump(asdict(e), f)
+        os.replace(tmp, meta)
+
+    def _load_entry(self, key: str) -> Optional[_Entry]:
+        try:
+            data = json.loads(self._meta_path(key).read_text())
+            return _Entry(**data)
+        except (OSError, ValueError, TypeError):
+            return None
+
+    def manifest(self) -> Dict[str, dict]:
+        """Registered keys -> {numel, dtype, shape, nbytes, written, crc32, path}."""
+        return {k: {**asdict(e), "path": str(self.path_for(k))} for k, e in self._entries.items()}
+
+    # -- set-up -------------------------------------------------------------------------------
+    def register(self, key: str, numel: int, dtype: torch.dtype, shape=None) -> Path:
+        """Declare ``key`` and preallocate its file (``fallocate``) so later writes overwrite.
+
+        A file already holding this key's data from an earlier run (same numel, dtype and shape,
+        exact size, marked written) is adopted and can be swapped in. Any other existing file is
+        stale: one ``RuntimeWarning`` names it and it is reset.
+
+        Args:
+            key: non-empty stable name.
+            numel: elements (>= 0).
+            dtype: torch dtype.
+            shape: optional shape with ``prod(shape) == numel`` (default ``(numel,)``).
+
+        Returns:
+            The file's path.
+
+        Raises:
+            ValueError: bad arguments, or ``key`` already registered with another numel/dtype/shape.
+            AIOError: the file cannot be created or preallocated (e.g. DiskFullError).
+        """
+        if not isinstance(key, str) or not key:
+            raise ValueError(f"swap key must be a non-empty string, got {key!r}")
+        if not isinstance(dtype, torch.dtype):
+            raise ValueError(f"{key}: dtype must be a torch.dtype, got {dtype!r}")
+        if not isinstance(numel, int) or isinstance(numel, bool) or numel < 0:
+            raise ValueError(f"{key}: numel must be an integer >= 0, got {numel!r}")
+        shape = [numel] if shape is None else [int(s) for s in shape]
+        prod = 1
+        for s in shape:
+            prod *= s
+        if prod != numel:
+            raise ValueError(f"{key}: shape {tuple(shape)} holds {prod} elements, not numel={numel}")
+        nbytes = numel * torch.empty((), dtype=dtype).element_size()
+        want = _Entry(key, numel, _dtype_name(dtype), shape, nbytes)
+        old = self._entries.get(key)
+        if old is not None:
+            if (old.numel, old.dtype, old.shape) != (want.numel, want.dtype, want.shape):
+                raise ValueError(f"{key}: already registered as {old.numel} x {old.dtype} {tuple(old.shape)}")
+            return self.path_for(key)
+        path = self.path_for(key)
+        on_disk = self._load_entry(key)
+        size = path.stat().st_size if path.exists() else None
+        if (on_disk is not None and on_disk.written and size == nbytes and
+                (on_disk.key, on_disk.numel, on_disk.dtype, on_disk.shape) == (key, numel, want.dtype, shape)):
+            self._entries[key] = on_disk
+            return path
+        if size is not None:
+            why = ("no manifest entry" if on_disk is None else
+                   f"manifest says {on_disk.numel} x {on_disk.dtype} {tuple(on_disk.shape)}, written={on_disk.written}")
+            warnings.warn(f"stale swap file {path} for key {key!r} ({size} bytes, {why}; expected {nbytes} bytes "
+                          f"of {want.dtype}): it is reset and will not be read as data", RuntimeWarning, stacklevel=2)
+        self._preallocate(path, nbytes)
+        self._save_entry(want)
+        self._entries[key] = want
+        return path
+
+    @staticmethod
+    def _preallocate(path: Path, nbytes: int) -> None:
+        fd = None
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+            os.fchmod(fd, 0o600)
+            os.ftruncate(fd, 0)
+            if nbytes:
+                try:
+                    os.posix_fallocate(fd, 0, nbytes)
+                except OSError as exc:
+                    if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
+                        raise
+                    os.ftruncate(fd, nbytes)  # no fallocate here: a sparse file of the right size
+        except OSError as exc:
+            raise make_error(exc.errno or errno.EIO, f"cannot preallocate swap file {path} ({nbytes} bytes)",
+                             str(path), 0, nbytes, 0) from exc
+        finally:
+            if fd is not None:
+                os.close(fd)
+
+    # -- swapping -----------------------------------------------------------------------------
+    def _check(self, key: str, tensor) -> _Entry:
+        e = self._entries.get(key)
+        if e is None:
+            raise KeyError(f"swap key {key!r} is not registered")
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"{key}: expected a torch.Tensor, got {type(tensor).__name__}")
+        if tensor.numel() != e.numel or _dtype_name(tensor.dtype) != e.dtype:
+            raise ValueError(f"{key}: registered as {e.numel} x {e.dtype}, got a tensor of "
+                             f"{tensor.numel()} x {_dtype_name(tensor.dtype)}")
+        if tensor.device.type != "cpu" or not tensor.is_contiguous():
+            raise ValueError(f"{key}: tensor must be a contiguous CPU tensor")
+        return e
+
+    def swap_out(self, items: Iterable[Tuple[str, torch.Tensor]], async_op: bool = True) -> None:
+        """Write each ``(key, tensor)`` to its file. With ``async_op`` the writes are only
+        queued: keep the tensors unchanged until :meth:`wait`. An empty ``items`` is a no-op.
+
+        Raises:
+            KeyError: unregistered key. ValueError/TypeError: tensor of the wrong numel/dtype.
+            AIOError: opening failed (here) or a write failed (here if sync, else at :meth:`wait`).
+        """
+        items = list(items)
+        for key, tensor in items:
+            self._check(key, tensor)
+        for key, tensor in items:
+            e = self._entries[key]
+            if e.written:  # the file is about to change: never leave it marked valid meanwhile
+                e.written = False
+                self._save_entry(e)
+            crc = _crc32(tensor) if self.checksum else None
+            self.handle.async_pwrite(tensor, self.path_for(key))
+            self._pending.append(("out", key, tensor, crc))
+        if not async_op and items:
+            self.wait()
+
+    def swap_in(self, items: Iterable[Tuple[str, torch.Tensor]], async_op: bool = True) -> None:
+        """Read each key's file into its ``tensor``. With ``async_op`` the data is there only
+        after :meth:`wait`. An empty ``items`` is a no-op.
+
+        Raises:
+            KeyError: unregistered key. ValueError/TypeError: tensor of the wrong numel/dtype.
+            StaleSwapFileError: the key was never swapped out, or its file changed size since.
+            AIOError: a read failed (here if sync, else at :meth:`wait`).
+        """
+        items = list(items)
+        for key, tensor in items:
+            e = self._check(key, tensor)
+            path = self.path_for(key)
+            if not e.written:
+                raise StaleSwapFileError(errno.ENODATA, f"swap file of key {key!r} holds no swapped-out data "
+                                         "(never written, stale, or its last write failed)", str(path), 0, e.nbytes, 0)
+            size = path.stat().st_size if path.exists() else -1
+            if size != e.nbytes:
+                raise StaleSwapFileError(errno.EIO, f"swap file of key {key!r} has {size} bytes, expected "
+                                         f"{e.nbytes} (truncated or replaced)", str(path), 0, e.nbytes, 0)
+        for key, tensor in items:
+            self.handle.async_pread(tensor, self.path_for(key))
+            self._pending.append(("in", key, tensor, None))
+        if not async_op and items:
+            self.wait()
+
+    def wait(self) -> int:
+        """Wait for queued swaps; returns how many finished (0 when none were pending).
+
+        Raises:
+            AIOError: the first failed transfer (every write of this batch is then treated as
+                not done: its key cannot be swapped in until written again).
+            ChecksumMismatchError: with ``checksum=True``, a swapped-in tensor's CRC32 differs.
+        """
+        pending, self._pending = self._pending, []
+        if not pending:
+            return 0
+        try:
+            self.handle.wait()
+        except AIOError:
+            for op, key, _t, _c in pending:
+                if op == "out":
+                    self._entries[key].written = False
+            raise
+        for op, key, tensor, crc in pending:
+            e = self._entries[key]
+            if op == "out":
+                e.written, e.crc32 = True, crc
+                self._save_entry(e)
+            elif self.checksum and e.crc32 is not None:
+                got = _crc32(tensor)
+                if got != e.crc32:
+                    raise ChecksumMismatchError(errno.EIO, f"swap file of key {key!r}: CRC32 {got:#010x} read back, "
+                                                f"{e.crc32:#010x} written", str(self.path_for(key)), 0, e.nbytes,
+                                                e.nbytes)
+        return len(pending)
+
+    def close(self) -> None:
+        """Wait for queued swaps (raising their errors); files stay for a later run."""
+        try:
+            self.wait()
+        finally:
+            if self._own_handle:
+                self.handle.close()
