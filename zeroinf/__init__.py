@@ -5,3 +5,12 @@ Layers (bottom up): ``zeroinf.ops`` (C++ op loading), ``zeroinf.optim`` (CPUAdam
 (ZeRO partitioning, tiering, prefetch, engine), ``zeroinf.config`` (DeepSpeed-compatible config).
 """
 __version__ = "0.1.0"
+
+
+def initialize(*args, **kwargs):
+    """``zeroinf.initialize(model, optimizer=None, model_parameters=None, lr_scheduler=None,
+    config=None, training_data=None)`` → ``(engine, optimizer, dataloader_or_None, lr_scheduler)``,
+    like ``deepspeed.initialize``; see :func:`zeroinf.runtime.engine.initialize`. Imported lazily so
+    ``import zeroinf`` stays light."""
+    from zeroinf.runtime.engine import initialize as _initialize
+    return _initialize(*args, **kwargs)

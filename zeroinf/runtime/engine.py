@@ -1,0 +1,412 @@
+"""The training engine: ``zeroinf.initialize`` and :class:`ZeroEngine`, shaped like DeepSpeed's.
+
+One training step, as the engine runs it::
+
+    for micro_batch in ...:                 # gradient_accumulation_steps of them
+        loss = engine(inputs)               # forward on the compute device
+        engine.backward(loss)               # loss / gas (* loss scale), backward, reduce grads
+        engine.step()                       # acts at the accumulation boundary only
+
+At the boundary: the global gradient norm over all partitions and ranks (``zeroinf.grad_norm_type``,
+2 by default, or inf); a non-finite norm skips the step on every rank (the norm is the same on all
+of them) and, with fp16, lowers the loss scale; else gradients are clipped (``gradient_clipping``,
+torch's ``clip_grad_norm_`` rule ``coef = max_norm / (norm + 1e-6)`` applied when < 1), the
+sub-group optimizer steps (CPU Adam; state on CPU or NVMe), updated parameters go back to the
+device and are all-gathered, and the LR schedule advances.
+
+The parameter manager seam. The engine talks to its parameter manager through these calls only
+(:class:`zeroinf.runtime.flat.FlatParamManager` implements them for stages 0–2; stage 3 plugs in
+by providing an object with the same methods from ``zeroinf.runtime.stage3.engine_manager(...)``):
+
+* ``sub_group_specs() -> list[SubGroupSpec]``; ``master_init(i, fp32_params) -> Tensor``;
+* ``reduce_gradients() -> int`` after each backward; ``grad(i) -> Tensor`` (fp32, CPU);
+* ``param_target(i) -> Tensor`` receiving sub-group i's updated parameters;
+* ``gather_params() -> int`` after the step; ``zero_grad_acc()``;
+* ``local_grad_norm_parts(norm_type) -> (value, partitioned: bool)``.
+"""
+from __future__ import annotations
+
+import math
+import os
+import shutil
+import time
+from typing import Any, Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+
+from zeroinf.config import ConfigError, ZeroInfConfig, parse_config
+
+from .loss_scaler import LossScaler
+from .optimizer import SubGroupOptimizer
+
+__all__ = ["ZeroEngine", "ZeroOptimizer", "initialize"]
+
+
+class ZeroOptimizer(torch.optim.Optimizer):
+    """The optimizer object ``initialize`` returns: it holds the param groups and their
+    hyper-parameters (``lr``, ``betas``, ``eps``, ``weight_decay``), so LR schedulers work on it,
+    but the step itself belongs to the engine (``engine.step()``); calling :meth:`step` raises.
+    """
+
+    def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0,
+                 adamw_mode: bool = True, bias_correction: bool = True):
+        super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
+                                      adamw_mode=adamw_mode, bias_correction=bias_correction))
+
+    def step(self, closure=None):  # noqa: D102 - documented in the class
+        raise RuntimeError("the zeroinf optimizer steps inside engine.step(); call engine.step() instead")
+
+
+def _world() -> tuple:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def _hyper_from_client(opt: torch.optim.Optimizer) -> None:
+    """Check a client optimizer is Adam-like and complete its groups' hyper-parameters in place."""
+    name = type(opt).__name__
+    adamw = None
+    if isinstance(opt, torch.optim.AdamW):
+        adamw = True
+    elif isinstance(opt, torch.optim.Adam):
+        adamw = False
+    elif name == "CPUAdam":
+        adamw = None  # groups carry adamw_mode
+    elif isinstance(opt, ZeroOptimizer):
+        return
+    else:
+        raise ConfigError("optimizer", f"a client optimizer of type {name} is not supported yet; pass "
+                          "torch.optim.Adam, torch.optim.AdamW or zeroinf.optim.CPUAdam, or set optimizer in the config")
+    for i, g in enumerate(opt.param_groups):
+        for k in ("amsgrad", "maximize", "capturable", "differentiable"):
+            if g.get(k):
+                raise ConfigError("optimizer", f"param group {i} sets {k}=True, which is not supported yet")
+        if adamw is not None:
+            g["adamw_mode"] = adamw
+        g.setdefault("adamw_mode", True)
+        g.setdefault("bias_correction", True)
+
+
+class ZeroEngine:
+    """ZeRO stages 0–2 (stage 3 through its parameter manager) with CPU/NVMe optimizer offload.
+
+    Built by :func:`initialize`; attributes of note: ``module``, ``optimizer`` (the
+    :class:`ZeroOptimizer` or the client's), ``lr_scheduler``, ``config`` (:class:`ZeroInfConfig`),
+    ``global_steps`` (optimizer-step boundaries, skipped ones included), ``skipped_steps``,
+    ``micro_steps``.
+    """
+
+    def __init__(self, model: torch.nn.Module, cfg: ZeroInfConfig, optimizer: torch.optim.Optimizer,
+                 lr_scheduler=None, rank: int = 0, world_size: int = 1):
+        self.module, self.config, self.optimizer = model, cfg, optimizer
+        self.rank, self.world_size = rank, world_size
+        self.gas = cfg.gradient_accumulation_steps
+        self.global_steps = 0
+        self.micro_steps = 0
+        self.skipped_steps = 0
+        self.optimizer_steps = 0   #: steps actually applied (Adam's step count)
+        self._grad_norm: Optional[float] = None
+        self._stats: Dict[str, Any] = {}
+        self._step_stats = self._new_step_stats()
+        self.loss_scaler = LossScaler.from_config(cfg.fp16) if cfg.fp16.enabled else None
+        zc = cfg.zero_optimization
+        off = zc.offload_optimizer
+
+        # trainable params per group, and fp32 copies before any cast (master weights start exact)
+        groups = [[p for p in g["params"] if p.requires_grad] for g in optimizer.param_groups]
+        dtype = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}[cfg.precision]
+        fp32_copies = None
+        if dtype != torch.float32:
+            fp32_copies = {id(p): p.detach().to("cpu", torch.float32, copy=True) for ps in groups for p in ps}
+            model.to(dtype)
+        self.dtype = dtype
+
+        if zc.stage == 3:
+            try:
+                from zeroinf.runtime.stage3 import engine_manager
+            except ImportError:
+                raise NotImplementedError("zero_optimization.stage 3 is not wired into the engine yet "
+                                          "(zeroinf.runtime.stage3.engine_manager is missing)") from None
+            self.params = engine_manager(model, cfg, groups, rank=rank, world_size=world_size)
+        else:
+            from .flat import FlatParamManager
+            self.params = FlatParamManager(groups, stage=zc.stage, sub_group_size=zc.sub_group_size,
+                                           reduce_bucket_size=zc.reduce_bucket_size, rank=rank, world_size=world_size)
+        specs = self.params.sub_group_specs()
+        self._check_machine(specs)
+        swap_dir = None
+        if off.device == "nvme":
+            swap_dir = os.path.join(off.nvme_path, "zeroinf_optimizer", f"rank{rank}")
+            os.makedirs(swap_dir, exist_ok=True)
+        try:
+            self.sub_optimizer = SubGroupOptimizer(
+                specs, device=off.device, swap_dir=swap_dir, buffer_count=off.buffer_count,
+                pipeline_read=off.pipeline_read, pipeline_write=off.pipeline_write, pin_memory=off.pin_memory,
+                aio=cfg.aio)
+        except MemoryError as e:  # zeroinf.io.PinnedMemoryError: over RAM or ulimit -l
+            raise ConfigError("zero_optimization.offload_optimizer.buffer_count",
+                              f"{e}; lower sub_group_size or buffer_count") from e
+        for i in range(len(specs)):
+            self.sub_optimizer.init_master(i, self.params.master_init(i, fp32_copies))
+        del fp32_copies
+
+        if lr_scheduler is not None and cfg.scheduler is not None:
+            raise ConfigError("scheduler", "given both in the config and to initialize(); use one")
+        if lr_scheduler is None and cfg.scheduler is not None:
+            from .lr_schedules import build_scheduler
+            lr_scheduler = build_scheduler(cfg.scheduler, optimizer)
+        elif callable(lr_scheduler) and not hasattr(lr_scheduler, "step"):
+            lr_scheduler = lr_scheduler(optimizer)
+        self.lr_scheduler = lr_scheduler
+
+    # ------------------------------------------------------------------------------------------
+    # checks at start-up: fail now, not mid-step
+
+    def _check_machine(self, specs) -> None:
+        off = self.config.zero_optimization.offload_optimizer
+        if off.device != "nvme":
+            return
+        key = "zero_optimization.offload_optimizer.nvme_path"
+        path = off.nvme_path
+        if not os.path.isdir(path):
+            raise ConfigError(key, f"{path!r} does not exist or is not a directory")
+        if not os.access(path, os.W_OK | os.X_OK):
+            raise ConfigError(key, f"{path!r} is not writable")
+        need = sum(12 * s.numel for s in specs)
+        swap_dir = os.path.join(path, "zeroinf_optimizer", f"rank{self.rank}")
+        have = shutil.disk_usage(path).free + _dir_bytes(swap_dir)
+        if have < need:
+            raise ConfigError(key, f"{path!r} has {have / 1e9:.3f} GB free; the optimizer swap files need "
+                              f"{need / 1e9:.3f} GB (12 bytes per element of this rank's partition)")
+        from zeroinf.io import pinned_pool_bytes
+        import psutil
+
+        count = min(off.buffer_count, 1 + off.pipeline_read + off.pipeline_write, max(1, len(specs)))
+        pinned = pinned_pool_bytes(count, 12 * max(s.numel for s in specs))
+        avail = psutil.virtual_memory().available
+        if pinned > avail:
+            raise ConfigError("zero_optimization.offload_optimizer.buffer_count",
+                              f"{count} swap buffers of {12 * max(s.numel for s in specs)} bytes pin {pinned} bytes, "
+                              f"more than the {avail} bytes of available memory; lower sub_group_size or buffer_count")
+        # the memlock limit (ulimit -l) is checked by PinnedBufferPool before it allocates; its
+        # error is re-raised under the buffer_count key where the optimizer is built
+
+    # ------------------------------------------------------------------------------------------
+    # DeepSpeed-shaped API
+
+    def __call__(self, *args, **kwargs):
+        return self.forward(*args, **kwargs)
+
+    def forward(self, *args, **kwargs):
+        """Run the wrapped module."""
+        return self.module(*args, **kwargs)
+
+    def train(self, mode: bool = True) -> "ZeroEngine":
+        self.module.train(mode)
+        return self
+
+    def eval(self) -> "ZeroEngine":
+        self.module.eval()
+        return self
+
+    def is_gradient_accumulation_boundary(self) -> bool:
+        """Whether the next :meth:`step` is an optimizer step."""
+        return (self.micro_steps + 1) % self.gas == 0
+
+    def zero_grad(self) -> None:
+        """Drop the module's ``.grad`` (the engine already does after each backward)."""
+        for p in self.module.parameters():
+            p.grad = None
+
+    def backward(self, loss: torch.Tensor) -> torch.Tensor:
+        """Backward of ``loss / gradient_accumulation_steps`` (times the loss scale with fp16),
+        then reduce this micro-batch's gradients into the fp32 accumulation buffers.
+
+        Raises:
+            ValueError: ``loss`` is not a scalar tensor requiring grad.
+        """
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or not loss.requires_grad:
+            raise ValueError("engine.backward(loss): loss must be a scalar tensor that requires grad")
+        t0 = time.perf_counter()
+        scaled = loss.float()
+        if self.gas > 1:
+            scaled = scaled / self.gas
+        if self.loss_scaler is not None:
+            scaled = scaled * self.loss_scaler.scale
+        scaled.backward()
+        t1 = time.perf_counter()
+        self._step_stats["backward_s"] += t1 - t0
+        self._step_stats["comm_elements"] += self.params.reduce_gradients()
+        self._step_stats["reduce_s"] += time.perf_counter() - t1
+        return loss
+
+    def step(self) -> None:
+        """Count a micro-batch; at the accumulation boundary run the optimizer step."""
+        if self.is_gradient_accumulation_boundary():
+            self._optimizer_step()
+            self._stats = dict(self._step_stats)
+            self._step_stats = self._new_step_stats()
+        self.micro_steps += 1
+
+    def _new_step_stats(self) -> Dict[str, Any]:
+        return {"backward_s": 0.0, "reduce_s": 0.0, "comm_elements": 0, "optimizer_s": 0.0, "adam_s": 0.0,
+                "io_wait_s": 0.0, "nvme_read_bytes": 0, "nvme_write_bytes": 0, "gather_s": 0.0}
+
+    def _global_norm(self, norm_type: float) -> float:
+        value, partitioned = self.params.local_grad_norm_parts(norm_type)
+        if self.world_size > 1 and partitioned:
+            t = torch.tensor([value], dtype=torch.float64)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX if norm_type == math.inf else dist.ReduceOp.SUM)
+            value = float(t[0])
+        norm = value if norm_type == math.inf else value ** (1.0 / norm_type)
+        if self.loss_scaler is not None:
+            norm = norm / self.loss_scaler.scale
+        return norm
+
+    @torch.no_grad()
+    def _optimizer_step(self) -> None:
+        t0 = time.perf_counter()
+        cfg = self.config
+        norm = self._global_norm(cfg.zeroinf.grad_norm_type)
+        self._grad_norm = norm
+        overflow = not math.isfinite(norm)
+        if self.loss_scaler is not None:
+            self.loss_scaler.update(overflow)
+        self.global_steps += 1
+        if overflow:
+            self.skipped_steps += 1
+            self.params.zero_grad_acc()
+            self._step_stats["optimizer_s"] += time.perf_counter() - t0
+            return
+        n = len(self.sub_optimizer.specs)
+        if cfg.gradient_clipping > 0:
+            # torch.nn.utils.clip_grad_norm_: coef = max_norm / (total_norm + 1e-6), clamped to 1
+            coef = torch.tensor(cfg.gradient_clipping, dtype=torch.float32) / (torch.tensor(norm, dtype=torch.float32) + 1e-6)
+            if float(coef) < 1.0:
+                for i in range(n):
+                    self.params.grad(i).mul_(coef)
+        self.optimizer_steps += 1
+        hyper = self.optimizer.param_groups
+        grad_scale = self.loss_scaler.scale if self.loss_scaler is not None else 1.0
+        self.sub_optimizer.step(step=self.optimizer_steps, hyper=hyper, grad=self.params.grad,
+                                out=self.params.param_target, grad_scale=grad_scale)
+        st = self.sub_optimizer.stats
+        t1 = time.perf_counter()
+        self.params.gather_params()
+        self._step_stats["gather_s"] += time.perf_counter() - t1
+        self.params.zero_grad_acc()
+        if self.lr_scheduler is not None:
+            self.lr_scheduler.step()
+        self._step_stats.update(adam_s=st.adam_s, io_wait_s=st.io_wait_s, nvme_read_bytes=st.bytes_read,
+                                nvme_write_bytes=st.bytes_written)
+        self._step_stats["optimizer_s"] += time.perf_counter() - t0
+
+    def get_global_grad_norm(self) -> Optional[float]:
+        """The (unscaled) global gradient norm of the last boundary, before clipping; None before
+        the first step; inf/nan when that step was skipped."""
+        return self._grad_norm
+
+    def get_lr(self) -> List[float]:
+        """The lr of each param group."""
+        return [g["lr"] for g in self.optimizer.param_groups]
+
+    @property
+    def loss_scale(self) -> float:
+        """Current loss scale (1.0 without fp16)."""
+        return self.loss_scaler.scale if self.loss_scaler is not None else 1.0
+
+    def stats(self) -> Dict[str, Any]:
+        """Counters of the last optimizer step: seconds in backward, gradient reduction, optimizer
+        (of which Adam compute and waiting on NVMe I/O) and all-gather; elements communicated;
+        NVMe bytes read/written; pinned bytes; plus step counters and the loss scale."""
+        out = dict(self._stats)
+        out.update(global_steps=self.global_steps, skipped_steps=self.skipped_steps, loss_scale=self.loss_scale,
+                   pinned_bytes=self.sub_optimizer.pinned_bytes(), grad_norm=self._grad_norm)
+        return out
+
+    # ------------------------------------------------------------------------------------------
+
+    def save_checkpoint(self, save_dir: str, tag: Optional[str] = None, client_state: Optional[dict] = None) -> str:
+        """Save to ``save_dir/tag`` (tag default ``global_step{N}``); see :mod:`zeroinf.checkpoint`.
+        Returns the checkpoint folder."""
+        from zeroinf import checkpoint
+        return checkpoint.save(self, save_dir, tag, client_state)
+
+    def load_checkpoint(self, load_dir: str, tag: Optional[str] = None):
+        """Load from ``load_dir/tag`` (tag default: the ``latest`` file). Returns
+        ``(path, client_state)`` like DeepSpeed."""
+        from zeroinf import checkpoint
+        return checkpoint.load(self, load_dir, tag)
+
+    def close(self) -> None:
+        """Release swap buffers and files handles (idempotent)."""
+        self.sub_optimizer.close()
+
+    def destroy(self) -> None:
+        """Alias of :meth:`close` (DeepSpeed's name)."""
+        self.close()
+
+
+def _dir_bytes(path: str) -> int:
+    total = 0
+    if os.path.isdir(path):
+        for root, _, files in os.walk(path):
+            for f in files:
+                try:
+                    total += os.path.getsize(os.path.join(root, f))
+                except OSError:
+                    pass
+    return total
+
+
+def initialize(model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer] = None, model_parameters=None,
+               lr_scheduler=None, config=None, training_data=None, collate_fn=None):
+    """Wrap ``model`` for ZeRO training, like ``deepspeed.initialize``.
+
+    Args:
+        model: the module (its parameters on the compute device; CPU here, CUDA when present).
+        optimizer: a client torch.optim.Adam/AdamW/zeroinf.optim.CPUAdam whose param groups and
+            hyper-parameters are used (its own ``step`` is never called), or None to build one
+            from ``config["optimizer"]``.
+        model_parameters: parameters or param-group dicts for the config optimizer (default:
+            ``model.parameters()``).
+        lr_scheduler: a scheduler object bound to ``optimizer``, or a callable
+            ``f(optimizer) -> scheduler``; or None to use ``config["scheduler"]``.
+        config: DeepSpeed-format dict or JSON path (see :func:`zeroinf.config.parse_config`).
+        training_data: a ``torch.utils.data.Dataset``; if given, a DataLoader of
+            ``train_micro_batch_size_per_gpu`` (with a DistributedSampler over ranks) is returned.
+
+    Returns:
+        ``(engine, optimizer, dataloader_or_None, lr_scheduler)``.
+
+    Raises:
+        ConfigError: invalid config, or a machine check failed (``nvme_path`` missing or not
+            writable, not enough free disk, pinned budget over RAM or ``ulimit -l``); the message
+            starts with the key path.
+    """
+    if config is None:
+        raise ConfigError("", "initialize() needs config (a DeepSpeed-format dict or JSON path)")
+    rank, world_size = _world()
+    cfg = parse_config(config, world_size=world_size)
+    if optimizer is not None and cfg.optimizer is not None:
+        raise ConfigError("optimizer", "given both in the config and to initialize(); use one")
+    if optimizer is None:
+        if cfg.optimizer is None:
+            raise ConfigError("optimizer", "required: set optimizer {type, params} or pass optimizer=")
+        o = cfg.optimizer
+        params = list(model_parameters) if model_parameters is not None else list(model.parameters())
+        optimizer = ZeroOptimizer(params, lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay,
+                                  adamw_mode=o.adam_w_mode, bias_correction=o.bias_correction)
+    else:
+        _hyper_from_client(optimizer)
+    engine = ZeroEngine(model, cfg, optimizer, lr_scheduler=lr_scheduler, rank=rank, world_size=world_size)
+    loader = None
+    if training_data is not None:
+        sampler = None
+        if world_size > 1:
+            sampler = torch.utils.data.distributed.DistributedSampler(training_data, num_replicas=world_size, rank=rank)
+        loader = torch.utils.data.DataLoader(training_data, batch_size=cfg.train_micro_batch_size_per_gpu,
+                                             sampler=sampler, shuffle=False, collate_fn=collate_fn)
+    return engine, optimizer, loader, engine.lr_scheduler
