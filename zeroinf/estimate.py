@@ -371,20 +371,13 @@ def _build_meta(cfg: dict):
 
 
 def _largest_unit(model) -> Optional[int]:
+    # A block's parameters are gathered together; any other parameter alone. A parameter inside a
+    # block is never larger than its block, so the maximum over single parameters may include them.
     block_classes = set(getattr(model, "_no_split_modules", None) or ())
     if not block_classes:
         return None
-    in_blocks = set()
-    largest = 0
-    for module in model.modules():
-        if type(module).__name__ in block_classes:
-            params = list(module.parameters())
-            in_blocks.update(id(p) for p in params)
-            largest = max(largest, sum(p.numel() for p in params))
-    for p in model.parameters():
-        if id(p) not in in_blocks:
-            largest = max(largest, p.numel())
-    return largest
+    blocks = [sum(p.numel() for p in m.parameters()) for m in model.modules() if type(m).__name__ in block_classes]
+    return max(blocks + [p.numel() for p in model.parameters()])
 
 
 def model_info(model: Union[str, os.PathLike, Mapping]) -> ModelInfo:
