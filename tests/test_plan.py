@@ -1,0 +1,153 @@
+"""zeroinf.plan: the placement ladder, the config it writes (checked by the engine's parse_config),
+step-time lower bounds and the bench-JSON readers. Sizes in decimal GB (1e9 bytes)."""
+import json
+
+import pytest
+
+from zeroinf import cli
+from zeroinf.config import parse_config
+from zeroinf.estimate import GB, ModelInfo, Placement
+from zeroinf.plan import LADDER, Limits, choose, make_config, read_adam_json, read_nvme_json, step_time_bounds
+
+# 1e9 parameters, one rank, bf16 + Adam: 16 GB of model states; with the plan's swap settings the
+# NVMe optimizer rows pin 4 x 12 B x 1e8 = 4.8 GB and the NVMe parameter rows 5 x 2 B x 1e8 = 1 GB.
+P1B = ModelInfo(name="1B", params=10**9)
+
+
+def chosen(gpu_gb, cpu_gb, nvme_gb=0, info=P1B, n=1):
+    plan = choose(info, Limits(gpu_mem=int(gpu_gb * GB), cpu_mem=int(cpu_gb * GB), nvme=int(nvme_gb * GB), reserve=0),
+                  world_size=n, gpus_per_node=n)
+    return plan, (plan.chosen.placement if plan.chosen else None)
+
+
+def test_no_offload_when_everything_fits():
+    plan, pl = chosen(gpu_gb=16, cpu_gb=1, nvme_gb=1000)
+    assert pl == Placement(0) and len(plan.attempts) == 1
+
+
+def test_zero_stage_before_offload():
+    # 4 ranks: stage 2 needs 2 + 14/4 = 5.5 GB, stage 3 needs 4 GB per device
+    assert chosen(gpu_gb=5.5, cpu_gb=1000, n=4)[1] == Placement(2)
+    assert chosen(gpu_gb=5, cpu_gb=1000, n=4)[1] == Placement(3)
+
+
+def test_optimizer_to_cpu_then_params_to_cpu():
+    # 16 GB does not fit in 10 GB; with the optimizer on the CPU the device keeps 2 GB of params
+    plan, pl = chosen(gpu_gb=10, cpu_gb=16, nvme_gb=1000)
+    assert pl == Placement(2, "none", "cpu")
+    assert all("per device" in a.reasons[0] for a in plan.attempts[:-1])
+    # the device cannot hold the 2 GB of params either: they go to the CPU too (18 GB on the host)
+    assert chosen(gpu_gb=1, cpu_gb=18, nvme_gb=1000)[1] == Placement(3, "cpu", "cpu")
+
+
+def test_cpu_before_nvme_and_nvme_only_when_host_cannot_hold_the_state():
+    # host holds 18 GB: CPU offload, even though NVMe is there
+    assert chosen(gpu_gb=1, cpu_gb=18, nvme_gb=1000)[1].offload_optimizer == "cpu"
+    # host 17 GB: optimizer to NVMe, params stay on the CPU (2 + 4 grads + 4.8 buffers = 10.8 GB)
+    assert chosen(gpu_gb=1, cpu_gb=17, nvme_gb=1000)[1] == Placement(3, "cpu", "nvme")
+    # host 10 GB: params to NVMe as well (4 + 4.8 + 1 = 9.8 GB)
+    plan, pl = chosen(gpu_gb=1, cpu_gb=10, nvme_gb=1000)
+    assert pl == Placement(3, "nvme", "nvme")
+    assert "per host 10.80 GB > 10.00 GB usable" in plan.attempts[-2].reasons
+    # optimizer on NVMe with params on the device when only the device has room for them
+    assert chosen(gpu_gb=2, cpu_gb=10, nvme_gb=1000)[1] == Placement(2, "none", "nvme")
+
+
+def test_nothing_fits_without_nvme():
+    plan, pl = chosen(gpu_gb=1, cpu_gb=10, nvme_gb=0)
+    assert pl is None and len(plan.attempts) == len(LADDER)
+    assert any("no --nvme" in r for r in plan.attempts[-1].reasons)
+
+
+def test_reserve_and_gathered_unit_count():
+    info = ModelInfo(name="x", params=10**9, largest_unit=10**8)   # stage 3 gathers 4 B x 1e8 = 0.4 GB
+    assert chosen(gpu_gb=0.3, cpu_gb=10, nvme_gb=1000, info=info)[1] is None
+    assert chosen(gpu_gb=0.4, cpu_gb=10, nvme_gb=1000, info=info)[1] == Placement(3, "nvme", "nvme")
+    plan = choose(P1B, Limits(gpu_mem=32 * GB, cpu_mem=0, reserve=0.5), world_size=1, gpus_per_node=1)
+    assert plan.chosen.placement == Placement(0)
+    plan = choose(P1B, Limits(gpu_mem=16 * GB, cpu_mem=0, reserve=0.5), world_size=1, gpus_per_node=1)
+    assert plan.chosen is None and plan.attempts[0].reasons == ("per device 16.00 GB > 8.00 GB usable",)
+
+
+@pytest.mark.parametrize("pl", LADDER, ids=lambda p: f"s{p.stage}-{p.offload_param}-{p.offload_optimizer}")
+@pytest.mark.parametrize("precision", ["bf16", "fp16", "fp32"])
+def test_written_config_passes_engine_validation(tmp_path, pl, precision):
+    cfg = make_config(pl, precision=precision, micro_batch=2, nvme_path=str(tmp_path))
+    parsed = parse_config(cfg, world_size=8)
+    z = parsed.zero_optimization
+    assert (z.stage, z.offload_param.device, z.offload_optimizer.device) == (pl.stage, pl.offload_param,
+                                                                             pl.offload_optimizer)
+    assert parsed.precision == precision and parsed.train_batch_size == 16
+    if pl.offload_optimizer == "nvme":
+        assert z.offload_optimizer.nvme_path == str(tmp_path)
+
+
+def test_cli_writes_config(tmp_path, capsys):
+    out = tmp_path / "plan" / "ds.json"
+    rc = cli.main(["plan", "--params", "1e9", "--gpu-mem", "1GB", "--cpu-mem", "10GB", "--nvme", "1TB",
+                   "--reserve", "0", "--nvme-path", str(tmp_path), "--out", str(out), "--nvme-bw", "2",
+                   "--adam-gbps", "28"])
+    text = capsys.readouterr().out
+    assert rc == 0
+    z = parse_config(str(out)).zero_optimization
+    assert (z.stage, z.offload_param.device, z.offload_optimizer.device) == (3, "nvme", "nvme")
+    # bounds: Adam 1e9 params at 28 GB/s / 28 B = 1e9 params/s -> 1 s; NVMe reads 12 + 2 x 2 GB and
+    # writes 12 + 2 GB at 2 GB/s -> 15 s
+    assert "step time >= 1 s set by optimizer" in text
+    assert "step time >= 15 s set by nvme" in text
+
+
+def test_cli_nothing_fits_writes_nothing(tmp_path, capsys):
+    out = tmp_path / "ds.json"
+    rc = cli.main(["plan", "--params", "1e9", "--gpu-mem", "1GB", "--cpu-mem", "10GB", "--out", str(out)])
+    assert rc == 1 and not out.exists()
+    assert "nothing fits" in capsys.readouterr().out
+
+
+def test_cli_usage_errors(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exc:   # argparse rejects the size and names the option
+        cli.main(["plan", "--params", "1e9", "--gpu-mem", "80 gigs", "--cpu-mem", "1TB"])
+    assert exc.value.code == 2 and "--gpu-mem" in capsys.readouterr().err
+    rc = cli.main(["plan", "--params", "1e9", "--gpu-mem", "80GB", "--cpu-mem", "1TB", "--reserve", "1.5"])
+    assert rc == 2 and "--reserve" in capsys.readouterr().err
+
+
+def test_step_time_bounds_exact():
+    from zeroinf.estimate import estimate
+
+    e = estimate(10**9, Placement(3, "nvme", "nvme"), world_size=4, gpus_per_node=2)
+    b = step_time_bounds(e, adam_params_per_s=1e8, nvme_read_gbps=2.0, nvme_write_gbps=1.0)
+    shard = 250_000_000
+    assert b["optimizer"][0] == pytest.approx(2 * shard / 1e8)
+    read, write = 2 * (12 * shard + 2 * 2 * shard), 2 * (12 * shard + 2 * shard)
+    assert b["nvme"][0] == pytest.approx(read / 2e9 + write / 1e9)
+    # nothing offloaded: no bound from either
+    assert step_time_bounds(estimate(10**9, Placement(3)), adam_params_per_s=1e8, nvme_read_gbps=2,
+                            nvme_write_gbps=2) == {}
+
+
+def _bench_json(path, rows, **head):
+    path.write_text(json.dumps({**head, "rows": rows}))
+    return str(path)
+
+
+def test_read_bench_json(tmp_path):
+    aio = _bench_json(tmp_path / "aio.json", [
+        {"name": "fio-libaio", "workload": "read", "layout": "bs=1M qd=8", "ms": 1.0, "gbps": 9.0},
+        {"name": "zeroinf-libaio", "workload": "read", "layout": "bs=1M qd=8", "ms": 1.0, "gbps": 3.0},
+        {"name": "zeroinf-libaio", "workload": "read", "layout": "bs=4M qd=8", "ms": 1.0, "gbps": 3.5},
+        {"name": "zeroinf-libaio", "workload": "write", "layout": "bs=1M qd=8", "ms": 1.0, "gbps": 7.5}],
+        n=1, threads=1, roof_gbps=0.0)
+    rd, wr, note = read_nvme_json(aio)
+    assert (rd, wr) == (3.5, 7.5) and "bs=4M" in note      # our rows, not fio's
+    adam = _bench_json(tmp_path / "adam.json", [
+        {"name": "zeroinf", "workload": "fp32", "layout": "1x100M", "ms": 50.0, "gbps": 56.0},
+        {"name": "zeroinf", "workload": "offload-bf16", "layout": "1x100M", "ms": 40.0, "gbps": 70.0},
+        {"name": "torch-fused", "workload": "offload-bf16", "layout": "1x100M", "ms": 10.0, "gbps": 280.0}],
+        n=100_000_000, threads=2, roof_gbps=100.0)
+    rate, _ = read_adam_json(adam)
+    assert rate == pytest.approx(100_000_000 / 0.040)
+    with pytest.raises(ValueError, match="workload 'write'"):
+        read_nvme_json(_bench_json(tmp_path / "r.json", [{"name": "x", "workload": "read", "ms": 1, "gbps": 1}]))
+    with pytest.raises(ValueError, match="rows"):
+        read_adam_json(_bench_json(tmp_path / "e.json", []))
