@@ -50,15 +50,15 @@ Checked check_all(const at::Tensor& params, const at::Tensor& grads, const at::T
   const int64_t n = params.numel();
   check_buffer(params, "params", n);
   TORCH_CHECK_VALUE(params.scalar_type() == at::kFloat, "params must be float32, got ", params.scalar_type());
+  check_buffer(grads, "grads", n);
+  Checked c{to_dtype(grads.scalar_type()), za::DType::kNone, nullptr};
+  TORCH_CHECK_VALUE(c.gt != za::DType::kNone, "grads must be float32, bfloat16 or float16, got ",
+                    grads.scalar_type());
   check_buffer(exp_avg, "exp_avg", n);
   TORCH_CHECK_VALUE(exp_avg.scalar_type() == at::kFloat, "exp_avg must be float32, got ", exp_avg.scalar_type());
   check_buffer(exp_avg_sq, "exp_avg_sq", n);
   TORCH_CHECK_VALUE(exp_avg_sq.scalar_type() == at::kFloat, "exp_avg_sq must be float32, got ",
                     exp_avg_sq.scalar_type());
-  check_buffer(grads, "grads", n);
-  Checked c{to_dtype(grads.scalar_type()), za::DType::kNone, nullptr};
-  TORCH_CHECK_VALUE(c.gt != za::DType::kNone, "grads must be float32, bfloat16 or float16, got ",
-                    grads.scalar_type());
   if (params_out.has_value()) {
     check_buffer(*params_out, "params_out", n);
     c.ot = to_dtype(params_out->scalar_type());

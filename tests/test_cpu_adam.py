@@ -1,0 +1,387 @@
+"""The fused CPU Adam op and CPUAdam against torch.optim.AdamW/Adam (foreach=False) and each other."""
+import io
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import zeroinf.optim as zo
+from zeroinf.ops import load_op
+
+TOL = 1e-6  # fp32 max abs difference to torch after 20 steps
+ISAS = ("avx512", "avx2", "scalar")
+
+
+def _supported_isas():
+    info = load_op("adam").isa_info()
+    return [isa for isa in ISAS if info["unsupported"][isa] == ""]
+
+
+def _run_pair(init, grads, opt_kwargs, torch_cls=torch.optim.AdamW, hook=None):
+    """Step CPUAdam and torch_cls(foreach=False) on copies of `init` with the same grads.
+
+    Returns (ours, theirs, our_opt, their_opt). `hook(step_index, opt)` runs before each step
+    on both optimizers (to change betas, etc.).
+    """
+    a = torch.nn.Parameter(init.clone())
+    b = torch.nn.Parameter(init.clone())
+    oa = zo.CPUAdam([a], **opt_kwargs)
+    tk = dict(opt_kwargs)
+    tk.pop("adamw_mode", None)
+    ob = torch_cls([b], foreach=False, **tk)
+    for i, g in enumerate(grads):
+        if hook is not None:
+            hook(i, oa)
+            hook(i, ob)
+        a.grad = g.clone()
+        b.grad = g.clone()
+        oa.step()
+        ob.step()
+    return a.detach(), b.detach(), oa, ob
+
+
+@pytest.mark.parametrize("shape", [(1,), (7,), (15,), (16,), (17,), (1023,), (2**20 + 3,), (4, 8, 3)],
+                         ids=lambda s: "x".join(map(str, s)))
+def test_matches_torch_adamw(shape):
+    init = torch.randn(shape)
+    grads = [torch.randn(shape) for _ in range(20)]
+    ours, ref, oa, ob = _run_pair(init, grads, dict(lr=1e-2, weight_decay=0.01))
+    assert (ours - ref).abs().max().item() <= TOL
+    sa, sb = oa.state_dict()["state"][0], ob.state_dict()["state"][0]
+    assert (sa["exp_avg"] - sb["exp_avg"]).abs().max().item() <= TOL
+    assert (sa["exp_avg_sq"] - sb["exp_avg_sq"]).abs().max().item() <= TOL
+    assert sa["step"].item() == sb["step"].item() == 20
+    if shape == (4, 8, 3):
+        assert bool((ours != init).all()), "every element must change"
+
+
+@pytest.mark.parametrize("grad_dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+def test_low_precision_grads(grad_dtype):
+    """bf16/fp16 grads are widened exactly: same result as torch stepping with grad.float()."""
+    n = 1027
+    init = torch.randn(n)
+    grads = [torch.randn(n).to(grad_dtype) for _ in range(20)]
+    p, m, v = init.clone(), torch.zeros(n), torch.zeros(n)
+    for step, g in enumerate(grads, 1):
+        zo.adam_step(p, g, m, v, step=step, lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01)
+    _, ref, _, _ = _run_pair(init, [g.float() for g in grads], dict(lr=1e-2, weight_decay=0.01))
+    assert (p - ref).abs().max().item() <= TOL
+
+
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("n", [1, 15, 16, 17, 1_000_003])
+def test_fused_output_bit_equal(n, out_dtype, monkeypatch):
+    for isa in _supported_isas():
+        monkeypatch.setenv(zo.ISA_ENV, isa)
+        p, m, v = torch.randn(n), torch.zeros(n), torch.zeros(n)
+        out = torch.full((n,), 7.0, dtype=out_dtype)
+        for step in (1, 2):
+            zo.adam_step(p, torch.randn(n), m, v, step=step, lr=0.1, beta1=0.9, beta2=0.999, eps=1e-8,
+                         weight_decay=0.0, params_out=out)
+        assert torch.equal(out.view(torch.int16), p.to(out_dtype).view(torch.int16)), isa
+
+
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_fused_output_special_values(out_dtype, monkeypatch):
+    """NaN, inf, signed zeros, subnormals, overflow and exact ties cast exactly as torch casts them."""
+    bits = [0x7FC00000, 0xFFC00000, 0x7FC12345, 0x7F800000, 0xFF800000, 0x00000000, 0x80000000,
+            0x00000001, 0x80400000, 0x3F808000, 0x3F818000, 0x3F800FFF, 0x477FF000, 0x477FEFFF,
+            0x33000000, 0x33000001, 0x387FE000, 0x387FF000, 0x38800000, 0x7F7FFFFF]
+    master = torch.tensor(bits, dtype=torch.int64).to(torch.int32).view(torch.float32)
+    master = torch.cat([master, torch.randn(37) * 1e4, torch.randn(37) * 1e-6])
+    n = master.numel()
+    for isa in _supported_isas():
+        monkeypatch.setenv(zo.ISA_ENV, isa)
+        p = master.clone()
+        out = torch.zeros(n, dtype=out_dtype)
+        # lr = 0, zero grads: the master keeps its bits and only the cast is exercised.
+        zo.adam_step(p, torch.zeros(n), torch.zeros(n), torch.zeros(n), step=1, lr=0.0, beta1=0.9,
+                     beta2=0.999, eps=1e-8, weight_decay=0.0, params_out=out)
+        assert torch.equal(p.view(torch.int32), master.view(torch.int32)), isa
+        assert torch.equal(out.view(torch.int16), master.to(out_dtype).view(torch.int16)), isa
+
+
+def _textbook_adam(p, grads, lr, b1, b2, eps, wd, adamw, bias_correction):
+    """Independent float32 Adam/AdamW, straight from the formula (the paper's operation order)."""
+    p = p.clone()
+    m = torch.zeros_like(p)
+    v = torch.zeros_like(p)
+    for t, g in enumerate(grads, 1):
+        if adamw:
+            p = p * (1 - lr * wd)
+        else:
+            g = g + wd * p
+        m = b1 * m + (1 - b1) * g
+        v = b2 * v + (1 - b2) * g * g
+        bc1 = 1 - b1 ** t if bias_correction else 1.0
+        bc2 = 1 - b2 ** t if bias_correction else 1.0
+        p = p - lr / bc1 * m / ((v / bc2).sqrt() + eps)
+    return p
+
+
+@pytest.mark.parametrize("adamw", [True, False], ids=["adamw", "adam"])
+@pytest.mark.parametrize("wd", [0.0, 0.01])
+@pytest.mark.parametrize("bias_correction", [True, False], ids=["bc", "nobc"])
+def test_options(adamw, wd, bias_correction):
+    n = 1031
+    init = torch.randn(n)
+    grads = [torch.randn(n) for _ in range(20)]
+    kw = dict(lr=1e-3, weight_decay=wd, adamw_mode=adamw, bias_correction=bias_correction)
+    p = torch.nn.Parameter(init.clone())
+    opt = zo.CPUAdam([p], **kw)
+    for g in grads:
+        p.grad = g.clone()
+        opt.step()
+    ref = _textbook_adam(init, grads, 1e-3, 0.9, 0.999, 1e-8, wd, adamw, bias_correction)
+    assert (p.detach() - ref).abs().max().item() <= TOL
+    if bias_correction:  # torch has no switch for it; where it applies, compare with torch too
+        kw.pop("bias_correction")
+        ours, theirs, _, _ = _run_pair(init, grads, kw, torch.optim.AdamW if adamw else torch.optim.Adam)
+        assert (ours - theirs).abs().max().item() <= TOL
+
+
+def test_grad_scale_divides():
+    n = 999
+    init, g = torch.randn(n), torch.randn(n)
+    p1, m1, v1 = init.clone(), torch.zeros(n), torch.zeros(n)
+    p2, m2, v2 = init.clone(), torch.zeros(n), torch.zeros(n)
+    kw = dict(step=1, lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0)
+    zo.adam_step(p1, g * 1024.0, m1, v1, grad_scale=1024.0, **kw)  # power of two: exact
+    zo.adam_step(p2, g, m2, v2, **kw)
+    assert torch.equal(p1, p2) and torch.equal(m1, m2) and torch.equal(v1, v2)
+
+
+def test_param_groups_scheduler_and_betas_change():
+    init1, init2 = torch.randn(33), torch.randn(5, 3)
+    grads = [(torch.randn(33), torch.randn(5, 3)) for _ in range(12)]
+
+    def run(cls, **extra):
+        a, b = torch.nn.Parameter(init1.clone()), torch.nn.Parameter(init2.clone())
+        opt = cls([{"params": [a]}, {"params": [b], "lr": 3e-2}], lr=1e-2, weight_decay=0.01, **extra)
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)
+        for i, (ga, gb) in enumerate(grads):
+            if i == 5:
+                for group in opt.param_groups:
+                    group["betas"] = (0.8, 0.99)
+            opt.zero_grad()
+            a.grad, b.grad = ga.clone(), gb.clone()
+            opt.step()
+            sched.step()
+        return a.detach(), b.detach()
+
+    (a1, b1), (a2, b2) = run(zo.CPUAdam), run(torch.optim.AdamW, foreach=False)
+    assert (a1 - a2).abs().max().item() <= TOL and (b1 - b2).abs().max().item() <= TOL
+    # the betas change and the two lrs matter: without them the result differs
+    (a3, _) = run(torch.optim.AdamW, foreach=False, betas=(0.9, 0.999))
+    assert torch.equal(a3, a2)
+    assert not torch.allclose(a1, init1, atol=1e-3)
+
+
+def test_sub_range_calls_equal_single_call():
+    n = 3001
+    init = torch.randn(n)
+    grads = [torch.randn(n) for _ in range(5)]
+    p = torch.nn.Parameter(init.clone())
+    opt = zo.CPUAdam([p], lr=1e-2, weight_decay=0.01)
+    for g in grads:
+        p.grad = g.clone()
+        opt.step()
+    assert opt.state[p]["step"].item() == 5
+    q, m, v = init.clone(), torch.zeros(n), torch.zeros(n)
+    cuts = [0, 1000, 2017, n]
+    step = 0
+    for g in grads:
+        step += 1
+        for lo, hi in zip(cuts[:-1], cuts[1:]):
+            zo.adam_step(q[lo:hi], g[lo:hi], m[lo:hi], v[lo:hi], step=step, lr=1e-2, beta1=0.9, beta2=0.999,
+                         eps=1e-8, weight_decay=0.01)
+    assert step == 5
+    assert torch.equal(q, p.detach()) and torch.equal(m, opt.state[p]["exp_avg"])
+
+
+def _save_load(sd):
+    buf = io.BytesIO()
+    torch.save(sd, buf)
+    buf.seek(0)
+    return torch.load(buf, weights_only=True)
+
+
+@pytest.mark.parametrize("first", ["torch", "zeroinf"])
+def test_state_dict_round_trip(first):
+    shapes = [(17,), (4, 5)]
+    inits = [torch.randn(s) for s in shapes]
+    grads = [[torch.randn(s) for s in shapes] for _ in range(10)]
+    kw = dict(lr=1e-2, weight_decay=0.01)
+
+    def make(cls, params):
+        return cls(params, foreach=False, **kw) if cls is torch.optim.AdamW else cls(params, **kw)
+
+    def steps(opt, params, gs):
+        for g in gs:
+            for p, gi in zip(params, g):
+                p.grad = gi.clone()
+            opt.step()
+
+    ref = [torch.nn.Parameter(t.clone()) for t in inits]
+    ref_opt = make(torch.optim.AdamW, ref)
+    steps(ref_opt, ref, grads)
+
+    cls1, cls2 = (torch.optim.AdamW, zo.CPUAdam) if first == "torch" else (zo.CPUAdam, torch.optim.AdamW)
+    params = [torch.nn.Parameter(t.clone()) for t in inits]
+    opt1 = make(cls1, params)
+    steps(opt1, params, grads[:5])
+    opt2 = make(cls2, params)
+    opt2.load_state_dict(_save_load(opt1.state_dict()))
+    steps(opt2, params, grads[5:])
+    for p, r in zip(params, ref):
+        assert (p.detach() - r.detach()).abs().max().item() <= TOL
+    assert opt2.state_dict()["state"][0]["step"].item() == 10
+
+
+def test_isa_paths_bit_identical_and_fallback_close(monkeypatch):
+    isas = _supported_isas()
+    assert "scalar" in isas
+    n = 4099
+    init = torch.randn(n)
+    grads = {dt: [torch.randn(n).to(dt) for _ in range(4)] for dt in (torch.float32, torch.bfloat16, torch.float16)}
+    for gdt, gl in grads.items():
+        for odt in (None, torch.bfloat16, torch.float16):
+            results = {}
+            for isa in isas + ["reference"]:
+                monkeypatch.setenv(zo.ISA_ENV, "auto" if isa == "reference" else isa)
+                p, m, v = init.clone(), torch.zeros(n), torch.zeros(n)
+                out = torch.zeros(n, dtype=odt) if odt is not None else None
+                fn = zo.adam_step_reference if isa == "reference" else zo.adam_step
+                for step, g in enumerate(gl, 1):
+                    fn(p, g, m, v, step=step, lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01,
+                       adamw_mode=(step % 2 == 0), grad_scale=2.0 if gdt == torch.float16 else 1.0,
+                       params_out=out)
+                results[isa] = (p, m, v, out)
+            base = results[isas[0]]
+            for isa in isas[1:]:
+                for x, y in zip(base, results[isa]):
+                    if x is not None:
+                        assert torch.equal(x.view(torch.int16 if x.dtype != torch.float32 else torch.int32),
+                                           y.view(torch.int16 if y.dtype != torch.float32 else torch.int32)), (isa, gdt, odt)
+            ref = results["reference"]
+            assert (base[0] - ref[0]).abs().max().item() <= TOL
+            assert (base[1] - ref[1]).abs().max().item() <= TOL
+
+
+def test_forced_isa_errors(monkeypatch):
+    p, m, v = torch.zeros(4), torch.zeros(4), torch.zeros(4)
+    kw = dict(step=1, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0)
+    monkeypatch.setenv(zo.ISA_ENV, "sse9")
+    with pytest.raises(ValueError, match="ZEROINF_ADAM_ISA"):
+        zo.adam_step(p, p.clone(), m, v, **kw)
+
+
+@pytest.mark.parametrize("which", ["params", "grads", "exp_avg", "exp_avg_sq", "params_out"])
+@pytest.mark.parametrize("fault", ["noncontig", "device", "dtype", "numel"])
+def test_bad_buffers_raise_value_error_naming_them(which, fault):
+    n = 12
+    bufs = dict(params=torch.randn(n), grads=torch.randn(n), exp_avg=torch.zeros(n), exp_avg_sq=torch.zeros(n),
+                params_out=torch.zeros(n, dtype=torch.bfloat16))
+    good = bufs[which]
+    if fault == "noncontig":
+        bad = torch.zeros(2 * n, dtype=good.dtype)[::2]
+    elif fault == "device":
+        bad = torch.zeros(n, dtype=good.dtype, device="meta")
+    elif fault == "dtype":
+        bad = torch.zeros(n, dtype=torch.float64)
+    else:
+        bad = torch.zeros(n + 1, dtype=good.dtype)
+    if which == "params" and fault == "numel":
+        bad = torch.zeros(n + 1)  # then every other buffer mismatches; the first named is grads
+    bufs[which] = bad
+    before = {k: t.clone() for k, t in bufs.items() if t.device.type == "cpu"}
+    name = "grads" if (which, fault) == ("params", "numel") else which
+    kw = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0)
+    with pytest.raises(ValueError, match=name):
+        zo.adam_step(bufs["params"], bufs["grads"], bufs["exp_avg"], bufs["exp_avg_sq"], step=1,
+                     params_out=bufs["params_out"], **kw)
+    # the C++ op checks on its own too (a caller that bypasses the Python wrapper)
+    with pytest.raises(ValueError, match=name):
+        load_op("adam").adam_step(bufs["params"], bufs["grads"], bufs["exp_avg"], bufs["exp_avg_sq"],
+                                  bufs["params_out"], 1, 1e-3, 0.9, 0.999, 1e-8, 0.0, True, True, 1.0, "auto")
+    for k, t in before.items():  # nothing was written
+        assert torch.equal(bufs[k], t), k
+
+
+def test_cpuadam_bf16_params_keep_fp32_master():
+    n = 513
+    init = torch.randn(n)
+    p = torch.nn.Parameter(init.to(torch.bfloat16))
+    opt = zo.CPUAdam([p], lr=1e-3)
+    q = torch.nn.Parameter(init.to(torch.bfloat16).float())
+    ref = torch.optim.AdamW([q], lr=1e-3, weight_decay=0.0, foreach=False)
+    for _ in range(20):
+        g = torch.randn(n).to(torch.bfloat16)
+        p.grad, q.grad = g.clone(), g.float()
+        opt.step()
+        ref.step()
+    master = opt.state[p]["master_param"]
+    assert master.dtype == torch.float32 and opt.state[p]["exp_avg"].dtype == torch.float32
+    assert torch.equal(p.detach().view(torch.int16), master.to(torch.bfloat16).view(torch.int16))
+    assert (master - q.detach()).abs().max().item() <= TOL
+    # lr 1e-3 steps are below bf16 resolution for many elements: the master still moves
+    assert (master - init.to(torch.bfloat16).float()).abs().min().item() > 0
+    # a reload keeps the moments and master in fp32
+    opt2 = zo.CPUAdam([p], lr=1e-3)
+    opt2.load_state_dict(_save_load(opt.state_dict()))
+    assert opt2.state[p]["exp_avg"].dtype == torch.float32
+    assert torch.equal(opt2.state[p]["master_param"], master)
+
+
+def test_cpuadam_closure_zero_grad_and_noncontiguous_param():
+    w = torch.nn.Parameter(torch.randn(6, 4).t())  # a transposed, non-contiguous parameter
+    w_ref = torch.nn.Parameter(w.detach().clone())
+    x = torch.randn(5, 6)
+    opt = zo.CPUAdam([w], lr=1e-2)
+    ref = torch.optim.AdamW([w_ref], lr=1e-2, weight_decay=0.0, foreach=False)
+    for _ in range(3):
+        for o, param in ((opt, w), (ref, w_ref)):
+            def closure(param=param, o=o):
+                o.zero_grad()
+                loss = (x @ param.t()).square().sum()
+                loss.backward()
+                return loss
+            loss = o.step(closure)
+            assert torch.is_tensor(loss)
+    assert (w.detach() - w_ref.detach()).abs().max().item() <= TOL
+    opt.zero_grad()
+    assert w.grad is None
+
+
+def test_cpuadam_rejects_what_it_cannot_do():
+    with pytest.raises(ValueError, match="amsgrad"):
+        zo.CPUAdam([torch.nn.Parameter(torch.zeros(2))], amsgrad=True)
+    opt = zo.CPUAdam([torch.nn.Parameter(torch.zeros(2))])
+    with pytest.raises(ValueError, match="amsgrad"):
+        opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(2))], "amsgrad": True})
+    p = torch.nn.Parameter(torch.zeros(3, device="meta"))
+    p.grad = torch.zeros(3, device="meta")
+    with pytest.raises(ValueError, match=r"param_groups\[0\]\['params'\]\[0\] is on meta.*AdamW\(fused=True\)"):
+        zo.CPUAdam([p]).step()
+
+
+def test_disabled_ops_fall_back_with_one_warning():
+    code = (
+        "import warnings, torch, zeroinf.optim as zo\n"
+        "torch.manual_seed(0)\n"
+        "p=torch.nn.Parameter(torch.randn(50)); q=torch.nn.Parameter(p.detach().clone())\n"
+        "o=zo.CPUAdam([p], lr=1e-2, weight_decay=0.01); r=torch.optim.AdamW([q], lr=1e-2, foreach=False)\n"
+        "with warnings.catch_warnings(record=True) as w:\n"
+        "    warnings.simplefilter('always')\n"
+        "    for _ in range(20):\n"
+        "        g=torch.randn(50); p.grad=g.clone(); q.grad=g.clone(); o.step(); r.step()\n"
+        "msgs=[str(x.message) for x in w if 'unavailable' in str(x.message)]\n"
+        "assert len(msgs)==1 and 'ZEROINF_DISABLE_OPS' in msgs[0], msgs\n"
+        "print((p-q).abs().max().item())\n"
+    )
+    env = dict(os.environ, ZEROINF_DISABLE_OPS="1")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert float(out.stdout.strip()) <= TOL
