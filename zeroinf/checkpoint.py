@@ -1,0 +1,237 @@
+"""Engine checkpoints: save, load (resume bit-exact) and consolidate into one fp32 state dict.
+
+Layout of ``<dir>/<tag>/`` (every file loads with ``torch.load(weights_only=True)``)::
+
+    optim_rank{r}_{group}_{sub}.pt   one per sub-group of rank r: key, master, exp_avg, exp_avg_sq (fp32)
+    rng_rank{r}.pt                   rank r's RNG states (python, numpy, torch CPU, CUDA)
+    model_states.pt                  written by rank 0 *last*: the module's state dict, step counters,
+                                     loss scaler, LR scheduler, param-group hyper-parameters, the
+                                     flat layout (for consolidate) and the caller's client_state
+    <dir>/latest                     the tag of the last complete save
+
+Each rank writes only files carrying its rank in the name, through a temporary file renamed into
+place, so ranks saving at once never collide and saving the same tag twice replaces it. The
+optimizer state is streamed: one sub-group at a time is read from its tier (NVMe swap files
+included) and written, never the whole partition at once. ``model_states.pt`` is written after a
+barrier, so a folder without it is an incomplete save and is refused at load.
+"""
+from __future__ import annotations
+
+import os
+import random
+from typing import Any, Dict, Optional, Tuple
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+__all__ = ["save", "load", "consolidate", "CheckpointError"]
+
+_FORMAT = 1
+
+
+class CheckpointError(ValueError):
+    """A checkpoint is missing, incomplete, or does not match the engine loading it (names the file)."""
+
+
+def _atomic_save(obj: Any, path: str) -> None:
+    tmp = f"{path}.tmp{os.getpid()}"
+    try:
+        torch.save(obj, tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def _optim_file(ckpt: str, rank: int, key: str) -> str:
+    return os.path.join(ckpt, f"optim_rank{rank}_{key.replace('/', '_')}.pt")
+
+
+def _barrier(engine) -> None:
+    if engine.world_size > 1:
+        dist.barrier()
+
+
+def _rng_state() -> Dict[str, Any]:
+    np_state = np.random.get_state()
+    out = {"python": random.getstate(), "torch": torch.get_rng_state(),
+           "numpy": {"name": np_state[0], "keys": torch.from_numpy(np_state[1].astype(np.int64)),
+                     "pos": int(np_state[2]), "has_gauss": int(np_state[3]), "cached_gaussian": float(np_state[4])}}
+    if torch.cuda.is_available():
+        out["cuda"] = torch.cuda.get_rng_state_all()
+    return out
+
+
+def _set_rng_state(s: Dict[str, Any]) -> None:
+    random.setstate(_tuplify(s["python"]))
+    torch.set_rng_state(s["torch"])
+    n = s["numpy"]
+    np.random.set_state((n["name"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["cached_gaussian"]))
+    if "cuda" in s and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(s["cuda"])
+
+
+def _tuplify(x):
+    return tuple(_tuplify(v) for v in x) if isinstance(x, (list, tuple)) else x
+
+
+def _names_of(module: torch.nn.Module) -> Dict[int, list]:
+    names: Dict[int, list] = {}
+    for name, p in module.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(name)
+    return names
+
+
+def _layout(engine) -> list:
+    """Per param group: padded length, partition count/length, and each param's names/shape/offset."""
+    names = _names_of(engine.module)
+    out = []
+    for g in engine.params.groups:
+        out.append({"padded": g.padded, "part_numel": g.part_numel, "nparts": engine.params.nparts,
+                    "params": [{"names": names[id(p)], "shape": list(p.shape), "offset": off}
+                               for p, off in zip(g.params, g.offsets)]})
+    return out
+
+
+def save(engine, save_dir: str, tag: Optional[str] = None, client_state: Optional[dict] = None) -> str:
+    """Save ``engine`` to ``save_dir/tag`` (collective: every rank calls it). Returns the folder.
+
+    Raises:
+        OSError: a file cannot be written (nothing is renamed into place for it).
+    """
+    tag = f"global_step{engine.global_steps}" if tag is None else str(tag)
+    if not tag or "/" in tag or tag in (".", ".."):
+        raise ValueError(f"checkpoint tag must be a plain folder name, got {tag!r}")
+    ckpt = os.path.join(save_dir, tag)
+    os.makedirs(ckpt, exist_ok=True)
+    opt = engine.sub_optimizer
+    for i, spec in enumerate(opt.specs):
+        with opt.state(i) as (master, m, v):
+            _atomic_save({"key": spec.key, "numel": spec.numel, "master": master.clone(), "exp_avg": m.clone(),
+                          "exp_avg_sq": v.clone()}, _optim_file(ckpt, engine.rank, spec.key))
+    _atomic_save(_rng_state(), os.path.join(ckpt, f"rng_rank{engine.rank}.pt"))
+    _barrier(engine)
+    if engine.rank == 0:
+        hyper = [{k: (list(v) if isinstance(v, tuple) else v) for k, v in g.items() if k != "params"}
+                 for g in engine.optimizer.param_groups]
+        meta = {
+            "format": _FORMAT, "world_size": engine.world_size, "stage": engine.config.zero_optimization.stage,
+            "precision": engine.config.precision,
+            "sub_groups": [[s.key, s.numel, s.param_group] for s in opt.specs],
+            "global_steps": engine.global_steps, "micro_steps": engine.micro_steps,
+            "skipped_steps": engine.skipped_steps, "optimizer_steps": engine.optimizer_steps,
+            "loss_scaler": engine.loss_scaler.state_dict() if engine.loss_scaler is not None else None,
+            "lr_scheduler": engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None,
+            "param_groups": hyper, "layout": _layout(engine),
+            "module": {k: v.detach().clone() for k, v in engine.module.state_dict().items()},
+            "client_state": client_state or {},
+        }
+        _atomic_save(meta, os.path.join(ckpt, "model_states.pt"))
+        latest = os.path.join(save_dir, "latest")
+        with open(latest + ".tmp", "w") as f:
+            f.write(tag)
+        os.replace(latest + ".tmp", latest)
+    _barrier(engine)
+    return ckpt
+
+
+def _load_meta(load_dir: str, tag: Optional[str]) -> Tuple[str, Dict[str, Any]]:
+    if tag is None:
+        latest = os.path.join(load_dir, "latest")
+        if not os.path.isfile(latest):
+            raise CheckpointError(f"{latest}: no 'latest' file; pass the tag explicitly")
+        with open(latest) as f:
+            tag = f.read().strip()
+    ckpt = os.path.join(load_dir, tag)
+    path = os.path.join(ckpt, "model_states.pt")
+    if not os.path.isfile(path):
+        raise CheckpointError(f"{path}: missing (no checkpoint with tag {tag!r}, or an incomplete save)")
+    meta = torch.load(path, map_location="cpu", weights_only=True)
+    if meta.get("format") != _FORMAT:
+        raise CheckpointError(f"{path}: checkpoint format {meta.get('format')!r}, this zeroinf reads {_FORMAT}")
+    return ckpt, meta
+
+
+def load(engine, load_dir: str, tag: Optional[str] = None) -> Tuple[str, dict]:
+    """Restore ``engine`` from ``load_dir/tag`` (tag None: the ``latest`` file). Collective.
+
+    Returns ``(folder, client_state)``.
+
+    Raises:
+        CheckpointError: missing/incomplete files, or a checkpoint from another world size, stage
+            or sub-group layout (the message names what differs); nothing is loaded then.
+    """
+    ckpt, meta = _load_meta(load_dir, tag)
+    mine = [[s.key, s.numel, s.param_group] for s in engine.sub_optimizer.specs]
+    if meta["world_size"] != engine.world_size:
+        raise CheckpointError(f"{ckpt}: saved with world size {meta['world_size']}, this engine has "
+                              f"{engine.world_size}; consolidate() it and load the fp32 weights instead")
+    if meta["stage"] != engine.config.zero_optimization.stage:
+        raise CheckpointError(f"{ckpt}: saved with zero stage {meta['stage']}, this engine has "
+                              f"{engine.config.zero_optimization.stage}")
+    if [list(x) for x in meta["sub_groups"]] != mine:
+        raise CheckpointError(f"{ckpt}: saved with sub-groups {meta['sub_groups'][:4]}..., this engine has "
+                              f"{mine[:4]}... (another model, param groups or sub_group_size)")
+    files = [_optim_file(ckpt, engine.rank, s.key) for s in engine.sub_optimizer.specs]
+    for f in files + [os.path.join(ckpt, f"rng_rank{engine.rank}.pt")]:
+        if not os.path.isfile(f):
+            raise CheckpointError(f"{f}: missing from the checkpoint")
+    engine.module.load_state_dict(meta["module"])
+    for i, (spec, f) in enumerate(zip(engine.sub_optimizer.specs, files)):
+        sd = torch.load(f, map_location="cpu", weights_only=True)
+        if sd["key"] != spec.key or sd["numel"] != spec.numel:
+            raise CheckpointError(f"{f}: holds {sd['key']!r} ({sd['numel']} elements), expected {spec.key!r} ({spec.numel})")
+        engine.sub_optimizer.load_state(i, sd["master"], sd["exp_avg"], sd["exp_avg_sq"])
+    for g, h in zip(engine.optimizer.param_groups, meta["param_groups"]):
+        for k, v in h.items():
+            g[k] = tuple(v) if k == "betas" else v
+    engine.global_steps, engine.micro_steps = meta["global_steps"], meta["micro_steps"]
+    engine.skipped_steps, engine.optimizer_steps = meta["skipped_steps"], meta["optimizer_steps"]
+    if engine.loss_scaler is not None and meta["loss_scaler"] is not None:
+        engine.loss_scaler.load_state_dict(meta["loss_scaler"])
+    if engine.lr_scheduler is not None and meta["lr_scheduler"] is not None:
+        engine.lr_scheduler.load_state_dict(meta["lr_scheduler"])
+    engine.params.zero_grad_acc()
+    _set_rng_state(torch.load(os.path.join(ckpt, f"rng_rank{engine.rank}.pt"), map_location="cpu", weights_only=True))
+    _barrier(engine)
+    return ckpt, meta["client_state"]
+
+
+def consolidate(load_dir: str, tag: Optional[str], out: str) -> Dict[str, torch.Tensor]:
+    """Write one fp32 state dict (all of the module's keys, tied names included; trainable
+    parameters from the fp32 master weights of every rank) to ``out`` (``.safetensors`` → safetensors,
+    else ``torch.save``). Runs in one process, no torch.distributed needed. Returns the dict.
+
+    Raises:
+        CheckpointError: a rank's optimizer file is missing.
+    """
+    ckpt, meta = _load_meta(load_dir, tag)
+    sd = {k: (v.float() if v.is_floating_point() else v).clone() for k, v in meta["module"].items()}
+    subs: Dict[int, list] = {}
+    for key, numel, gi in meta["sub_groups"]:
+        subs.setdefault(gi, []).append((key, numel))
+    for gi, lay in enumerate(meta["layout"]):
+        flat = torch.zeros(lay["padded"], dtype=torch.float32)
+        for r in range(lay["nparts"]):
+            pos = r * lay["part_numel"]
+            for key, numel in subs.get(gi, []):
+                f = _optim_file(ckpt, r, key)
+                if not os.path.isfile(f):
+                    raise CheckpointError(f"{f}: missing; consolidate needs every rank's optimizer files")
+                flat[pos:pos + numel].copy_(torch.load(f, map_location="cpu", weights_only=True)["master"])
+                pos += numel
+        for p in lay["params"]:
+            n = 1
+            for s in p["shape"]:
+                n *= s
+            t = flat[p["offset"]:p["offset"] + n].view(p["shape"])
+            for name in p["names"]:
+                sd[name] = t.clone()
+    if out.endswith(".safetensors"):
+        from safetensors.torch import save_file
+        save_file({k: v.contiguous() for k, v in sd.items()}, out)
+    else:
+        _atomic_save(sd, out)
+    return sd
