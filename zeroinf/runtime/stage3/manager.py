@@ -25,7 +25,8 @@ weight used by another module's forward is still correct in the backward.
 [Note: foreign access] A module may read a parameter that belongs to another, released unit (a
 head tied to an embedding it does not own, ``other.weight`` in a forward). While the model's
 forward runs, a ``TorchFunctionMode`` looks at the parameters passed to every torch function;
-a released one has its unit gathered on demand (counted as ``foreign_gathers``) and kept until
+one whose unit is not the running unit is requested like any unit (gathered on demand unless
+prefetched or still live; counted as ``foreign_gathers``, recorded in the trace) and kept until
 the current unit's forward ends. A released parameter is therefore never seen as an empty
 placeholder inside a forward.
 
@@ -90,7 +91,8 @@ class _ForeignAccessMode(TorchFunctionMode):
             for a in _shallow_args(args, kwargs):
                 if isinstance(a, nn.Parameter):
                     rec = m._slot_of.get(a)
-                    if rec is not None and rec[0].state is not UnitState.GATHERED:
+                    if rec is not None and not rec[0].persistent and rec[0] not in m._active \
+                            and rec[0] not in m._foreign:
                         m._gather_foreign(rec[0], getattr(func, "__name__", str(func)))
         return func(*args, **kwargs)
 
@@ -399,10 +401,12 @@ class Stage3ParameterManager:
                                f"zero_optimization.stage3_max_live_parameters={limit}; in use: {live} "
                                f"({self._live} elements). Raise the limit.")
 
-    def _request(self, unit: Unit, phase: str) -> None:
-        """A unit is needed now: count, gather (on demand if not prefetched), prefetch ahead."""
+    def _request(self, unit: Unit, phase: str, record: bool = True) -> None:
+        """A unit is needed now: count, gather (on demand if not prefetched), prefetch ahead.
+        ``record=False`` for requests that depend on what happens to be live (saved-tensor
+        unpacking), which would make the trace differ between identical iterations."""
         was_live = unit.state is UnitState.GATHERED
-        hit = self.scheduler.on_request(unit, phase)
+        hit = self.scheduler.on_request(unit, phase) if record else False
         if was_live:
             self.stats.add("already_live")
         elif hit:
@@ -441,7 +445,7 @@ class Stage3ParameterManager:
                 unit = self._unit_of_group(g)
                 self._busy += 1
                 try:
-                    self._request(unit, "bwd")
+                    self._request(unit, "bwd", record=False)
                 finally:
                     self._busy -= 1
             return g.full.as_strided(x.size, x.stride, x.offset)

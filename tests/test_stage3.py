@@ -1,0 +1,235 @@
+"""Stage 3 on one rank: gather/release hooks, gradients, optimizer steps, prefetch trace.
+
+Reference: the same model in plain PyTorch (+ torch.optim.AdamW, foreach=False), fp32."""
+import copy
+import json
+import warnings
+
+import pytest
+import torch
+
+from zeroinf.runtime.stage3 import Stage3ConfigError, Stage3Options, Stage3ParameterManager
+from zeroinf.runtime.stage3.units import UnitState
+
+from stage3_models import TinyLM, batch, loss_fn
+
+LR, BETAS, EPS, WD = 1e-2, (0.9, 0.999), 1e-8, 0.01
+HYPER = [{"lr": LR, "betas": BETAS, "eps": EPS, "weight_decay": WD}]
+
+
+def _grads_of(mgr):
+    out = {}
+    for g in mgr.groups():
+        for s in g.slots:
+            gs = g.grad_shard if g.grad_shard is not None else torch.zeros(g.shard_numel)
+            out[s.name] = gs[s.offset:s.offset + s.numel].view(s.shape).clone()
+    return out
+
+
+def _full_params(mgr):
+    out = {}
+    for g in mgr.groups():
+        t = torch.empty(g.shard_numel, dtype=g.dtype)
+        mgr.read_param_shard(g, t)
+        for s in g.slots:
+            out[s.name] = t[s.offset:s.offset + s.numel].view(s.shape).clone()
+    return out
+
+
+def _assert_close(got, ref, tol=1e-6, what=""):
+    for name, r in ref.items():
+        assert name in got, f"{what}: {name} missing"
+        err = (got[name] - r).abs().max().item()
+        assert err <= tol, f"{what}: {name} differs by {err}"
+
+
+def _opts(**kw):
+    kw.setdefault("param_persistence_threshold", 0)
+    return Stage3Options(**kw)
+
+
+@pytest.mark.parametrize("variant", ["plain", "tied", "twice", "foreign"])
+@pytest.mark.parametrize("tier", ["none", "cpu"])
+def test_gradients_equal_plain_pytorch(variant, tier):
+    ref = TinyLM(tied=variant == "tied", foreign=variant == "foreign")
+    if variant == "twice":
+        ref.order = [0, 1, 1, 2, 3]
+    model = copy.deepcopy(ref)
+    mgr = Stage3ParameterManager(model, _opts(offload_param_device=tier))
+    for it in range(2):  # two micro-batches: gradients accumulate in the CPU shards
+        x, y = batch(it)
+        loss = loss_fn(model(x), y)
+        loss.backward()
+        ref_loss = loss_fn(ref(x), y)
+        ref_loss.backward()
+        assert abs(loss.item() - ref_loss.item()) <= 1e-6
+        # each unit's gradient reduced exactly once per backward
+        assert set(mgr.last_reduce_counts.values()) == {1}, mgr.last_reduce_counts
+        assert mgr.live_numel == 0
+        assert all(p.numel() == 0 for p in model.parameters()), "parameters left gathered after the step"
+    ref_grads = {n: p.grad for n, p in ref.named_parameters()}
+    _assert_close(_grads_of(mgr), ref_grads, what=f"{variant}/{tier} gradients")
+    if variant == "foreign":
+        assert mgr.stats_dict()["totals"]["foreign_gathers"] >= 2
+
+
+def test_units_found_and_params_released():
+    model = TinyLM()
+    mgr = Stage3ParameterManager(model, _opts())
+    names = [u.name for u in mgr.units]
+    assert names == ["<persistent>", "<root>", "blocks.0", "blocks.1", "blocks.2", "blocks.3"]
+    root = {s.name for g in mgr.units[1].groups for s in g.slots}
+    assert root == {"emb.weight", "norm.weight", "norm.bias", "head.weight"}
+    assert all(p.numel() == 0 for p in model.parameters())
+    with pytest.raises(RuntimeError, match="outside the managed model's forward"):
+        model.blocks[0](torch.zeros(1, 2, 16))
+
+
+def test_persistent_small_parameters_stay_gathered():
+    ref = TinyLM()
+    model = copy.deepcopy(ref)
+    mgr = Stage3ParameterManager(model, _opts(param_persistence_threshold=17))  # LayerNorm + biases
+    x, y = batch(0)
+    loss_fn(model(x), y).backward()
+    loss_fn(ref(x), y).backward()
+    assert mgr.units[0].state is UnitState.GATHERED and model.norm.weight.numel() == 16
+    assert model.blocks[0].ff[0].weight.numel() == 0
+    _assert_close(_grads_of(mgr), {n: p.grad for n, p in ref.named_parameters()}, what="persistent")
+
+
+def _train(model, steps, *, mgr=None, opt=None):
+    losses = []
+    for step in range(1, steps + 1):
+        x, y = batch(100 + step)
+        loss = loss_fn(model(x), y)
+        loss.backward()
+        losses.append(loss.item())
+        if mgr is None:
+            opt.step()
+            opt.zero_grad()
+        else:
+            opt.step(step=step, hyper=HYPER)
+            mgr.zero_grad()
+    return losses
+
+
+@pytest.mark.parametrize("opt_tier", ["none", "cpu"])
+@pytest.mark.parametrize("param_tier", ["none", "cpu"])
+def test_three_steps_equal_adamw(param_tier, opt_tier):
+    from zeroinf.runtime.stage3.step import Stage3Optimizer
+
+    ref = TinyLM(tied=True)
+    model = copy.deepcopy(ref)
+    mgr = Stage3ParameterManager(model, _opts(offload_param_device=param_tier))
+    opt = Stage3Optimizer(mgr, device=opt_tier, sub_group_size=1000)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, foreach=False)
+    got = _train(model, 3, mgr=mgr, opt=opt)
+    want = _train(ref, 3, opt=ref_opt)
+    assert max(abs(a - b) for a, b in zip(got, want)) <= 1e-6
+    _assert_close(_full_params(mgr), dict(ref.named_parameters()), what="parameters after 3 steps")
+    opt.close()
+
+
+def test_trace_divergence_invalidates_once_and_rerecords():
+    model = TinyLM()
+    model.order = [0, 1, 2]  # [A, B, C]
+    mgr = Stage3ParameterManager(model, _opts(max_reuse_distance=0))
+    for seed in range(2):  # record, then follow
+        x, y = batch(seed)
+        loss_fn(model(x), y).backward()
+    st = mgr.stats_dict()
+    assert st["invalidations"] == 0 and st["prefetch_hits"] > 0 and st["traces_recorded"] == 1
+    model.order = [0, 2]  # [A, C]: B was prefetched ahead of use
+    x, y = batch(3)
+    with pytest.warns(RuntimeWarning, match="differs from the recorded trace"):
+        loss_fn(model(x), y).backward()
+    st = mgr.stats_dict()
+    assert st["invalidations"] == 1
+    assert st["traces_recorded"] == 2
+    assert mgr.live_numel == 0 and all(u.state is UnitState.RELEASED for u in mgr.units[1:])
+    assert mgr.units[3].state is UnitState.RELEASED  # B's prefetched data is gone
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the new order is followed without a new warning
+        loss_fn(model(x), y).backward()
+    assert mgr.stats_dict()["invalidations"] == 0
+
+
+def test_block_called_twice_every_step_never_invalidates():
+    model = TinyLM()
+    model.order = [0, 0, 1]  # [A, A, B]
+    mgr = Stage3ParameterManager(model, _opts(max_reuse_distance=0))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for seed in range(3):
+            x, y = batch(seed)
+            loss_fn(model(x), y).backward()
+            assert mgr.stats_dict()["invalidations"] == 0
+    assert mgr.scheduler.traces_recorded == 1
+
+
+def test_eval_under_no_grad_in_other_order_leaves_training_alone():
+    from zeroinf.runtime.stage3.step import Stage3Optimizer
+
+    ref = TinyLM()
+    model = copy.deepcopy(ref)
+    mgr = Stage3ParameterManager(model, _opts())
+    opt = Stage3Optimizer(mgr, device="cpu")
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, foreach=False)
+    for step in range(1, 4):
+        x, y = batch(step)
+        loss_fn(model(x), y).backward()
+        opt.step(step=step, hyper=HYPER)
+        mgr.zero_grad()
+        loss_fn(ref(x), y).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        model.order = [3, 1]  # an eval forward in another order
+        ref.order = [3, 1]
+        with torch.no_grad():
+            torch.testing.assert_close(model(x), ref(x), rtol=0, atol=1e-6)
+        model.order = ref.order = [0, 1, 2, 3]
+    assert mgr.scheduler.traces_recorded == 2  # one training trace, one eval trace
+    assert mgr.stats.totals.get("invalidations", 0) == 0
+    _assert_close(_full_params(mgr), dict(ref.named_parameters()), what="after evals")
+
+
+@pytest.mark.parametrize("limit", [7000, 9000])
+def test_live_parameters_never_exceed_limit(limit):
+    model = TinyLM()
+    mgr = Stage3ParameterManager(model, _opts(max_live_parameters=limit, max_reuse_distance=10**9,
+                                              prefetch_bucket_size=10**9))
+    for seed in range(3):
+        x, y = batch(seed)
+        loss_fn(model(x), y).backward()
+        hw = mgr.stats_dict()["live_high_water"]
+        assert 0 < hw <= limit
+    assert mgr.stats.live_high_water_all <= limit
+    assert mgr.stats_dict()["prefetch_hits"] > 0
+
+
+def test_limits_checked_at_construction():
+    with pytest.raises(Stage3ConfigError, match=r"stage3_max_live_parameters: .*'blocks.0'.*minimum is 3344"):
+        Stage3ParameterManager(TinyLM(), _opts(max_live_parameters=3000))
+    with pytest.raises(Stage3ConfigError, match=r"offload_param.buffer_size: .*unit 'blocks.0'.*minimum is 2128"):
+        Stage3ParameterManager(TinyLM(), _opts(offload_param_device="nvme", nvme_path="/nonexistent",
+                                               buffer_size=2000))
+    with pytest.raises(Stage3ConfigError, match=r"offload_param.device: 'disk'"):
+        _opts(offload_param_device="disk")
+
+
+def test_stats_and_chrome_trace(tmp_path):
+    model = TinyLM()
+    mgr = Stage3ParameterManager(model, _opts(offload_param_device="cpu"))
+    for seed in range(2):
+        x, y = batch(seed)
+        loss_fn(model(x), y).backward()
+    st = mgr.stats_dict()
+    unit_bytes = sum(g.shard_numel * 4 for g in mgr.groups())
+    # forward and backward each read every unit's partition once from host memory
+    assert st["bytes_host_read"] == 2 * unit_bytes
+    assert st["reduces"] == 5 and st["gathers"] == 10
+    n = mgr.trace(tmp_path / "t.json")
+    doc = json.loads((tmp_path / "t.json").read_text())
+    names = [e["name"] for e in doc["traceEvents"]]
+    assert n == len(names) and "fwd blocks.2" in names and "bwd blocks.2" in names and "read blocks.3" in names
+    assert all(e["ph"] == "X" and e["dur"] >= 0 for e in doc["traceEvents"])
