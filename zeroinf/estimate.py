@@ -47,9 +47,10 @@ import json
 import math
 import os
 import re
-from dataclasses import dataclass, field
+import sys
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Dict, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 __all__ = [
     "GB", "GiB", "PRESETS", "PRECISIONS", "OPTIMIZERS", "PLACEMENTS", "Precision", "Placement",
@@ -365,8 +366,12 @@ def _build_meta(cfg: dict):
         hf_config = AutoConfig.for_model(cfg["model_type"], **rest)
     except (ValueError, KeyError) as exc:
         raise ValueError(f"model config: model_type {cfg['model_type']!r} is not known to transformers: {exc}") from exc
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(hf_config)
+    try:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(hf_config)
+    except ValueError as exc:  # e.g. an encoder-only model_type with no causal-LM class
+        raise ValueError(f"model config: transformers cannot build a causal LM for model_type "
+                         f"{cfg['model_type']!r}: {exc}") from exc
     return hf_config, model
 
 
@@ -602,8 +607,8 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     act.add_argument("--heads", type=int, help="attention heads (default: from --model)")
 
 
-def resolve_model(args: argparse.Namespace) -> Tuple[ModelInfo, int]:
-    """The model and the activation bytes the shared options describe.
+def resolve_model(args: argparse.Namespace) -> Tuple[ModelInfo, int, str]:
+    """The model, the activation bytes per device and their formula, as the shared options describe.
 
     Raises:
         ValueError: a bad model, a count below 1, or activation flags missing a shape.
@@ -614,7 +619,7 @@ def resolve_model(args: argparse.Namespace) -> Tuple[ModelInfo, int]:
     info = model_info(args.model) if args.model else ModelInfo(name=f"P={_fmt(args.params)}", params=args.params)
     if args.largest_unit is not None:
         info = ModelInfo(info.name, info.params, args.largest_unit, info.hidden, info.layers, info.heads, info.vocab)
-    act = 0
+    act, formula = 0, ""
     if args.seq_len is not None:
         shape = {k: getattr(args, k) if getattr(args, k) is not None else getattr(info, k)
                  for k in ("hidden", "layers", "heads")}
@@ -624,7 +629,10 @@ def resolve_model(args: argparse.Namespace) -> Tuple[ModelInfo, int]:
                              f"(or a --model that has them)")
         act = activation_bytes(args.seq_len, args.micro_batch, checkpointing=args.checkpointing,
                                attention_scores=not args.fused_attention, **shape)
-    return info, act
+        formula = (f"Korthikanti et al. 2022 with s={args.seq_len} b={args.micro_batch} h={shape['hidden']} "
+                   f"L={shape['layers']} a={shape['heads']}, checkpointing {args.checkpointing}"
+                   + (", fused attention" if args.fused_attention else ""))
+    return info, act, formula
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -645,7 +653,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def format_table(rows: Sequence[Estimate], unit: str = "GB", terms: bool = False) -> str:
     """The human-readable table of ``zeroinf estimate``; sizes in ``unit`` (``"GB"`` or ``"GiB"``)."""
     div = GB if unit == "GB" else GiB
-    head = ("stage", "offload_param", "offload_optimizer", f"per device", f"per host", f"NVMe")
+    head = ("stage", "offload_param", "offload_optimizer", "per device", "per host", "NVMe")
     lines = [f"{head[0]:>5}  {head[1]:<13}  {head[2]:<17}  {head[3]:>12}  {head[4]:>12}  {head[5]:>12}"]
     for e in rows:
         p = e.placement
@@ -659,10 +667,8 @@ def format_table(rows: Sequence[Estimate], unit: str = "GB", terms: bool = False
 
 def main(args: argparse.Namespace) -> int:
     """Run ``zeroinf estimate``; returns 0, or 2 after printing a usage error to stderr."""
-    import sys
-
     try:
-        info, act = resolve_model(args)
+        info, act, act_formula = resolve_model(args)
         precision = args.precision or "bf16"
         swap = PLAN_SWAP
         placements = list(PLACEMENTS)
@@ -677,7 +683,8 @@ def main(args: argparse.Namespace) -> int:
         if args.stage is not None:
             placements = [p for p in placements if p.stage == args.stage]
         rows = [estimate(info.params, pl, world_size=n, gpus_per_node=args.gpus, precision=precision,
-                         optimizer=args.optimizer, largest_unit=info.largest_unit, activations=act, swap=swap)
+                         optimizer=args.optimizer, largest_unit=info.largest_unit, activations=act,
+                         activations_formula=act_formula, swap=swap)
                 for pl in placements]
     except (ValueError, OSError) as exc:  # ConfigError is a ValueError
         print(f"zeroinf estimate: error: {exc}", file=sys.stderr)

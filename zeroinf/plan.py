@@ -118,13 +118,15 @@ def swap_for(info: ModelInfo, world_size: int) -> SwapBuffers:
 
 
 def choose(info: ModelInfo, limits: Limits, *, world_size: int, gpus_per_node: int, precision: str = "bf16",
-           optimizer: str = "adam", activations: int = 0, swap: Optional[SwapBuffers] = None) -> Plan:
+           optimizer: str = "adam", activations: int = 0, activations_formula: str = "",
+           swap: Optional[SwapBuffers] = None) -> Plan:
     """Try :data:`LADDER` in order; stop at the first placement that fits.
 
     Args:
         info: the model (P and the largest stage-3 unit).
         limits: memory per accelerator, per host and NVMe per node.
-        world_size, gpus_per_node, precision, optimizer, activations: as :func:`zeroinf.estimate.estimate`.
+        world_size, gpus_per_node, precision, optimizer, activations, activations_formula: as
+            :func:`zeroinf.estimate.estimate`.
         swap: pinned swap settings (default :func:`swap_for`).
 
     Returns:
@@ -134,7 +136,8 @@ def choose(info: ModelInfo, limits: Limits, *, world_size: int, gpus_per_node: i
     attempts = []
     for pl in LADDER:
         est = estimate(info.params, pl, world_size=world_size, gpus_per_node=gpus_per_node, precision=precision,
-                       optimizer=optimizer, largest_unit=info.largest_unit, activations=activations, swap=swap)
+                       optimizer=optimizer, largest_unit=info.largest_unit, activations=activations,
+                       activations_formula=activations_formula, swap=swap)
         attempt = Attempt(est, check_fit(est, limits))
         attempts.append(attempt)
         if attempt.fits:
@@ -345,7 +348,7 @@ def main(args: argparse.Namespace) -> int:
     try:
         if not 0 <= args.reserve < 1:
             raise ValueError(f"--reserve: must be in [0, 1), got {args.reserve}")
-        info, act = resolve_model(args)
+        info, act, act_formula = resolve_model(args)
         rd, wr, adam, notes = _bandwidths(args)
     except (ValueError, OSError) as exc:
         print(f"zeroinf plan: error: {exc}", file=sys.stderr)
@@ -355,7 +358,7 @@ def main(args: argparse.Namespace) -> int:
     limits = Limits(gpu_mem=args.gpu_mem, cpu_mem=args.cpu_mem, nvme=args.nvme, reserve=args.reserve)
     swap = swap_for(info, n)
     plan = choose(info, limits, world_size=n, gpus_per_node=args.gpus, precision=precision,
-                  optimizer=args.optimizer, activations=act, swap=swap)
+                  optimizer=args.optimizer, activations=act, activations_formula=act_formula, swap=swap)
     print(f"model {info.name}: P = {info.params:,}; N = {n} ({args.gpus} per node x {args.nodes} nodes); {precision}")
     print(f"usable (after reserving {args.reserve:.0%}): {limits.usable('device') / GB:,.2f} GB per device, "
           f"{limits.usable('host') / GB:,.2f} GB per host, {limits.usable('nvme') / GB:,.2f} GB NVMe per node "
@@ -372,6 +375,8 @@ def main(args: argparse.Namespace) -> int:
     pl = plan.chosen.placement
     print(f"chosen: {pl.label()} (the first that fits, in order: no offload, optimizer -> CPU, "
           f"params -> CPU, NVMe)")
+    for t in plan.chosen.terms:
+        print(f"  {t.tier:<6} {t.bytes / GB:>12,.3f} GB per rank  {t.name}: {t.formula}")
     cfg = make_config(pl, precision=precision, micro_batch=args.micro_batch, nvme_path=args.nvme_path,
                       swap=swap, lr=args.lr, optimizer=args.optimizer)
     parse_config(cfg, world_size=n)  # the engine's own validation; a failure here is a bug in make_config
