@@ -5,8 +5,10 @@ Alignment and file-size rules (all sizes in bytes, alignment 4096):
 * The file always holds exactly the tensor's bytes: a write of ``n`` bytes at ``file_offset``
   touches ``[file_offset, file_offset + n)`` and nothing else — no padding. The 4096-aligned
   prefix goes through O_DIRECT; the tail (``n % 4096`` bytes) through a buffered descriptor.
-* A write at ``file_offset == 0`` leaves the file exactly ``n`` bytes long (a longer file is
-  truncated after the write succeeded). Writes at other offsets never shrink a file.
+* A write never shrinks a file (other requests may be filling later offsets of the same file
+  concurrently). A new file written at offset 0 therefore holds exactly ``n`` bytes; overwriting
+  a longer file with fewer bytes leaves its tail, and a later whole-file read of ``n`` bytes
+  raises :class:`~zeroinf.io.errors.SizeMismatchError` rather than returning mixed data.
 * A read at ``file_offset == 0`` is a whole-file read: the buffer must be exactly the file's size
   (:class:`~zeroinf.io.errors.SizeMismatchError` otherwise). A read at another offset must lie
   inside the file (:class:`~zeroinf.io.errors.ReadPastEndError` otherwise).
@@ -49,7 +51,6 @@ class _Pending:
     fd_buffered: int
     fd_direct: int
     tensor: torch.Tensor  # keeps the caller's memory alive until the request is collected
-    truncate_to: int = -1
 
 
 def _byte_view(buffer, name: str = "buffer") -> torch.Tensor:
@@ -221,11 +222,8 @@ class AsyncIOHandle:
             if fd_direct >= 0:
                 os.close(fd_direct)
             raise
-        truncate_to = -1
-        if not is_read and file_offset == 0:
-            truncate_to = nbytes
         with self._lock:
-            self._pending[rid] = _Pending(path, is_read, file_offset, nbytes, fd, fd_direct, buffer, truncate_to)
+            self._pending[rid] = _Pending(path, is_read, file_offset, nbytes, fd, fd_direct, buffer)
         return rid
 
     def _finish(self, rec: tuple) -> Optional[AIOError]:
@@ -242,13 +240,6 @@ class AsyncIOHandle:
                              requested, done)
         elif done != requested:
             exc = make_error(errno.EIO, f"{op} of {p.path}: short transfer", p.path, p.offset, requested, done)
-        elif p.truncate_to >= 0:
-            try:
-                if os.fstat(p.fd_buffered).st_size > p.truncate_to:
-                    os.ftruncate(p.fd_buffered, p.truncate_to)
-            except OSError as e:
-                exc = make_error(e.errno or errno.EIO, f"truncating {p.path} to {p.truncate_to} bytes failed",
-                                 p.path, p.truncate_to, requested, done)
         for fd in (p.fd_direct, p.fd_buffered):
             if fd >= 0:
                 try:

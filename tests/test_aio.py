@@ -1,0 +1,320 @@
+"""AsyncIOHandle: byte-exact round trips under every backend, alignment edge cases, errors.
+
+The reference for every read is the file's bytes read back with plain ``open().read()``; the
+reference for every write is the source tensor's bytes.
+"""
+import errno
+import os
+import subprocess
+import warnings
+
+import pytest
+import torch
+
+from zeroinf.io import (AIOError, AIOFileNotFoundError, AsyncIOHandle, BackendUnavailableError, DeviceIOError,
+                        DiskFullError, PinnedBufferPool, ReadPastEndError, SizeMismatchError)
+from zeroinf.io import backends as io_backends
+from zeroinf.io import handle as io_handle
+from zeroinf.ops import OpUnavailableError
+
+MiB = 1 << 20
+BACKENDS = list(io_backends.BACKENDS)
+
+
+def _bytes(t: torch.Tensor) -> bytes:
+    return t.reshape(-1).view(torch.uint8).numpy().tobytes()
+
+
+def _rand_bytes(n: int) -> torch.Tensor:
+    return torch.randint(0, 256, (n,), dtype=torch.uint8)
+
+
+@pytest.fixture(params=BACKENDS)
+def backend(request, monkeypatch):
+    """Force each backend through the env var, as users would."""
+    why = io_backends.backend_reasons(request.param)
+    if why:
+        pytest.skip(f"backend {request.param} unavailable: {'; '.join(why)}")
+    monkeypatch.setenv("ZEROINF_AIO_BACKEND", request.param)
+    return request.param
+
+
+@pytest.fixture
+def handle(backend):
+    h = AsyncIOHandle(block_size=256 * 1024, queue_depth=4)
+    assert h.backend == backend
+    yield h
+    h.close()
+
+
+@pytest.fixture(scope="module")
+def pool():
+    p = PinnedBufferPool(2, 64 * MiB + 8192)
+    yield p
+    p.close()
+
+
+SIZES = [1, 511, 512, 4095, 4096, 4097, MiB + 13, 64 * MiB]
+
+
+@pytest.mark.parametrize("offset", [0, 3 * 4096, 1000], ids=["off0", "off12288", "off1000"])
+@pytest.mark.parametrize("n", SIZES, ids=[f"n{n}" for n in SIZES])
+def test_round_trip_exact(handle, pool, tmp_path, n, offset):
+    path = tmp_path / "f.bin"
+    head = _rand_bytes(offset)
+    if offset:
+        path.write_bytes(_bytes(head))
+    # Source from an aligned pinned buffer (the O_DIRECT path) for large sizes; an unaligned
+    # plain tensor (bounce/buffered path) for small ones, so both paths are covered.
+    src = pool.buffers()[0][:n] if n >= MiB else torch.empty(n + 1, dtype=torch.uint8)[1:]
+    src.copy_(_rand_bytes(n))
+    assert handle.sync_pwrite(src, path, offset) == n
+    on_disk = path.read_bytes()
+    assert len(on_disk) == offset + n
+    assert on_disk[:offset] == _bytes(head)
+    assert on_disk[offset:] == _bytes(src)
+    dst = pool.buffers()[1][:n] if n >= MiB else torch.empty(n + 3, dtype=torch.uint8)[3:]
+    dst.fill_(0xAB)
+    assert handle.sync_pread(dst, path, offset) == n
+    assert torch.equal(dst, src)
+
+
+NUMELS = [1, 255, 256, 257, 513000, 1_000_003]
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=["fp16", "fp32"])
+@pytest.mark.parametrize("numel", NUMELS, ids=[f"numel{n}" for n in NUMELS])
+def test_typed_tensors_pool_and_odd_views(handle, pool, tmp_path, numel, dtype):
+    src = torch.randn(numel, dtype=torch.float32).to(dtype)
+    nbytes = src.numel() * src.element_size()
+    path = tmp_path / "t.bin"
+    # write from a caller-owned odd-offset view: the file holds exactly its bytes
+    host = torch.zeros(numel + 2, dtype=dtype)
+    view = host[1:1 + numel]
+    view.copy_(src)
+    handle.sync_pwrite(view, path)
+    assert path.read_bytes() == _bytes(src)
+    # into a pool buffer: exact data, and the buffer's bytes past numel are untouched
+    buf = pool.buffers()[0]
+    buf[:nbytes + 8192].fill_(0x5A)
+    dst = PinnedBufferPool.view(buf, dtype, numel)
+    handle.sync_pread(dst, path)
+    assert torch.equal(dst.view(torch.int16 if dtype == torch.float16 else torch.int32),
+                       src.view(torch.int16 if dtype == torch.float16 else torch.int32))
+    assert bool((buf[nbytes:nbytes + 8192] == 0x5A).all())
+    # into an odd-offset view of a caller tensor: neighbours untouched
+    sentinel = torch.full((numel + 3,), 7.0, dtype=dtype)
+    odd = sentinel[1:1 + numel]
+    handle.async_pread(odd, path)
+    assert handle.wait() == 1
+    assert _bytes(odd) == _bytes(src)
+    assert sentinel[0].item() == 7.0 and bool((sentinel[1 + numel:] == 7.0).all())
+
+
+def test_64_concurrent_requests_one_wait(handle, tmp_path):
+    srcs = [_rand_bytes(4096 * (i % 5) + 37 * i + 1) for i in range(64)]
+    assert handle.wait() == 0  # nothing pending
+    for i, s in enumerate(srcs):
+        handle.async_pwrite(s, tmp_path / f"r{i}")
+    assert handle.wait() == 64
+    for i, s in enumerate(srcs):
+        assert (tmp_path / f"r{i}").read_bytes() == _bytes(s)
+    dsts = [torch.zeros_like(s) for s in srcs]
+    for i, d in enumerate(dsts):
+        handle.async_pread(d, tmp_path / f"r{i}")
+    assert handle.pending() == 64
+    assert handle.wait() == 64
+    assert all(torch.equal(s, d) for s, d in zip(srcs, dsts))
+    assert handle.wait() == 0
+
+
+def test_many_requests_into_one_file_at_offsets(handle, tmp_path):
+    path = tmp_path / "packed"
+    parts = [_rand_bytes(8192) for _ in range(16)]
+    for i, p in enumerate(parts):
+        handle.async_pwrite(p, path, i * 8192)
+    assert handle.wait() == 16
+    assert path.read_bytes() == b"".join(_bytes(p) for p in parts)
+
+
+# -- errors --------------------------------------------------------------------------------
+
+
+def test_missing_directory(handle, tmp_path):
+    missing = tmp_path / "nope" / "f"
+    with pytest.raises(AIOFileNotFoundError) as ei:
+        handle.sync_pwrite(_rand_bytes(10), missing)
+    assert isinstance(ei.value, FileNotFoundError) and ei.value.errno == errno.ENOENT
+    assert ei.value.filename == str(missing) and ei.value.nbytes_requested == 10 and ei.value.nbytes_done == 0
+    with pytest.raises(FileNotFoundError):
+        handle.async_pread(torch.zeros(10, dtype=torch.uint8), missing)
+    assert handle.wait() == 0
+
+
+def test_read_past_end_and_size_mismatch(handle, tmp_path):
+    path = tmp_path / "f"
+    handle.sync_pwrite(_rand_bytes(10000), path)
+    with pytest.raises(ReadPastEndError) as ei:
+        handle.sync_pread(torch.zeros(8192, dtype=torch.uint8), path, 4096)
+    e = ei.value
+    assert (e.filename, e.offset, e.nbytes_requested, e.nbytes_done, e.errno) == (str(path), 4096, 8192, 0,
+                                                                                   errno.ENODATA)
+    for n in (9999, 10001):  # whole-file read with a smaller / larger buffer
+        with pytest.raises(SizeMismatchError, match="smaller" if n < 10000 else "larger"):
+            handle.sync_pread(torch.zeros(n, dtype=torch.uint8), path)
+    assert isinstance(e, OSError)
+
+
+def test_smaller_overwrite_never_read_as_whole_file(handle, tmp_path):
+    path = tmp_path / "f"
+    big = _rand_bytes(3 * 4096 + 5)
+    handle.sync_pwrite(big, path)
+    small = _rand_bytes(4097)
+    handle.sync_pwrite(small, path)  # writes never shrink a file
+    assert path.read_bytes() == _bytes(small) + _bytes(big)[4097:]
+    with pytest.raises(SizeMismatchError):
+        handle.sync_pread(torch.zeros_like(small), path)
+
+
+@pytest.mark.parametrize("sync", [True, False], ids=["sync", "async"])
+def test_enospc_injected(backend, tmp_path, monkeypatch, sync):
+    monkeypatch.setenv("ZEROINF_AIO_FAULT", "enospc:8192")
+    h = AsyncIOHandle(block_size=4096, queue_depth=4)
+    src = _rand_bytes(5 * 4096 + 100)
+    path = tmp_path / "full"
+    with pytest.raises(DiskFullError) as ei:
+        if sync:
+            h.sync_pwrite(src, path)
+        else:
+            h.async_pwrite(src, path)
+            h.wait()
+    e = ei.value
+    assert e.errno == errno.ENOSPC and e.filename == str(path)
+    assert e.offset == 8192 and e.nbytes_requested == src.numel() and e.nbytes_done == 8192
+    # the handle is still usable and reports nothing pending
+    assert h.wait() == 0
+    monkeypatch.delenv("ZEROINF_AIO_FAULT")
+    ok = AsyncIOHandle(block_size=4096, queue_depth=4)
+    ok.sync_pwrite(src, path)
+    assert path.read_bytes() == _bytes(src)
+
+
+def test_eio_on_read_injected(backend, tmp_path, monkeypatch):
+    path = tmp_path / "f"
+    src = _rand_bytes(4 * 4096)
+    path.write_bytes(_bytes(src))
+    monkeypatch.setenv("ZEROINF_AIO_FAULT", "eio:4096")
+    h = AsyncIOHandle(block_size=4096, queue_depth=2)
+    with pytest.raises(DeviceIOError) as ei:
+        h.sync_pread(torch.zeros_like(src), path)
+    assert ei.value.errno == errno.EIO and ei.value.offset == 4096
+
+
+def test_short_transfers_are_retried(backend, tmp_path, monkeypatch):
+    """Every transfer moves at most half of what it asked for: the retry loop must finish the job."""
+    monkeypatch.setenv("ZEROINF_AIO_FAULT", "short")
+    h = AsyncIOHandle(block_size=64 * 1024, queue_depth=4)
+    src = torch.empty(300_001, dtype=torch.uint8)
+    src.copy_(_rand_bytes(src.numel()))
+    path = tmp_path / "short"
+    h.sync_pwrite(src, path)
+    assert path.read_bytes() == _bytes(src)
+    dst = torch.zeros_like(src)
+    h.sync_pread(dst, path)
+    assert torch.equal(dst, src)
+
+
+def test_real_enospc_on_small_tmpfs(tmp_path):
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(mnt)], capture_output=True)
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs here: {r.stderr.decode().strip()}")
+    try:
+        h = AsyncIOHandle(backend="threads" if not io_backends.backend_reasons("threads") else "python")
+        with pytest.raises(DiskFullError) as ei:
+            h.sync_pwrite(_rand_bytes(1 * MiB), mnt / "big")
+        assert ei.value.nbytes_done < MiB and ei.value.filename == str(mnt / "big")
+    finally:
+        subprocess.run(["umount", str(mnt)], check=True)
+
+
+def test_tmpfs_round_trip_and_nodirect_warns_once(backend, monkeypatch):
+    shm = "/dev/shm"
+    if not os.path.isdir(shm):
+        pytest.skip("no /dev/shm")
+    path = os.path.join(shm, f"zeroinf-test-{os.getpid()}-{backend}")
+    try:
+        src = _rand_bytes(3 * 4096 + 11)
+        h = AsyncIOHandle()
+        h.sync_pwrite(src, path)  # works whether or not this kernel's tmpfs takes O_DIRECT
+        dst = torch.zeros_like(src)
+        h.sync_pread(dst, path)
+        assert torch.equal(src, dst)
+        # A filesystem refusing O_DIRECT (EINVAL at open; simulated) falls back with one warning.
+        monkeypatch.setenv("ZEROINF_AIO_FAULT", "nodirect")
+        monkeypatch.setattr(io_handle, "_NO_DIRECT_WARNED", set())
+        h = AsyncIOHandle()
+        with warnings.catch_warnings(record=True) as got:
+            warnings.simplefilter("always")
+            h.sync_pwrite(src, path)
+            h.sync_pwrite(src, path)
+            dst.zero_()
+            h.sync_pread(dst, path)
+        msgs = [w for w in got if "refuses O_DIRECT" in str(w.message)]
+        assert len(msgs) == 1 and issubclass(msgs[0].category, RuntimeWarning)
+        assert torch.equal(src, dst)
+    finally:
+        if os.path.exists(path):
+            os.unlink(path)
+
+
+# -- knobs, config, backend choice -------------------------------------------------------------
+
+
+def test_from_config_deepspeed_block():
+    h = AsyncIOHandle.from_config({"block_size": 262144, "queue_depth": 32, "thread_count": 2,
+                                   "single_submit": False, "overlap_events": True, "use_gds": False})
+    assert (h.get_block_size(), h.get_queue_depth(), h.get_intra_op_parallelism()) == (262144, 32, 2)
+    with pytest.raises(ValueError, match=r"^aio\.block_sise: unknown key"):
+        AsyncIOHandle.from_config({"block_sise": 4096})
+    with pytest.raises(ValueError, match=r"^aio\.block_size: .*multiple of 4096"):
+        AsyncIOHandle.from_config({"block_size": 1000})
+    with pytest.raises(ValueError, match=r"^aio\.single_submit"):
+        AsyncIOHandle.from_config({"single_submit": "yes"})
+
+
+def test_env_var_beats_argument(monkeypatch):
+    monkeypatch.setenv("ZEROINF_AIO_BACKEND", "python")
+    assert AsyncIOHandle(backend="threads").backend == "python"
+    monkeypatch.setenv("ZEROINF_AIO_BACKEND", "uring")
+    with pytest.raises(ValueError, match="ZEROINF_AIO_BACKEND=uring"):
+        AsyncIOHandle()
+
+
+def test_forced_backend_unavailable_says_why(monkeypatch):
+    def unavailable():
+        raise OpUnavailableError("disabled for the test")
+
+    monkeypatch.setattr(io_backends, "_load_aio_op", unavailable)
+    with pytest.raises(BackendUnavailableError, match="disabled for the test"):
+        AsyncIOHandle(backend="libaio")
+    assert AsyncIOHandle(backend="python").backend == "python"
+
+
+def test_backend_report_shape():
+    rows = io_backends.backend_report()
+    assert [r["name"] for r in rows] == BACKENDS
+    assert all(isinstance(r["available"], bool) and isinstance(r["why"], str) for r in rows)
+    assert rows[-1]["available"]  # the pure-Python backend always runs
+
+
+def test_bad_buffers(tmp_path):
+    h = AsyncIOHandle(backend="python")
+    with pytest.raises(ValueError, match="contiguous"):
+        h.sync_pwrite(torch.zeros(4, 4)[:, 1], tmp_path / "f")
+    with pytest.raises(TypeError, match="torch.Tensor"):
+        h.sync_pwrite(b"abc", tmp_path / "f")
+    with pytest.raises(ValueError, match="file_offset"):
+        h.sync_pwrite(torch.zeros(4), tmp_path / "f", -1)
+    assert isinstance(DiskFullError(errno.ENOSPC, "x", "p"), AIOError)
