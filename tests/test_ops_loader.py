@@ -1,0 +1,95 @@
+"""zeroinf.ops.loader: one clear build error, the declared fallback, the cache key, op_status."""
+import warnings
+
+import pytest
+import torch
+
+import zeroinf.optim as zo
+from zeroinf.ops import OpBuildError, OpUnavailableError, load_op, loader, op_status, try_load_op
+from zeroinf.ops.specs import OPS
+
+BAD_FLAG = "-fzeroinf-no-such-flag"
+
+
+@pytest.fixture
+def fresh_loader(monkeypatch, tmp_path):
+    """A loader with nothing loaded yet, nothing warned yet, and a private JIT cache."""
+    monkeypatch.setattr(loader, "_loaded", {})
+    monkeypatch.setattr(loader, "_warned", set())
+    monkeypatch.setenv("ZEROINF_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("ZEROINF_FORCE_JIT", "1")
+    monkeypatch.delenv("ZEROINF_DISABLE_OPS", raising=False)
+    return tmp_path
+
+
+def test_bad_compiler_flag_raises_one_clear_error(fresh_loader, monkeypatch):
+    monkeypatch.setenv("ZEROINF_EXTRA_CFLAGS", BAD_FLAG)
+    with pytest.raises(OpBuildError) as info:
+        load_op("adam")
+    err = info.value
+    assert err.op == "adam"
+    assert BAD_FLAG in err.command, err.command
+    assert BAD_FLAG in err.first_error and "error" in err.first_error.lower(), err.first_error
+    text = str(err)
+    assert "'adam'" in text and BAD_FLAG in text and "ZEROINF_DISABLE_OPS" in text
+    # the user-facing call raises the same error at first use; it does not fall back silently
+    p = torch.zeros(3)
+    with pytest.raises(OpBuildError):
+        zo.adam_step(p, p.clone(), p.clone(), p.clone(), step=1, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8,
+                     weight_decay=0.0)
+    assert "adam" not in loader._loaded
+
+
+def test_disabled_ops_are_unavailable_and_warn_once(fresh_loader, monkeypatch):
+    monkeypatch.setenv("ZEROINF_DISABLE_OPS", "1")
+    with pytest.raises(OpUnavailableError, match="ZEROINF_DISABLE_OPS"):
+        load_op("adam")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert try_load_op("adam", "the reference") is None
+        assert try_load_op("adam", "the reference") is None
+    assert [str(w.message) for w in caught if "unavailable" in str(w.message)] and len(caught) == 1
+    assert op_status("adam")["state"] == "fallback"
+    # the fallback computes the same numbers as the reference (it is the reference)
+    p = torch.randn(9)
+    q = p.clone()
+    m1, v1, m2, v2 = (torch.zeros(9) for _ in range(4))
+    g = torch.randn(9)
+    kw = dict(step=1, lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        zo.adam_step(p, g, m1, v1, **kw)
+    zo.adam_step_reference(q, g, m2, v2, **kw)
+    assert torch.equal(p, q) and not torch.equal(p, g)
+
+
+def test_unknown_op():
+    with pytest.raises(KeyError, match="no_such_op"):
+        load_op("no_such_op")
+
+
+def test_build_key_tracks_flags_and_sources(monkeypatch):
+    spec = OPS["adam"]
+    cxx = loader._compiler()
+    if cxx is None:
+        pytest.skip("no C++ compiler")
+    c, l, _ = spec.flags()
+    k1 = loader._build_key(spec, c, l, cxx)
+    assert k1 == loader._build_key(spec, c, l, cxx)
+    monkeypatch.setenv("ZEROINF_EXTRA_CFLAGS", "-DZEROINF_SOMETHING=1")
+    c2, l2, _ = spec.flags()
+    assert "-DZEROINF_SOMETHING=1" in c2
+    assert loader._build_key(spec, c2, l2, cxx) != k1
+
+
+def test_loaded_state_and_cache_reuse():
+    mod = load_op("adam")
+    assert load_op("adam") is mod
+    st = op_status("adam")
+    assert st["state"] == "loaded" and st["op"] == "adam"
+
+
+def test_would_jit_in_empty_cache(fresh_loader):
+    st = op_status("adam")
+    assert st["state"] == "would JIT", st
+    assert str(fresh_loader / "cache") in st["why"]
