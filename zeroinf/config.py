@@ -348,7 +348,7 @@ _SCHED_PARAMS = {
                        "last_batch_iteration"),
 }
 _SCHED_NAMES = {"warmuplr": "WarmupLR", "warmupdecaylr": "WarmupDecayLR", "warmupcosinelr": "WarmupCosineLR"}
-_SCHED_UNSUPPORTED = ("onecyclelr", "lrrangetest", "warmupcosine")
+_SCHED_UNSUPPORTED = ("onecycle", "lrrangetest")
 _FP16_ALLOWED = tuple(FP16Config.__dataclass_fields__)
 _FP16_UNSUPPORTED = {"auto_cast": "", "fp16_master_weights_and_grads": "", "fp16_optimizer_states": ""}
 _BF16_ALLOWED = ("enabled",)
