@@ -1,0 +1,216 @@
+"""TensorSwapper and PinnedBufferPool: exact round trips, stale/truncated/corrupt files, budgets."""
+import errno
+import json
+import os
+import stat
+import subprocess
+import sys
+import warnings
+
+import pytest
+import torch
+
+from zeroinf.io import (AsyncIOHandle, ChecksumMismatchError, DiskFullError, PinnedBufferPool, PinnedMemoryError,
+                        PoolExhaustedError, StaleSwapFileError, TensorSwapper, pinned_pool_bytes)
+from zeroinf.io import pool as io_pool
+
+KEYS = {"rank0/subgroup0/fp32": (1000, torch.float32, (10, 100)),
+        "rank0/subgroup0/exp_avg": (4097, torch.float32, None),
+        "rank0/subgroup1/param bf16": (333, torch.bfloat16, None),
+        "rank0/unit:3.weight": (1, torch.float16, None)}
+
+
+def _make(numel, dtype, shape):
+    t = torch.randn(numel).to(dtype)
+    return t.view(shape) if shape else t
+
+
+@pytest.fixture
+def swapper(tmp_path):
+    s = TensorSwapper(tmp_path, AsyncIOHandle(block_size=64 * 1024, queue_depth=4))
+    for k, (n, dt, sh) in KEYS.items():
+        s.register(k, n, dt, sh)
+    return s
+
+
+@pytest.mark.parametrize("async_op", [True, False], ids=["async", "sync"])
+def test_round_trip_exact(swapper, async_op):
+    src = {k: _make(*v) for k, v in KEYS.items()}
+    swapper.swap_out(src.items(), async_op=async_op)
+    assert swapper.wait() == (len(src) if async_op else 0)
+    dst = {k: torch.zeros_like(t) for k, t in src.items()}
+    swapper.swap_in(dst.items(), async_op=async_op)
+    swapper.wait()
+    for k in src:
+        assert torch.equal(src[k].view(torch.uint8), dst[k].view(torch.uint8)), k
+        assert swapper.path_for(k).read_bytes() == src[k].reshape(-1).view(torch.uint8).numpy().tobytes()
+
+
+def test_files_private_and_preallocated(swapper):
+    assert stat.S_IMODE(swapper.directory.stat().st_mode) == 0o700
+    for k, (n, dt, _sh) in KEYS.items():
+        st = swapper.path_for(k).stat()
+        nbytes = n * torch.empty((), dtype=dt).element_size()
+        assert stat.S_IMODE(st.st_mode) == 0o600
+        assert st.st_size == nbytes
+        assert st.st_blocks * 512 >= nbytes  # blocks allocated up front (fallocate), not sparse
+    man = swapper.manifest()
+    assert man["rank0/subgroup0/fp32"]["shape"] == [10, 100]
+    assert man["rank0/subgroup1/param bf16"]["dtype"] == "bfloat16"
+
+
+def test_empty_and_idle_are_noops(swapper):
+    swapper.swap_out([])
+    swapper.swap_in([])
+    assert swapper.wait() == 0
+
+
+def test_stale_file_of_other_size_detected(tmp_path):
+    a = TensorSwapper(tmp_path)
+    a.register("k", 100, torch.float32)
+    a.swap_out([("k", torch.ones(100))], async_op=False)
+    b = TensorSwapper(tmp_path)  # a later run with another config
+    with pytest.warns(RuntimeWarning, match="stale swap file"):
+        b.register("k", 200, torch.float32)
+    with pytest.raises(StaleSwapFileError, match="holds no swapped-out data") as ei:
+        b.swap_in([("k", torch.zeros(200))])
+    assert ei.value.filename == str(b.path_for("k"))
+
+
+def test_same_config_adopts_data_of_earlier_run(tmp_path):
+    src = torch.randn(321)
+    a = TensorSwapper(tmp_path)
+    a.register("k", 321, torch.float32)
+    a.swap_out([("k", src)], async_op=False)
+    b = TensorSwapper(tmp_path)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        b.register("k", 321, torch.float32)
+    dst = torch.zeros(321)
+    b.swap_in([("k", dst)], async_op=False)
+    assert torch.equal(dst, src)
+
+
+def test_truncated_file_detected(swapper):
+    k = "rank0/subgroup0/exp_avg"
+    swapper.swap_out([(k, torch.randn(4097))], async_op=False)
+    os.truncate(swapper.path_for(k), 4096)
+    with pytest.raises(StaleSwapFileError, match="has 4096 bytes, expected 16388"):
+        swapper.swap_in([(k, torch.zeros(4097))])
+    # and across processes: a fresh swapper refuses the truncated file as well
+    again = TensorSwapper(swapper.directory.parent)
+    with pytest.warns(RuntimeWarning, match="stale"):
+        again.register(k, 4097, torch.float32)
+    with pytest.raises(StaleSwapFileError):
+        again.swap_in([(k, torch.zeros(4097))])
+
+
+def test_checksum_detects_corruption(tmp_path):
+    s = TensorSwapper(tmp_path, checksum=True)
+    s.register("k", 5000, torch.float32)
+    src = torch.randn(5000)
+    s.swap_out([("k", src)], async_op=False)
+    with open(s.path_for("k"), "r+b") as f:  # same size, one byte flipped
+        f.seek(12345)
+        b = f.read(1)
+        f.seek(12345)
+        f.write(bytes([b[0] ^ 0xFF]))
+    with pytest.raises(ChecksumMismatchError, match="CRC32"):
+        s.swap_in([("k", torch.zeros(5000))], async_op=False)
+    entry = json.loads(s.path_for("k").with_suffix(".json").read_text())
+    assert entry["written"] is True and entry["crc32"] is not None
+
+
+def test_failed_write_is_never_read(tmp_path, monkeypatch):
+    monkeypatch.setenv("ZEROINF_AIO_FAULT", "enospc:4096")
+    s = TensorSwapper(tmp_path, AsyncIOHandle(backend="python"))
+    s.register("k", 4096, torch.float32)
+    s.swap_out([("k", torch.randn(4096))])
+    with pytest.raises(DiskFullError):
+        s.wait()
+    with pytest.raises(StaleSwapFileError):
+        s.swap_in([("k", torch.zeros(4096))])
+
+
+def test_bad_items_name_the_key(swapper):
+    with pytest.raises(KeyError, match="nope"):
+        swapper.swap_out([("nope", torch.zeros(1))])
+    with pytest.raises(ValueError, match="rank0/subgroup0/exp_avg: registered as 4097 x float32"):
+        swapper.swap_out([("rank0/subgroup0/exp_avg", torch.zeros(4097, dtype=torch.float16))])
+    with pytest.raises(ValueError, match="already registered"):
+        swapper.register("rank0/subgroup0/exp_avg", 10, torch.float32)
+    with pytest.raises(ValueError, match="shape"):
+        swapper.register("x", 10, torch.float32, (3, 3))
+
+
+def test_file_names_identical_across_processes(tmp_path):
+    code = ("import sys, torch; from zeroinf.io import TensorSwapper, AsyncIOHandle\n"
+            "s = TensorSwapper(sys.argv[1], AsyncIOHandle(backend='python'))\n"
+            f"keys = {sorted(KEYS)!r}\n"
+            "print('\\n'.join(s.register(k, 8, torch.float32).name for k in keys))\n")
+    names = []
+    for sub in ("p1", "p2"):
+        d = tmp_path / sub
+        d.mkdir()
+        out = subprocess.run([sys.executable, "-c", code, str(d)], capture_output=True, text=True, check=True)
+        names.append(out.stdout.split())
+    assert names[0] == names[1] and len(set(names[0])) == len(KEYS)
+    here = TensorSwapper(tmp_path, AsyncIOHandle(backend="python"))
+    assert names[0] == [here.path_for(k).name for k in sorted(KEYS)]
+
+
+def test_missing_swap_dir(tmp_path):
+    with pytest.raises(FileNotFoundError) as ei:
+        TensorSwapper(tmp_path / "missing")
+    assert ei.value.errno == errno.ENOENT
+
+
+# -- pinned buffer pool ----------------------------------------------------------------------
+
+
+def test_pinned_pool_bytes_exact():
+    assert pinned_pool_bytes(3, 1000) == 3 * 4096
+    assert pinned_pool_bytes(2, 4096) == 8192
+    assert pinned_pool_bytes(2, 4097) == 2 * 8192
+    assert pinned_pool_bytes(1, 5000, alignment=1 << 16) == 1 << 16
+    with pytest.raises(ValueError, match="alignment"):
+        pinned_pool_bytes(1, 10, alignment=3000)
+    with pytest.raises(ValueError, match="buffer_count"):
+        pinned_pool_bytes(0, 10)
+
+
+def _vm_locked() -> int:
+    with open("/proc/self/status") as f:
+        return next(int(l.split()[1]) * 1024 for l in f if l.startswith("VmLck:"))
+
+
+def test_pool_buffers_aligned_locked_and_recycled():
+    before = _vm_locked()
+    pool = PinnedBufferPool(3, 100_000, alignment=8192)
+    try:
+        assert _vm_locked() - before == pinned_pool_bytes(3, 100_000, 8192)
+        bufs = [pool.acquire() for _ in range(3)]
+        assert all(b.data_ptr() % 8192 == 0 and b.numel() == 100_000 for b in bufs)
+        assert len({b.data_ptr() for b in bufs}) == 3
+        for i, b in enumerate(bufs):
+            b.fill_(i)
+        assert [int(b[-1]) for b in bufs] == [0, 1, 2]  # no overlap between buffers
+        with pytest.raises(PoolExhaustedError):
+            pool.acquire()
+        pool.release(bufs[1])
+        with pytest.raises(ValueError, match="already free"):
+            pool.release(bufs[1])
+        with pytest.raises(ValueError, match="does not start"):
+            pool.release(torch.zeros(4))
+        assert pool.acquire().data_ptr() == bufs[1].data_ptr()
+    finally:
+        pool.close()
+    assert _vm_locked() == before
+
+
+def test_pool_budget_checked_before_allocating(monkeypatch):
+    with pytest.raises(PinnedMemoryError, match="available memory"):
+        PinnedBufferPool(1 << 20, 1 << 30)  # 1 PiB
+    monkeypatch.setattr(io_pool, "_memlock_limit", lambda: 8 << 20)
+    with pytest.raises(PinnedMemoryError, match="memlock limit"):
+        PinnedBufferPool(4, 4 << 20)
