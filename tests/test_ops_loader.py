@@ -93,3 +93,19 @@ def test_would_jit_in_empty_cache(fresh_loader):
     st = op_status("adam")
     assert st["state"] == "would JIT", st
     assert str(fresh_loader / "cache") in st["why"]
+
+
+def test_report_shows_op_states_and_the_chosen_isa(monkeypatch, capsys):
+    from zeroinf import cli, report
+
+    load_op("adam")
+    monkeypatch.setenv("ZEROINF_ADAM_ISA", "scalar")
+    rep = report.collect()
+    assert rep["torch"] == torch.__version__
+    adam = next(o for o in rep["ops"] if o["op"] == "adam")
+    assert adam["state"] == "loaded"
+    assert rep["adam_isa"]["chosen"] == "scalar" and rep["adam_isa"]["source"] == "the compiled op"
+    assert rep["adam_isa"]["available"] == load_op("adam").isa_info()["unsupported"]
+    assert cli.main(["report"]) == 0
+    out = capsys.readouterr().out
+    assert "forced by ZEROINF_ADAM_ISA=scalar" in out and "adam" in out and "libaio" in out
