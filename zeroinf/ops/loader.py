@@ -138,6 +138,12 @@ def _prebuilt(name: str) -> Optional[ModuleType]:
     return importlib.import_module(f"zeroinf._ops_{name}")
 
 
+def _has_prebuilt(name: str) -> bool:
+    """True when an AOT-built ``zeroinf._ops_<name>`` is installed and ``ZEROINF_FORCE_JIT`` is unset."""
+    forced = os.environ.get("ZEROINF_FORCE_JIT", "") in ("1", "true")
+    return not forced and importlib.util.find_spec(f"zeroinf._ops_{name}") is not None
+
+
 def _first_error_line(log: str) -> str:
     for line in log.splitlines():
         if re.search(r"\b(fatal )?error\b", line, re.IGNORECASE) and "ninja: build stopped" not in line:
@@ -231,7 +237,7 @@ def load_op(name: str) -> ModuleType:
             return _loaded[name]
         if ops_disabled():
             raise OpUnavailableError("C++ ops disabled by ZEROINF_DISABLE_OPS=1")
-        blockers = cuda_blockers() if OPS[name].cuda else []
+        blockers = cuda_blockers(need_nvcc=not _has_prebuilt(name)) if OPS[name].cuda else []
         if blockers:
             raise OpUnavailableError(f"CUDA op '{name}' not built: " + "; ".join(blockers))
         mod = _prebuilt(name)
@@ -274,7 +280,7 @@ def op_status(name: str) -> dict:
         return {"op": name, "state": "loaded", "why": getattr(_loaded[name], "__file__", ""), "notes": notes}
     if ops_disabled():
         return {"op": name, "state": "fallback", "why": "ZEROINF_DISABLE_OPS=1", "notes": notes}
-    blockers = cuda_blockers() if spec.cuda else []
+    blockers = cuda_blockers(need_nvcc=not _has_prebuilt(name)) if spec.cuda else []
     if blockers:
         return {"op": name, "state": "fallback", "why": "; ".join(blockers), "notes": notes}
     if importlib.util.find_spec(f"zeroinf._ops_{name}") is not None and not os.environ.get("ZEROINF_FORCE_JIT"):

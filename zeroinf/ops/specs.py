@@ -83,13 +83,14 @@ def _libaio_probe() -> Tuple[List[str], List[str], List[str]]:
     return ["-DZEROINF_NO_LIBAIO"], [], ["libaio backend not built: " + "; ".join(why)]
 
 
-def cuda_blockers(aot: bool = False) -> List[str]:
-    """Reasons a CUDA op cannot be built here; an empty list means it can.
+def cuda_blockers(aot: bool = False, need_nvcc: bool = True) -> List[str]:
+    """Reasons a CUDA op cannot be built (or, with ``need_nvcc=False``, used) here; empty if none.
 
     JIT (``aot=False``, at first use): torch must be a CUDA build (``torch.version.cuda`` set), a
-    CUDA device must be visible and nvcc must be found. AOT (``aot=True``, ``ZEROINF_BUILD_OPS=1``):
-    a CUDA build of torch and nvcc, plus either a visible device or an explicit
-    ``TORCH_CUDA_ARCH_LIST`` (an image build has no GPU, so it must name its targets).
+    CUDA device must be visible and nvcc must be found (not needed to load an AOT-built op:
+    ``need_nvcc=False``). AOT (``aot=True``, ``ZEROINF_BUILD_OPS=1``): a CUDA build of torch and
+    nvcc, plus either a visible device or an explicit ``TORCH_CUDA_ARCH_LIST`` (an image build has
+    no GPU, so it must name its targets).
 
     Imports torch lazily, so this module stays importable without it.
     """
@@ -101,7 +102,7 @@ def cuda_blockers(aot: bool = False) -> List[str]:
     why = []
     if torch.version.cuda is None:
         why.append(f"torch {torch.__version__} is not a CUDA build (torch.version.cuda is None)")
-    elif CUDA_HOME is None:
+    elif need_nvcc and CUDA_HOME is None:
         why.append("the CUDA toolkit (nvcc) was not found; set CUDA_HOME")
     has_device = torch.version.cuda is not None and torch.cuda.is_available()
     if not has_device and not (aot and os.environ.get("TORCH_CUDA_ARCH_LIST", "").strip()):
