@@ -214,3 +214,20 @@ def test_pool_budget_checked_before_allocating(monkeypatch):
     monkeypatch.setattr(io_pool, "_memlock_limit", lambda: 8 << 20)
     with pytest.raises(PinnedMemoryError, match="memlock limit"):
         PinnedBufferPool(4, 4 << 20)
+
+
+def test_real_memlock_limit_without_cap_ipc_lock():
+    """A process without CAP_IPC_LOCK and a 1 MiB memlock limit: the pool refuses 4 MiB up front."""
+    import shutil
+
+    if shutil.which("capsh") is None or os.geteuid() != 0:
+        pytest.skip("needs root and capsh to drop CAP_IPC_LOCK")
+    code = ("from zeroinf.io import PinnedBufferPool, PinnedMemoryError\n"
+            "try:\n    PinnedBufferPool(4, 1 << 20)\nexcept PinnedMemoryError as e:\n    print('refused:', e)\n"
+            "p = PinnedBufferPool(1, 1 << 19)\nprint('small pinned:', p.pinned)\n")
+    r = subprocess.run(["capsh", "--drop=cap_ipc_lock", "--", "-c", f"ulimit -l 1024; exec {sys.executable} -c \"$0\"",
+                        code], capture_output=True, text=True)
+    if r.returncode != 0 and "refused" not in r.stdout:
+        pytest.skip(f"capsh could not drop the capability here: {r.stderr.strip()[:200]}")
+    assert "refused:" in r.stdout and "memlock limit" in r.stdout
+    assert "small pinned: True" in r.stdout
