@@ -125,13 +125,14 @@ def machine_line() -> str:
 
 
 def print_table(rows: Iterable[Row], *, peer: Optional[str] = None, roof_gbps: Optional[float] = None,
-                group_by=("workload", "layout")) -> None:
+                roof: Optional[str] = None, group_by=("workload", "layout")) -> None:
     """Print rows as a table, with ratios to a same-run peer and roof.
 
     Rows are grouped by ``group_by``; inside a group, ``x peer`` is the row's speed divided by the
     speed of the row whose ``name == peer`` (>1 means faster than the peer; computed from ``ms``,
-    so it is a throughput ratio on the same work), and ``x roof`` is ``gbps / roof_gbps``.
-    A missing peer in a group prints ``-``.
+    so it is a throughput ratio on the same work), and ``x roof`` is ``gbps / roof_gbps``, or,
+    when ``roof`` names a row, the row's speed over that group's roof row's speed.
+    A missing peer or roof row in a group prints ``-``.
     """
     rows = list(rows)
     groups: Dict[tuple, List[Row]] = {}
@@ -140,17 +141,20 @@ def print_table(rows: Iterable[Row], *, peer: Optional[str] = None, roof_gbps: O
     head = f"{'name':<22} {'workload':<14} {'layout':<14} {'ms':>9} {'GB/s':>8}"
     if peer is not None:
         head += f" {'x ' + peer:>16}"
-    if roof_gbps:
+    if roof_gbps or roof:
         head += f" {'x roof':>7}"
     print(head)
     print("-" * len(head))
     for _key, grp in groups.items():
         ref = next((r for r in grp if r.name == peer), None)
+        roof_row = next((r for r in grp if r.name == roof), None) if roof else None
         for r in grp:
             line = f"{r.name:<22} {r.workload:<14} {r.layout:<14} {r.ms:9.2f} {r.gbps:8.2f}"
             if peer is not None:
                 line += f" {ref.ms / r.ms:16.3f}" if ref is not None and r.ms > 0 else f" {'-':>16}"
-            if roof_gbps:
+            if roof:
+                line += f" {roof_row.ms / r.ms:7.3f}" if roof_row is not None and r.ms > 0 else f" {'-':>7}"
+            elif roof_gbps:
                 line += f" {r.gbps / roof_gbps:7.3f}"
             print(line)
 
