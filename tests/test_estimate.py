@@ -13,30 +13,34 @@ from zeroinf.estimate import (GB, GiB, PLACEMENTS, Placement, SwapBuffers, activ
 
 # --- formulas on a small exact case --------------------------------------------------------------
 # P = 1000, N = 4 (2 ranks per node), bf16 + Adam: Ψp = Ψg = 2, K = 12, ceil(P/N) = 250.
-# Swap settings chosen so every term is visible: optimizer buffers 2 x round_up(12 B x min(100, part), 64)
-# = 2 x 1216 = 2432; param buffers 3 x round_up(2 B x 50, 64) = 384; max_in_cpu cache 2 B x min(10, 250) = 20.
+# Swap settings chosen so every term is visible, with buffers rounded up to 4096-byte pages
+# (zeroinf.io.pinned_pool_bytes): optimizer buffers in flight = min(buffer_count 3, 1 + read + write
+# = 3, sub-groups ceil(part / 200)) of 12 B x 200 -> 4096 each: 3 x 4096 at stage 0 (5 sub-groups),
+# 2 x 4096 from stage 1 (part 250: 2 sub-groups); param buffers 3 x (2 B x 50 -> 4096) = 12288;
+# max_in_cpu cache 2 B x min(10, 250) = 20.
 SMALL_SWAP = SwapBuffers(param_buffer_count=3, param_buffer_size=50, param_max_in_cpu=10,
-                         optimizer_buffer_count=2, sub_group_size=100, alignment=64)
+                         optimizer_buffer_count=3, optimizer_pipeline_read=True, optimizer_pipeline_write=True,
+                         sub_group_size=200)
 # (stage, offload_param, offload_optimizer): (device bytes, host bytes per rank, NVMe bytes per rank)
 SMALL_EXPECTED = {
     (0, "none", "none"): (2000 + 2000 + 12000, 0, 0),
     (0, "none", "cpu"): (2000 + 2000, 12000 + 4000, 0),
-    (0, "none", "nvme"): (2000 + 2000, 4000 + 2432, 12000),
+    (0, "none", "nvme"): (2000 + 2000, 4000 + 12288, 12000),
     (1, "none", "none"): (2000 + 2000 + 3000, 0, 0),
     (1, "none", "cpu"): (2000 + 2000, 3000 + 1000, 0),
-    (1, "none", "nvme"): (2000 + 2000, 1000 + 2432, 3000),
+    (1, "none", "nvme"): (2000 + 2000, 1000 + 8192, 3000),
     (2, "none", "none"): (2000 + 500 + 3000, 0, 0),
     (2, "none", "cpu"): (2000, 3000 + 1000, 0),
-    (2, "none", "nvme"): (2000, 1000 + 2432, 3000),
+    (2, "none", "nvme"): (2000, 1000 + 8192, 3000),
     (3, "none", "none"): (500 + 500 + 3000, 0, 0),
     (3, "none", "cpu"): (500, 3000 + 1000, 0),
-    (3, "none", "nvme"): (500, 1000 + 2432, 3000),
+    (3, "none", "nvme"): (500, 1000 + 8192, 3000),
     (3, "cpu", "none"): (500 + 3000, 500, 0),
     (3, "cpu", "cpu"): (0, 500 + 3000 + 1000, 0),
-    (3, "cpu", "nvme"): (0, 500 + 1000 + 2432, 3000),
-    (3, "nvme", "none"): (500 + 3000, 384 + 20, 500),
-    (3, "nvme", "cpu"): (0, 3000 + 1000 + 384 + 20, 500),
-    (3, "nvme", "nvme"): (0, 1000 + 2432 + 384 + 20, 3000 + 500),
+    (3, "cpu", "nvme"): (0, 500 + 1000 + 8192, 3000),
+    (3, "nvme", "none"): (500 + 3000, 12288 + 20, 500),
+    (3, "nvme", "cpu"): (0, 3000 + 1000 + 12288 + 20, 500),
+    (3, "nvme", "nvme"): (0, 1000 + 8192 + 12288 + 20, 3000 + 500),
 }
 
 
@@ -214,7 +218,8 @@ def test_cli_table_says_units(capsys):
 def test_cli_with_config_and_activations(tmp_path, capsys):
     cfg = {"train_micro_batch_size_per_gpu": 1, "fp16": {"enabled": True},
            "zero_optimization": {"stage": 3, "sub_group_size": 1000,
-                                 "offload_optimizer": {"device": "nvme", "nvme_path": str(tmp_path), "buffer_count": 3},
+                                 "offload_optimizer": {"device": "nvme", "nvme_path": str(tmp_path), "buffer_count": 3,
+                                                       "pipeline_read": True},
                                  "offload_param": {"device": "cpu"}}}
     path = tmp_path / "ds.json"
     path.write_text(json.dumps(cfg))
@@ -225,7 +230,8 @@ def test_cli_with_config_and_activations(tmp_path, capsys):
     assert (row["stage"], row["offload_param"], row["offload_optimizer"]) == (3, "cpu", "nvme")
     act = 2 * (8 * 4 * 34 + 5 * 2 * 64)
     assert row["per_device_bytes"] == act
-    per_rank_host = 2 * 500_000 + 4 * 500_000 + 3 * 12_288   # params, fp32 grads, 3 x round_up(12 B x 1000, 4096)
+    # params, fp32 grads, min(3 buffers, 2 in flight) x round_up(12 B x 1000, 4096)
+    per_rank_host = 2 * 500_000 + 4 * 500_000 + 2 * 12_288
     assert row["per_host_bytes"] == 2 * per_rank_host
     assert row["nvme_bytes"] == 2 * 12 * 500_000
 

@@ -31,8 +31,7 @@ Rajbhandari et al. 2021, Sec. 5), as DeepSpeed's own estimators count them
   blocks) is counted as ``(Ψp + Ψg) x its parameters`` for every stage-3 row.
 * NVMe rows add the pinned host memory the swapping needs (buffers and the ``max_in_cpu`` parameter
   cache; defaults of :mod:`zeroinf.config` unless a config gives them; see :class:`SwapBuffers`).
-  The buffer bytes are computed here (``buffer_count x round_up(bytes, 4096)``) because
-  ``zeroinf.io.pinned_pool_bytes`` had not landed when this was written.
+  Buffer bytes come from :func:`zeroinf.io.pinned_pool_bytes`, the bytes the pool will lock.
 
 "Per host" and "NVMe" are per node: the sum over the node's ``gpus_per_node`` ranks.
 
@@ -167,16 +166,23 @@ class SwapBuffers:
             cached in pinned memory (default 1e9).
         optimizer_buffer_count: ``offload_optimizer.buffer_count`` (default 4); each buffer holds one
             sub-group's fp32 master weights and optimizer moments: ``K x sub-group elements`` bytes
-            (see :class:`zeroinf.config.OffloadOptimizerConfig`).
-        sub_group_size: ``zero_optimization.sub_group_size``, elements (default 1e9); a sub-group
-            has ``min(sub_group_size, ceil(P/N))`` elements.
-        alignment: bytes each buffer is rounded up to (O_DIRECT: 4096).
+            (see :class:`zeroinf.config.OffloadOptimizerConfig`). The engine pins only the buffers
+            that can be in flight: ``min(buffer_count, 1 + pipeline_read + pipeline_write,
+            number of sub-groups)`` (``zeroinf.runtime.optimizer.SubGroupOptimizer``).
+        optimizer_pipeline_read, optimizer_pipeline_write: ``offload_optimizer.pipeline_read`` /
+            ``pipeline_write`` (default false).
+        sub_group_size: ``zero_optimization.sub_group_size``, elements (default 1e9); the rank's
+            partition is split into ``ceil(partition / sub_group_size)`` sub-groups of at most that.
+        alignment: byte alignment of each buffer (O_DIRECT: 4096); :func:`zeroinf.io.pinned_pool_bytes`
+            rounds every buffer up to ``max(alignment, page size)``.
     """
 
     param_buffer_count: int = 5
     param_buffer_size: int = 100_000_000
     param_max_in_cpu: int = 1_000_000_000
     optimizer_buffer_count: int = 4
+    optimizer_pipeline_read: bool = False
+    optimizer_pipeline_write: bool = False
     sub_group_size: int = 1_000_000_000
     alignment: int = 4096
 
@@ -184,12 +190,14 @@ class SwapBuffers:
 #: The swap settings ``zeroinf plan`` writes, and the table assumes without ``--config``: sub-groups
 #: of 1e8 elements (the 1e9 default would pin 4 x 12 GB per rank for optimizer buffers) and no
 #: ``max_in_cpu`` parameter cache (parameters go to NVMe when the host cannot hold them).
-PLAN_SWAP = SwapBuffers(sub_group_size=100_000_000, param_max_in_cpu=0)
+PLAN_SWAP = SwapBuffers(sub_group_size=100_000_000, param_max_in_cpu=0, optimizer_pipeline_read=True,
+                        optimizer_pipeline_write=True)
 
 
 def _pool_bytes(count: int, size: int, alignment: int) -> int:
-    # Same rule as the contract's zeroinf.io.pinned_pool_bytes: each buffer rounded up to the alignment.
-    return count * (-(-size // alignment) * alignment)
+    from zeroinf.io import pinned_pool_bytes  # contract B: the bytes PinnedBufferPool will lock
+
+    return pinned_pool_bytes(count, size, alignment)
 
 
 @dataclass(frozen=True)
@@ -536,15 +544,18 @@ def estimate(params: int, placement: Placement, *, world_size: int = 1, gpus_per
         terms.append(Term("gradient partition (fp32, pinned)", "host", 4 * numel, f"4 B x {what}"))
     if placement.offload_optimizer == "nvme":
         elems = min(swap.sub_group_size, numel)
-        terms.append(Term("optimizer swap buffers (pinned)", "host",
-                          _pool_bytes(swap.optimizer_buffer_count, k * elems, swap.alignment),
-                          f"buffer_count {swap.optimizer_buffer_count} x K {k} B x min(sub_group_size, partition) "
-                          f"{_fmt(elems)}, each rounded up to {swap.alignment} B"))
+        groups = -(-numel // swap.sub_group_size)
+        count = min(swap.optimizer_buffer_count,
+                    1 + swap.optimizer_pipeline_read + swap.optimizer_pipeline_write, groups)
+        terms.append(Term("optimizer swap buffers (pinned)", "host", _pool_bytes(count, k * elems, swap.alignment),
+                          f"min(buffer_count {swap.optimizer_buffer_count}, in flight "
+                          f"{1 + swap.optimizer_pipeline_read + swap.optimizer_pipeline_write}, sub-groups {groups})"
+                          f" x K {k} B x {_fmt(elems)} elements, rounded up to pages"))
     if placement.offload_param == "nvme":
         terms.append(Term("parameter swap buffers (pinned)", "host",
                           _pool_bytes(swap.param_buffer_count, prec.param_bytes * swap.param_buffer_size, swap.alignment),
                           f"buffer_count {swap.param_buffer_count} x {prec.param_bytes} B x buffer_size "
-                          f"{_fmt(swap.param_buffer_size)}, each rounded up to {swap.alignment} B"))
+                          f"{_fmt(swap.param_buffer_size)}, rounded up to pages"))
         cached = min(swap.param_max_in_cpu, shard)
         if cached:
             terms.append(Term("parameter cache (pinned, max_in_cpu)", "host", prec.param_bytes * cached,
@@ -576,6 +587,8 @@ def swap_buffers_from_config(cfg) -> SwapBuffers:
                        param_buffer_size=z.offload_param.buffer_size,
                        param_max_in_cpu=z.offload_param.max_in_cpu,
                        optimizer_buffer_count=z.offload_optimizer.buffer_count,
+                       optimizer_pipeline_read=z.offload_optimizer.pipeline_read,
+                       optimizer_pipeline_write=z.offload_optimizer.pipeline_write,
                        sub_group_size=z.sub_group_size)
 
 
@@ -705,7 +718,8 @@ def main(args: argparse.Namespace) -> int:
               f"checkpointing {args.checkpointing})")
     if not args.config:
         print(f"NVMe rows: sub_group_size {swap.sub_group_size:.0e}, offload_optimizer.buffer_count "
-              f"{swap.optimizer_buffer_count}, offload_param buffer_count {swap.param_buffer_count} x buffer_size "
+              f"{swap.optimizer_buffer_count} with pipelined reads and writes, "
+              f"offload_param buffer_count {swap.param_buffer_count} x buffer_size "
               f"{swap.param_buffer_size:.0e}, max_in_cpu {swap.param_max_in_cpu} (as zeroinf plan writes; "
               f"--config for others)")
     print(f"sizes in {args.unit} ({'1e9' if args.unit == 'GB' else '2**30'} bytes); "

@@ -22,6 +22,7 @@ Units: bytes in the API; GB = 1e9 bytes and GB/s = 1e9 bytes/s on the command li
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from dataclasses import dataclass
@@ -111,10 +112,7 @@ def swap_for(info: ModelInfo, world_size: int) -> SwapBuffers:
     size = PLAN_SWAP.param_buffer_size
     if info.largest_unit:
         size = max(size, -(-info.largest_unit // world_size))
-    return SwapBuffers(param_buffer_count=PLAN_SWAP.param_buffer_count, param_buffer_size=size,
-                       param_max_in_cpu=PLAN_SWAP.param_max_in_cpu,
-                       optimizer_buffer_count=PLAN_SWAP.optimizer_buffer_count,
-                       sub_group_size=PLAN_SWAP.sub_group_size, alignment=PLAN_SWAP.alignment)
+    return dataclasses.replace(PLAN_SWAP, param_buffer_size=size)
 
 
 def choose(info: ModelInfo, limits: Limits, *, world_size: int, gpus_per_node: int, precision: str = "bf16",
@@ -169,7 +167,7 @@ def make_config(placement: Placement, *, precision: str = "bf16", micro_batch: i
         block = {"device": placement.offload_optimizer, "pin_memory": True}
         if placement.offload_optimizer == "nvme":
             block.update(nvme_path=nvme_path, buffer_count=swap.optimizer_buffer_count,
-                         pipeline_read=True, pipeline_write=True)
+                         pipeline_read=swap.optimizer_pipeline_read, pipeline_write=swap.optimizer_pipeline_write)
         zero["offload_optimizer"] = block
     if placement.offload_param != "none":
         block = {"device": placement.offload_param, "pin_memory": True}
