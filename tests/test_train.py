@@ -1,0 +1,162 @@
+"""``zeroinf train`` end to end: a tiny Llama on the standard library, params and optimizer on NVMe.
+
+Each run is a real subprocess (``python -m zeroinf train``), as a user would start it. Sizes are
+tiny (133k parameters, seq 64, 20 steps) so the whole file stays well under a minute and a half.
+"""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from zeroinf.data import Batches, ByteTokenizer, DataError, load_tokens
+from zeroinf.train import COMPARE_ATOL, LOG_FIELDS
+
+#: the strongest offload the main job offers: parameters and optimizer state on NVMe
+OFFLOAD = "nvme-optimizer"
+TINY = ["--size", "tiny", "--seq-len", "64", "--micro-batch", "4", "--seed", "0"]
+
+
+def _train(args, cwd, timeout=240, check=True):
+    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, "-m", "zeroinf", "train", *args], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"zeroinf train {' '.join(args)} exited {proc.returncode}:\n"
+                             f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+    return proc
+
+
+def _log(out):
+    return [json.loads(line) for line in (Path(out) / "log.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def main_run(tmp_path_factory):
+    """20 steps with --offload infinity and --compare, in a fresh working directory."""
+    cwd = tmp_path_factory.mktemp("main_run")
+    proc = _train(["--offload", OFFLOAD, "--steps", "20", *TINY, "--compare", "--out", "out"], cwd)
+    return cwd, proc
+
+
+def test_loss_goes_down_and_log_is_complete(main_run):
+    cwd, _ = main_run
+    recs = _log(cwd / "out")
+    assert [r["step"] for r in recs] == list(range(1, 21))
+    for r in recs:
+        assert set(LOG_FIELDS) <= set(r), sorted(set(LOG_FIELDS) - set(r))
+        assert np.isfinite(r["loss"]) and r["tokens"] == 4 * 64 and r["tokens_per_s"] > 0
+        assert r["grad_norm"] is not None and r["grad_norm"] > 0
+        assert r["rss_bytes"] > 0 and r["step_s"] > 0
+    first, last = np.mean([r["loss"] for r in recs[:5]]), np.mean([r["loss"] for r in recs[-5:]])
+    assert last < first - 0.1, (first, last)
+    # the swap files were really on "NVMe" (the swap directory) while training ...
+    assert max(r["nvme_bytes"] for r in recs) > 0
+    # ... and the private default swap directory is gone afterwards (no --keep)
+    assert not list(cwd.glob(".zeroinf-nvme-*"))
+
+
+def test_png_and_summary(main_run):
+    import matplotlib.image
+    cwd, proc = main_run
+    img = matplotlib.image.imread(cwd / "out" / "loss.png")
+    assert img.ndim == 3 and img.shape[0] > 100 and img.shape[1] > 100
+    summary = json.loads((cwd / "out" / "summary.json").read_text())
+    assert summary["steps"] == 20 and summary["params"] == 133440
+    assert "tokens/s" in proc.stdout and "loss first 5 -> last 5" in proc.stdout
+
+
+def test_compare_passes_against_plain_pytorch(main_run):
+    cwd, proc = main_run
+    cmp = json.loads((cwd / "out" / "compare.json").read_text())
+    assert len(cmp["reference"]) == 20 and cmp["max_abs_diff"] <= COMPARE_ATOL["fp32"]
+    ref0 = cmp["reference"][0]
+    # the step-1 loss of a random byte-level model is about ln(256)
+    assert abs(ref0 - np.log(256)) < 0.2
+    assert "PASS" in proc.stdout
+
+
+@pytest.mark.parametrize("case", ["data", "config", "nvme"])
+def test_bad_input_exits_with_one_line(case, tmp_path, capsys):
+    from zeroinf.cli import main
+    if case == "data":
+        culprit = str(tmp_path / "no-such-corpus.txt")
+        argv = ["--data", culprit]
+    elif case == "config":
+        cfg = json.loads((Path(__file__).parents[1] / "zeroinf" / "presets" / "none.json").read_text())
+        cfg["zero_optimization"]["offload_optimiser"] = {"device": "cpu"}   # misspelt key
+        path = tmp_path / "ds.json"
+        path.write_text(json.dumps(cfg))
+        culprit = "zero_optimization.offload_optimiser"
+        argv = ["--config", str(path)]
+    else:
+        (tmp_path / "a-file").write_text("x")
+        culprit = str(tmp_path / "a-file" / "swap")            # parent is a file: cannot be created
+        argv = ["--offload", "nvme-optimizer", "--nvme-path", culprit]
+    code = main(["train", *argv, "--steps", "1", "--out", str(tmp_path / "out")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code != 0
+    assert len(err) == 1 and culprit in err[0], err
+
+
+def test_two_ranks_agree_with_one(tmp_path):
+    common = ["--offload", OFFLOAD, "--steps", "4", "--size", "tiny", "--seq-len", "32", "--no-plot"]
+    _train([*common, "--micro-batch", "4", "--out", "one"], tmp_path)
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                           "-m", "zeroinf", "train", *common, "--micro-batch", "2", "--out", "two"],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    one, two = _log(tmp_path / "one"), _log(tmp_path / "two")
+    assert [r["tokens"] for r in two] == [r["tokens"] for r in one] == [4 * 32] * 4
+    np.testing.assert_allclose([r["loss"] for r in two], [r["loss"] for r in one], rtol=0, atol=1e-5)
+    np.testing.assert_allclose([r["grad_norm"] for r in two], [r["grad_norm"] for r in one], rtol=1e-4)
+
+
+def test_interrupt_and_resume_reproduce_the_trajectory(tmp_path):
+    args = ["--offload", OFFLOAD, "--steps", "8", *TINY, "--no-plot"]
+    _train([*args, "--out", "full"], tmp_path)
+    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+    proc = subprocess.Popen([sys.executable, "-m", "zeroinf", "train", *args, "--out", "cut"], cwd=tmp_path,
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    log = tmp_path / "cut" / "log.jsonl"
+    deadline = time.time() + 180
+    while (not log.exists() or len(log.read_text().splitlines()) < 3) and proc.poll() is None:
+        assert time.time() < deadline, "the run wrote no 3 steps in time"
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGINT)            # what Ctrl-C sends
+    out, err = proc.communicate(timeout=120)
+    stopped = len(_log(tmp_path / "cut"))
+    assert proc.returncode == 130 and 3 <= stopped < 8, (proc.returncode, stopped, err[-2000:])
+    assert "Traceback" not in err and f"--resume {Path('cut')}" in out
+    _train(["--resume", "cut"], tmp_path)
+    full, cut = _log(tmp_path / "full"), _log(tmp_path / "cut")
+    assert [r["step"] for r in cut] == list(range(1, 9))
+    np.testing.assert_allclose([r["loss"] for r in cut], [r["loss"] for r in full], rtol=0, atol=1e-6)
+
+
+def test_batches_are_deterministic_and_split_over_ranks():
+    tokens = torch.arange(10_000) % 256
+    one = Batches(tokens, 16, 4, seed=3).get(step=5, micro_step=1, rank=0, world_size=1)
+    halves = [Batches(tokens, 16, 2, seed=3).get(5, 1, rank=r, world_size=2) for r in (0, 1)]
+    assert torch.equal(torch.cat(halves), one)
+    assert not torch.equal(one, Batches(tokens, 16, 4, seed=3).get(6, 1))
+    # rows are contiguous windows of the corpus
+    assert bool((((one[:, 1:] - one[:, :-1]) % 256) == 1).all())
+
+
+def test_jsonl_corpus_and_its_errors(tmp_path):
+    good = tmp_path / "c.jsonl"
+    good.write_text(json.dumps({"text": "héllo"}) + "\n\n" + json.dumps({"text": "world"}) + "\n")
+    ids = load_tokens(str(good), ByteTokenizer(), 4)
+    assert bytes(ids.tolist()) == "héllo\nworld".encode()
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"text": "a"}) + "\n" + json.dumps({"body": "b"}) + "\n")
+    with pytest.raises(DataError, match=r"bad.jsonl:2: .*\"text\""):
+        load_tokens(str(bad), ByteTokenizer(), 1)
