@@ -318,3 +318,22 @@ def test_bad_buffers(tmp_path):
     with pytest.raises(ValueError, match="file_offset"):
         h.sync_pwrite(torch.zeros(4), tmp_path / "f", -1)
     assert isinstance(DiskFullError(errno.ENOSPC, "x", "p"), AIOError)
+
+
+def test_tune_io_cli_prints_a_loadable_aio_block(tmp_path, capsys):
+    import json
+
+    from zeroinf.cli import main
+    from zeroinf.io.tune import parse_bytes
+
+    assert [parse_bytes(s) for s in ("4096", "256K", "1M", "2GiB")] == [4096, 1 << 18, 1 << 20, 2 << 30]
+    with pytest.raises(ValueError, match="not a byte size"):
+        parse_bytes("1.5M")
+    rc = main(["tune-io", "--path", str(tmp_path), "--size", "1M", "--block-sizes", "256K,512K",
+               "--queue-depths", "2", "--repeat", "1", "--backend", "python"])
+    assert rc == 0
+    out = capsys.readouterr().out
+    block = json.loads(out[out.index("{"):])
+    assert block["aio"]["block_size"] in (1 << 18, 1 << 19) and block["aio"]["queue_depth"] == 2
+    AsyncIOHandle.from_config(block["aio"])
+    assert list(tmp_path.iterdir()) == []  # the test file is removed
