@@ -1,0 +1,172 @@
+"""CPU Adam step: zeroinf against torch's fused and foreach AdamW (and DeepSpeedCPUAdam if importable).
+
+Two workloads, each as one tensor and as many equal tensors (default 100M parameters as 1x100M
+and 100x1M):
+
+* ``fp32``: fp32 params, fp32 grads, fp32 moments. zeroinf runs CPUAdam.
+* ``offload-bf16``: the step an offload engine runs: fp32 master + moments, bf16 gradients in,
+  bf16 parameters out. zeroinf runs CPUAdam on bf16 parameters (fp32 master in its state: one
+  fused pass); the peers cast the grads to fp32, step, and cast the params back, as separate
+  passes.
+
+Every row reports the median ms/step (after warm-up), params/s and the effective bandwidth over
+the 28 bytes per parameter a single pass must move (fp32: read g,p,m,v + write p,m,v;
+offload: read g16,p,m,v + write p,m,v,p16). ``roof-rmw`` is a streaming read-modify-write over
+the same buffers with those same loads and stores (zeroinf.optim.stream_rmw): the bandwidth
+ceiling measured in the same run. Ratios (``x torch-fused``, ``x roof``) are same-run ratios;
+only those are comparable across machines.
+
+    python bench/cpu_adam.py [--n 100000000] [--tensors 100] [--json out.json]
+"""
+from __future__ import annotations
+
+import gc
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _util import Row, bench_parser, machine_line, print_table, time_median, write_json  # noqa: E402
+
+import zeroinf.optim as zo  # noqa: E402
+
+BYTES_PER_PARAM = 28
+LR, BETAS, EPS, WD = 1e-3, (0.9, 0.999), 1e-8, 0.01
+
+
+def _deepspeed_cls():
+    try:
+        from deepspeed.ops.adam import DeepSpeedCPUAdam
+    except Exception as exc:  # not installed, or its op fails to build: the rows are skipped
+        print(f"DeepSpeedCPUAdam rows skipped: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
+        return None
+    return DeepSpeedCPUAdam
+
+
+def _make_params(sizes, dtype):
+    params = [torch.nn.Parameter(torch.randn(s).to(dtype)) for s in sizes]
+    for p in params:
+        p.grad = (torch.randn(p.shape) * 1e-2).to(dtype)
+    return params
+
+
+def bench_fp32(sizes, layout, args, ds_cls):
+    rows = []
+    n = sum(sizes)
+    params = _make_params(sizes, torch.float32)
+
+    def row(name, fn):
+        s = time_median(fn, repeat=args.repeat, warmup=args.warmup)
+        rows.append(Row(name, "fp32", layout, 1e3 * s, BYTES_PER_PARAM * n / s / 1e9, {"params_per_s": n / s}))
+
+    ms = [torch.zeros(s) for s in sizes]
+    vs = [torch.zeros(s) for s in sizes]
+    row("roof-rmw", lambda: [zo.stream_rmw(p.data, p.grad, m, v) for p, m, v in zip(params, ms, vs)])
+    del ms, vs
+    peers = [("zeroinf", lambda ps: zo.CPUAdam(ps, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD)),
+             ("torch-fused", lambda ps: torch.optim.AdamW(ps, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, fused=True)),
+             ("torch-foreach", lambda ps: torch.optim.AdamW(ps, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, foreach=True))]
+    if ds_cls is not None:
+        peers.append(("deepspeed", lambda ps: ds_cls(ps, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, adamw_mode=True)))
+    for name, make in peers:
+        opt = make(params)
+        row(name, opt.step)
+        del opt
+        gc.collect()
+    return rows
+
+
+def bench_offload(sizes, layout, args, ds_cls):
+    rows = []
+    n = sum(sizes)
+    grads16 = [(torch.randn(s) * 1e-2).to(torch.bfloat16) for s in sizes]
+
+    def row(name, fn):
+        s = time_median(fn, repeat=args.repeat, warmup=args.warmup)
+        rows.append(Row(name, "offload-bf16", layout, 1e3 * s, BYTES_PER_PARAM * n / s / 1e9, {"params_per_s": n / s}))
+
+    # roof: same buffers and bytes as zeroinf's pass (bf16 grads in, fp32 p/m/v, bf16 out)
+    master = [torch.randn(s) for s in sizes]
+    ms = [torch.zeros(s) for s in sizes]
+    vs = [torch.zeros(s) for s in sizes]
+    out16 = [torch.zeros(s, dtype=torch.bfloat16) for s in sizes]
+    row("roof-rmw", lambda: [zo.stream_rmw(p, g, m, v, o) for p, g, m, v, o in zip(master, grads16, ms, vs, out16)])
+    del ms, vs
+    gc.collect()
+
+    # zeroinf: CPUAdam over bf16 parameters whose grads are bf16; fp32 master in the state.
+    p16 = [torch.nn.Parameter(o) for o in out16]
+    for p, g in zip(p16, grads16):
+        p.grad = g
+    opt = zo.CPUAdam(p16, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD)
+    row("zeroinf", opt.step)
+    del opt, p16
+    gc.collect()
+
+    # peers: fp32 master params; cast grads in, step, cast params out (separate passes)
+    fp32_params = [torch.nn.Parameter(m) for m in master]
+    for p in fp32_params:
+        p.grad = torch.zeros(p.shape)
+
+    def casting_step(opt):
+        def step():
+            for p, g in zip(fp32_params, grads16):
+                p.grad.copy_(g)
+            opt.step()
+            for p, o in zip(fp32_params, out16):
+                o.copy_(p.detach())
+        return step
+
+    peers = [("torch-fused", lambda ps: torch.optim.AdamW(ps, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, fused=True)),
+             ("torch-foreach", lambda ps: torch.optim.AdamW(ps, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, foreach=True))]
+    if ds_cls is not None:
+        peers.append(("deepspeed", lambda ps: ds_cls(ps, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, adamw_mode=True)))
+    for name, make in peers:
+        opt = make(fp32_params)
+        row(name, casting_step(opt))
+        del opt
+        gc.collect()
+    return rows
+
+
+def main() -> int:
+    parser = bench_parser(__doc__.splitlines()[0])
+    parser.add_argument("--n", type=int, default=100_000_000, help="parameters in all (default 100M)")
+    parser.add_argument("--tensors", type=int, default=100, help="tensors in the split layout (default 100)")
+    parser.add_argument("--workload", choices=["fp32", "offload-bf16", "both"], default="both")
+    args = parser.parse_args()
+    threads = torch.get_num_threads()
+    info = zo.isa_info()
+    print(machine_line())
+    print(f"torch {torch.__version__}, {threads} threads, zeroinf Adam path: {info['chosen']}, "
+          f"n={args.n:,}, median of {args.repeat} after {args.warmup} warm-up")
+    ds_cls = _deepspeed_cls()
+    layouts = [([args.n], f"1x{_human(args.n)}")]
+    if args.tensors > 1:
+        each = args.n // args.tensors
+        layouts.append(([each] * args.tensors, f"{args.tensors}x{_human(each)}"))
+    rows = []
+    for sizes, layout in layouts:
+        if args.workload in ("fp32", "both"):
+            rows += bench_fp32(sizes, layout, args, ds_cls)
+            gc.collect()
+        if args.workload in ("offload-bf16", "both"):
+            rows += bench_offload(sizes, layout, args, ds_cls)
+            gc.collect()
+    print()
+    print_table(rows, peer="torch-fused", roof="roof-rmw")
+    roof = next(r for r in rows if r.name == "roof-rmw")
+    write_json(args.json, {"n": args.n, "threads": threads, "roof_gbps": roof.gbps}, rows)
+    return 0
+
+
+def _human(n: int) -> str:
+    for unit, scale in (("G", 10**9), ("M", 10**6), ("K", 10**3)):
+        if n >= scale and n % scale == 0:
+            return f"{n // scale}{unit}"
+    return str(n)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
