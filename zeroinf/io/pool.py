@@ -159,9 +159,12 @@ class PinnedBufferPool:
         self._mmap = None
         self._addr = 0
         slot = _slot_bytes(buffer_size, alignment)
-        if self._cuda:
-            self._buffers = [torch.empty(slot, dtype=torch.uint8, pin_memory=True)[:buffer_size]
-                             for _ in range(buffer_count)]
+        if self._cuda:  # not exercised on CPU-only CI machines
+            self._buffers = []
+            for _ in range(buffer_count):
+                raw = torch.empty(slot + alignment, dtype=torch.uint8, pin_memory=True)
+                skip = (-raw.data_ptr()) % alignment
+                self._buffers.append(raw[skip:skip + buffer_size])
         else:
             extra = max(0, alignment - _PAGE)
             flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_POPULATE", 0)
