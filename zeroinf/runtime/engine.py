@@ -298,6 +298,8 @@ class ZeroEngine:
         self._step_stats["gather_s"] += time.perf_counter() - t1
         self.params.zero_grad_acc()
         if self.lr_scheduler is not None:
+            # the engine stepped on the optimizer's behalf: tell torch schedulers so (they warn otherwise)
+            self.optimizer._opt_called = True
             self.lr_scheduler.step()
         self._step_stats.update(adam_s=st.adam_s, io_wait_s=st.io_wait_s, nvme_read_bytes=st.bytes_read,
                                 nvme_write_bytes=st.bytes_written)

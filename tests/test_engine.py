@@ -1,0 +1,313 @@
+"""zeroinf.initialize / ZeroEngine, one process: stages 0-2 x offload none/cpu/nvme against plain
+PyTorch + torch.optim.AdamW (foreach=False), fp32, 1e-6 per parameter unless said."""
+import math
+import os
+import warnings
+
+import psutil
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import zeroinf
+from zeroinf.config import ConfigError
+
+LR, WD = 1e-2, 0.01
+
+
+def make_mlp(seed: int = 1) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(7, 13), nn.Tanh(), nn.Linear(13, 5))
+
+
+def batches(n: int, bs: int = 4, seed: int = 3):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, bs, 7, generator=g), torch.randn(n, bs, 5, generator=g)
+
+
+def config(stage: int = 0, device: str = "none", nvme=None, gas: int = 1, **extra) -> dict:
+    off = {"device": device}
+    if device == "nvme":
+        off.update(nvme_path=str(nvme), pipeline_read=True, pipeline_write=True, buffer_count=3)
+    cfg = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": gas,
+           "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": WD}},
+           # small sub-groups and buckets so every path splits (33 and 30 divide none of the sizes)
+           "zero_optimization": {"stage": stage, "sub_group_size": 33, "reduce_bucket_size": 30,
+                                 "offload_optimizer": off}}
+    cfg.update(extra)
+    return cfg
+
+
+def reference(model, X, Y, steps, gas=1, clip=0.0, norm_type=2.0, lrs=None):
+    """Plain PyTorch: mean of the micro-batch gradients, optional clip, torch AdamW."""
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD, foreach=False)
+    norms, grads = [], []
+    for s in range(steps):
+        if lrs is not None:
+            opt.param_groups[0]["lr"] = lrs[s]
+        opt.zero_grad()
+        for k in range(gas):
+            (F.mse_loss(model(X[s * gas + k]), Y[s * gas + k]) / gas).backward()
+        grads.append(torch.cat([p.grad.reshape(-1).clone() for p in model.parameters()]))
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip if clip else 1e30, norm_type)))
+        opt.step()
+    return norms, grads
+
+
+def train(engine, X, Y, steps, gas=1):
+    losses = []
+    for s in range(steps):
+        for k in range(gas):
+            loss = F.mse_loss(engine(X[s * gas + k]), Y[s * gas + k])
+            engine.backward(loss)
+            engine.step()
+        losses.append(float(loss.detach()))
+    return losses
+
+
+def max_diff(a: nn.Module, b: nn.Module) -> float:
+    return max((p.float() - q.float()).abs().max().item() for p, q in zip(a.parameters(), b.parameters()))
+
+
+@pytest.mark.parametrize("device", ["none", "cpu", "nvme"])
+@pytest.mark.parametrize("stage", [0, 1, 2])
+def test_five_steps_equal_torch_adamw(stage, device, tmp_path):
+    X, Y = batches(5)
+    ref = make_mlp()
+    reference(ref, X, Y, 5)
+    model = make_mlp()
+    engine, opt, loader, sched = zeroinf.initialize(model, config=config(stage, device, tmp_path))
+    assert loader is None and sched is None
+    train(engine, X, Y, 5)
+    assert engine.global_steps == 5 and engine.optimizer_steps == 5
+    assert max_diff(model, ref) <= 1e-6
+    # the master weights equal the parameters (fp32), and the moments are those of torch
+    flat_ref = torch.cat([p.detach().reshape(-1) for p in ref.parameters()])
+    with engine.sub_optimizer.state(0) as (master, m, v):
+        assert torch.allclose(master, flat_ref[:master.numel()], atol=1e-6, rtol=0)
+    if device == "nvme":
+        assert engine.stats()["nvme_read_bytes"] > 0 and engine.stats()["nvme_write_bytes"] > 0
+    engine.close()
+
+
+def test_gradient_accumulation_is_the_mean_of_the_micro_batches(tmp_path):
+    gas, steps = 4, 3
+    X, Y = batches(gas * steps)
+    ref = make_mlp()
+    ref_norms, ref_grads = reference(ref, X, Y, steps, gas=gas)
+    model = make_mlp()
+    engine, *_ = zeroinf.initialize(model, config=config(2, "nvme", tmp_path, gas=gas))
+    ref_mid = make_mlp()
+    for s in range(steps):  # global steps 1, 2, 3: check the accumulated gradient before each step
+        for k in range(gas):
+            engine.backward(F.mse_loss(engine(X[s * gas + k]), Y[s * gas + k]))
+            if k == gas - 1:
+                acc = torch.cat([engine.params.grad(i) for i in range(len(engine.sub_optimizer.specs))])
+                assert torch.allclose(acc[:ref_grads[s].numel()], ref_grads[s], atol=1e-7, rtol=1e-6), f"step {s + 1}"
+                assert not acc[ref_grads[s].numel():].any()  # padding stays zero
+            engine.step()
+        assert engine.global_steps == s + 1
+        assert engine.get_global_grad_norm() == pytest.approx(ref_norms[s], rel=1e-6)
+        ref_mid = make_mlp()
+        reference(ref_mid, X, Y, s + 1, gas=gas)
+        assert max_diff(model, ref_mid) <= 1e-6, f"global step {s + 1}"
+    engine.close()
+
+
+class TiedTwice(nn.Module):
+    """An output layer tied to the embedding, and a block called twice in one forward."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(2)
+        self.emb = nn.Embedding(11, 6)
+        self.block = nn.Linear(6, 6)
+        self.head = nn.Linear(6, 11, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, idx):
+        h = torch.tanh(self.block(self.emb(idx)))
+        return self.head(torch.tanh(self.block(h)))
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_tied_weights_and_a_module_called_twice(stage):
+    idx = torch.randint(0, 11, (4, 5, 3), generator=torch.Generator().manual_seed(0))
+    ref = TiedTwice()
+    opt = torch.optim.AdamW(ref.parameters(), lr=LR, weight_decay=WD, foreach=False)
+    model = TiedTwice()
+    engine, *_ = zeroinf.initialize(model, config=config(stage, "cpu"))
+    for s in range(4):
+        opt.zero_grad()
+        F.cross_entropy(ref(idx[s]).reshape(-1, 11), idx[s].reshape(-1)).backward()
+        ref_grad = torch.cat([p.grad.reshape(-1) for p in ref.parameters()])
+        opt.step()
+        engine.backward(F.cross_entropy(model(idx[s]).reshape(-1, 11), idx[s].reshape(-1)))
+        acc = torch.cat([engine.params.grad(i) for i in range(len(engine.sub_optimizer.specs))])
+        # reduced exactly once: a doubled gradient would survive Adam's scale invariance, not this
+        assert torch.allclose(acc[:ref_grad.numel()], ref_grad, atol=1e-7, rtol=1e-6)
+        engine.step()
+    assert model.head.weight is model.emb.weight
+    assert max_diff(model, ref) <= 1e-6
+
+
+@pytest.mark.parametrize("norm_type", [2.0, math.inf])
+def test_clipping_and_global_norm_match_torch(norm_type, tmp_path):
+    X, Y = batches(4)
+    ref = make_mlp()
+    ref_norms, _ = reference(ref, X, Y, 4, clip=0.05, norm_type=norm_type)
+    model = make_mlp()
+    cfg = config(2, "cpu", gradient_clipping=0.05, zeroinf={"grad_norm_type": "inf" if norm_type == math.inf else 2.0})
+    engine, *_ = zeroinf.initialize(model, config=cfg)
+    norms = []
+    for s in range(4):
+        train(engine, X[s:s + 1], Y[s:s + 1], 1)
+        norms.append(engine.get_global_grad_norm())
+    assert min(ref_norms) > 0.05  # clipping was active every step
+    assert norms == pytest.approx(ref_norms, rel=1e-6)
+    assert max_diff(model, ref) <= 1e-6
+
+
+def test_bf16_follows_fp32_reference_within_bf16_tolerance():
+    X, Y = batches(5)
+    ref = make_mlp()
+    ref_losses = []
+    opt = torch.optim.AdamW(ref.parameters(), lr=LR, weight_decay=WD, foreach=False)
+    for s in range(5):
+        opt.zero_grad()
+        loss = F.mse_loss(ref(X[s]), Y[s])
+        loss.backward()
+        opt.step()
+        ref_losses.append(float(loss.detach()))
+    model = make_mlp()
+    engine, *_ = zeroinf.initialize(model, config=config(2, "cpu", bf16={"enabled": True}))
+    assert all(p.dtype == torch.bfloat16 for p in model.parameters())
+    losses = train(engine, X.bfloat16(), Y.bfloat16(), 5)
+    assert losses == pytest.approx(ref_losses, rel=0.01)
+    # a bf16 parameter near 1 rounds by 4e-3, and Adam moves a weight with a near-zero gradient by up
+    # to lr per step whichever the sign: allow 3 lr over 5 steps for the worst, little for the median
+    diffs = torch.cat([(p.float() - q).abs().reshape(-1) for p, q in zip(model.parameters(), ref.parameters())])
+    assert diffs.max() <= 3 * LR and diffs.median() <= 4e-3
+    # the fp32 master weights are closer to the reference than bf16 rounding allows
+    flat_ref = torch.cat([p.detach().reshape(-1) for p in ref.parameters()])
+    n = 0
+    for i in range(len(engine.sub_optimizer.specs)):
+        with engine.sub_optimizer.state(i) as (master, _, _):
+            k = min(master.numel(), flat_ref.numel() - n)
+            assert (master[:k] - flat_ref[n:n + k]).abs().median() < 2e-3
+            n += k
+
+
+def test_fp16_inf_gradient_skips_step_and_lowers_scale(tmp_path):
+    X, Y = batches(3)
+    model = make_mlp()
+    cfg = config(2, "nvme", tmp_path, fp16={"enabled": True, "initial_scale_power": 8, "hysteresis": 1})
+    engine, *_ = zeroinf.initialize(model, config=cfg)
+    train(engine, X.half(), Y.half(), 1)
+    assert engine.loss_scale == 256.0 and engine.optimizer_steps == 1
+    before = [p.detach().clone() for p in model.parameters()]
+    with engine.sub_optimizer.state(0) as (master, m, v):
+        state_before = (master.clone(), m.clone(), v.clone())
+    bad = X[1].half().clone()
+    bad[0, 0] = float("inf")
+    engine.backward(F.mse_loss(engine(bad), Y[1].half()))
+    engine.step()
+    assert engine.skipped_steps == 1 and engine.optimizer_steps == 1 and engine.global_steps == 2
+    assert engine.loss_scale == 128.0
+    assert not math.isfinite(engine.get_global_grad_norm())
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    with engine.sub_optimizer.state(0) as state_after:
+        assert all(torch.equal(a, b) for a, b in zip(state_before, state_after))
+    train(engine, X[2:].half(), Y[2:].half(), 1)  # the next clean step runs, from a clean buffer
+    assert engine.optimizer_steps == 2 and math.isfinite(engine.get_global_grad_norm())
+    assert not all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    engine.close()
+
+
+def test_config_scheduler_and_client_optimizer_with_torch_scheduler():
+    X, Y = batches(5)
+    lrs = [0.0, 0.0025, 0.005, 0.0075, 0.01]  # WarmupLR, linear, 0 -> 1e-2 over 4 steps
+    ref = make_mlp()
+    reference(ref, X, Y, 5, lrs=lrs)
+    model = make_mlp()
+    sched = {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 0.01, "warmup_num_steps": 4,
+                                            "warmup_type": "linear"}}
+    engine, _, _, s = zeroinf.initialize(model, config=config(1, "cpu", scheduler=sched))
+    seen = []
+    for k in range(5):
+        seen.append(engine.get_lr()[0])
+        train(engine, X[k:k + 1], Y[k:k + 1], 1)
+    assert seen == pytest.approx(lrs, abs=1e-12)
+    assert max_diff(model, ref) <= 1e-6
+
+    model = make_mlp()
+    client = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD)
+    cfg = config(2, "cpu")
+    del cfg["optimizer"]
+    engine, opt, _, sched2 = zeroinf.initialize(model, optimizer=client, config=cfg,
+                                                lr_scheduler=lambda o: torch.optim.lr_scheduler.LambdaLR(
+                                                    o, lambda t: lrs[min(t, 4)] / LR))
+    assert opt is client
+    train(engine, X, Y, 5)
+    assert max_diff(model, ref) <= 1e-6
+    with pytest.raises(RuntimeError, match="engine.step"):
+        zeroinf.initialize(make_mlp(), config=config())[1].step()
+
+
+def test_initialize_checks_the_machine(tmp_path):
+    missing = tmp_path / "nope"
+    with pytest.raises(ConfigError) as ei:
+        zeroinf.initialize(make_mlp(), config=config(2, "nvme", missing))
+    assert str(ei.value).startswith("zero_optimization.offload_optimizer.nvme_path: ") and "does not exist" in str(ei.value)
+    f = tmp_path / "file"
+    f.write_text("x")
+    with pytest.raises(ConfigError, match="nvme_path"):
+        zeroinf.initialize(make_mlp(), config=config(2, "nvme", f))
+    with pytest.raises(ConfigError, match="optimizer: required"):
+        cfg = config()
+        del cfg["optimizer"]
+        zeroinf.initialize(make_mlp(), config=cfg)
+    bad = config(2, "nvme", tmp_path)
+    bad["zero_optimization"]["offload_optimizer"]["buffer_count"] = 2
+    with pytest.raises(ConfigError, match="buffer_count: 2 is too small .* the minimum is 3"):
+        zeroinf.initialize(make_mlp(), config=bad)
+
+
+def test_stale_swap_files_from_another_run_are_not_read(tmp_path):
+    X, Y = batches(3)
+    ref = make_mlp()
+    reference(ref, X, Y, 3)
+    first = zeroinf.initialize(make_mlp(seed=7), config=config(2, "nvme", tmp_path))[0]
+    train(first, X, Y, 3)
+    first.close()
+    cfg = config(2, "nvme", tmp_path)
+    cfg["zero_optimization"]["sub_group_size"] = 40  # other sizes under the same keys
+    model = make_mlp()
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        engine, *_ = zeroinf.initialize(model, config=cfg)
+    assert any("stale swap file" in str(x.message) for x in w)
+    train(engine, X, Y, 3)
+    assert max_diff(model, ref) <= 1e-6
+    engine.close()
+
+
+def test_resident_memory_flat_with_nvme_offload(tmp_path):
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(256, 256) for _ in range(4)])  # 263k params, 3 MB of Adam state
+    cfg = config(2, "nvme", tmp_path)
+    cfg["zero_optimization"]["sub_group_size"] = 70_000
+    engine, *_ = zeroinf.initialize(model, config=cfg)
+    x = torch.randn(4, 256)
+    proc = psutil.Process()
+    rss = {}
+    for step in range(1, 51):
+        engine.backward(engine(x).square().mean())
+        engine.step()
+        if step in (3, 50):
+            rss[step] = proc.memory_info().rss
+    grown = rss[50] - rss[3]
+    # a leak of one sub-group's state per step would add 47 x 840 kB = 39 MB
+    assert grown < 4 << 20, f"RSS grew by {grown / 2**20:.1f} MiB from step 3 to 50"
+    engine.close()
