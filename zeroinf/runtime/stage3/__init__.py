@@ -1,5 +1,16 @@
-"""ZeRO stage 3: parameters partitioned over ranks and tiers, gathered just in time."""
+"""ZeRO stage 3: parameters partitioned over ranks and tiers, gathered just in time.
+
+* :class:`Stage3ParameterManager` — units, partitions, gather/release hooks, prefetch, stats.
+* :func:`engine_manager` — the manager behind ``ZeroEngine``'s parameter-manager seam.
+* :class:`Stage3Optimizer` — part 1's sub-group optimizer over the partitions, for use
+  without the engine.
+* :func:`gathered_parameters` — full parameters for inspection and init (``zeroinf.gathered_parameters``).
+"""
+from .api import gathered_parameters
+from .engine_glue import Stage3EngineParams, engine_manager
 from .manager import Stage3ParameterManager
 from .options import Stage3ConfigError, Stage3Options
+from .step import Stage3Optimizer
 
-__all__ = ["Stage3ParameterManager", "Stage3Options", "Stage3ConfigError"]
+__all__ = ["Stage3ParameterManager", "Stage3Options", "Stage3ConfigError", "Stage3EngineParams",
+           "engine_manager", "Stage3Optimizer", "gathered_parameters"]

@@ -651,6 +651,39 @@ class Stage3ParameterManager:
             if g.grad_shard is not None:
                 g.grad_shard.zero_()
 
+    def gather_group_copy(self, g: FlatGroup) -> torch.Tensor:
+        """A new full flat tensor (``padded_numel`` elements, on the compute device) of group
+        ``g`` read from every rank's partition; the module's parameters are not touched.
+        Collective when ``world_size > 1``."""
+        if g.full is not None:
+            return g.full.clone()
+        full = torch.empty(g.padded_numel, dtype=g.dtype, device=self.device)
+        lo, hi = self._shard_range(g)
+        self._run_io(g.store.read_into, full[lo:hi])
+        if self.world_size > 1:
+            mine = full[lo:hi].clone()
+            dist.all_gather(list(full.chunk(self.world_size)), mine, group=self.group)
+        return full
+
+    def write_group_values(self, g: FlatGroup, values: Sequence[Tuple[ParamSlot, torch.Tensor]]) -> None:
+        """Write full values of some of ``g``'s parameters into this rank's partition (each rank
+        keeps the part that falls in its shard), refresh a gathered copy, and notify listeners."""
+        lo, hi = self._shard_range(g)
+        local = g.store.local()
+        shard = local if local is not None else torch.empty(g.shard_numel, dtype=g.dtype, device=self.device)
+        if local is None:
+            self._run_io(g.store.read_into, shard)
+        for s, v in values:
+            a, b = max(lo, s.offset), min(hi, s.offset + s.numel)
+            if a < b:
+                shard[a - lo:b - lo].copy_(v.reshape(-1)[a - s.offset:b - s.offset])
+            if g.full is not None:
+                g.full[s.offset:s.offset + s.numel].copy_(v.reshape(-1))
+        if local is None:
+            self.write_param_shard(g, shard)
+        for fn in self._listeners:
+            fn([g])
+
     def add_write_listener(self, fn: Callable[[List[FlatGroup]], None]) -> None:
         """``fn(groups)`` runs after ``gathered_parameters`` wrote new values into partitions
         (an engine re-reads its fp32 master weights from them)."""

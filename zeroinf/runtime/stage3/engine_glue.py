@@ -1,0 +1,227 @@
+"""Stage 3 behind the engine's parameter-manager seam (see ``zeroinf/runtime/engine.py``).
+
+The engine owns the optimizer (part 1's ``SubGroupOptimizer``); this adapter exposes the rank's
+unit partitions to it as sub-groups: each flat group's partition is cut into sub-groups of at most
+``sub_group_size`` elements, keyed ``u<unit>/<dtype>/s<k>`` (stable across runs of one model and
+config). Gradients are reduced by the manager's backward hooks unit by unit; ``reduce_gradients``
+only reports what moved.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from .manager import Stage3ParameterManager
+from .options import Stage3Options
+from .units import FlatGroup
+
+__all__ = ["engine_manager", "Stage3EngineParams"]
+
+
+@dataclass
+class _LayoutGroup:
+    """What ``zeroinf.checkpoint`` records of a flat group."""
+
+    padded: int
+    part_numel: int
+    params: list
+    offsets: list
+    shapes: list
+
+
+def engine_manager(model: torch.nn.Module, cfg, groups: Sequence[Sequence[torch.nn.Parameter]], *,
+                   rank: int = 0, world_size: int = 1) -> "Stage3EngineParams":
+    """Build the stage-3 parameter manager for ``ZeroEngine`` (``zero_optimization.stage == 3``).
+
+    Args:
+        model: the module (already cast to the training dtype).
+        cfg: the parsed :class:`zeroinf.config.ZeroInfConfig`.
+        groups: trainable parameters of each optimizer param group.
+    """
+    opts = Stage3Options.from_zero_config(cfg.zero_optimization, cfg.aio.as_dict())
+    return Stage3EngineParams(model, opts, groups, sub_group_size=cfg.zero_optimization.sub_group_size)
+
+
+class Stage3EngineParams:
+    """The seam's methods over a :class:`Stage3ParameterManager` (attribute ``manager``).
+
+    Raises:
+        NotImplementedError: one flat group holds parameters of two optimizer param groups, or
+            mixes trainable and frozen parameters (put them in different units).
+    """
+
+    def __init__(self, model: torch.nn.Module, options: Stage3Options,
+                 groups: Sequence[Sequence[torch.nn.Parameter]], *, sub_group_size: int):
+        self.manager = m = Stage3ParameterManager(model, options)
+        self.nparts = m.world_size
+        group_of: Dict[torch.nn.Parameter, int] = {}
+        for gi, ps in enumerate(groups):
+            for p in ps:
+                group_of[p] = gi
+        self._subs: List[Tuple[FlatGroup, int, int, int]] = []  # (group, lo, hi, param group)
+        self._keys: List[str] = []
+        for g in m.groups():
+            gis = {group_of.get(s.param) for s in g.slots}
+            if gis == {None}:
+                continue  # frozen
+            if len(gis) > 1:
+                names = [s.name for s in g.slots]
+                raise NotImplementedError(f"stage 3: unit group {g.key} ({names[:3]}...) spans optimizer param groups "
+                                          f"or mixes frozen and trainable parameters {sorted(map(str, gis))}; "
+                                          "give each unit one param group")
+            gi = gis.pop()
+            for k, lo in enumerate(range(0, g.shard_numel, sub_group_size)):
+                self._subs.append((g, lo, min(g.shard_numel, lo + sub_group_size), gi))
+                self._keys.append(f"{g.key}/s{k}")
+        self._staged: Optional[Tuple[FlatGroup, torch.Tensor]] = None
+        self._install_state_dict_hooks(model)
+
+    # --- the seam -------------------------------------------------------------------------
+    def sub_group_specs(self):
+        from zeroinf.runtime.optimizer import SubGroupSpec
+        return [SubGroupSpec(k, hi - lo, gi) for k, (g, lo, hi, gi) in zip(self._keys, self._subs)]
+
+    def _read_shard(self, g: FlatGroup) -> torch.Tensor:
+        local = g.store.local()
+        if local is not None:
+            return local
+        t = torch.empty(g.shard_numel, dtype=g.dtype)
+        self.manager.read_param_shard(g, t)
+        return t
+
+    def master_init(self, i: int, fp32_params: Optional[Dict[int, torch.Tensor]] = None) -> torch.Tensor:
+        """fp32 initial values of sub-group ``i``: the partition, overlaid with the fp32 copies
+        taken before a cast (``fp32_params``: id(param) -> tensor, the engine's map)."""
+        g, lo, hi, _ = self._subs[i]
+        out = self._read_shard(g)[lo:hi].to(device="cpu", dtype=torch.float32, copy=True)
+        if fp32_params:
+            base = self.manager.rank * g.shard_numel + lo  # flat offset of out[0]
+            for s in g.slots:
+                src = fp32_params.get(id(s.param))
+                a, b = max(base, s.offset), min(base + (hi - lo), s.offset + s.numel)
+                if src is not None and a < b:
+                    out[a - base:b - base].copy_(src.reshape(-1)[a - s.offset:b - s.offset])
+        return out
+
+    def reduce_gradients(self) -> int:
+        """Gradients were reduced by the backward hooks; returns elements communicated."""
+        return int(self.manager.stats.last.get("bytes_reduce", 0) // 4) if self.nparts > 1 else 0
+
+    def grad(self, i: int) -> torch.Tensor:
+        g, lo, hi, _ = self._subs[i]
+        if g.grad_shard is None:
+            g.grad_shard = torch.zeros(g.shard_numel, dtype=torch.float32)
+        return g.grad_shard[lo:hi]
+
+    def param_target(self, i: int) -> torch.Tensor:
+        """Where sub-group ``i``'s updated parameters go: the partition itself (device/CPU tier),
+        or a staging tensor written to the swap file once the group's sub-groups are done."""
+        g, lo, hi, _ = self._subs[i]
+        local = g.store.local()
+        if local is not None:
+            return local[lo:hi]
+        if self._staged is not None and self._staged[0] is not g:
+            self._flush()
+        if self._staged is None:
+            self._staged = (g, self._read_shard(g))
+        return self._staged[1][lo:hi]
+
+    def _flush(self) -> None:
+        if self._staged is not None:
+            g, t = self._staged
+            self._staged = None
+            self.manager.write_param_shard(g, t)
+
+    def gather_params(self) -> int:
+        """After the step: write back the last staged partition; partitions are gathered when
+        the forward needs them, so nothing is all-gathered here."""
+        self._flush()
+        self.manager.params_updated()
+        return 0
+
+    def zero_grad_acc(self) -> None:
+        self.manager.zero_grad()
+
+    def local_grad_norm_parts(self, norm_type: float) -> Tuple[float, bool]:
+        vals = [g.grad_shard for g in self.manager.groups() if g.grad_shard is not None]
+        if norm_type == math.inf:
+            return max((float(v.abs().max()) for v in vals if v.numel()), default=0.0), True
+        return sum(float(torch.linalg.vector_norm(v, norm_type, dtype=torch.float32).double() ** norm_type)
+                   for v in vals), True
+
+    def attach_optimizer(self, sub_optimizer) -> None:
+        """Keep ``sub_optimizer``'s fp32 master weights in step with partitions written outside
+        the step (``zeroinf.gathered_parameters(..., modifier_rank=r)``); moments are kept."""
+        by_group: Dict[str, List[int]] = {}
+        for i, (g, _lo, _hi, _gi) in enumerate(self._subs):
+            by_group.setdefault(g.key, []).append(i)
+
+        def resync(groups: List[FlatGroup]) -> None:
+            for g in groups:
+                idx = by_group.get(g.key, [])
+                if not idx:
+                    continue
+                shard = self._read_shard(g)
+                for i in idx:
+                    _, lo, hi, _ = self._subs[i]
+                    with sub_optimizer.state(i) as (_master, m, v):
+                        m, v = m.clone(), v.clone()
+                    sub_optimizer.load_state(i, shard[lo:hi].float(), m, v)
+
+        self.manager.add_write_listener(resync)
+
+    # --- checkpoint layout, stats ---------------------------------------------------------
+    @property
+    def groups(self) -> List[_LayoutGroup]:
+        """Flat groups as ``zeroinf.checkpoint`` records them."""
+        return [_LayoutGroup(g.padded_numel, g.shard_numel, [s.param for s in g.slots],
+                             [s.offset for s in g.slots], [list(s.shape) for s in g.slots])
+                for g in self.manager.groups()]
+
+    def stats(self):
+        return self.manager.stats_dict()
+
+    def trace(self, path) -> int:
+        return self.manager.trace(path)
+
+    # --- module state dict ----------------------------------------------------------------
+    def _install_state_dict_hooks(self, model: torch.nn.Module) -> None:
+        model._register_state_dict_hook(self._state_dict_hook)
+        model.register_load_state_dict_pre_hook(self._load_pre_hook)
+
+    def _state_dict_hook(self, module, state_dict, prefix, local_metadata):
+        """Replace the released placeholders by the full values, one flat group at a time."""
+        names = {}
+        for name, p in module.named_parameters(remove_duplicate=False):
+            names.setdefault(p, []).append(prefix + name)
+        for g in self.manager.groups():
+            full = self.manager.gather_group_copy(g)
+            for s in g.slots:
+                for n in names.get(s.param, []):
+                    if n in state_dict:
+                        state_dict[n] = full[s.offset:s.offset + s.numel].view(s.shape).clone()
+        return state_dict
+
+    def _load_pre_hook(self, module, state_dict, prefix, local_metadata, strict, missing_keys,
+                       unexpected_keys, error_msgs):
+        """Write the loaded values into the partitions; the (copied) dict then holds empty
+        placeholders so ``load_state_dict`` has nothing left to copy for managed parameters."""
+        names = {}
+        for name, p in module.named_parameters(remove_duplicate=False):
+            names.setdefault(p, []).append(prefix + name)
+        for g in self.manager.groups():
+            updates = {}
+            for s in g.slots:
+                for n in names.get(s.param, []):
+                    if n in state_dict:
+                        v = state_dict[n]
+                        if tuple(v.shape) != tuple(s.shape):
+                            raise RuntimeError(f"load_state_dict: {n} has shape {tuple(v.shape)}, the model's "
+                                               f"parameter has {tuple(s.shape)}")
+                        updates[s.offset] = (s, v)
+                        state_dict[n] = torch.empty(0, dtype=g.dtype)
+            if updates:
+                self.manager.write_group_values(g, [(s, v) for s, v in updates.values()])
