@@ -5,7 +5,7 @@ prints decimal GB (10**9 bytes) by default, or GiB (2**30 bytes) with ``--unit G
 which in the table header.
 
 Model states follow the ZeRO paper (Rajbhandari et al. 2020, "ZeRO: Memory Optimizations Toward
-Training Trillion Parameter Models", Sec. 3.1 and 5.1): with P parameters, N data-parallel ranks,
+Training Trillion Parameter Models", Sec. 3.1 and Fig. 1): with P parameters, N data-parallel ranks,
 ``Ψp``/``Ψg`` bytes per parameter and per gradient and ``K`` bytes of optimizer state per parameter
 (for mixed-precision Adam: Ψp = Ψg = 2, K = 12 = fp32 master 4 + exp_avg 4 + exp_avg_sq 4)::
 
@@ -16,9 +16,10 @@ Training Trillion Parameter Models", Sec. 3.1 and 5.1): with P parameters, N dat
 
 P/N is rounded up (``ceil(P/N)``): every rank holds an equal, padded partition.
 
-Offload moves named terms off the accelerator (ZeRO-Offload, Ren et al. 2021, Sec. 4; ZeRO-Infinity,
-Rajbhandari et al. 2021, Sec. 5), as DeepSpeed's own estimators count them
-(``estimate_zero2_model_states_mem_needs``, ``estimate_zero3_model_states_mem_needs``):
+Offload moves named terms off the accelerator (ZeRO-Offload, Ren et al. 2021; ZeRO-Infinity,
+Rajbhandari et al. 2021), much as DeepSpeed's estimators count them
+(``estimate_zero2_model_states_mem_needs``, ``estimate_zero3_model_states_mem_needs``, which also
+add a 1.5x safety factor and the host copy made while the model is built):
 
 * ``offload_optimizer`` cpu|nvme: the K-byte optimizer state goes to pinned host memory or NVMe
   (with an fp32 master copy even in fp32 training, so K = 4 + the optimizer's own state there);
@@ -438,15 +439,16 @@ def activation_bytes(seq_len: int, micro_batch: int, hidden: int, layers: int, h
     """Activation memory of a GPT-style transformer per accelerator, bytes (16-bit activations).
 
     Source: Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer
-    Models", Sec. 4.1 (Eq. 1, no tensor or sequence parallelism) and Sec. 5: one layer stores
+    Models" (arXiv:2205.05198), Sec. 4.1 (Eq. 1, no tensor or sequence parallelism) and Sec. 5
+    (selective and full recomputation): one layer stores
     ``s b h (34 + 5 a s / h)`` bytes, of which ``5 a s^2 b`` are the attention scores, softmax and
     its dropout mask. With s = ``seq_len``, b = ``micro_batch``, h = ``hidden``, a = ``heads``,
     L = ``layers``:
 
     * ``checkpointing="none"``: ``L s b h (34 + 5 a s / h)``;
     * ``"selective"`` (recompute attention scores only, Sec. 5): ``34 L s b h``;
-    * ``"full"`` (store each layer's input, recompute the layer in backward, Sec. 4.2):
-      ``2 L s b h`` plus one layer rematerialised during its backward, ``s b h (34 + 5 a s / h)``.
+    * ``"full"`` (store each layer's 16-bit input, recompute the layer in backward): ``2 L s b h``
+      plus, our addition, the one layer rematerialised during its backward, ``s b h (34 + 5 a s / h)``.
 
     ``attention_scores=False`` drops the ``5 a s / h`` part, for fused attention (SDPA, flash) that
     never stores the s x s matrices. Not counted: the embedding and the output logits (Sec. 4.3),
@@ -545,9 +547,9 @@ def estimate(params: int, placement: Placement, *, world_size: int = 1, gpus_per
     if placement.offload_optimizer == "nvme":
         elems = min(swap.sub_group_size, numel)
         groups = -(-numel // swap.sub_group_size)
-        count = min(swap.optimizer_buffer_count,
-                    1 + swap.optimizer_pipeline_read + swap.optimizer_pipeline_write, groups)
-        terms.append(Term("optimizer swap buffers (pinned)", "host", _pool_bytes(count, k * elems, swap.alignment),
+        in_flight = min(swap.optimizer_buffer_count,
+                        1 + swap.optimizer_pipeline_read + swap.optimizer_pipeline_write, groups)
+        terms.append(Term("optimizer swap buffers (pinned)", "host", _pool_bytes(in_flight, k * elems, swap.alignment),
                           f"min(buffer_count {swap.optimizer_buffer_count}, in flight "
                           f"{1 + swap.optimizer_pipeline_read + swap.optimizer_pipeline_write}, sub-groups {groups})"
                           f" x K {k} B x {_fmt(elems)} elements, rounded up to pages"))
