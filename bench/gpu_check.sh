@@ -255,13 +255,13 @@ med = sorted(r["step_s"] for r in timed)[len(timed) // 2]
 wait = sum(r["io_wait_s"] for r in timed) / sum(r["step_s"] for r in timed)
 print(f"steps {len(recs)}, median step {med:.2f} s (steps 2..), {timed[-1]['tokens_per_s']:.0f} tokens/s, "
       f"I/O wait {100 * wait:.1f}% of the step, loss {recs[0]['loss']:.3f} -> {recs[-1]['loss']:.3f}")
-def nvme_bytes(r):
+def nvme_bytes(r):  # the engine's stats() counters are per step ("of the last optimizer step")
     e = r.get("engine") or {}
     return sum(v for k, v in e.items() if "nvme" in k and "byte" in k and isinstance(v, (int, float)))
-if len(recs) > 1 and nvme_bytes(recs[-1]) > nvme_bytes(recs[0]):
-    moved = nvme_bytes(recs[-1]) - nvme_bytes(recs[0])
-    secs = sum(r["step_s"] for r in recs[1:])
-    print(f"NVMe traffic during training {moved / 1e9:.1f} GB over {secs:.1f} s = {moved / secs / 1e9:.2f} GB/s")
+moved, secs = sum(nvme_bytes(r) for r in timed), sum(r["step_s"] for r in timed)
+if moved > 0:
+    print(f"NVMe traffic during training {moved / 1e9:.1f} GB in {secs:.1f} s = {moved / secs / 1e9:.2f} GB/s "
+          f"(whole step; the engine's *nvme*byte* counters)")
 else:
     print("NVMe GB/s during training: n/a (the engine's stats() has no *nvme*byte* counters)")
 print(f"RESULT step_s={med:.2f} io_wait_share={wait:.3f}")
