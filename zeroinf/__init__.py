@@ -14,3 +14,12 @@ def initialize(*args, **kwargs):
     ``import zeroinf`` stays light."""
     from zeroinf.runtime.engine import initialize as _initialize
     return _initialize(*args, **kwargs)
+
+
+def __getattr__(name):
+    """Lazy stage-3 exports: ``zeroinf.gathered_parameters`` and ``zeroinf.Init``
+    (see :mod:`zeroinf.runtime.stage3`)."""
+    if name in ("gathered_parameters", "Init"):
+        from zeroinf.runtime import stage3
+        return getattr(stage3, name)
+    raise AttributeError(f"module 'zeroinf' has no attribute {name!r}")

@@ -150,6 +150,8 @@ class ZeroEngine:
                               f"{e}; lower sub_group_size or buffer_count") from e
         for i in range(len(specs)):
             self.sub_optimizer.init_master(i, self.params.master_init(i, fp32_copies))
+        if hasattr(self.params, "attach_optimizer"):  # stage 3: masters follow gathered_parameters writes
+            self.params.attach_optimizer(self.sub_optimizer)
         del fp32_copies
 
         if lr_scheduler is not None and cfg.scheduler is not None:
@@ -326,7 +328,16 @@ class ZeroEngine:
         out = dict(self._stats)
         out.update(global_steps=self.global_steps, skipped_steps=self.skipped_steps, loss_scale=self.loss_scale,
                    pinned_bytes=self.sub_optimizer.pinned_bytes(), grad_norm=self._grad_norm)
+        if hasattr(self.params, "stats"):  # stage 3: per-iteration transfer counters (last backward)
+            out["stage3"] = self.params.stats()
         return out
+
+    def trace(self, path) -> int:
+        """Stage 3: write the last iteration's transfers and unit executions as Chrome/Perfetto
+        JSON to ``path``; returns the number of events. Raises NotImplementedError below stage 3."""
+        if not hasattr(self.params, "trace"):
+            raise NotImplementedError("engine.trace() records stage-3 transfers; zero_optimization.stage is not 3")
+        return self.params.trace(path)
 
     # ------------------------------------------------------------------------------------------
 

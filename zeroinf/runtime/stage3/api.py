@@ -67,8 +67,6 @@ def gathered_parameters(params, modifier_rank: Optional[int] = None) -> Iterator
                         if m.world_size > 1:
                             dist.broadcast(g.full, src=modifier_rank, group=m.group)
                         m.write_group_values(g, [(s, g.full[s.offset:s.offset + s.numel]) for s in g.slots])
-                    if u.persistent:
-                        m._persistent_stale = False  # the gathered copy holds the new values
         finally:
             for m, u, was in plan:
                 if not was:

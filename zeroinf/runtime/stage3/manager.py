@@ -379,7 +379,9 @@ class Stage3ParameterManager:
             for s in g.slots:
                 s.param.data = self._placeholder(g.dtype)
             g.full = None
-        if not unit.persistent:
+        if unit.persistent:
+            self._persistent_stale = True
+        else:
             self._live -= unit.numel
         unit.state = UnitState.RELEASED
         self.stats.add("releases")
