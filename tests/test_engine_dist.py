@@ -1,0 +1,126 @@
+"""Two ranks (gloo, spawned here) against one process on the combined batch.
+
+One spawn runs every scenario, to pay the process start-up once. Each rank checks its own
+numbers against a plain-PyTorch reference it computes itself; an assertion in a rank fails the test
+with that rank's traceback.
+"""
+import math
+import os
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+
+import zeroinf
+from test_engine import LR, WD, batches, config, make_mlp, max_diff, reference
+
+WORLD = 2
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _train_shard(engine, X, Y, steps, rank, gas=1):
+    """Rank ``rank`` trains on its half of every batch (micro-batch 2 of 4)."""
+    for s in range(steps):
+        for k in range(gas):
+            i = s * gas + k
+            engine.backward(F.mse_loss(engine(X[i][2 * rank:2 * rank + 2]), Y[i][2 * rank:2 * rank + 2]))
+            engine.step()
+
+
+def _same_on_all_ranks(model) -> bool:
+    flat = torch.cat([p.detach().float().reshape(-1) for p in model.parameters()])
+    others = [torch.empty_like(flat) for _ in range(WORLD)]
+    dist.all_gather(others, flat)
+    return all(torch.equal(o, others[0]) for o in others)
+
+
+def _cfg(stage, device, tmp, **extra):
+    cfg = config(stage, device, tmp, **extra)
+    cfg["train_micro_batch_size_per_gpu"] = 2
+    return cfg
+
+
+def _worker(rank: int, port: int, tmp: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    try:
+        X, Y = batches(4)
+        # 1. stages 0/1/2 with CPU or NVMe optimizer state equal one process on the combined batch
+        ref = make_mlp()
+        ref_norms, _ = reference(ref, X, Y, 3)
+        for stage, device in ((0, "cpu"), (1, "cpu"), (2, "cpu"), (2, "nvme")):
+            model = make_mlp()
+            nvme = os.path.join(tmp, f"nvme_{stage}")
+            os.makedirs(nvme, exist_ok=True)
+            engine, *_ = zeroinf.initialize(model, config=_cfg(stage, device, nvme))
+            assert engine.config.train_batch_size == 4
+            _train_shard(engine, X, Y, 3, rank)
+            assert max_diff(model, ref) <= 1e-6, (stage, device, rank, max_diff(model, ref))
+            assert engine.get_global_grad_norm() == pytest.approx(ref_norms[-1], rel=1e-6), (stage, device)
+            assert _same_on_all_ranks(model)
+            engine.close()
+
+        # 2. clipping with the global norm over both partitions, for norm 2 and inf
+        for norm_type in (2.0, math.inf):
+            ref = make_mlp()
+            ref_norms, _ = reference(ref, X, Y, 3, clip=0.05, norm_type=norm_type)
+            model = make_mlp()
+            extra = {"gradient_clipping": 0.05, "zeroinf": {"grad_norm_type": "inf" if norm_type == math.inf else 2}}
+            engine, *_ = zeroinf.initialize(model, config=_cfg(2, "cpu", tmp, **extra))
+            norms = []
+            for s in range(3):
+                _train_shard(engine, X[s:s + 1], Y[s:s + 1], 1, rank)
+                norms.append(engine.get_global_grad_norm())
+            assert norms == pytest.approx(ref_norms, rel=1e-6), (norm_type, norms, ref_norms)
+            assert max_diff(model, ref) <= 1e-6 and _same_on_all_ranks(model)
+
+        # 3. fp16: an inf gradient on rank 1 only skips the step on both ranks and lowers the scale
+        model = make_mlp()
+        fp16 = {"enabled": True, "initial_scale_power": 6, "hysteresis": 1}
+        engine, *_ = zeroinf.initialize(model, config=_cfg(1, "cpu", tmp, fp16=fp16))
+        before = [p.detach().clone() for p in model.parameters()]
+        x = X[0][2 * rank:2 * rank + 2].half().clone()
+        if rank == 1:
+            x[0, 0] = float("inf")
+        engine.backward(F.mse_loss(engine(x), Y[0][2 * rank:2 * rank + 2].half()))
+        engine.step()
+        assert engine.skipped_steps == 1 and engine.loss_scale == 32.0 and engine.optimizer_steps == 0
+        assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+
+        # 4. both ranks save the same tag at once (twice), then resume bit-exactly
+        ckdir = os.path.join(tmp, "ckpt")
+        model = make_mlp()
+        engine, *_ = zeroinf.initialize(model, config=_cfg(2, "cpu", tmp))
+        _train_shard(engine, X, Y, 2, rank)
+        engine.save_checkpoint(ckdir, "two")
+        engine.save_checkpoint(ckdir, "two")
+        _train_shard(engine, X[2:], Y[2:], 2, rank)
+        want = [p.detach().clone() for p in model.parameters()]
+        model2 = make_mlp(seed=9)
+        engine2, *_ = zeroinf.initialize(model2, config=_cfg(2, "cpu", tmp))
+        _, client = engine2.load_checkpoint(ckdir)  # via the "latest" file
+        assert engine2.optimizer_steps == 2 and client == {}
+        _train_shard(engine2, X[2:], Y[2:], 2, rank)
+        assert all(torch.equal(a, b) for a, b in zip(want, model2.parameters()))
+        if rank == 0:
+            sd = zeroinf.checkpoint.consolidate(ckdir, "two", os.path.join(tmp, "full.pt"))
+            ref = make_mlp()
+            reference(ref, X, Y, 2)
+            plain = make_mlp(seed=5)
+            plain.load_state_dict(torch.load(os.path.join(tmp, "full.pt"), weights_only=True))
+            assert max_diff(plain, ref) <= 1e-6 and set(sd) == set(ref.state_dict())
+    finally:
+        dist.destroy_process_group()
+
+
+def test_two_ranks_equal_one_rank(tmp_path):
+    mp.spawn(_worker, args=(_free_port(), str(tmp_path)), nprocs=WORLD, join=True)
