@@ -1,0 +1,121 @@
+"""Checkpoints: save at step 5, load in a fresh process, 5 more steps == 10 uninterrupted (bit-equal);
+files load with weights_only=True; consolidate gives one fp32 state dict plain PyTorch loads."""
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+import zeroinf
+from zeroinf.checkpoint import CheckpointError
+
+SCRIPT = textwrap.dedent("""
+    import json, sys, torch, torch.nn.functional as F
+    from torch import nn
+    import zeroinf
+    mode, ckdir, nvme, out = sys.argv[1:5]
+    torch.manual_seed(1)
+    model = nn.Sequential(nn.Linear(7, 13), nn.Dropout(0.2), nn.Tanh(), nn.Linear(13, 5))
+    g = torch.Generator().manual_seed(3)
+    X, Y = torch.randn(10, 4, 7, generator=g), torch.randn(10, 4, 5, generator=g)
+    cfg = {"train_micro_batch_size_per_gpu": 4, "gradient_clipping": 0.5,
+           "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01}},
+           "scheduler": {"type": "WarmupDecayLR", "params": {"warmup_num_steps": 3, "total_num_steps": 12}},
+           "fp16": {"enabled": True, "initial_scale_power": 4, "loss_scale_window": 2},
+           "zero_optimization": {"stage": 2, "sub_group_size": 40, "offload_optimizer": {
+               "device": "nvme", "nvme_path": nvme, "pipeline_read": True, "buffer_count": 2}}}
+    engine, *_ = zeroinf.initialize(model, config=cfg)
+    torch.manual_seed(5)  # dropout masks come from the RNG the checkpoint restores
+    def run(a, b):
+        for i in range(a, b):
+            engine.backward(F.mse_loss(engine(X[i].half()), Y[i].half()))
+            engine.step()
+    info = {}
+    if mode == "full":
+        run(0, 10)
+    elif mode == "save":
+        run(0, 5)
+        engine.save_checkpoint(ckdir, "step5", client_state={"epoch": 1})
+        engine.save_checkpoint(ckdir, "step5", client_state={"epoch": 1})  # the same tag twice
+    else:
+        _, client = engine.load_checkpoint(ckdir, "step5")
+        info = {"steps": engine.optimizer_steps, "global": engine.global_steps, "client": client,
+                "scale": engine.loss_scale, "lr": engine.get_lr()}
+        run(5, 10)
+    torch.save({k: v.clone() for k, v in model.state_dict().items()}, out)
+    print(json.dumps(info))
+""")
+
+
+def _run(tmp_path, mode, nvme):
+    script = tmp_path / "train.py"
+    script.write_text(SCRIPT)
+    out = tmp_path / f"{mode}.pt"
+    r = subprocess.run([sys.executable, str(script), mode, str(tmp_path / "ck"), str(nvme), str(out)],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return torch.load(out, weights_only=True), json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def test_resume_in_a_fresh_process_is_bit_exact(tmp_path):
+    nvme_a, nvme_b = tmp_path / "nvme_a", tmp_path / "nvme_b"
+    nvme_a.mkdir()
+    nvme_b.mkdir()
+    full, _ = _run(tmp_path, "full", nvme_a)
+    _run(tmp_path, "save", nvme_b)
+    resumed, info = _run(tmp_path, "load", nvme_b)
+    assert info["steps"] == 5 and info["global"] == 5 and info["client"] == {"epoch": 1}
+    assert set(full) == set(resumed)
+    for k in full:
+        assert torch.equal(full[k], resumed[k]), k
+    # every file of the checkpoint loads with weights_only=True
+    ck = tmp_path / "ck" / "step5"
+    for f in os.listdir(ck):
+        torch.load(ck / f, weights_only=True)
+    assert (tmp_path / "ck" / "latest").read_text() == "step5"
+    assert not [f for f in os.listdir(ck) if ".tmp" in f]
+
+
+def _small_engine(nvme=None, **zero):
+    torch.manual_seed(1)
+    model = torch.nn.Sequential(torch.nn.Linear(7, 13), torch.nn.Tanh(), torch.nn.Linear(13, 5))
+    cfg = {"train_micro_batch_size_per_gpu": 4, "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+           "zero_optimization": {"stage": 1, "sub_group_size": 50, **zero}}
+    return zeroinf.initialize(model, config=cfg)[0], model
+
+
+def test_consolidate_writes_fp32_masters_plain_torch_loads(tmp_path):
+    engine, model = _small_engine()
+    x = torch.randn(4, 7)
+    for _ in range(3):
+        engine.backward(engine(x).square().mean())
+        engine.step()
+    engine.save_checkpoint(str(tmp_path), "t")
+    masters = torch.cat([engine.sub_optimizer._records[i].state[0] for i in range(len(engine.sub_optimizer.specs))])
+    for out in ("full.pt", "full.safetensors"):
+        sd = zeroinf.checkpoint.consolidate(str(tmp_path), "t", str(tmp_path / out))
+        plain = torch.nn.Sequential(torch.nn.Linear(7, 13), torch.nn.Tanh(), torch.nn.Linear(13, 5))
+        if out.endswith(".pt"):
+            plain.load_state_dict(torch.load(tmp_path / out, weights_only=True))
+        else:
+            from safetensors.torch import load_file
+            plain.load_state_dict(load_file(str(tmp_path / out)))
+        flat = torch.cat([p.detach().reshape(-1) for p in plain.parameters()])
+        assert all(v.dtype == torch.float32 for v in sd.values())
+        assert torch.equal(flat, masters[:flat.numel()])
+
+
+def test_load_refuses_another_layout_and_incomplete_saves(tmp_path):
+    engine, _ = _small_engine()
+    engine.save_checkpoint(str(tmp_path), "a")
+    other, _ = _small_engine(sub_group_size=60)
+    with pytest.raises(CheckpointError, match="sub-groups"):
+        other.load_checkpoint(str(tmp_path), "a")
+    os.unlink(tmp_path / "a" / "model_states.pt")  # as if rank 0 died before the last write
+    with pytest.raises(CheckpointError, match="model_states.pt: missing"):
+        engine.load_checkpoint(str(tmp_path), "a")
+    with pytest.raises(CheckpointError, match="latest"):
+        engine.load_checkpoint(str(tmp_path / "empty"))
