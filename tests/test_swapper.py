@@ -148,12 +148,13 @@ def test_file_names_identical_across_processes(tmp_path):
             "s = TensorSwapper(sys.argv[1], AsyncIOHandle(backend='python'))\n"
             f"keys = {sorted(KEYS)!r}\n"
             "print('\\n'.join(s.register(k, 8, torch.float32).name for k in keys))\n")
-    names = []
-    for sub in ("p1", "p2"):
+    procs = []
+    for sub in ("p1", "p2"):  # two processes at once, each with its own directory
         d = tmp_path / sub
         d.mkdir()
-        out = subprocess.run([sys.executable, "-c", code, str(d)], capture_output=True, text=True, check=True)
-        names.append(out.stdout.split())
+        procs.append(subprocess.Popen([sys.executable, "-c", code, str(d)], stdout=subprocess.PIPE, text=True))
+    names = [p.communicate()[0].split() for p in procs]
+    assert [p.returncode for p in procs] == [0, 0]
     assert names[0] == names[1] and len(set(names[0])) == len(KEYS)
     here = TensorSwapper(tmp_path, AsyncIOHandle(backend="python"))
     assert names[0] == [here.path_for(k).name for k in sorted(KEYS)]

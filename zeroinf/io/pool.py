@@ -48,7 +48,9 @@ def pinned_pool_bytes(buffer_count: int, buffer_size: int, alignment: int = 4096
     """Exact bytes a ``PinnedBufferPool(buffer_count, buffer_size, alignment)`` locks.
 
     Each buffer occupies ``buffer_size`` rounded up to ``max(alignment, page size)``, so every
-    buffer starts aligned: ``buffer_count * ceil(buffer_size / step) * step``.
+    buffer starts aligned: ``buffer_count * ceil(buffer_size / step) * step``. (With CUDA the
+    buffers come from CUDA's caching host allocator, which adds ``alignment`` bytes per buffer
+    for alignment and may round further.)
 
     Args:
         buffer_count: number of buffers (>= 1).
