@@ -137,6 +137,22 @@ def test_many_requests_into_one_file_at_offsets(handle, tmp_path):
     assert path.read_bytes() == b"".join(_bytes(p) for p in parts)
 
 
+@pytest.mark.parametrize("single_submit,overlap_events,lanes", [(True, True, 2), (False, False, 2), (True, False, 1)],
+                         ids=["single-overlap-2lanes", "batch-nooverlap-2lanes", "single-nooverlap-1lane"])
+def test_knob_combinations_round_trip(backend, tmp_path, single_submit, overlap_events, lanes):
+    h = AsyncIOHandle(block_size=64 * 1024, queue_depth=3, intra_op_parallelism=lanes,
+                      single_submit=single_submit, overlap_events=overlap_events)
+    srcs = [_rand_bytes(3 * MiB + 5 + i) for i in range(3)]
+    for i, s in enumerate(srcs):
+        h.async_pwrite(s, tmp_path / f"k{i}")
+    assert h.wait() == 3
+    dsts = [torch.zeros_like(s) for s in srcs]
+    for i, d in enumerate(dsts):
+        h.async_pread(d, tmp_path / f"k{i}")
+    assert h.wait() == 3
+    assert all(torch.equal(s, d) for s, d in zip(srcs, dsts))
+
+
 # -- errors --------------------------------------------------------------------------------
 
 
