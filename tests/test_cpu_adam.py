@@ -385,3 +385,26 @@ def test_disabled_ops_fall_back_with_one_warning():
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert float(out.stdout.strip()) <= TOL
+
+
+def test_list_form_equals_single_calls_and_checks_all_first():
+    sizes = [5, 16, 33]
+    kw = dict(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01)
+    ps = [torch.randn(s) for s in sizes]
+    gs = [torch.randn(s).to(torch.bfloat16) for s in sizes]
+    ref = [(p.clone(), torch.zeros_like(p), torch.zeros_like(p)) for p in ps]
+    outs = [None, torch.zeros(16, dtype=torch.float16), None]
+    ref_outs = [None, torch.zeros(16, dtype=torch.float16), None]
+    mine = [(p.clone(), torch.zeros_like(p), torch.zeros_like(p)) for p in ps]
+    for i, ((p, m, v), g) in enumerate(zip(ref, gs)):
+        zo.adam_step(p, g, m, v, step=i + 1, params_out=ref_outs[i], **kw)
+    zo.adam_step_list([t[0] for t in mine], gs, [t[1] for t in mine], [t[2] for t in mine], steps=[1, 2, 3],
+                      params_outs=outs, **kw)
+    for a, b in zip(mine, ref):
+        assert all(torch.equal(x, y) for x, y in zip(a, b))
+    assert torch.equal(outs[1], ref_outs[1])
+    before = [t[0].clone() for t in mine]
+    bad_v = [mine[0][2], mine[1][2], torch.zeros(34)]
+    with pytest.raises(ValueError, match=r"exp_avg_sq\[2\]"):
+        zo.adam_step_list([t[0] for t in mine], gs, [t[1] for t in mine], bad_v, steps=[1, 2, 3], **kw)
+    assert all(torch.equal(t[0], b) for t, b in zip(mine, before)), "nothing written before the check failed"

@@ -5,6 +5,7 @@
 
 #include <cmath>
 #include <string>
+#include <vector>
 
 #include "cpu_adam.h"
 
@@ -33,7 +34,7 @@ za::DType to_dtype(at::ScalarType t) {
   }
 }
 
-void check_buffer(const at::Tensor& t, const char* name, int64_t numel) {
+void check_buffer(const at::Tensor& t, const std::string& name, int64_t numel) {
   TORCH_CHECK_VALUE(t.device().is_cpu(), name, " must be a CPU tensor, got device ", t.device());
   TORCH_CHECK_VALUE(t.is_contiguous(), name, " must be contiguous (the update is written in place; "
                     "a contiguous copy would lose it)");
@@ -45,39 +46,39 @@ struct Checked {
   void* out;
 };
 
+// `sfx` is appended to each argument name in messages ("" or "[3]" for the list form).
 Checked check_all(const at::Tensor& params, const at::Tensor& grads, const at::Tensor& exp_avg,
-                  const at::Tensor& exp_avg_sq, const c10::optional<at::Tensor>& params_out) {
+                  const at::Tensor& exp_avg_sq, const c10::optional<at::Tensor>& params_out,
+                  const std::string& sfx = "") {
   const int64_t n = params.numel();
-  check_buffer(params, "params", n);
-  TORCH_CHECK_VALUE(params.scalar_type() == at::kFloat, "params must be float32, got ", params.scalar_type());
-  check_buffer(grads, "grads", n);
+  check_buffer(params, "params" + sfx, n);
+  TORCH_CHECK_VALUE(params.scalar_type() == at::kFloat, "params", sfx, " must be float32, got ",
+                    params.scalar_type());
+  check_buffer(grads, "grads" + sfx, n);
   Checked c{to_dtype(grads.scalar_type()), za::DType::kNone, nullptr};
-  TORCH_CHECK_VALUE(c.gt != za::DType::kNone, "grads must be float32, bfloat16 or float16, got ",
+  TORCH_CHECK_VALUE(c.gt != za::DType::kNone, "grads", sfx, " must be float32, bfloat16 or float16, got ",
                     grads.scalar_type());
-  check_buffer(exp_avg, "exp_avg", n);
-  TORCH_CHECK_VALUE(exp_avg.scalar_type() == at::kFloat, "exp_avg must be float32, got ", exp_avg.scalar_type());
-  check_buffer(exp_avg_sq, "exp_avg_sq", n);
-  TORCH_CHECK_VALUE(exp_avg_sq.scalar_type() == at::kFloat, "exp_avg_sq must be float32, got ",
+  check_buffer(exp_avg, "exp_avg" + sfx, n);
+  TORCH_CHECK_VALUE(exp_avg.scalar_type() == at::kFloat, "exp_avg", sfx, " must be float32, got ",
+                    exp_avg.scalar_type());
+  check_buffer(exp_avg_sq, "exp_avg_sq" + sfx, n);
+  TORCH_CHECK_VALUE(exp_avg_sq.scalar_type() == at::kFloat, "exp_avg_sq", sfx, " must be float32, got ",
                     exp_avg_sq.scalar_type());
   if (params_out.has_value()) {
-    check_buffer(*params_out, "params_out", n);
+    check_buffer(*params_out, "params_out" + sfx, n);
     c.ot = to_dtype(params_out->scalar_type());
     TORCH_CHECK_VALUE(c.ot == za::DType::kBF16 || c.ot == za::DType::kF16,
-                      "params_out must be bfloat16 or float16, got ", params_out->scalar_type());
+                      "params_out", sfx, " must be bfloat16 or float16, got ", params_out->scalar_type());
     c.out = params_out->data_ptr();
   }
   return c;
 }
 
-void adam_step(at::Tensor params, at::Tensor grads, at::Tensor exp_avg, at::Tensor exp_avg_sq,
-               c10::optional<at::Tensor> params_out, int64_t step, double lr, double beta1, double beta2,
-               double eps, double weight_decay, bool adamw_mode, bool bias_correction, double grad_scale,
-               const std::string& isa) {
-  const Checked c = check_all(params, grads, exp_avg, exp_avg_sq, params_out);
-  TORCH_CHECK_VALUE(step >= 1, "step must be >= 1 (the step number after increment), got ", step);
+za::Hyper make_hyper(int64_t step, double lr, double beta1, double beta2, double eps, double weight_decay,
+                     bool adamw_mode, bool bias_correction, double grad_scale, const std::string& sfx = "") {
+  TORCH_CHECK_VALUE(step >= 1, "step", sfx, " must be >= 1 (the step number after increment), got ", step);
   TORCH_CHECK_VALUE(std::isfinite(grad_scale) && grad_scale > 0, "grad_scale must be finite and > 0, got ",
                     grad_scale);
-  const za::Isa path = parse_isa(isa);
   // Coefficients in double, rounded once to float (torch.optim.AdamW passes the same values as
   // Python floats to its kernels).
   const double bc1 = bias_correction ? 1.0 - std::pow(beta1, static_cast<double>(step)) : 1.0;
@@ -96,10 +97,52 @@ void adam_step(at::Tensor params, at::Tensor grads, at::Tensor exp_avg, at::Tens
   h.l2 = static_cast<float>(weight_decay);
   h.divide_grad = grad_scale != 1.0;
   h.grad_scale = static_cast<float>(grad_scale);
+  return h;
+}
+
+void adam_step(at::Tensor params, at::Tensor grads, at::Tensor exp_avg, at::Tensor exp_avg_sq,
+               c10::optional<at::Tensor> params_out, int64_t step, double lr, double beta1, double beta2,
+               double eps, double weight_decay, bool adamw_mode, bool bias_correction, double grad_scale,
+               const std::string& isa) {
+  const Checked c = check_all(params, grads, exp_avg, exp_avg_sq, params_out);
+  const za::Hyper h = make_hyper(step, lr, beta1, beta2, eps, weight_decay, adamw_mode, bias_correction, grad_scale);
+  const za::Isa path = parse_isa(isa);
   const int threads = at::get_num_threads();
   py::gil_scoped_release no_gil;
   za::adam_update(path, params.data_ptr<float>(), grads.data_ptr(), c.gt, exp_avg.data_ptr<float>(),
                   exp_avg_sq.data_ptr<float>(), c.out, c.ot, params.numel(), h, threads);
+}
+
+// The list form: one call for many tensors (one Python->C++ crossing per param group instead of
+// per tensor). Every tensor is checked before any is written.
+void adam_step_list(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& grads,
+                    const std::vector<at::Tensor>& exp_avgs, const std::vector<at::Tensor>& exp_avg_sqs,
+                    const std::vector<c10::optional<at::Tensor>>& params_outs, const std::vector<int64_t>& steps,
+                    double lr, double beta1, double beta2, double eps, double weight_decay, bool adamw_mode,
+                    bool bias_correction, double grad_scale, const std::string& isa) {
+  const size_t k = params.size();
+  TORCH_CHECK_VALUE(grads.size() == k && exp_avgs.size() == k && exp_avg_sqs.size() == k &&
+                        params_outs.size() == k && steps.size() == k,
+                    "params, grads, exp_avgs, exp_avg_sqs, params_outs and steps must have the same length; got ",
+                    k, ", ", grads.size(), ", ", exp_avgs.size(), ", ", exp_avg_sqs.size(), ", ",
+                    params_outs.size(), ", ", steps.size());
+  std::vector<Checked> checked;
+  std::vector<za::Hyper> hypers;
+  checked.reserve(k);
+  hypers.reserve(k);
+  for (size_t i = 0; i < k; ++i) {
+    const std::string sfx = "[" + std::to_string(i) + "]";
+    checked.push_back(check_all(params[i], grads[i], exp_avgs[i], exp_avg_sqs[i], params_outs[i], sfx));
+    hypers.push_back(make_hyper(steps[i], lr, beta1, beta2, eps, weight_decay, adamw_mode, bias_correction,
+                                grad_scale, sfx));
+  }
+  const za::Isa path = parse_isa(isa);
+  const int threads = at::get_num_threads();
+  py::gil_scoped_release no_gil;
+  for (size_t i = 0; i < k; ++i)
+    za::adam_update(path, params[i].data_ptr<float>(), grads[i].data_ptr(), checked[i].gt,
+                    exp_avgs[i].data_ptr<float>(), exp_avg_sqs[i].data_ptr<float>(), checked[i].out,
+                    checked[i].ot, params[i].numel(), hypers[i], threads);
 }
 
 void stream_rmw(at::Tensor params, at::Tensor grads, at::Tensor exp_avg, at::Tensor exp_avg_sq,
@@ -129,6 +172,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("adam_step", &adam_step, "In-place fused Adam/AdamW step over flat contiguous CPU buffers",
         py::arg("params"), py::arg("grads"), py::arg("exp_avg"), py::arg("exp_avg_sq"),
         py::arg("params_out"), py::arg("step"), py::arg("lr"), py::arg("beta1"), py::arg("beta2"),
+        py::arg("eps"), py::arg("weight_decay"), py::arg("adamw_mode"), py::arg("bias_correction"),
+        py::arg("grad_scale"), py::arg("isa"));
+  m.def("adam_step_list", &adam_step_list, "adam_step over lists of tensors (one step number each)",
+        py::arg("params"), py::arg("grads"), py::arg("exp_avgs"), py::arg("exp_avg_sqs"),
+        py::arg("params_outs"), py::arg("steps"), py::arg("lr"), py::arg("beta1"), py::arg("beta2"),
         py::arg("eps"), py::arg("weight_decay"), py::arg("adamw_mode"), py::arg("bias_correction"),
         py::arg("grad_scale"), py::arg("isa"));
   m.def("stream_rmw", &stream_rmw, "Bandwidth roof: the Adam step's loads and stores, one add each",

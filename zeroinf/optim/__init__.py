@@ -3,10 +3,11 @@
 * :func:`adam_step` — one in-place Adam/AdamW step over flat contiguous CPU buffers (fp32 master,
   fp32/bf16/fp16 grads, optional fused bf16/fp16 parameter copy). The ZeRO runtime calls it per
   sub-group.
+* :func:`adam_step_list` — the same over lists of tensors in one call.
 * :func:`adam_step_reference` — the same in PyTorch ops (fallback and test reference).
 * :class:`CPUAdam` — a ``torch.optim.Optimizer`` drop-in for ``torch.optim.AdamW``.
 """
 from .cpu_adam import CPUAdam
-from .functional import ISA_ENV, adam_step, adam_step_reference, isa_info, stream_rmw
+from .functional import ISA_ENV, adam_step, adam_step_list, adam_step_reference, isa_info, stream_rmw
 
-__all__ = ["CPUAdam", "ISA_ENV", "adam_step", "adam_step_reference", "isa_info", "stream_rmw"]
+__all__ = ["CPUAdam", "ISA_ENV", "adam_step", "adam_step_list", "adam_step_reference", "isa_info", "stream_rmw"]

@@ -5,7 +5,7 @@ from typing import Any, Callable, Dict, Iterable, Optional, Tuple
 
 import torch
 
-from .functional import adam_step
+from .functional import adam_step_list
 
 __all__ = ["CPUAdam"]
 
@@ -123,17 +123,46 @@ class CPUAdam(torch.optim.Optimizer):
                 loss = closure()
         for gi, group in enumerate(self.param_groups):
             _check_hyper(group)
-            beta1, beta2 = (float(b) for b in group["betas"])
-            hyper = dict(lr=float(group["lr"]), beta1=beta1, beta2=beta2, eps=float(group["eps"]),
-                         weight_decay=float(group["weight_decay"]), adamw_mode=bool(group["adamw_mode"]),
-                         bias_correction=bool(group["bias_correction"]))
-            for pi, p in enumerate(group["params"]):
-                if p.grad is None:
-                    continue
-                self._step_param(p, f"param_groups[{gi}]['params'][{pi}]", hyper, bool(group["maximize"]))
+            self._step_group(gi, group)
         return loss
 
-    def _step_param(self, p: torch.Tensor, where: str, hyper: dict, maximize: bool) -> None:
+    def _step_group(self, gi: int, group: Dict[str, Any]) -> None:
+        bufs = {"params": [], "grads": [], "exp_avgs": [], "exp_avg_sqs": [], "params_outs": []}
+        steps, step_tensors = [], []
+        for pi, p in enumerate(group["params"]):
+            if p.grad is None:
+                continue
+            master, out, grad, state = self._prepare(p, f"param_groups[{gi}]['params'][{pi}]", bool(group["maximize"]))
+            steps.append(int(state["step"].item()) + 1)  # stored only once the step succeeded
+            step_tensors.append(state["step"])
+            bufs["params"].append(master)
+            bufs["grads"].append(grad)
+            bufs["exp_avgs"].append(state["exp_avg"])
+            bufs["exp_avg_sqs"].append(state["exp_avg_sq"])
+            bufs["params_outs"].append(out)
+        if not steps:
+            return
+        # Buffers that are not contiguous (a transposed parameter, a state tensor loaded with
+        # another layout) are stepped through contiguous copies, copied back afterwards. The op
+        # takes any contiguous shape (it checks numel), so no flattening views are needed.
+        copy_back = []
+        for key, lst in bufs.items():
+            for i, t in enumerate(lst):
+                if t is not None and not t.is_contiguous():
+                    lst[i] = t.contiguous()
+                    if key != "grads":
+                        copy_back.append((t, lst[i]))
+        beta1, beta2 = (float(b) for b in group["betas"])
+        adam_step_list(bufs["params"], bufs["grads"], bufs["exp_avgs"], bufs["exp_avg_sqs"], steps=steps,
+                       params_outs=bufs["params_outs"], lr=float(group["lr"]), beta1=beta1, beta2=beta2,
+                       eps=float(group["eps"]), weight_decay=float(group["weight_decay"]),
+                       adamw_mode=bool(group["adamw_mode"]), bias_correction=bool(group["bias_correction"]))
+        for dst, src in copy_back:
+            dst.copy_(src)
+        torch._foreach_add_(step_tensors, 1.0)
+
+    def _prepare(self, p: torch.Tensor, where: str, maximize: bool):
+        """Check one parameter, create its state, return (fp32 master, 16-bit out or None, grad, state)."""
         grad = p.grad
         if p.device.type != "cpu":
             raise ValueError(f"CPUAdam: {where} is on {p.device}; CPUAdam steps CPU parameters only. "
@@ -152,27 +181,11 @@ class CPUAdam(torch.optim.Optimizer):
             state["exp_avg_sq"] = torch.zeros(p.shape, dtype=torch.float32)
         if p.dtype != torch.float32 and "master_param" not in state:
             state["master_param"] = p.detach().to(torch.float32, copy=True).contiguous()
-        state["step"] += 1
-        step = int(state["step"].item())
-
-        grad = grad.contiguous()
         if maximize:
             grad = -grad
         if p.dtype == torch.float32:
-            master, out = p.detach(), None
-        else:
-            master, out = state["master_param"], p.detach()
-        # Buffers that are not contiguous (a transposed parameter, a state tensor loaded with
-        # another layout) are stepped through contiguous copies which are then copied back.
-        bufs = {"params": master, "exp_avg": state["exp_avg"], "exp_avg_sq": state["exp_avg_sq"]}
-        if out is not None:
-            bufs["params_out"] = out
-        work = {k: (v if v.is_contiguous() else v.contiguous()) for k, v in bufs.items()}
-        adam_step(work["params"].view(-1), grad.view(-1), work["exp_avg"].view(-1), work["exp_avg_sq"].view(-1),
-                  step=step, params_out=work["params_out"].view(-1) if out is not None else None, **hyper)
-        for k, v in bufs.items():
-            if work[k] is not v:
-                v.copy_(work[k])
+            return p.detach(), None, grad, state
+        return state["master_param"], p.detach(), grad, state
 
 
 def _check_hyper(group: Dict[str, Any]) -> None:

@@ -14,13 +14,13 @@ from __future__ import annotations
 
 import math
 import os
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 
 from ..ops import try_load_op
 
-__all__ = ["adam_step", "adam_step_reference", "isa_info", "stream_rmw", "ISA_ENV"]
+__all__ = ["adam_step", "adam_step_list", "adam_step_reference", "isa_info", "stream_rmw", "ISA_ENV"]
 
 #: Environment variable that forces an instruction-set path of the C++ op.
 ISA_ENV = "ZEROINF_ADAM_ISA"
@@ -51,14 +51,14 @@ def _check(name: str, t, numel: Optional[int], dtypes) -> None:
         raise ValueError(f"{name} has {t.numel()} elements, params has {numel}")
 
 
-def _check_all(params, grads, exp_avg, exp_avg_sq, params_out) -> None:
-    _check("params", params, None, (torch.float32,))
+def _check_all(params, grads, exp_avg, exp_avg_sq, params_out, sfx: str = "") -> None:
+    _check("params" + sfx, params, None, (torch.float32,))
     n = params.numel()
-    _check("grads", grads, n, _GRAD_DTYPES)
-    _check("exp_avg", exp_avg, n, (torch.float32,))
-    _check("exp_avg_sq", exp_avg_sq, n, (torch.float32,))
+    _check("grads" + sfx, grads, n, _GRAD_DTYPES)
+    _check("exp_avg" + sfx, exp_avg, n, (torch.float32,))
+    _check("exp_avg_sq" + sfx, exp_avg_sq, n, (torch.float32,))
     if params_out is not None:
-        _check("params_out", params_out, n, _OUT_DTYPES)
+        _check("params_out" + sfx, params_out, n, _OUT_DTYPES)
 
 
 def adam_step(params: torch.Tensor, grads: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
@@ -117,6 +117,48 @@ def adam_step(params: torch.Tensor, grads: torch.Tensor, exp_avg: torch.Tensor, 
     op.adam_step(params, grads, exp_avg, exp_avg_sq, params_out, step, float(lr), float(beta1), float(beta2),
                  float(eps), float(weight_decay), bool(adamw_mode), bool(bias_correction), float(grad_scale),
                  isa)
+
+
+def adam_step_list(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
+                   exp_avgs: Sequence[torch.Tensor], exp_avg_sqs: Sequence[torch.Tensor], *,
+                   steps: Sequence[int], lr: float, beta1: float, beta2: float, eps: float,
+                   weight_decay: float, adamw_mode: bool = True, bias_correction: bool = True,
+                   grad_scale: float = 1.0,
+                   params_outs: Optional[Sequence[Optional[torch.Tensor]]] = None) -> None:
+    """:func:`adam_step` over lists of tensors in one call (``CPUAdam`` steps a param group so).
+
+    Element ``i`` of every list describes one tensor, stepped with ``steps[i]``; the result is
+    exactly that of calling :func:`adam_step` on each. All tensors are checked before any is
+    written.
+
+    Raises:
+        ValueError: lists of different lengths, or a bad buffer (named with its index, e.g.
+            ``exp_avg[3]``); see :func:`adam_step`.
+    """
+    k = len(params)
+    outs = list(params_outs) if params_outs is not None else [None] * k
+    steps = [int(s) for s in steps]
+    lens = [len(grads), len(exp_avgs), len(exp_avg_sqs), len(outs), len(steps)]
+    if any(n != k for n in lens):
+        raise ValueError(f"params, grads, exp_avgs, exp_avg_sqs, params_outs and steps must have the same "
+                         f"length; got {[k] + lens}")
+    if not (math.isfinite(grad_scale) and grad_scale > 0):
+        raise ValueError(f"grad_scale must be finite and > 0, got {grad_scale}")
+    isa = _forced_isa()
+    op = try_load_op("adam", _FALLBACK)
+    if op is not None:  # the op checks every tensor itself, naming it with its index
+        op.adam_step_list(list(params), list(grads), list(exp_avgs), list(exp_avg_sqs), outs, steps, float(lr),
+                          float(beta1), float(beta2), float(eps), float(weight_decay), bool(adamw_mode),
+                          bool(bias_correction), float(grad_scale), isa)
+        return
+    for i in range(k):
+        _check_all(params[i], grads[i], exp_avgs[i], exp_avg_sqs[i], outs[i], f"[{i}]")
+        if steps[i] < 1:
+            raise ValueError(f"step[{i}] must be >= 1 (the step number after increment), got {steps[i]}")
+    for i in range(k):
+        adam_step_reference(params[i], grads[i], exp_avgs[i], exp_avg_sqs[i], step=steps[i], lr=lr, beta1=beta1,
+                            beta2=beta2, eps=eps, weight_decay=weight_decay, adamw_mode=adamw_mode,
+                            bias_correction=bias_correction, grad_scale=grad_scale, params_out=outs[i])
 
 
 @torch.no_grad()
