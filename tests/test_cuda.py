@@ -233,6 +233,89 @@ def test_kernel_rejects_pageable_host_out():
         grad_bucket_pass(torch.ones(8, device="cuda"), torch.empty(8), use_kernel=True)
 
 
+# ---- the engine on a GPU with params and optimizer on NVMe ---------------------------------------
+
+def _tiny_llama():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                      intermediate_size=176, max_position_embeddings=64)
+    torch.manual_seed(0)
+    return LlamaForCausalLM(cfg)
+
+
+def _infinity_config(nvme: Path) -> dict:
+    """ZeRO-3, params and optimizer on NVMe, fp32, AdamW, clipping at 1.0."""
+    return {
+        "train_micro_batch_size_per_gpu": 2,
+        "gradient_accumulation_steps": 1,
+        "gradient_clipping": 1.0,
+        "optimizer": {"type": "AdamW", "params": {"lr": 2e-3, "betas": [0.9, 0.999], "eps": 1e-8,
+                                                   "weight_decay": 0.01}},
+        "zero_optimization": {
+            "stage": 3,
+            "offload_param": {"device": "nvme", "nvme_path": str(nvme), "pin_memory": True},
+            "offload_optimizer": {"device": "nvme", "nvme_path": str(nvme), "pin_memory": True},
+        },
+    }
+
+
+def _batches(n):
+    g = torch.Generator().manual_seed(1)
+    return [torch.randint(0, 256, (2, 64), generator=g).cuda() for _ in range(n)]
+
+
+@needs_cuda
+def test_three_steps_on_nvme_match_plain_training_on_the_gpu(tmp_path):
+    import copy
+
+    import zeroinf
+
+    model = _tiny_llama()
+    ref = copy.deepcopy(model).cuda()
+    opt = torch.optim.AdamW(ref.parameters(), lr=2e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
+    engine, *_ = zeroinf.initialize(model=model, model_parameters=model.parameters(),
+                                    config=_infinity_config(tmp_path))
+    *train, probe = _batches(4)
+    for step, x in enumerate(train, 1):
+        loss = engine(input_ids=x, labels=x).loss
+        engine.backward(loss)
+        engine.step()
+        ref_loss = ref(input_ids=x, labels=x).loss
+        ref_loss.backward()
+        torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad()
+        assert loss.item() == pytest.approx(ref_loss.item(), abs=1e-3), f"step {step}"
+    with torch.no_grad():  # the third update shows in the next forward
+        assert engine(input_ids=probe, labels=probe).loss.item() == pytest.approx(
+            ref(input_ids=probe, labels=probe).loss.item(), abs=1e-3)
+
+
+@needs_cuda
+def test_training_steps_do_not_synchronise_the_device(tmp_path):
+    import warnings
+
+    import zeroinf
+
+    model = _tiny_llama()
+    engine, *_ = zeroinf.initialize(model=model, model_parameters=model.parameters(),
+                                    config=_infinity_config(tmp_path))
+    syncs = []
+    for step, x in enumerate(_batches(3), 1):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            if step > 1:  # step 1 records the module order and sets up buffers
+                torch.cuda.set_sync_debug_mode("warn")
+            try:
+                engine.backward(engine(input_ids=x, labels=x).loss)
+                engine.step()
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        syncs += [f"step {step}: {w.filename}:{w.lineno}" for w in caught if "synchroniz" in str(w.message)]
+    assert not syncs, f"{len(syncs)} synchronising CUDA calls in steps 2-3: {syncs[:5]}"
+
+
 # ---- compile check -------------------------------------------------------------------------------
 
 def _cuda_include_dir():
