@@ -90,7 +90,9 @@ void run(bool roof, Isa isa, float* p, const void* g, DType gt, float* m, float*
   const char* gb = static_cast<const char*>(g);
   char* ob = static_cast<char*>(out);
   const int64_t gs = elem_size(gt), os = elem_size(ot);
-#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
+  // Tiles are handed out dynamically: a thread whose core is shared with other work (I/O threads,
+  // another rank) takes fewer tiles instead of holding the whole step back, as a static split would.
+#pragma omp parallel for schedule(dynamic, 1) num_threads(threads) if (threads > 1)
   for (int64_t t = 0; t < tiles; ++t) {
     const int64_t b = t * kTile, len = std::min(kTile, n - b);
     fn(p + b, gb + b * gs, m + b, v + b, ob ? ob + b * os : nullptr, len, h);
