@@ -5,12 +5,14 @@
 * :class:`Stage3Optimizer` — part 1's sub-group optimizer over the partitions, for use
   without the engine.
 * :func:`gathered_parameters` — full parameters for inspection and init (``zeroinf.gathered_parameters``).
+* :class:`Init` — partition parameters while modules are built (``zeroinf.Init``).
 """
 from .api import gathered_parameters
 from .engine_glue import Stage3EngineParams, engine_manager
+from .init import Init
 from .manager import Stage3ParameterManager
 from .options import Stage3ConfigError, Stage3Options
 from .step import Stage3Optimizer
 
 __all__ = ["Stage3ParameterManager", "Stage3Options", "Stage3ConfigError", "Stage3EngineParams",
-           "engine_manager", "Stage3Optimizer", "gathered_parameters"]
+           "engine_manager", "Stage3Optimizer", "gathered_parameters", "Init"]

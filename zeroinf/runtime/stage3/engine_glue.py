@@ -102,7 +102,7 @@ class Stage3EngineParams:
             for s in g.slots:
                 src = fp32_params.get(id(s.param))
                 a, b = max(base, s.offset), min(base + (hi - lo), s.offset + s.numel)
-                if src is not None and a < b:
+                if src is not None and src.numel() == s.numel and a < b:
                     out[a - base:b - base].copy_(src.reshape(-1)[a - s.offset:b - s.offset])
         return out
 

@@ -1,16 +1,256 @@
-"""Placeholder until zeroinf.Init lands: no parameter is partitioned at construction."""
+"""``zeroinf.Init``: partition parameters as modules are built, so a model larger than CPU
+memory can be constructed.
+
+Inside ``with zeroinf.Init(config=...)``, when a module's constructor returns, each parameter it
+registered itself is moved out of memory — to a swap file under ``offload_param.nvme_path`` (or
+kept in host memory for the other tiers) — and replaced by an empty placeholder. Only the
+outermost constructor of an object does this, so a subclass that re-initialises weights after
+``super().__init__()`` is seen. Each parameter's values were set by its module's own
+initialisation (``reset_parameters``), with the same random stream as without ``Init``.
+
+The stage-3 manager (``zeroinf.initialize`` with stage 3) then takes the values one flat group at
+a time into the partitions, so at no point does the whole model sit in memory.
+
+Limits: a parameter created under ``Init`` cannot be read or changed before the manager takes it
+(e.g. a Hugging Face ``post_init`` that re-initialises weights): any torch operation on it raises
+an error naming the parameter; load such weights afterwards with :meth:`load_safetensors`-style
+streaming (``zeroinf.gathered_parameters(..., modifier_rank=0)``) or build without ``Init``.
+"""
 from __future__ import annotations
 
-from typing import Dict
+import itertools
+import os
+import shutil
+import tempfile
+import threading
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional
 
 import torch
 from torch import nn
+from torch.overrides import TorchFunctionMode
+
+__all__ = ["Init", "init_shapes", "take_init_values"]
+
+
+@dataclass
+class _Held:
+    """One parameter moved out at construction: its shape/dtype and where its values are."""
+
+    key: str
+    seq: int
+    shape: torch.Size
+    dtype: torch.dtype
+    owner: "Init"
+    host: Optional[torch.Tensor] = None  # values kept in host memory (tiers none/cpu)
+
+
+# Keyed by the Parameter object itself (a dict matches tensors by identity), never by id();
+# an entry leaves when the manager takes its values.
+_HELD: Dict[nn.Parameter, _Held] = {}
+_LOCK = threading.Lock()
 
 
 def init_shapes(module: nn.Module) -> Dict[nn.Parameter, torch.Size]:
-    """Shapes of parameters partitioned at construction by ``zeroinf.Init`` (none yet)."""
-    return {}
+    """True shapes of ``module``'s parameters that ``Init`` moved out."""
+    with _LOCK:
+        return {p: _HELD[p].shape for p in module.parameters() if p in _HELD}
 
 
 def take_init_values(param: nn.Parameter) -> torch.Tensor:
-    raise KeyError("parameter was not created under zeroinf.Init")
+    """Return the values ``Init`` holds for ``param`` (a new CPU tensor) and forget them.
+
+    Raises:
+        KeyError: ``param`` was not created under ``Init`` (or was taken already).
+    """
+    with _LOCK:
+        held = _HELD.pop(param)
+    return held.owner._take(held)
+
+
+class _GuardMode(TorchFunctionMode):
+    """Raise a clear error when code touches a parameter ``Init`` moved out."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = getattr(func, "__name__", str(func))
+        if name in ("__get__", "__set__"):  # metadata (shape, grad_fn, ...) is fine; .data is not
+            attr = getattr(getattr(func, "__self__", None), "__name__", "")
+            if attr != "data":
+                return func(*args, **kwargs)
+            name = f"Tensor.data.{name}"
+        for a in itertools.chain(args, kwargs.values()):
+            if isinstance(a, nn.Parameter) and a in _HELD:
+                raise RuntimeError(f"zeroinf.Init: {name} on a parameter of shape {tuple(_HELD[a].shape)} that was "
+                                   "already partitioned when its module's constructor returned. Change weights "
+                                   "inside the module's own __init__, or after zeroinf.initialize inside "
+                                   "zeroinf.gathered_parameters(params, modifier_rank=0).")
+        return func(*args, **kwargs)
+
+
+class Init:
+    """Context manager: build modules with their parameters partitioned away as they are made.
+
+    Args:
+        config: a DeepSpeed-format config (dict or JSON path); its
+            ``zero_optimization.offload_param`` block chooses where values wait: ``nvme`` →
+            swap files under ``nvme_path`` (host memory stays flat), else host memory.
+        enabled: False makes the context a no-op (like DeepSpeed's ``zero.Init(enabled=...)``).
+
+    Attributes:
+        held_bytes_host: bytes currently held in host memory.
+        held_bytes_nvme: bytes written to swap files.
+
+    Raises:
+        zeroinf.config.ConfigError: an invalid config.
+    """
+
+    _active: Optional["Init"] = None
+
+    def __init__(self, config: Any = None, *, enabled: bool = True):
+        self.enabled = enabled
+        self.device = "none"
+        self.nvme_path: Optional[str] = None
+        if config is not None:
+            from zeroinf.config import parse_config
+            off = parse_config(config).zero_optimization.offload_param
+            self.device, self.nvme_path = off.device, off.nvme_path
+        self._swapper = None
+        self._dir: Optional[str] = None
+        self._seq = 0
+        self._outstanding = 0
+        self.held_bytes_host = 0
+        self.held_bytes_nvme = 0
+        self._patched: List[type] = []
+        self._building: List[nn.Module] = []
+        self._mode: Optional[_GuardMode] = None
+
+    # --- context ----------------------------------------------------------------------------
+    def __enter__(self) -> "Init":
+        if not self.enabled:
+            return self
+        if Init._active is not None:
+            raise RuntimeError("zeroinf.Init: contexts do not nest")
+        Init._active = self
+        if self.device == "nvme":
+            from zeroinf.io import TensorSwapper
+            self._dir = tempfile.mkdtemp(prefix="zeroinf_init_", dir=self.nvme_path)
+            with torch.random.fork_rng(devices=[]):  # the I/O backend probe draws random bytes
+                self._swapper = TensorSwapper(self._dir)
+        self._orig_init_subclass = nn.Module.__dict__.get("__init_subclass__")
+        for cls in _all_module_classes():
+            self._patch(cls)
+        owner = self
+
+        def init_subclass(cls, **kw):
+            super(nn.Module, cls).__init_subclass__(**kw)
+            owner._patch(cls)
+
+        nn.Module.__init_subclass__ = classmethod(init_subclass)
+        self._mode = _GuardMode()
+        self._mode.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if not self.enabled:
+            return
+        try:
+            self._mode.__exit__(*exc)
+        finally:
+            for cls in self._patched:
+                cls.__init__ = cls.__dict__["__init__"].__wrapped__
+            self._patched.clear()
+            if self._orig_init_subclass is None:
+                del nn.Module.__init_subclass__
+            else:
+                nn.Module.__init_subclass__ = self._orig_init_subclass
+            Init._active = None
+            if self._swapper is not None:
+                self._swapper.wait()
+
+    def _patch(self, cls: type) -> None:
+        orig = cls.__dict__.get("__init__")
+        if orig is None or getattr(orig, "__wrapped__", None) is not None:
+            return
+        owner = self
+
+        def wrapped(module, *args, **kwargs):
+            outermost = not any(m is module for m in owner._building)
+            first = owner._seq_next()
+            owner._building.append(module)
+            try:
+                orig(module, *args, **kwargs)
+            finally:
+                owner._building.pop()
+            if outermost and Init._active is owner:
+                owner._move_out(module)
+                owner._drop_orphans(module, first)
+
+        wrapped.__wrapped__ = orig
+        wrapped.__name__, wrapped.__qualname__, wrapped.__doc__ = orig.__name__, orig.__qualname__, orig.__doc__
+        cls.__init__ = wrapped
+        self._patched.append(cls)
+
+    # --- moving values ------------------------------------------------------------------------
+    def _move_out(self, module: nn.Module) -> None:
+        for p in module._parameters.values():
+            if p is None or p in _HELD or p.numel() == 0:
+                continue
+            data = p.detach().to("cpu").contiguous()
+            seq, self._seq = self._seq, self._seq + 1
+            held = _Held(f"init/p{seq}", seq, p.shape, p.dtype, self)
+            if self._swapper is not None:
+                self._swapper.register(held.key, data.numel(), data.dtype)
+                self._swapper.swap_out([(held.key, data)], async_op=False)
+                self.held_bytes_nvme += data.numel() * data.element_size()
+            else:
+                held.host = data.clone() if data.data_ptr() == p.data_ptr() else data
+                self.held_bytes_host += data.numel() * data.element_size()
+            p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+            with _LOCK:
+                _HELD[p] = held
+            self._outstanding += 1
+
+    def _seq_next(self) -> int:
+        """Sequence number the next moved-out parameter will get."""
+        return self._seq
+
+    def _drop_orphans(self, module: nn.Module, first: int) -> None:
+        """Forget parameters moved out while ``module`` was built that it no longer holds (a
+        weight replaced by a tied one), so their values are not kept for nobody."""
+        if self._building:  # only when an outermost model-level constructor returns
+            return
+        reachable = {p: None for _, p in module.named_parameters(remove_duplicate=False)}
+        with _LOCK:
+            orphans = [p for p, h in _HELD.items() if h.owner is self and h.seq >= first and p not in reachable]
+            for p in orphans:
+                h = _HELD.pop(p)
+                if h.host is not None:
+                    self.held_bytes_host -= h.host.numel() * h.host.element_size()
+                    h.host = None
+                self._outstanding -= 1
+
+    def _take(self, held: _Held) -> torch.Tensor:
+        if held.host is not None:
+            out, held.host = held.host, None
+            self.held_bytes_host -= out.numel() * out.element_size()
+        else:
+            out = torch.empty(held.shape, dtype=held.dtype)
+            self._swapper.swap_in([(held.key, out.view(-1))], async_op=False)
+        self._outstanding -= 1
+        if self._outstanding == 0 and self._swapper is not None and Init._active is not self:
+            self._swapper.close()
+            self._swapper = None
+            shutil.rmtree(self._dir, ignore_errors=True)
+        return out.view(held.shape)
+
+
+def _all_module_classes() -> List[type]:
+    seen, todo = [], [nn.Module]
+    while todo:
+        c = todo.pop()
+        for s in c.__subclasses__():
+            if s not in seen:
+                seen.append(s)
+                todo.append(s)
+    return seen
