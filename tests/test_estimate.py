@@ -79,11 +79,11 @@ def test_precision_and_optimizer_bytes():
 
 def test_stage3_gathered_unit_and_activations_are_device_terms():
     e0 = estimate(1000, Placement(3, "cpu", "cpu"), world_size=4)
-    e1 = estimate(1000, Placement(3, "cpu", "cpu"), world_size=4, largest_unit=300, activations=77)
+    e1 = estimate(1000, Placement(3, "cpu", "cpu"), world_size=4, live_params=300, activations=77)
     assert e1.per_device_bytes - e0.per_device_bytes == (2 + 2) * 300 + 77
     assert e1.per_host_bytes == e0.per_host_bytes
     # no gathering below stage 3: the whole model is resident anyway
-    assert estimate(1000, Placement(2), largest_unit=300).per_device_bytes == estimate(1000, Placement(2)).per_device_bytes
+    assert estimate(1000, Placement(2), live_params=300).per_device_bytes == estimate(1000, Placement(2)).per_device_bytes
 
 
 @pytest.mark.parametrize("bad", [dict(world_size=0), dict(world_size=4, gpus_per_node=3), dict(precision="fp8"),
@@ -131,20 +131,47 @@ def llama_closed_form(v, h, i, layers, heads, kv_heads, tied):
     return v * h + layers * per_layer + h + (0 if tied else v * h)
 
 
-@pytest.mark.parametrize("tied,kv_heads,vocab", [(False, 4, 1000), (True, 4, 1000), (False, 2, 100)])
-def test_llama_config_count_equals_closed_form(tmp_path, tied, kv_heads, vocab):
+# (tied, kv_heads, vocab, largest unit, live params) with persistence threshold 1000: the norms
+# (64 elements each, 3 x 2 + 1 of them = 448) are persistent; a block's other weights are
+# q, o 4096 each, k, v 64 x kv_heads x 16 each, gate/up/down 64 x 176 each; the root unit holds the
+# embedding and the untied lm_head (V x 64 each).
+UNIT_CASES = [(False, 4, 1000, 128_000, 448 + 128_000 + 50_176),
+              (True, 4, 1000, 64_000, 448 + 64_000 + 50_176),
+              (False, 2, 100, 46_080, 448 + 12_800 + 46_080)]
+
+
+@pytest.mark.parametrize("tied,kv_heads,vocab,largest,live", UNIT_CASES)
+def test_llama_config_count_equals_closed_form(tmp_path, tied, kv_heads, vocab, largest, live):
     cfg = dict(model_type="llama", vocab_size=vocab, hidden_size=64, intermediate_size=176, num_hidden_layers=3,
                num_attention_heads=4, num_key_value_heads=kv_heads, tie_word_embeddings=tied)
     path = tmp_path / "config.json"
     path.write_text(json.dumps(cfg))
     want = llama_closed_form(vocab, 64, 176, 3, 4, kv_heads, tied)
     assert count_params(cfg) == want
-    info = model_info(str(path))
+    info = model_info(str(path), persistence_threshold=1000)
     assert info.params == want
     assert (info.hidden, info.layers, info.heads, info.vocab) == (64, 3, 4, vocab)
-    # largest unit: a whole decoder layer, or the embedding when that is larger
-    layer = 2 * 64 * 64 + 2 * 64 * kv_heads * 16 + 3 * 64 * 176 + 2 * 64
-    assert info.largest_unit == max(layer, vocab * 64)
+    assert (info.largest_unit, info.live_params) == (largest, live)
+    # with the default threshold (1e5) every weight of this small model is persistent: one unit
+    assert model_info(cfg).largest_unit == model_info(cfg).live_params == want
+
+
+def test_stage3_units_agree_with_the_engine():
+    torch = pytest.importorskip("torch")
+    units_mod = pytest.importorskip("zeroinf.runtime.stage3.units")
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from zeroinf.estimate import stage3_units
+
+    cfg = LlamaConfig(vocab_size=1000, hidden_size=64, intermediate_size=176, num_hidden_layers=3,
+                      num_attention_heads=4, num_key_value_heads=2)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(cfg)
+    units = units_mod.build_units(model, units_mod.find_unit_modules(model), 1000, world_size=1)
+    sizes = {u.name: sum(g.numel for g in u.groups) for u in units}
+    blocks = [v for k, v in sizes.items() if k not in ("<persistent>", "<root>")]
+    assert stage3_units(model, 1000) == (max(sizes.values()),
+                                         sizes["<persistent>"] + sizes["<root>"] + max(blocks))
 
 
 def test_presets_match_published_counts():

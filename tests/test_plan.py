@@ -61,7 +61,7 @@ def test_nothing_fits_without_nvme():
 
 
 def test_reserve_and_gathered_unit_count():
-    info = ModelInfo(name="x", params=10**9, largest_unit=10**8)   # stage 3 gathers 4 B x 1e8 = 0.4 GB
+    info = ModelInfo(name="x", params=10**9, largest_unit=10**8, live_params=10**8)   # 4 B x 1e8 = 0.4 GB
     assert chosen(gpu_gb=0.3, cpu_gb=9, nvme_gb=1000, info=info)[1] is None
     assert chosen(gpu_gb=0.4, cpu_gb=9, nvme_gb=1000, info=info)[1] == Placement(3, "nvme", "nvme")
     plan = choose(P1B, Limits(gpu_mem=32 * GB, cpu_mem=0, reserve=0.5), world_size=1, gpus_per_node=1)
@@ -152,3 +152,14 @@ def test_read_bench_json(tmp_path):
         read_nvme_json(_bench_json(tmp_path / "r.json", [{"name": "x", "workload": "read", "ms": 1, "gbps": 1}]))
     with pytest.raises(ValueError, match="rows"):
         read_adam_json(_bench_json(tmp_path / "e.json", []))
+
+
+def test_param_buffer_holds_the_largest_unit_partition(tmp_path):
+    from zeroinf.plan import swap_for
+
+    assert swap_for(ModelInfo("m", params=10**9, largest_unit=1001), 4).param_buffer_size == 251
+    assert swap_for(P1B, 4).param_buffer_size == 10**8            # unknown units: min(1e8, ceil(P/N))
+    assert swap_for(ModelInfo("s", params=1000), 4).param_buffer_size == 250
+    cfg = make_config(Placement(3, "nvme", "nvme"), nvme_path=str(tmp_path),
+                      swap=swap_for(ModelInfo("m", params=10**9, largest_unit=1001), 4))
+    assert parse_config(cfg, world_size=4).zero_optimization.offload_param.buffer_size == 251

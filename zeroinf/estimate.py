@@ -28,8 +28,8 @@ add a 1.5x safety factor and the host copy made while the model is built):
   (only a reduce bucket, not counted); with stages 0 and 1 it still computes the full gradient.
 * ``offload_param`` cpu|nvme (stage 3 only): the Ψp-byte parameter partition goes to pinned host
   memory or NVMe. The accelerator holds only the units gathered for compute; with a model (not a
-  bare parameter count) the largest unit (a transformer block, or a single parameter outside the
-  blocks) is counted as ``(Ψp + Ψg) x its parameters`` for every stage-3 row.
+  bare parameter count) every stage-3 row counts ``(Ψp + Ψg) x`` the parameters held gathered at
+  once (:func:`stage3_units`).
 * NVMe rows add the pinned host memory the swapping needs (buffers and the ``max_in_cpu`` parameter
   cache; defaults of :mod:`zeroinf.config` unless a config gives them; see :class:`SwapBuffers`).
   Buffer bytes come from :func:`zeroinf.io.pinned_pool_bytes`, the bytes the pool will lock.
@@ -43,6 +43,7 @@ and activations unless their flags are given (:func:`activation_bytes`).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -55,8 +56,8 @@ from typing import Dict, List, Mapping, Optional, Sequence, Tuple, Union
 __all__ = [
     "GB", "GiB", "PRESETS", "PRECISIONS", "OPTIMIZERS", "PLACEMENTS", "Precision", "Placement",
     "ModelInfo", "SwapBuffers", "Term", "Estimate", "parse_count", "parse_bytes", "load_model_config",
-    "model_info", "count_params", "activation_bytes", "estimate", "estimate_all", "swap_buffers_from_config",
-    "placement_from_config", "PLAN_SWAP", "add_model_arguments", "resolve_model", "format_table", "add_arguments", "main",
+    "model_info", "count_params", "stage3_units", "PERSISTENCE_THRESHOLD", "activation_bytes", "estimate", "estimate_all", "swap_buffers_from_config",
+    "placement_from_config", "PLAN_SWAP", "add_model_arguments", "resolve_model", "format_size", "format_table", "add_arguments", "main",
 ]
 
 GB = 10**9
@@ -324,14 +325,17 @@ class ModelInfo:
     Attributes:
         name: preset name, config path, or ``"P=<count>"``.
         params: P, unique parameters (tied weights once, embeddings included).
-        largest_unit: parameters of the largest unit ZeRO-3 gathers at once (a transformer block, or
-            one parameter outside the blocks); None when unknown.
+        largest_unit: elements of the largest stage-3 unit (see :func:`stage3_units`); an
+            ``offload_param.buffer_size`` must hold its partition. None when unknown.
+        live_params: parameters a stage-3 rank holds gathered at once (see :func:`stage3_units`);
+            None when unknown.
         hidden, layers, heads, vocab: shape, for activation memory; None when unknown.
     """
 
     name: str
     params: int
     largest_unit: Optional[int] = None
+    live_params: Optional[int] = None
     hidden: Optional[int] = None
     layers: Optional[int] = None
     heads: Optional[int] = None
@@ -384,17 +388,49 @@ def _build_meta(cfg: dict):
     return hf_config, model
 
 
-def _largest_unit(model) -> Optional[int]:
-    # A block's parameters are gathered together; any other parameter alone. A parameter inside a
-    # block is never larger than its block, so the maximum over single parameters may include them.
-    block_classes = set(getattr(model, "_no_split_modules", None) or ())
-    if not block_classes:
+#: ``zero_optimization.stage3_param_persistence_threshold`` default: smaller parameters stay gathered.
+PERSISTENCE_THRESHOLD = 100_000
+
+
+def stage3_units(model, persistence_threshold: int = PERSISTENCE_THRESHOLD) -> Optional[Tuple[int, int]]:
+    """``(largest unit, live parameters)`` in elements, as ``zeroinf.runtime.stage3.units`` groups them.
+
+    Units: one per outermost transformer block (classes of the model's ``_no_split_modules``); the
+    root unit holds every parameter outside the blocks (or shared by two), gathered for the whole
+    forward and backward; the persistent unit holds every parameter with fewer than
+    ``persistence_threshold`` elements, gathered once and kept. So a rank holds at least
+    ``persistent + root + the largest block`` gathered (more with prefetch, up to
+    ``stage3_max_live_parameters``). Returns None when the model names no block classes.
+    """
+    classes = set(getattr(model, "_no_split_modules", None) or ())
+    if not classes:
         return None
-    blocks = [sum(p.numel() for p in m.parameters()) for m in model.modules() if type(m).__name__ in block_classes]
-    return max(blocks + [p.numel() for p in model.parameters()])
+    blocks, taken = [], []
+    for name, m in model.named_modules():
+        if m is model or type(m).__name__ not in classes or any(name.startswith(t + ".") for t in taken):
+            continue
+        taken.append(name)
+        blocks.append(m)
+    owner: Dict[int, List[int]] = {}
+    for i, b in enumerate(blocks):
+        for p in b.parameters():
+            owner.setdefault(id(p), []).append(i)
+    persistent = root = 0
+    sizes = [0] * len(blocks)
+    for p in model.parameters():
+        n = p.numel()
+        if n < persistence_threshold:
+            persistent += n
+        elif len(owner.get(id(p), ())) == 1:
+            sizes[owner[id(p)][0]] += n
+        else:
+            root += n
+    largest_block = max(sizes, default=0)
+    return max(persistent, root, largest_block), persistent + root + largest_block
 
 
-def model_info(model: Union[str, os.PathLike, Mapping]) -> ModelInfo:
+def model_info(model: Union[str, os.PathLike, Mapping], *,
+               persistence_threshold: int = PERSISTENCE_THRESHOLD) -> ModelInfo:
     """Count a model's parameters by building it on the meta device (no memory, no download).
 
     Args:
@@ -402,8 +438,7 @@ def model_info(model: Union[str, os.PathLike, Mapping]) -> ModelInfo:
 
     Returns:
         :class:`ModelInfo` with P = unique parameters of ``AutoModelForCausalLM.from_config`` (tied
-        input/output embeddings counted once) and the largest gathered unit (blocks are the
-        model's ``_no_split_modules`` classes).
+        input/output embeddings counted once) and the stage-3 unit sizes of :func:`stage3_units`.
 
     Raises:
         ValueError: see :func:`load_model_config`, or a config transformers cannot build.
@@ -420,7 +455,9 @@ def model_info(model: Union[str, os.PathLike, Mapping]) -> ModelInfo:
             return None
         return value if isinstance(value, int) else None
 
-    return ModelInfo(name=name, params=params, largest_unit=_largest_unit(built),
+    units = stage3_units(built, persistence_threshold)
+    largest, live = units if units else (None, None)
+    return ModelInfo(name=name, params=params, largest_unit=largest, live_params=live,
                      hidden=attr("hidden_size"), layers=attr("num_hidden_layers"),
                      heads=attr("num_attention_heads"), vocab=attr("vocab_size"))
 
@@ -478,7 +515,7 @@ def _fmt(n: int) -> str:
 
 
 def estimate(params: int, placement: Placement, *, world_size: int = 1, gpus_per_node: Optional[int] = None,
-             precision: str = "bf16", optimizer: str = "adam", largest_unit: Optional[int] = None,
+             precision: str = "bf16", optimizer: str = "adam", live_params: Optional[int] = None,
              activations: int = 0, activations_formula: str = "Korthikanti et al. 2022, Sec. 4",
              swap: SwapBuffers = SwapBuffers()) -> Estimate:
     """Bytes per accelerator, per host and on NVMe for one placement (formulas: module docstring).
@@ -490,7 +527,7 @@ def estimate(params: int, placement: Placement, *, world_size: int = 1, gpus_per
         gpus_per_node: ranks per host (default ``world_size``: one node); host and NVMe bytes are per node.
         precision: ``"bf16"``/``"fp16"`` (fp32 master weights) or ``"fp32"``.
         optimizer: a key of :data:`OPTIMIZERS`.
-        largest_unit: parameters gathered at once at stage 3 (None: not counted).
+        live_params: parameters a stage-3 rank holds gathered at once (None: not counted).
         activations: activation bytes per accelerator (see :func:`activation_bytes`), added as a term.
         activations_formula: how ``activations`` was computed, shown with the term.
         swap: pinned buffer sizes for NVMe rows.
@@ -529,10 +566,11 @@ def estimate(params: int, placement: Placement, *, world_size: int = 1, gpus_per
     tier = {"none": "device", "cpu": "host", "nvme": "nvme"}[placement.offload_param]
     terms.append(Term(f"{prec.name} parameters", tier, prec.param_bytes * numel,
                       f"{prec.param_bytes} B x {what}"))
-    if st == 3 and largest_unit:
-        terms.append(Term("gathered unit (params + grads)", "device",
-                          (prec.param_bytes + prec.grad_bytes) * largest_unit,
-                          f"({prec.param_bytes} + {prec.grad_bytes}) B x largest unit {_fmt(largest_unit)}"))
+    if st == 3 and live_params:
+        terms.append(Term("gathered units (params + grads)", "device",
+                          (prec.param_bytes + prec.grad_bytes) * live_params,
+                          f"({prec.param_bytes} + {prec.grad_bytes}) B x live params {_fmt(live_params)} "
+                          f"(persistent + root + largest block)"))
     # gradients
     numel, what = count(st >= 2)
     if placement.offload_optimizer == "none" or st < 2:
@@ -608,8 +646,9 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--nodes", type=int, default=1, help="nodes (default 1); N = gpus x nodes")
     parser.add_argument("--precision", choices=list(PRECISIONS), default=None,
                         help="bf16/fp16 (fp32 master weights) or fp32 (default bf16, or the --config's)")
-    parser.add_argument("--largest-unit", type=parse_count, default=None,
-                        help="parameters of the largest unit gathered at stage 3 (default: from --model)")
+    parser.add_argument("--live-params", type=parse_count, default=None,
+                        help="parameters a stage-3 rank holds gathered at once (default: from --model: "
+                             "persistent + root + largest block)")
     act = parser.add_argument_group("activations (Korthikanti et al. 2022); counted when --seq-len is given")
     act.add_argument("--seq-len", type=int, help="sequence length, tokens")
     act.add_argument("--micro-batch", type=int, default=1, help="micro-batch per accelerator (default 1)")
@@ -632,8 +671,8 @@ def resolve_model(args: argparse.Namespace) -> Tuple[ModelInfo, int, str]:
         if getattr(args, key) < 1:
             raise ValueError(f"--{key}: must be at least 1, got {getattr(args, key)}")
     info = model_info(args.model) if args.model else ModelInfo(name=f"P={_fmt(args.params)}", params=args.params)
-    if args.largest_unit is not None:
-        info = ModelInfo(info.name, info.params, args.largest_unit, info.hidden, info.layers, info.heads, info.vocab)
+    if args.live_params is not None:
+        info = dataclasses.replace(info, live_params=args.live_params)
     act, formula = 0, ""
     if args.seq_len is not None:
         shape = {k: getattr(args, k) if getattr(args, k) is not None else getattr(info, k)
@@ -665,18 +704,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print JSON (bytes) instead of the table")
 
 
+def format_size(nbytes: int, unit: str = "GB") -> str:
+    """``nbytes`` in ``unit`` (``"GB"`` = 1e9 or ``"GiB"`` = 2**30 bytes), without the unit: two
+    decimals from 1 up, three significant digits below (so small models do not print 0.00)."""
+    v = nbytes / (GB if unit == "GB" else GiB)
+    return f"{v:,.2f}" if v >= 1 or v == 0 else f"{v:.3g}"
+
+
 def format_table(rows: Sequence[Estimate], unit: str = "GB", terms: bool = False) -> str:
     """The human-readable table of ``zeroinf estimate``; sizes in ``unit`` (``"GB"`` or ``"GiB"``)."""
-    div = GB if unit == "GB" else GiB
     head = ("stage", "offload_param", "offload_optimizer", "per device", "per host", "NVMe")
     lines = [f"{head[0]:>5}  {head[1]:<13}  {head[2]:<17}  {head[3]:>12}  {head[4]:>12}  {head[5]:>12}"]
     for e in rows:
         p = e.placement
         lines.append(f"{p.stage:>5}  {p.offload_param:<13}  {p.offload_optimizer:<17}  "
-                     f"{e.per_device_bytes / div:>12,.2f}  {e.per_host_bytes / div:>12,.2f}  {e.nvme_bytes / div:>12,.2f}")
+                     f"{format_size(e.per_device_bytes, unit):>12}  {format_size(e.per_host_bytes, unit):>12}  "
+                     f"{format_size(e.nvme_bytes, unit):>12}")
         if terms:
             for t in e.terms:
-                lines.append(f"{'':>7}{t.tier:<6} {t.bytes / div:>12,.3f} {unit}/rank  {t.name}: {t.formula}")
+                lines.append(f"{'':>7}{t.tier:<6} {format_size(t.bytes, unit):>12} {unit}/rank  {t.name}: {t.formula}")
     return "\n".join(lines)
 
 
@@ -698,7 +744,7 @@ def main(args: argparse.Namespace) -> int:
         if args.stage is not None:
             placements = [p for p in placements if p.stage == args.stage]
         rows = [estimate(info.params, pl, world_size=n, gpus_per_node=args.gpus, precision=precision,
-                         optimizer=args.optimizer, largest_unit=info.largest_unit, activations=act,
+                         optimizer=args.optimizer, live_params=info.live_params, activations=act,
                          activations_formula=act_formula, swap=swap)
                 for pl in placements]
     except (ValueError, OSError) as exc:  # ConfigError is a ValueError
@@ -710,13 +756,14 @@ def main(args: argparse.Namespace) -> int:
     k = PRECISIONS[precision].master_bytes + OPTIMIZERS[args.optimizer]
     k_off = 4 + OPTIMIZERS[args.optimizer]
     print(f"model {info.name}: P = {_fmt(info.params)} parameters"
-          + (f", largest unit {_fmt(info.largest_unit)}" if info.largest_unit else ""))
+          + (f"; stage 3 gathers {_fmt(info.live_params)} at once (largest unit {_fmt(info.largest_unit)})"
+             if info.live_params and info.largest_unit else ""))
     print(f"N = {n} ranks ({args.gpus} per node x {args.nodes} nodes); {precision}"
           + (" with fp32 master weights" if PRECISIONS[precision].master_bytes else "")
           + f"; {args.optimizer}: K = {k} B/param of optimizer state"
           + (f" ({k_off} when offloaded: it keeps its own fp32 master)" if k_off != k else ""))
     if act:
-        print(f"activations: {act / GB:,.2f} GB per device (seq {args.seq_len}, micro-batch {args.micro_batch}, "
+        print(f"activations: {format_size(act)} GB per device (seq {args.seq_len}, micro-batch {args.micro_batch}, "
               f"checkpointing {args.checkpointing})")
     if not args.config:
         print(f"NVMe rows: sub_group_size {swap.sub_group_size:.0e}, offload_optimizer.buffer_count "

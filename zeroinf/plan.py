@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
-from zeroinf.estimate import (GB, OPTIMIZERS, PLAN_SWAP, PRECISIONS, Estimate, ModelInfo, Placement, SwapBuffers,
+from zeroinf.estimate import (GB, OPTIMIZERS, format_size, PLAN_SWAP, PRECISIONS, Estimate, ModelInfo, Placement, SwapBuffers,
                               add_model_arguments, estimate, parse_bytes, resolve_model)
 
 __all__ = ["LADDER", "ADAM_BYTES_PER_PARAM", "Limits", "Attempt", "Plan", "check_fit", "choose", "make_config",
@@ -100,18 +100,21 @@ def check_fit(est: Estimate, limits: Limits) -> Tuple[str, ...]:
         cap = limits.usable(tier)
         if used > cap:
             if tier == "nvme" and limits.nvme == 0:
-                reasons.append(f"needs {used / GB:,.2f} GB of NVMe and no --nvme was given")
+                reasons.append(f"needs {format_size(used)} GB of NVMe and no --nvme was given")
             else:
-                reasons.append(f"{what} {used / GB:,.2f} GB > {cap / GB:,.2f} GB usable")
+                reasons.append(f"{what} {format_size(used)} GB > {format_size(cap)} GB usable")
     return tuple(reasons)
 
 
 def swap_for(info: ModelInfo, world_size: int) -> SwapBuffers:
     """The swap settings the plan writes: :data:`zeroinf.estimate.PLAN_SWAP`, with
-    ``offload_param.buffer_size`` raised to the largest unit's partition when that is larger."""
-    size = PLAN_SWAP.param_buffer_size
+    ``offload_param.buffer_size`` set to what one buffer must hold: the largest unit's partition
+    ``ceil(largest_unit / N)`` when the model is known (:func:`zeroinf.estimate.stage3_units`) (the engine rejects less, and a buffer never
+    holds more), else ``min(1e8, ceil(P/N))``."""
     if info.largest_unit:
-        size = max(size, -(-info.largest_unit // world_size))
+        size = -(-info.largest_unit // world_size)
+    else:
+        size = min(PLAN_SWAP.param_buffer_size, -(-info.params // world_size))
     return dataclasses.replace(PLAN_SWAP, param_buffer_size=size)
 
 
@@ -134,7 +137,7 @@ def choose(info: ModelInfo, limits: Limits, *, world_size: int, gpus_per_node: i
     attempts = []
     for pl in LADDER:
         est = estimate(info.params, pl, world_size=world_size, gpus_per_node=gpus_per_node, precision=precision,
-                       optimizer=optimizer, largest_unit=info.largest_unit, activations=activations,
+                       optimizer=optimizer, live_params=info.live_params, activations=activations,
                        activations_formula=activations_formula, swap=swap)
         attempt = Attempt(est, check_fit(est, limits))
         attempts.append(attempt)
@@ -214,8 +217,8 @@ def step_time_bounds(est: Estimate, *, adam_params_per_s: Optional[float] = None
     if (read or write) and nvme_read_gbps and nvme_write_gbps:
         read, write = read * gpn, write * gpn
         secs = read / (nvme_read_gbps * GB) + write / (nvme_write_gbps * GB)
-        out["nvme"] = (secs, f"read {read / GB:,.2f} GB / {nvme_read_gbps:.3g} GB/s + "
-                             f"write {write / GB:,.2f} GB / {nvme_write_gbps:.3g} GB/s")
+        out["nvme"] = (secs, f"read {format_size(read)} GB / {nvme_read_gbps:.3g} GB/s + "
+                             f"write {format_size(write)} GB / {nvme_write_gbps:.3g} GB/s")
     return out
 
 
@@ -358,14 +361,14 @@ def main(args: argparse.Namespace) -> int:
     plan = choose(info, limits, world_size=n, gpus_per_node=args.gpus, precision=precision,
                   optimizer=args.optimizer, activations=act, activations_formula=act_formula, swap=swap)
     print(f"model {info.name}: P = {info.params:,}; N = {n} ({args.gpus} per node x {args.nodes} nodes); {precision}")
-    print(f"usable (after reserving {args.reserve:.0%}): {limits.usable('device') / GB:,.2f} GB per device, "
-          f"{limits.usable('host') / GB:,.2f} GB per host, {limits.usable('nvme') / GB:,.2f} GB NVMe per node "
-          f"(GB = 1e9 bytes)" + (f"; activations {act / GB:,.2f} GB per device" if act else ""))
+    print(f"usable (after reserving {args.reserve:.0%}): {format_size(limits.usable('device'))} GB per device, "
+          f"{format_size(limits.usable('host'))} GB per host, {format_size(limits.usable('nvme'))} GB NVMe per node "
+          f"(GB = 1e9 bytes)" + (f"; activations {format_size(act)} GB per device" if act else ""))
     for a in plan.attempts:
         verdict = "fits" if a.fits else "no: " + "; ".join(a.reasons)
         e = a.estimate
-        print(f"  {e.placement.label()}: device {e.per_device_bytes / GB:,.2f}, host {e.per_host_bytes / GB:,.2f}, "
-              f"NVMe {e.nvme_bytes / GB:,.2f} GB -> {verdict}")
+        print(f"  {e.placement.label()}: device {format_size(e.per_device_bytes)}, host "
+              f"{format_size(e.per_host_bytes)}, NVMe {format_size(e.nvme_bytes)} GB -> {verdict}")
     if plan.chosen is None:
         print("nothing fits: give more accelerators, host memory or NVMe, a smaller micro-batch or sequence, "
               "or activation checkpointing; no config written")
@@ -374,7 +377,7 @@ def main(args: argparse.Namespace) -> int:
     print(f"chosen: {pl.label()} (the first that fits, in order: no offload, optimizer -> CPU, "
           f"params -> CPU, NVMe)")
     for t in plan.chosen.terms:
-        print(f"  {t.tier:<6} {t.bytes / GB:>12,.3f} GB per rank  {t.name}: {t.formula}")
+        print(f"  {t.tier:<6} {format_size(t.bytes):>12} GB per rank  {t.name}: {t.formula}")
     cfg = make_config(pl, precision=precision, micro_batch=args.micro_batch, nvme_path=args.nvme_path,
                       swap=swap, lr=args.lr, optimizer=args.optimizer)
     parse_config(cfg, world_size=n)  # the engine's own validation; a failure here is a bug in make_config
