@@ -144,7 +144,9 @@ class AsyncIOHandle:
         try:
             return cls(**kwargs)
         except ValueError as exc:
-            raise ValueError(f"aio.{exc}") from exc
+            if str(exc).split(":", 1)[0] in _AIO_KEYS:  # a knob's own error: give its key path
+                raise ValueError(f"aio.{exc}") from exc
+            raise
 
     # DeepSpeed aio_handle getters, so DeepNVMe code can switch.
     def get_block_size(self) -> int:

@@ -249,7 +249,7 @@ class TensorSwapper:
             path = self.path_for(key)
             if not e.written:
                 raise StaleSwapFileError(errno.ENODATA, f"swap file of key {key!r} holds no swapped-out data "
-                                         "(never written, stale, or its last write failed)", str(path), 0, e.nbytes, 0)
+                                         "(never written, stale, its last write failed, or a swap-out of it is still pending)", str(path), 0, e.nbytes, 0)
             size = path.stat().st_size if path.exists() else -1
             if size != e.nbytes:
                 raise StaleSwapFileError(errno.EIO, f"swap file of key {key!r} has {size} bytes, expected "
