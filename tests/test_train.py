@@ -19,7 +19,7 @@ from zeroinf.data import Batches, ByteTokenizer, DataError, load_tokens
 from zeroinf.train import COMPARE_ATOL, LOG_FIELDS
 
 #: the strongest offload the main job offers: parameters and optimizer state on NVMe
-OFFLOAD = "nvme-optimizer"
+OFFLOAD = "infinity"
 TINY = ["--size", "tiny", "--seq-len", "64", "--micro-batch", "4", "--seed", "0"]
 
 

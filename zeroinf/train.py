@@ -44,7 +44,7 @@ __all__ = ["add_arguments", "main", "TrainError", "LOG_FIELDS", "COMPARE_ATOL", 
 PRESET_DIR = Path(__file__).resolve().parent / "presets"
 OFFLOADS = ("none", "cpu", "nvme-optimizer", "infinity")
 #: the offload used when --offload and --config are both absent
-DEFAULT_OFFLOAD = "nvme-optimizer"
+DEFAULT_OFFLOAD = "infinity"
 
 #: every record of log.jsonl has these keys (units in the name: _s seconds, _bytes bytes)
 LOG_FIELDS = (
@@ -400,6 +400,25 @@ class _Run:
                                   and zo[k].get("nvme_path")})
         return cfg
 
+    def _fit_param_buffers(self, cfg: dict, model: torch.nn.Module) -> None:
+        """Shipped presets only: size stage 3's pinned staging buffers for NVMe parameters
+        (``offload_param.buffer_size``, elements) to this model's largest unit partition instead
+        of DeepSpeed's default 1e8 elements, which pins 2 GB (fp32, 5 buffers) whatever the model.
+        Units are found as stage 3 finds them (``zeroinf.runtime.stage3.units``). A user's
+        ``--config`` is passed on unchanged."""
+        zo = cfg.get("zero_optimization", {})
+        op = zo.get("offload_param")
+        if zo.get("stage") != 3 or not isinstance(op, dict) or op.get("device") != "nvme" or "buffer_size" in op:
+            return
+        from zeroinf.runtime.stage3.units import build_units, find_unit_modules
+        units = build_units(model, find_unit_modules(model), self.zcfg.zero_optimization.stage3_param_persistence_threshold,
+                            self.dist.world_size)
+        largest = max((g.shard_numel for u in units for g in u.groups), default=1)
+        op["buffer_size"] = min(self.zcfg.zero_optimization.offload_param.buffer_size, -(-largest // 4096) * 4096)
+        from zeroinf.config import parse_config
+        self.zcfg = parse_config(cfg, world_size=self.dist.world_size)
+        self.stage3_pinned_bytes = _stage3_pinned_bytes(self.zcfg)
+
     @staticmethod
     def _reference_params(zcfg) -> dict:
         """:class:`PlainEngine` keyword arguments for the same optimizer, clipping and precision."""
@@ -441,6 +460,7 @@ class _Run:
         cfg = self._build_config(a)
         from zeroinf.config import parse_config
         self.zcfg = parse_config(cfg, world_size=self.dist.world_size)
+        self.stage3_pinned_bytes = _stage3_pinned_bytes(self.zcfg)
         if self.zcfg.scheduler is not None and a.engine == "torch":
             raise TrainError(f"{self.config_source}: scheduler is applied by the zeroinf engine only; "
                              "--engine torch trains at the constant optimizer.params.lr")
@@ -454,6 +474,8 @@ class _Run:
         device = f"cuda:{self.dist.local_rank}" if torch.cuda.is_available() else "cpu"
         if rank0:
             out.mkdir(parents=True, exist_ok=True)
+        if a.config is None and a.engine == "zeroinf":
+            self._fit_param_buffers(cfg, model)
         engine = None
         try:
             engine = self._make_engine(a, cfg, model, device)
@@ -516,7 +538,7 @@ class _Run:
                     with prof as p:
                         rec = self._one_step(engine, batches, step, grad_accum, device)
                     if step == trace_step and rank0:
-                        p.export_chrome_trace(str(out / "trace.json"))
+                        self._write_trace(engine, p, out)
                     rec.update(self._tiers(engine, _engine_stats(engine), rec))
                     rec["tokens"] = tokens_per_step
                     rec["tokens_per_s"] = tokens_per_step / rec["step_s"]
@@ -546,6 +568,20 @@ class _Run:
             tmp.write_text(json.dumps(run, indent=1))
             os.replace(tmp, out / "run.json")
         return records, interrupted
+
+    @staticmethod
+    def _write_trace(engine, prof, out: Path) -> None:
+        """Perfetto/Chrome JSON of one step: the engine's own transfer trace with stage 3
+        (``engine.trace``) as ``trace.json``, and torch.profiler's operator trace as
+        ``trace_ops.json`` (``trace.json`` when the engine records none)."""
+        has_engine_trace = False
+        if hasattr(engine, "trace"):
+            try:
+                engine.trace(str(out / "trace.json"))
+                has_engine_trace = True
+            except NotImplementedError:
+                pass
+        prof.export_chrome_trace(str(out / ("trace_ops.json" if has_engine_trace else "trace.json")))
 
     @staticmethod
     def _profiler():
@@ -581,11 +617,12 @@ class _Run:
         boundary ``engine.step()``) less the I/O waits inside it; ``compute_s`` the rest of the step.
         """
         import psutil
-        io_wait = _pick(stats, ("io_wait_s",)) or 0.0
+        s3 = stats.get("stage3") or {}
         opt_total = _pick(stats, ("optimizer_s",))
         opt_total = rec["optimizer_s"] if opt_total is None else opt_total
-        wait_in_opt = min(io_wait, opt_total)
-        optimizer_s = opt_total - wait_in_opt
+        opt_wait = min(_pick(stats, ("io_wait_s",)) or 0.0, opt_total)
+        io_wait = opt_wait + (_pick(s3, ("wait_io_s",)) or 0.0)
+        optimizer_s = opt_total - opt_wait
         module = getattr(engine, "module", None)
         device_bytes = 0
         if module is not None:
@@ -597,7 +634,7 @@ class _Run:
                 device_bytes += p.numel() * p.element_size()
                 if p.grad is not None:
                     device_bytes += p.grad.numel() * p.grad.element_size()
-        pinned = _pick(stats, ("pinned_bytes",))
+        pinned = (_pick(stats, ("pinned_bytes",)) or 0) + self.stage3_pinned_bytes
         return {"compute_s": max(0.0, rec["step_s"] - optimizer_s - io_wait), "io_wait_s": io_wait,
                 "optimizer_s": optimizer_s, "device_bytes": device_bytes,
                 "pinned_cpu_bytes": int(pinned or 0), "nvme_bytes": _dir_bytes(self.nvme_paths),
@@ -658,8 +695,9 @@ class _Run:
         for key, label in (("device_bytes", "device"), ("pinned_cpu_bytes", "pinned CPU"),
                            ("nvme_bytes", "NVMe"), ("rss_bytes", "process RSS")):
             ax2.plot(steps, [r[key] / 2 ** 20 for r in records], label=label)
+        ax2.set_yscale("symlog", linthresh=1.0)
         ax2.set_xlabel("step")
-        ax2.set_ylabel("MiB")
+        ax2.set_ylabel("MiB (log scale above 1)")
         ax2.set_title("memory per tier", fontsize=9)
         ax2.legend()
         fig.tight_layout()
@@ -728,11 +766,27 @@ class _Run:
 
 
 def _engine_stats(engine) -> dict:
+    """``engine.stats()`` as JSON-ready numbers (one level of nested dicts, e.g. ``stage3``)."""
     fn = getattr(engine, "stats", None)
     if fn is None:
         return {}
-    s = fn()
-    return {k: v for k, v in dict(s).items() if isinstance(v, (int, float, str, bool)) or v is None}
+
+    def plain(d):
+        return {k: v for k, v in dict(d).items() if isinstance(v, (int, float, str, bool)) or v is None}
+    return {k: (plain(v) if isinstance(v, dict) else v) for k, v in fn().items()
+            if isinstance(v, (int, float, str, bool, dict)) or v is None}
+
+
+def _stage3_pinned_bytes(zcfg) -> int:
+    """Pinned staging buffers stage 3 allocates for NVMe parameters (``offload_param.buffer_count``
+    buffers of ``buffer_size`` elements of the training dtype, as ``zeroinf.io.pinned_pool_bytes``
+    counts them); 0 when parameters are not on NVMe."""
+    zo = zcfg.zero_optimization
+    if zo.stage != 3 or zo.offload_param.device != "nvme":
+        return 0
+    from zeroinf.io import pinned_pool_bytes
+    elem = {"fp32": 4, "bf16": 2, "fp16": 2}[zcfg.precision]
+    return pinned_pool_bytes(zo.offload_param.buffer_count, zo.offload_param.buffer_size * elem)
 
 
 def _pick(d: dict, names) -> Optional[float]:
