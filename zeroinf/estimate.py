@@ -57,7 +57,7 @@ __all__ = [
     "GB", "GiB", "PRESETS", "PRECISIONS", "OPTIMIZERS", "PLACEMENTS", "Precision", "Placement",
     "ModelInfo", "SwapBuffers", "Term", "Estimate", "parse_count", "parse_bytes", "load_model_config",
     "model_info", "count_params", "stage3_units", "PERSISTENCE_THRESHOLD", "activation_bytes", "estimate", "estimate_all", "swap_buffers_from_config",
-    "placement_from_config", "PLAN_SWAP", "add_model_arguments", "resolve_model", "format_size", "format_table", "add_arguments", "main",
+    "placement_from_config", "PLAN_SWAP", "add_model_arguments", "world_size", "resolve_model", "format_size", "format_table", "add_arguments", "main",
 ]
 
 GB = 10**9
@@ -661,16 +661,30 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     act.add_argument("--heads", type=int, help="attention heads (default: from --model)")
 
 
-def resolve_model(args: argparse.Namespace) -> Tuple[ModelInfo, int, str]:
+def world_size(args: argparse.Namespace) -> int:
+    """N = ``--gpus`` x ``--nodes``.
+
+    Raises:
+        ValueError: either is below 1.
+    """
+    for key in ("gpus", "nodes"):
+        if getattr(args, key) < 1:
+            raise ValueError(f"--{key}: must be at least 1, got {getattr(args, key)}")
+    return args.gpus * args.nodes
+
+
+def resolve_model(args: argparse.Namespace, *,
+                  persistence_threshold: int = PERSISTENCE_THRESHOLD) -> Tuple[ModelInfo, int, str]:
     """The model, the activation bytes per device and their formula, as the shared options describe.
 
     Raises:
         ValueError: a bad model, a count below 1, or activation flags missing a shape.
     """
-    for key in ("gpus", "nodes"):
-        if getattr(args, key) < 1:
-            raise ValueError(f"--{key}: must be at least 1, got {getattr(args, key)}")
-    info = model_info(args.model) if args.model else ModelInfo(name=f"P={_fmt(args.params)}", params=args.params)
+    world_size(args)
+    if args.model:
+        info = model_info(args.model, persistence_threshold=persistence_threshold)
+    else:
+        info = ModelInfo(name=f"P={_fmt(args.params)}", params=args.params)
     if args.live_params is not None:
         info = dataclasses.replace(info, live_params=args.live_params)
     act, formula = 0, ""
@@ -729,11 +743,11 @@ def format_table(rows: Sequence[Estimate], unit: str = "GB", terms: bool = False
 def main(args: argparse.Namespace) -> int:
     """Run ``zeroinf estimate``; returns 0, or 2 after printing a usage error to stderr."""
     try:
-        info, act, act_formula = resolve_model(args)
         precision = args.precision or "bf16"
         swap = PLAN_SWAP
         placements = list(PLACEMENTS)
-        n = args.gpus * args.nodes
+        threshold = PERSISTENCE_THRESHOLD
+        n = world_size(args)
         if args.config:
             from zeroinf.config import parse_config
 
@@ -741,6 +755,8 @@ def main(args: argparse.Namespace) -> int:
             placements = [placement_from_config(cfg)]
             swap = swap_buffers_from_config(cfg)
             precision = args.precision or cfg.precision
+            threshold = cfg.zero_optimization.stage3_param_persistence_threshold
+        info, act, act_formula = resolve_model(args, persistence_threshold=threshold)
         if args.stage is not None:
             placements = [p for p in placements if p.stage == args.stage]
         rows = [estimate(info.params, pl, world_size=n, gpus_per_node=args.gpus, precision=precision,
