@@ -7,8 +7,8 @@ well, then NVMe (optimizer first, parameters last). The first whose accelerator,
 that overflowed. The config written passes :func:`zeroinf.config.parse_config` (checked before it
 is written), so ``zeroinf train --config`` and ``zeroinf.initialize`` accept it.
 
-With bandwidths (flags, ``zeroinf tune-io`` / ``bench/aio.py --json`` and ``bench/cpu_adam.py
---json`` files) it also prints lower bounds on the step time, per node:
+With bandwidths (flags — e.g. the GB/s that ``zeroinf tune-io`` prints — or the ``--json`` files of
+``bench/aio.py`` and ``bench/cpu_adam.py``) it also prints lower bounds on the step time, per node:
 
 * optimizer: ``params stepped on the node's CPU / Adam rate`` (params/s for the whole host), when the
   optimizer is offloaded;
@@ -242,7 +242,7 @@ def _ours_first(rows: List[dict]) -> List[dict]:
 
 
 def read_nvme_json(path: str) -> Tuple[float, float, str]:
-    """Best read and write GB/s in a ``bench/aio.py`` or ``zeroinf tune-io`` JSON file.
+    """Best read and write GB/s in a ``bench/aio.py --json`` file (bench/_util.py's layout).
 
     zeroinf's own rows (``name`` starting with "zeroinf") are used when present, else all rows.
 
@@ -300,8 +300,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                      help="fraction of each memory held back for the CUDA context, fragmentation and the OS "
                           "(default 0.1)")
     bw = parser.add_argument_group("bandwidths, for step-time lower bounds")
-    bw.add_argument("--nvme-bw", type=float, help="NVMe GB/s per node, read and write")
-    bw.add_argument("--nvme-json", help="bench/aio.py or zeroinf tune-io JSON: best read and write GB/s")
+    bw.add_argument("--nvme-bw", type=float, help="NVMe GB/s per node, read and write (e.g. from zeroinf tune-io)")
+    bw.add_argument("--nvme-json", help="bench/aio.py --json file: its best zeroinf read and write GB/s")
     bw.add_argument("--adam-gbps", type=float,
                     help=f"CPU Adam effective GB/s of the host ({ADAM_BYTES_PER_PARAM} B per param, as bench/cpu_adam.py)")
     bw.add_argument("--adam-params-per-s", type=float, help="CPU Adam params/s of the host")
