@@ -782,10 +782,10 @@ def main(args: argparse.Namespace) -> int:
         print(f"activations: {format_size(act)} GB per device (seq {args.seq_len}, micro-batch {args.micro_batch}, "
               f"checkpointing {args.checkpointing})")
     if not args.config:
-        print(f"NVMe rows: sub_group_size {swap.sub_group_size:.0e}, offload_optimizer.buffer_count "
+        print(f"NVMe rows: sub_group_size {swap.sub_group_size:,}, offload_optimizer.buffer_count "
               f"{swap.optimizer_buffer_count} with pipelined reads and writes, "
               f"offload_param buffer_count {swap.param_buffer_count} x buffer_size "
-              f"{swap.param_buffer_size:.0e}, max_in_cpu {swap.param_max_in_cpu} (as zeroinf plan writes; "
+              f"{swap.param_buffer_size:,}, max_in_cpu {swap.param_max_in_cpu} (as zeroinf plan writes; "
               f"--config for others)")
     print(f"sizes in {args.unit} ({'1e9' if args.unit == 'GB' else '2**30'} bytes); "
           f"per device = each accelerator; per host and NVMe = per node")
