@@ -48,8 +48,8 @@ def _opts(**kw):
     return Stage3Options(**kw)
 
 
-@pytest.mark.parametrize("variant", ["plain", "tied", "twice", "foreign"])
-@pytest.mark.parametrize("tier", ["none", "cpu"])
+@pytest.mark.parametrize("variant,tier", [("plain", "none"), ("plain", "cpu"), ("tied", "none"),
+                                          ("twice", "none"), ("foreign", "cpu")])
 def test_gradients_equal_plain_pytorch(variant, tier):
     ref = TinyLM(tied=variant == "tied", foreign=variant == "foreign")
     if variant == "twice":
@@ -113,9 +113,8 @@ def _train(model, steps, *, mgr=None, opt=None):
     return losses
 
 
-@pytest.mark.parametrize("opt_tier", ["none", "cpu"])
-@pytest.mark.parametrize("param_tier", ["none", "cpu"])
-def test_three_steps_equal_adamw(param_tier, opt_tier):
+def test_three_steps_equal_adamw_without_engine(param_tier="cpu", opt_tier="cpu"):
+    """Stage3Optimizer (no engine); the engine's tier pairs are in test_stage3_engine.py."""
     from zeroinf.runtime.stage3.step import Stage3Optimizer
 
     ref = TinyLM(tied=True)
@@ -233,3 +232,28 @@ def test_stats_and_chrome_trace(tmp_path):
     names = [e["name"] for e in doc["traceEvents"]]
     assert n == len(names) and "fwd blocks.2" in names and "bwd blocks.2" in names and "read blocks.3" in names
     assert all(e["ph"] == "X" and e["dur"] >= 0 for e in doc["traceEvents"])
+
+
+def test_hugging_face_llama_units_gradients_and_generate():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
+                      tie_word_embeddings=True)
+    ref = LlamaForCausalLM(cfg)
+    model = copy.deepcopy(ref)
+    mgr = Stage3ParameterManager(model, _opts())
+    # units found from _no_split_modules (LlamaDecoderLayer); the tied head lives in the root unit
+    assert [u.name for u in mgr.units[2:]] == [f"model.layers.{i}" for i in range(4)]
+    x = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(1))
+    for _ in range(2):
+        model(input_ids=x, labels=x).loss.backward()
+        ref(input_ids=x, labels=x).loss.backward()
+    _assert_close(_grads_of(mgr), {n: p.grad for n, p in ref.named_parameters()}, what="llama")
+    mask = torch.ones(2, 3, dtype=torch.long)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # a generate loop keeps one no_grad trace
+        with torch.no_grad():
+            got = model.generate(x[:, :3], attention_mask=mask, max_new_tokens=4, do_sample=False, pad_token_id=0)
+            want = ref.generate(x[:, :3], attention_mask=mask, max_new_tokens=4, do_sample=False, pad_token_id=0)
+    assert torch.equal(got, want)
