@@ -12,11 +12,12 @@ import torch
 import zeroinf
 from zeroinf.checkpoint import CheckpointError
 
-SCRIPT = textwrap.dedent("""
-    import json, sys, torch, torch.nn.functional as F
+def train_run(mode: str, ckdir: str, nvme: str, out: str) -> dict:
+    """Train 10 steps ("full"), 5 then save ("save"), or load then 5 ("load"); saves the final
+    state dict to ``out`` and returns what the loaded engine reports."""
+    import torch.nn.functional as F
     from torch import nn
-    import zeroinf
-    mode, ckdir, nvme, out = sys.argv[1:5]
+
     torch.manual_seed(1)
     model = nn.Sequential(nn.Linear(7, 13), nn.Dropout(0.2), nn.Tanh(), nn.Linear(13, 5))
     g = torch.Generator().manual_seed(3)
@@ -29,10 +30,12 @@ SCRIPT = textwrap.dedent("""
                "device": "nvme", "nvme_path": nvme, "pipeline_read": True, "buffer_count": 2}}}
     engine, *_ = zeroinf.initialize(model, config=cfg)
     torch.manual_seed(5)  # dropout masks come from the RNG the checkpoint restores
+
     def run(a, b):
         for i in range(a, b):
             engine.backward(F.mse_loss(engine(X[i].half()), Y[i].half()))
             engine.step()
+
     info = {}
     if mode == "full":
         run(0, 10)
@@ -46,27 +49,32 @@ SCRIPT = textwrap.dedent("""
                 "scale": engine.loss_scale, "lr": engine.get_lr()}
         run(5, 10)
     torch.save({k: v.clone() for k, v in model.state_dict().items()}, out)
-    print(json.dumps(info))
+    engine.close()
+    return info
+
+
+FRESH = textwrap.dedent("""
+    import json, sys
+    sys.path.insert(0, sys.argv[1])
+    from test_checkpoint import train_run
+    print(json.dumps(train_run(*sys.argv[2:])))
 """)
 
 
-def _run(tmp_path, mode, nvme):
-    script = tmp_path / "train.py"
-    script.write_text(SCRIPT)
-    out = tmp_path / f"{mode}.pt"
-    r = subprocess.run([sys.executable, str(script), mode, str(tmp_path / "ck"), str(nvme), str(out)],
-                       capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr[-3000:]
-    return torch.load(out, weights_only=True), json.loads(r.stdout.strip().splitlines()[-1])
-
-
 def test_resume_in_a_fresh_process_is_bit_exact(tmp_path):
+    """Full run and the save run in this process; the resumed run in a fresh one."""
     nvme_a, nvme_b = tmp_path / "nvme_a", tmp_path / "nvme_b"
     nvme_a.mkdir()
     nvme_b.mkdir()
-    full, _ = _run(tmp_path, "full", nvme_a)
-    _run(tmp_path, "save", nvme_b)
-    resumed, info = _run(tmp_path, "load", nvme_b)
+    ckdir = str(tmp_path / "ck")
+    train_run("full", ckdir, str(nvme_a), str(tmp_path / "full.pt"))
+    train_run("save", ckdir, str(nvme_b), str(tmp_path / "save.pt"))
+    r = subprocess.run([sys.executable, "-c", FRESH, os.path.dirname(os.path.abspath(__file__)), "load", ckdir,
+                        str(nvme_b), str(tmp_path / "load.pt")], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    info = json.loads(r.stdout.strip().splitlines()[-1])
+    full = torch.load(tmp_path / "full.pt", weights_only=True)
+    resumed = torch.load(tmp_path / "load.pt", weights_only=True)
     assert info["steps"] == 5 and info["global"] == 5 and info["client"] == {"epoch": 1}
     assert set(full) == set(resumed)
     for k in full:

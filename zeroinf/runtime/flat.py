@@ -10,7 +10,8 @@ Gradients, once per micro-batch (after ``loss.backward()``; autograd has already
 contributions of a module called twice or a weight tied to another): the flat gradient is cut
 into buckets of ``reduce_bucket_size`` elements; bucket ``k`` holds chunk ``k`` of every rank's
 slice, so stage 2 reduce-scatters it (each rank receives exactly its chunk), stage 1 all-reduces it
-and keeps its chunk, stage 0 all-reduces the whole range. The result, averaged over ranks and
+and keeps its chunk, stage 0 all-reduces the whole range (one rank: no buckets, each gradient is
+added in place). The result, averaged over ranks and
 upcast to fp32, is added into a CPU fp32 accumulation buffer (pinned when CUDA is present) that
 holds this rank's slice: each micro-batch is added exactly once, and ``.grad`` is then released.
 
@@ -161,6 +162,12 @@ class FlatParamManager:
             for p in g.params:
                 if p.grad is not None and p.grad.shape != p.shape:
                     raise RuntimeError(f"gradient of shape {tuple(p.grad.shape)} for a parameter of shape {tuple(p.shape)}")
+            if self.world_size == 1:  # nothing to communicate: add each gradient in place
+                for p, off in zip(g.params, g.offsets):
+                    if p.grad is not None:
+                        g.grad_acc[off:off + p.numel()].add_(p.grad.reshape(-1).to("cpu", torch.float32))
+                    p.grad = None
+                continue
             P = g.part_numel
             for start in range(0, P, self.bucket):
                 b = min(self.bucket, P - start)
