@@ -212,6 +212,9 @@ def test_limits_checked_at_construction():
     with pytest.raises(Stage3ConfigError, match=r"offload_param.buffer_size: .*unit 'blocks.0'.*minimum is 2128"):
         Stage3ParameterManager(TinyLM(), _opts(offload_param_device="nvme", nvme_path="/nonexistent",
                                                buffer_size=2000))
+    with pytest.raises(Stage3ConfigError, match=r"offload_param.buffer_count: 1 is too few for one unit read ahead.*minimum is 2"):
+        Stage3ParameterManager(TinyLM(), _opts(offload_param_device="nvme", nvme_path="/nonexistent",
+                                               buffer_count=1))
     with pytest.raises(Stage3ConfigError, match=r"offload_param.device: 'disk'"):
         _opts(offload_param_device="disk")
 
@@ -257,3 +260,22 @@ def test_hugging_face_llama_units_gradients_and_generate():
             got = model.generate(x[:, :3], attention_mask=mask, max_new_tokens=4, do_sample=False, pad_token_id=0)
             want = ref.generate(x[:, :3], attention_mask=mask, max_new_tokens=4, do_sample=False, pad_token_id=0)
     assert torch.equal(got, want)
+
+
+def test_nvme_partitions_read_ahead_into_staging_buffers(tmp_path):
+    ref = TinyLM()
+    model = copy.deepcopy(ref)
+    # bucket fits one block: device prefetch one unit ahead, NVMe reads further ahead
+    mgr = Stage3ParameterManager(model, _opts(offload_param_device="nvme", nvme_path=str(tmp_path), buffer_count=4,
+                                              buffer_size=4096, max_in_cpu=0, prefetch_bucket_size=2200,
+                                              max_reuse_distance=0, max_live_parameters=6000))
+    for seed in range(3):
+        x, y = batch(seed)
+        loss_fn(model(x), y).backward()
+        loss_fn(ref(x), y).backward()
+        assert mgr.stats_dict()["live_high_water"] <= 6000
+    st = mgr.stats_dict()
+    assert st["read_ahead_hits"] >= 4 and st["bytes_nvme_read"] > 0
+    _assert_close(_grads_of(mgr), {n: p.grad for n, p in ref.named_parameters()}, what="nvme read-ahead")
+    mgr.close()
+    assert mgr._pool.free_count() == 4  # every staging buffer returned

@@ -77,6 +77,15 @@ class _SavedRef:
         self.group, self.offset, self.size, self.stride = group, offset, size, stride
 
 
+class _Staged:
+    """An NVMe read into pinned staging buffers (one per partition) ahead of its gather."""
+
+    __slots__ = ("bufs", "views", "future")
+
+    def __init__(self, bufs, views):
+        self.bufs, self.views, self.future = bufs, views, None
+
+
 class _ForeignAccessMode(TorchFunctionMode):
     """See [Note: foreign access]."""
 
@@ -163,6 +172,7 @@ class Stage3ParameterManager:
         self._listeners: List[Callable[[List[FlatGroup]], None]] = []
         self._storage_of: Dict[int, FlatGroup] = {}
         self._handles: list = []
+        self._staged: Dict[int, _Staged] = {}
 
         from .init import init_shapes  # parameters partitioned at construction (zeroinf.Init)
         shapes = init_shapes(module)
@@ -205,14 +215,20 @@ class Stage3ParameterManager:
                                         f"({part.key}, {part.shard_numel} elements); the minimum is {part.shard_numel}")
             need = self.min_buffer_count()
             if opts.buffer_count < need:
+                widest = max(self.units, key=lambda u: len(u.groups))
+                why = (f"one unit read ahead plus one read on demand, {len(widest.groups)} partition(s) each "
+                       f"(unit '{widest.name}')" if opts.prefetch_bucket_size > 0 else
+                       f"unit '{widest.name}' reads {len(widest.groups)} partition(s) at once")
                 raise Stage3ConfigError("zero_optimization.offload_param.buffer_count",
-                                        f"{opts.buffer_count} is too few: the largest unit has {need} dtype "
-                                        f"partitions read at once; the minimum is {need}")
+                                        f"{opts.buffer_count} is too few for {why}; the minimum is {need}")
 
     def min_buffer_count(self) -> int:
-        """Staging buffers needed: the largest number of partitions one unit reads at once
-        (one per dtype). Reads run one unit at a time on the I/O thread, prefetch included."""
-        return max((len(u.groups) for u in self.units), default=1) or 1
+        """Pinned staging buffers needed for NVMe partitions: one per partition (dtype) of the
+        widest unit for reads on demand and write-backs, and with prefetch as many again for
+        one unit read ahead. More buffers let NVMe reads run further ahead (see
+        [Note: read-ahead])."""
+        widest = max((len(u.groups) for u in self.units), default=1) or 1
+        return widest * (2 if self.options.prefetch_bucket_size > 0 else 1)
 
     def _make_stores(self, swapper) -> None:
         opts = self.options
@@ -295,9 +311,16 @@ class Stage3ParameterManager:
             return fn(*args)
         return self._io.submit(fn, *args).result()
 
-    def _read_partitions(self, unit: Unit) -> None:
+    def _read_partitions(self, unit: Unit, staged: Optional["_Staged"] = None) -> None:
         t0 = self.tracer.now()
         nbytes = 0
+        if staged is not None:  # the NVMe read is done (earlier on this thread): copy and free
+            for g, view in zip(unit.groups, staged.views):
+                lo, hi = self._shard_range(g)
+                g.full[lo:hi].copy_(view)
+            self._free_staged(staged)
+            self.tracer.span(f"copy {unit.name}", "transfer", t0, self.tracer.now(), thread="io")
+            return
         for g in unit.groups:
             lo, hi = self._shard_range(g)
             nbytes += g.store.read_into(g.full[lo:hi])
@@ -333,11 +356,56 @@ class Stage3ParameterManager:
             g.full = torch.empty(g.padded_numel, dtype=g.dtype, device=self.device)
         unit.state = UnitState.FETCHING
         self.stats.add("gathers")
+        staged = self._staged.pop(unit.index, None)
+        if staged is not None:
+            self.stats.add("read_ahead_hits")
         if self._io is not None:
-            unit.future = self._io.submit(self._read_partitions, unit)
+            unit.future = self._io.submit(self._read_partitions, unit, staged)
         else:
             self._read_partitions(unit)
             unit.future = None
+
+    # [Note: read-ahead] NVMe partitions can be read into pinned staging buffers further ahead
+    # than units are gathered: staging does not count as live parameters (nothing is on the
+    # device yet), and is bounded by the free buffers of the pool, keeping min_buffer_count()/2
+    # (or the widest unit's partitions) for reads on demand and write-backs. A later issue()
+    # turns a staged unit into a device copy on the same I/O thread, after the read.
+    def stage(self, unit: Unit) -> bool:
+        """Start reading ``unit``'s NVMe partitions into staging buffers; False when not
+        possible now (not NVMe, already staged or gathered, or too few free buffers)."""
+        if (self._io is None or unit.state is not UnitState.RELEASED or unit.index in self._staged
+                or not unit.groups):
+            return False
+        reserve = max(len(u.groups) for u in self.units)
+        if self._pool.free_count() - len(unit.groups) < reserve:
+            return False
+        bufs = [self._pool.acquire() for _ in unit.groups]
+        views = [b.view(torch.uint8)[: g.store.nbytes].view(g.dtype) for b, g in zip(bufs, unit.groups)]
+        st = _Staged(bufs, views)
+        st.future = self._io.submit(self._stage_read, unit, st)
+        self._staged[unit.index] = st
+        return True
+
+    def _stage_read(self, unit: Unit, st: "_Staged") -> None:
+        t0 = self.tracer.now()
+        nbytes = sum(g.store.read_raw(v) for g, v in zip(unit.groups, st.views))
+        t1 = self.tracer.now()
+        self.stats.add("bytes_nvme_read", nbytes)
+        self.stats.add("io_busy_s", t1 - t0)
+        self.tracer.span(f"read {unit.name}", "transfer", t0, t1, thread="io", args={"bytes": nbytes, "tier": "nvme"})
+
+    def _free_staged(self, st: "_Staged") -> None:
+        for b in st.bufs:
+            self._pool.release(b)
+        st.bufs = []
+
+    def drop_staged(self, units: Optional[List[Unit]] = None) -> None:
+        """Forget staged reads (of ``units``, default all) and free their buffers."""
+        for idx in list(self._staged):
+            if units is None or any(u.index == idx for u in units):
+                st = self._staged.pop(idx)
+                st.future.result()
+                self._free_staged(st)
 
     def _complete(self, unit: Unit) -> None:
         if unit.state is UnitState.GATHERED:
@@ -636,6 +704,7 @@ class Stage3ParameterManager:
     def write_param_shard(self, g: FlatGroup, src: torch.Tensor) -> None:
         """Store ``src`` as this rank's partition of ``g`` on its home tier (synchronously)."""
         t0 = self.tracer.now()
+        self.drop_staged([self._unit_of_group(g)])  # a staged read of the old values is stale now
         n = self._run_io(g.store.write_from, src)
         key = "bytes_nvme_written" if self.options.offload_param_device == "nvme" else "bytes_host_written"
         self.stats.add(key, n)
@@ -645,6 +714,7 @@ class Stage3ParameterManager:
         """Partitions changed outside a forward (optimizer step): gather the persistent unit
         afresh before the next forward."""
         self._persistent_stale = True
+        self.drop_staged()
         if self.units[0].state is not UnitState.RELEASED:
             self.release(self.units[0])
 
@@ -709,6 +779,7 @@ class Stage3ParameterManager:
         for u in self.units:
             self.release(u)
         if self._io is not None:
+            self.drop_staged()
             self._io.shutdown(wait=True)
             self._io = None
         if self._swapper is not None and hasattr(self._swapper, "close"):

@@ -99,9 +99,12 @@ class PrefetchScheduler:
                           "serving on demand and recording a new trace. This warning is shown once per cause.",
                           RuntimeWarning, stacklevel=3)
         self.drop_prefetched()
+        if self.m._staged:
+            self.m.drop_staged()
 
     def drop_prefetched(self) -> None:
-        """Release every unit gathered ahead that has not been used yet."""
+        """Release every unit gathered ahead that has not been used yet (staged NVMe reads
+        stay: they cost no live parameters and are dropped when the partitions change)."""
         for idx in sorted(self.prefetched):
             u = self.m.units[idx]
             if not self.m.is_pinned(u):
@@ -113,7 +116,9 @@ class PrefetchScheduler:
         if not self.following or self.bucket <= 0:
             return
         ahead = sum(self.m.units[i].numel for i in self.prefetched)
-        for idx, _phase in self.trace[self.pos:]:
+        rest = self.trace[self.pos:]
+        k = 0
+        for k, (idx, _phase) in enumerate(rest):
             u = self.m.units[idx]
             if u.persistent or u.state.value != "released":
                 continue
@@ -122,6 +127,15 @@ class PrefetchScheduler:
             self.m.issue(u)
             self.prefetched.add(idx)
             ahead += u.numel
+        else:
+            k = len(rest)
+        # NVMe reads run further ahead, into staging buffers, while buffers are free
+        for idx, _phase in rest[k:]:
+            u = self.m.units[idx]
+            if u.persistent or u.state.value != "released" or idx in self.m._staged:
+                continue
+            if not self.m.stage(u):
+                break
 
     def keep_after_use(self, unit) -> bool:
         """True when ``unit`` is requested again within ``max_reuse_distance`` elements."""

@@ -13,6 +13,7 @@ _COUNTERS = (
     "gathers",              # units gathered (prefetched or on demand)
     "prefetch_hits",        # requests served by a prefetch issued earlier
     "prefetch_misses",      # requests that had to gather on demand
+    "read_ahead_hits",      # gathers served from an NVMe read staged ahead
     "already_live",         # requests for a unit that was still gathered (reuse)
     "invalidations",        # trace divergences
     "foreign_gathers",      # units gathered because another module read their weights

@@ -126,6 +126,19 @@ class NvmeStore:
         buf = self.pool.acquire()
         return buf, buf.view(torch.uint8)[: self.nbytes].view(self.dtype)
 
+    def read_raw(self, dst: torch.Tensor) -> int:
+        """Read the partition straight into ``dst``, a contiguous host tensor suitable for the
+        swapper (a pinned staging view); returns bytes read from NVMe (0 on a cache hit)."""
+        if self.cache is not None:
+            hit = self.cache.get(self.key)
+            if hit is not None:
+                dst.copy_(hit)
+                return 0
+        self.swapper.swap_in([(self.key, dst)], async_op=False)
+        if self.cache is not None:
+            self.cache.put(self.key, dst)
+        return self.nbytes
+
     def read_into(self, dst: torch.Tensor) -> int:
         if self.cache is not None:
             hit = self.cache.get(self.key)
