@@ -33,7 +33,7 @@ def config(stage: int = 0, device: str = "none", nvme=None, gas: int = 1, **extr
     cfg = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": gas,
            "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": WD}},
            # small sub-groups and buckets so every path splits (33 and 30 divide none of the sizes)
-           "zero_optimization": {"stage": stage, "sub_group_size": 33, "reduce_bucket_size": 30,
+           "zero_optimization": {"stage": stage, "sub_group_size": 33, "reduce_bucket_size": 30, "allgather_bucket_size": 22,
                                  "offload_optimizer": off}}
     cfg.update(extra)
     return cfg

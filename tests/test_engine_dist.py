@@ -57,11 +57,14 @@ def _worker(rank: int, port: int, tmp: str) -> None:
         # 1. stages 0/1/2 with CPU or NVMe optimizer state equal one process on the combined batch
         ref = make_mlp()
         ref_norms, _ = reference(ref, X, Y, 3)
-        for stage, device in ((0, "cpu"), (1, "cpu"), (2, "cpu"), (2, "nvme")):
+        for stage, device, rs in ((0, "cpu", True), (1, "cpu", True), (2, "cpu", True), (2, "nvme", True),
+                                  (2, "cpu", False)):
             model = make_mlp()
             nvme = os.path.join(tmp, f"nvme_{stage}")
             os.makedirs(nvme, exist_ok=True)
-            engine, *_ = zeroinf.initialize(model, config=_cfg(stage, device, nvme))
+            cfg = _cfg(stage, device, nvme)
+            cfg["zero_optimization"]["reduce_scatter"] = rs
+            engine, *_ = zeroinf.initialize(model, config=cfg)
             assert engine.config.train_batch_size == 4
             _train_shard(engine, X, Y, 3, rank)
             assert max_diff(model, ref) <= 1e-6, (stage, device, rank, max_diff(model, ref))

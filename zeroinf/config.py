@@ -221,7 +221,15 @@ class OffloadParamConfig:
 
 @dataclass(frozen=True)
 class ZeroConfig:
-    """``zero_optimization``; sizes are in elements, as in DeepSpeed."""
+    """``zero_optimization``; sizes are in elements, as in DeepSpeed.
+
+    Stages 0–2 use ``sub_group_size``, ``reduce_bucket_size``, ``allgather_bucket_size`` and
+    ``reduce_scatter`` (false: stage 2 all-reduces). ``overlap_comm``, ``contiguous_gradients``,
+    ``allgather_partitions`` and ``round_robin_gradients`` are DeepSpeed performance switches
+    accepted for compatibility: stages 0–2 here always reduce into contiguous flat buffers after the
+    backward and all-gather the partitions, so they change no result. ``offload_optimizer.fast_init``
+    likewise: the NVMe state is always initialised one sub-group at a time.
+    """
 
     stage: int = 0
     offload_optimizer: OffloadOptimizerConfig = field(default_factory=OffloadOptimizerConfig)

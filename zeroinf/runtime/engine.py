@@ -133,7 +133,9 @@ class ZeroEngine:
         else:
             from .flat import FlatParamManager
             self.params = FlatParamManager(groups, stage=zc.stage, sub_group_size=zc.sub_group_size,
-                                           reduce_bucket_size=zc.reduce_bucket_size, rank=rank, world_size=world_size)
+                                           reduce_bucket_size=zc.reduce_bucket_size,
+                                           allgather_bucket_size=zc.allgather_bucket_size,
+                                           reduce_scatter=zc.reduce_scatter, rank=rank, world_size=world_size)
         specs = self.params.sub_group_specs()
         self._check_machine(specs)
         swap_dir = None

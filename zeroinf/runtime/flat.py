@@ -53,7 +53,9 @@ class FlatParamManager:
     Args:
         param_groups: lists of parameters (each a param group; all on one device, one dtype).
         stage: 0, 1 or 2.
-        sub_group_size, reduce_bucket_size: elements (config ``zero_optimization``).
+        sub_group_size, reduce_bucket_size, allgather_bucket_size: elements (``zero_optimization``).
+        reduce_scatter: stage 2 reduce-scatters each bucket; False all-reduces it instead (as
+            DeepSpeed's ``reduce_scatter: false``).
         rank, world_size: data-parallel coordinates (world size 1 needs no process group).
         group: the torch.distributed process group (None: default).
 
@@ -62,7 +64,8 @@ class FlatParamManager:
     """
 
     def __init__(self, param_groups: Sequence[Sequence[torch.nn.Parameter]], *, stage: int, sub_group_size: int,
-                 reduce_bucket_size: int, rank: int = 0, world_size: int = 1, group=None):
+                 reduce_bucket_size: int, allgather_bucket_size: int = 500_000_000, reduce_scatter: bool = True,
+                 rank: int = 0, world_size: int = 1, group=None):
         if stage not in (0, 1, 2):
             raise ValueError(f"FlatParamManager handles stages 0-2, got {stage}")
         self.stage, self.rank, self.world_size, self.pg = stage, rank, world_size, group
@@ -83,6 +86,8 @@ class FlatParamManager:
             raise ValueError(f"all trainable parameters must share one device and dtype, got {devices} / {dtypes}")
         self.device, self.dtype = devices.pop(), dtypes.pop()
         self.bucket = max(1, int(reduce_bucket_size) // self.nparts)
+        self.gather_bucket = max(1, int(allgather_bucket_size) // self.nparts)
+        self.reduce_scatter = bool(reduce_scatter)
         pin = torch.cuda.is_available()
         self.groups: List[FlatGroup] = []
         for ps in param_groups:
@@ -181,7 +186,7 @@ class FlatParamManager:
                         buf[r, lo - a:hi - a].copy_(p.grad.reshape(-1)[lo - off:hi - off])
                 mine = buf[self.rank] if self.stage != 0 else buf[0]
                 if self.world_size > 1:
-                    if self.stage == 2:
+                    if self.stage == 2 and self.reduce_scatter:
                         out = torch.empty(b, dtype=torch.float32, device=self.device)
                         dist.reduce_scatter_tensor(out, buf.reshape(-1), group=self.pg)
                         mine = out
@@ -207,9 +212,14 @@ class FlatParamManager:
             return 0
         n = 0
         for g in self.groups:
-            mine = g.flat[g.part_start:g.part_start + g.part_numel].clone()
-            dist.all_gather_into_tensor(g.flat, mine, group=self.pg)
-            n += g.padded
+            P = g.part_numel
+            rows = g.flat.view(self.nparts, P)
+            for start in range(0, P, self.gather_bucket):  # chunk k of every rank's slice at once
+                b = min(self.gather_bucket, P - start)
+                out = torch.empty(self.nparts, b, dtype=g.flat.dtype, device=g.flat.device)
+                dist.all_gather_into_tensor(out.view(-1), rows[self.rank, start:start + b].contiguous(), group=self.pg)
+                rows[:, start:start + b].copy_(out)
+                n += out.numel()
         return n
 
     def local_grad_norm_parts(self, norm_type: float) -> Tuple[float, bool]:
