@@ -311,3 +311,11 @@ def test_resident_memory_flat_with_nvme_offload(tmp_path):
     # a leak of the swapped state (3 MB) per step would add 140 MB
     assert grown < 4 << 20, f"RSS grew by {grown / 2**20:.1f} MiB from step 3 to 50"
     engine.close()
+
+
+def test_training_data_gives_a_loader_of_micro_batches():
+    data = torch.utils.data.TensorDataset(torch.arange(10.0).unsqueeze(1))
+    _, _, loader, _ = zeroinf.initialize(make_mlp(), config=config(), training_data=data)
+    seen = torch.cat([b[0] for b in loader]).reshape(-1)
+    assert [len(b[0]) for b in loader] == [4, 4, 2]
+    assert sorted(seen.tolist()) == list(range(10))

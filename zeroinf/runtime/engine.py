@@ -261,7 +261,8 @@ class ZeroEngine:
     def _global_norm(self, norm_type: float) -> float:
         value, partitioned = self.params.local_grad_norm_parts(norm_type)
         if self.world_size > 1 and partitioned:
-            t = torch.tensor([value], dtype=torch.float64)
+            # on the compute device: NCCL reduces only CUDA tensors (gloo takes either)
+            t = torch.tensor([value], dtype=torch.float64, device=getattr(self.params, "device", "cpu"))
             dist.all_reduce(t, op=dist.ReduceOp.MAX if norm_type == math.inf else dist.ReduceOp.SUM)
             value = float(t[0])
         norm = value if norm_type == math.inf else value ** (1.0 / norm_type)
@@ -390,8 +391,9 @@ def initialize(model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer
         lr_scheduler: a scheduler object bound to ``optimizer``, or a callable
             ``f(optimizer) -> scheduler``; or None to use ``config["scheduler"]``.
         config: DeepSpeed-format dict or JSON path (see :func:`zeroinf.config.parse_config`).
-        training_data: a ``torch.utils.data.Dataset``; if given, a DataLoader of
-            ``train_micro_batch_size_per_gpu`` (with a DistributedSampler over ranks) is returned.
+        training_data: a ``torch.utils.data.Dataset``; if given, a shuffled DataLoader of
+            ``train_micro_batch_size_per_gpu`` samples (a DistributedSampler over ranks) is returned.
+        collate_fn: passed to that DataLoader.
 
     Returns:
         ``(engine, optimizer, dataloader_or_None, lr_scheduler)``.
@@ -419,9 +421,12 @@ def initialize(model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer
     engine = ZeroEngine(model, cfg, optimizer, lr_scheduler=lr_scheduler, rank=rank, world_size=world_size)
     loader = None
     if training_data is not None:
-        sampler = None
+        # as DeepSpeed's loader: shuffled, each rank its own share (call loader.sampler.set_epoch(e)
+        # with several ranks to reshuffle per epoch)
         if world_size > 1:
             sampler = torch.utils.data.distributed.DistributedSampler(training_data, num_replicas=world_size, rank=rank)
+        else:
+            sampler = torch.utils.data.RandomSampler(training_data)
         loader = torch.utils.data.DataLoader(training_data, batch_size=cfg.train_micro_batch_size_per_gpu,
-                                             sampler=sampler, shuffle=False, collate_fn=collate_fn)
+                                             sampler=sampler, collate_fn=collate_fn)
     return engine, optimizer, loader, engine.lr_scheduler
