@@ -169,7 +169,8 @@ def test_clipping_and_global_norm_match_torch(norm_type, tmp_path):
     assert max_diff(model, ref) <= 1e-6
 
 
-def test_bf16_follows_fp32_reference_within_bf16_tolerance():
+@pytest.mark.parametrize("stage,device", [(0, "none"), (1, "cpu"), (2, "nvme")])
+def test_bf16_follows_fp32_reference_within_bf16_tolerance(stage, device, tmp_path):
     X, Y = batches(5)
     ref = make_mlp()
     ref_losses = []
@@ -181,7 +182,7 @@ def test_bf16_follows_fp32_reference_within_bf16_tolerance():
         opt.step()
         ref_losses.append(float(loss.detach()))
     model = make_mlp()
-    engine, *_ = zeroinf.initialize(model, config=config(2, "cpu", bf16={"enabled": True}))
+    engine, *_ = zeroinf.initialize(model, config=config(stage, device, tmp_path, bf16={"enabled": True}))
     assert all(p.dtype == torch.bfloat16 for p in model.parameters())
     losses = train(engine, X.bfloat16(), Y.bfloat16(), 5)
     assert losses == pytest.approx(ref_losses, rel=0.01)
@@ -197,6 +198,25 @@ def test_bf16_follows_fp32_reference_within_bf16_tolerance():
             k = min(master.numel(), flat_ref.numel() - n)
             assert (master[:k] - flat_ref[n:n + k]).abs().median() < 2e-3
             n += k
+    engine.close()
+
+
+def test_adam_with_l2_weight_decay_matches_torch_adam():
+    """DeepSpeed's "Adam" with adam_w_mode false adds weight_decay * param to the gradient."""
+    X, Y = batches(4)
+    ref = make_mlp()
+    opt = torch.optim.Adam(ref.parameters(), lr=LR, betas=(0.8, 0.99), eps=1e-6, weight_decay=0.1, foreach=False)
+    for s in range(4):
+        opt.zero_grad()
+        F.mse_loss(ref(X[s]), Y[s]).backward()
+        opt.step()
+    model = make_mlp()
+    cfg = config(1, "cpu")
+    cfg["optimizer"] = {"type": "Adam", "params": {"lr": LR, "betas": [0.8, 0.99], "eps": 1e-6, "weight_decay": 0.1,
+                                                   "adam_w_mode": False}}
+    engine, *_ = zeroinf.initialize(model, config=cfg)
+    train(engine, X, Y, 4)
+    assert max_diff(model, ref) <= 1e-6
 
 
 def test_fp16_inf_gradient_skips_step_and_lowers_scale(tmp_path):
