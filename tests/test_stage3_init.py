@@ -85,3 +85,37 @@ def test_touching_a_partitioned_parameter_inside_init_is_an_error():
             Reinit()
     lin = nn.Linear(4, 4)  # patches are gone after the context
     assert lin.weight.numel() == 16
+
+
+def test_pretrained_safetensors_stream_into_partitions(tmp_path):
+    from safetensors.torch import save_model
+
+    from zeroinf.runtime.stage3 import load_safetensors
+
+    torch.manual_seed(1)
+    pretrained = TinyLM(tied=True)
+    save_model(pretrained, str(tmp_path / "model.safetensors"))  # the tied head is stored once
+    cfg = {**_cfg("nvme", tmp_path), "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}
+    cfg["zero_optimization"]["offload_param"].update(buffer_count=2, buffer_size=4096)
+    cfg["zero_optimization"]["stage3_param_persistence_threshold"] = 0
+    torch.manual_seed(2)
+    with zeroinf.Init(config=cfg):
+        model = TinyLM(tied=True)
+    engine, *_ = zeroinf.initialize(model=model, config=cfg)
+    assert load_safetensors(model, tmp_path) == []
+    sd = engine.module.state_dict()
+    for name, p in pretrained.named_parameters():
+        assert torch.equal(sd[name], p.detach()), name
+    # the optimizer's fp32 masters follow: one step moves from the loaded weights
+    x = torch.randint(0, 37, (2, 5))
+    engine.backward(engine(x).logsumexp(-1).mean())
+    engine.step()
+    moved = engine.module.state_dict()["blocks.0.ff.0.weight"] - pretrained.blocks[0].ff[0].weight.detach()
+    assert 0 < moved.abs().max().item() < 2e-3  # one AdamW step of lr 1e-3
+    torch.save({"x": 1}, tmp_path / "other.pt")
+    bad = tmp_path / "bad.safetensors"
+    from safetensors.torch import save_file
+    save_file({"emb.weight": torch.zeros(37, 16)}, str(bad))
+    with pytest.raises(KeyError, match="parameters are not in .*nothing was written"):
+        load_safetensors(model, bad)
+    engine.close()

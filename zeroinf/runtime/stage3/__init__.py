@@ -6,8 +6,9 @@
   without the engine.
 * :func:`gathered_parameters` — full parameters for inspection and init (``zeroinf.gathered_parameters``).
 * :class:`Init` — partition parameters while modules are built (``zeroinf.Init``).
+* :func:`load_safetensors` — stream pretrained weights into the partitions.
 """
-from .api import gathered_parameters
+from .api import gathered_parameters, load_safetensors
 from .engine_glue import Stage3EngineParams, engine_manager
 from .init import Init
 from .manager import Stage3ParameterManager
@@ -15,4 +16,4 @@ from .options import Stage3ConfigError, Stage3Options
 from .step import Stage3Optimizer
 
 __all__ = ["Stage3ParameterManager", "Stage3Options", "Stage3ConfigError", "Stage3EngineParams",
-           "engine_manager", "Stage3Optimizer", "gathered_parameters", "Init"]
+           "engine_manager", "Stage3Optimizer", "gathered_parameters", "Init", "load_safetensors"]

@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import contextlib
+import json
+import os
 from typing import Iterable, Iterator, List, Optional
 
 import torch
@@ -11,7 +13,7 @@ from torch import nn
 from .manager import managers
 from .units import UnitState
 
-__all__ = ["gathered_parameters"]
+__all__ = ["gathered_parameters", "load_safetensors"]
 
 
 @contextlib.contextmanager
@@ -71,3 +73,82 @@ def gathered_parameters(params, modifier_rank: Optional[int] = None) -> Iterator
             for m, u, was in plan:
                 if not was:
                     m.release(u)
+
+
+def _safetensors_files(path) -> List[str]:
+    path = os.fspath(path)
+    if os.path.isfile(path):
+        return [path]
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index) as f:
+            shards = sorted(set(json.load(f)["weight_map"].values()))
+        return [os.path.join(path, s) for s in shards]
+    single = os.path.join(path, "model.safetensors")
+    if os.path.isfile(single):
+        return [single]
+    raise FileNotFoundError(f"{path}: neither a .safetensors file nor a folder with model.safetensors "
+                            "or model.safetensors.index.json")
+
+
+def load_safetensors(model: nn.Module, path, *, strict: bool = True) -> List[str]:
+    """Stream pretrained weights into a stage-3 model's partitions, one flat group at a time
+    (each tensor is read from the file only when its group is written; the whole model is never
+    in memory). Each rank keeps the part of each tensor that falls in its partition.
+
+    Args:
+        model: a module managed by a ``Stage3ParameterManager`` (after ``zeroinf.initialize``).
+        path: a ``.safetensors`` file, or a Hugging Face model folder (``model.safetensors`` or
+            ``model.safetensors.index.json`` with its shards).
+        strict: every managed parameter must be in the files (checked before anything is written).
+
+    Returns:
+        Names of managed parameters not found in the files (empty when ``strict``).
+
+    Raises:
+        KeyError: ``strict`` and some parameters are missing (all are named); nothing written.
+        ValueError: a tensor's shape differs from its parameter's; nothing written.
+        FileNotFoundError: ``path`` holds no safetensors weights.
+    """
+    from safetensors import safe_open
+
+    mgr = next((m for m in managers() if m.module is model), None)
+    if mgr is None:
+        raise ValueError("load_safetensors: this model has no stage-3 manager (run zeroinf.initialize with stage 3)")
+    files = _safetensors_files(path)
+    where = {}
+    for f in files:
+        with safe_open(f, framework="pt") as st:
+            for k in st.keys():
+                where[k] = (f, st.get_slice(k).get_shape())
+    names = {}
+    for n, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(p, []).append(n)
+    plan, missing = [], []
+    for g in mgr.groups():
+        items = []
+        for s in g.slots:
+            found = next((n for n in names.get(s.param, [s.name]) if n in where), None)
+            if found is None:
+                missing.append(s.name)
+                continue
+            f, shape = where[found]
+            if tuple(shape) != tuple(s.shape):
+                raise ValueError(f"load_safetensors: {found} in {f} has shape {tuple(shape)}, the model's "
+                                 f"parameter has {tuple(s.shape)}; nothing was written")
+            items.append((s, found, f))
+        plan.append((g, items))
+    if missing and strict:
+        raise KeyError(f"load_safetensors: {len(missing)} parameters are not in {os.fspath(path)}: {missing[:8]}"
+                       f"{'...' if len(missing) > 8 else ''}; nothing was written (strict=False loads the rest)")
+    for g, items in plan:
+        if not items:
+            continue
+        values = []
+        for s, key, f in items:
+            with safe_open(f, framework="pt") as st:
+                values.append((s, st.get_tensor(key).to(g.dtype)))
+        mgr.write_group_values(g, values)
+        del values
+    mgr.params_updated()
+    return missing
