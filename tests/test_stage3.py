@@ -139,9 +139,16 @@ def test_trace_divergence_invalidates_once_and_rerecords():
     st = mgr.stats_dict()
     assert st["invalidations"] == 0 and st["prefetch_hits"] > 0 and st["traces_recorded"] == 1
     model.order = [0, 2]  # [A, C]: B was prefetched ahead of use
+    seen = {}
+    h0 = model.blocks[0].register_forward_hook(lambda *a: seen.setdefault("B after A", mgr.units[3].state) and None)
+    h2 = model.blocks[2].register_forward_pre_hook(lambda *a: seen.setdefault("B at C", mgr.units[3].state) and None)
     x, y = batch(3)
     with pytest.warns(RuntimeWarning, match="differs from the recorded trace"):
         loss_fn(model(x), y).backward()
+    h0.remove()
+    h2.remove()
+    assert seen["B after A"] is not UnitState.RELEASED  # prefetched following the old trace
+    assert seen["B at C"] is UnitState.RELEASED  # dropped as soon as C diverged
     st = mgr.stats_dict()
     assert st["invalidations"] == 1
     assert st["traces_recorded"] == 2

@@ -23,8 +23,9 @@ def _worker(rank, world, tmp, param_tier):
         torch.manual_seed(0)
         ref = TinyLM(tied=True)
         model = copy.deepcopy(ref)
-        mgr = Stage3ParameterManager(model, Stage3Options(param_persistence_threshold=20,
-                                                          offload_param_device=param_tier))
+        mgr = Stage3ParameterManager(model, Stage3Options(
+            param_persistence_threshold=20, offload_param_device=param_tier, nvme_path=tmp,
+            buffer_size=4096, max_in_cpu=0, prefetch_bucket_size=2200, max_reuse_distance=0))
         opt = Stage3Optimizer(mgr, device="cpu", sub_group_size=700)
         ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, foreach=False)
         hyper = [{"lr": LR, "betas": BETAS, "eps": EPS, "weight_decay": WD}]
@@ -64,7 +65,7 @@ def _worker(rank, world, tmp, param_tier):
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("param_tier", ["cpu"])
+@pytest.mark.parametrize("param_tier", ["nvme"])
 def test_two_ranks_equal_plain_pytorch(tmp_path, param_tier):
     mp.spawn(_worker, args=(2, str(tmp_path), param_tier), nprocs=2, join=True)
     res = json.loads((tmp_path / "result.json").read_text())
