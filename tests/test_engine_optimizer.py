@@ -1,0 +1,78 @@
+"""SubGroupOptimizer: NVMe state with every pipelining choice gives the bits of CPU-resident state,
+which follow torch.optim.AdamW; reads of the state, subsets of sub-groups, and its errors."""
+import pytest
+import torch
+
+from zeroinf.runtime.optimizer import SubGroupOptimizer, SubGroupSpec
+
+SIZES = [1, 17, 4097, 33, 1000]
+HYPER = [{"lr": 1e-2, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.01},
+         {"lr": 3e-3, "betas": (0.8, 0.95), "eps": 1e-6, "weight_decay": 0.0}]
+
+
+def specs():
+    return [SubGroupSpec(f"g{i % 2}/s{i}", n, i % 2) for i, n in enumerate(SIZES)]
+
+
+def run(opt, steps=3, out_dtype=torch.float32, indices=None):
+    g = torch.Generator().manual_seed(0)
+    init = [torch.randn(n, generator=g) for n in SIZES]
+    for i, t in enumerate(init):
+        opt.init_master(i, t)
+    outs = [torch.zeros(n, dtype=out_dtype) for n in SIZES]
+    for t in range(1, steps + 1):
+        grads = [torch.randn(n, generator=g) for n in SIZES]
+        opt.step(step=t, hyper=HYPER, grad=lambda i: grads[i], out=lambda i: outs[i], indices=indices)
+    return init, outs
+
+
+@pytest.mark.parametrize("pr,pw", [(False, False), (True, False), (False, True), (True, True)])
+def test_nvme_state_equals_cpu_state_bitwise(pr, pw, tmp_path):
+    _, want = run(SubGroupOptimizer(specs(), device="cpu"))
+    opt = SubGroupOptimizer(specs(), device="nvme", swap_dir=str(tmp_path), buffer_count=1 + pr + pw,
+                            pipeline_read=pr, pipeline_write=pw)
+    _, got = run(opt)
+    assert all(torch.equal(a, b) for a, b in zip(want, got))
+    assert opt.stats.bytes_read == opt.stats.bytes_written == 12 * sum(SIZES)
+    with opt.state(2) as (master, m, v):
+        assert torch.equal(master, got[2]) and m.abs().sum() > 0 and (v > 0).all()
+    opt.close()
+
+
+def test_cpu_state_follows_torch_adamw_and_bf16_out_is_the_rounded_master():
+    opt = SubGroupOptimizer(specs(), device="cpu")
+    init, outs = run(opt, out_dtype=torch.bfloat16)
+    g = torch.Generator().manual_seed(0)
+    [torch.randn(n, generator=g) for n in SIZES]  # the same draws as run()
+    params = [torch.nn.Parameter(t.clone()) for t in init]
+    ref = torch.optim.AdamW([{"params": [p], **HYPER[i % 2]} for i, p in enumerate(params)], foreach=False)
+    for _ in range(3):
+        for p, n in zip(params, SIZES):
+            p.grad = torch.randn(n, generator=g)
+        ref.step()
+    for i, p in enumerate(params):
+        with opt.state(i) as (master, m, v):
+            assert torch.allclose(master, p.detach(), atol=1e-6, rtol=0)
+            assert torch.allclose(v, ref.state[p]["exp_avg_sq"], atol=1e-7, rtol=1e-5)
+            assert torch.equal(outs[i], master.to(torch.bfloat16))
+
+
+def test_subset_of_sub_groups_and_errors(tmp_path):
+    opt = SubGroupOptimizer(specs(), device="nvme", swap_dir=str(tmp_path), pipeline_read=True, buffer_count=2)
+    init, outs = run(opt, steps=1, indices=[4, 1])
+    assert torch.equal(outs[0], torch.zeros(1)) and not torch.equal(outs[4], torch.zeros(1000))
+    with opt.state(0) as (master, _, _):
+        assert torch.equal(master, init[0])  # not stepped
+    with pytest.raises(ValueError, match="g0/s2.*numel 4097"):
+        opt.init_master(2, torch.zeros(5))
+    with pytest.raises(ValueError, match="gradient of sub-group 'g1/s1'"):
+        opt.step(step=2, hyper=HYPER, grad=lambda i: torch.zeros(3), out=lambda i: None, indices=[1])
+    assert len(opt._free) == len(opt._buffers)  # a failed step leaves every buffer free
+    with pytest.raises(ValueError, match="duplicate"):
+        SubGroupOptimizer([SubGroupSpec("a", 1), SubGroupSpec("a", 2)])
+    with pytest.raises(ValueError, match="buffer_count 1 is too small"):
+        SubGroupOptimizer(specs(), device="nvme", swap_dir=str(tmp_path), buffer_count=1, pipeline_write=True)
+    fresh = SubGroupOptimizer(specs(), device="cpu")
+    with pytest.raises(RuntimeError, match="never initialised"):
+        fresh.step(step=1, hyper=HYPER, grad=lambda i: torch.zeros(SIZES[i]), out=lambda i: None)
+    opt.close()
