@@ -34,7 +34,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable, Dict, Iterable, List, Optional
 
-__all__ = ["Row", "bench_parser", "time_median", "print_table", "write_json", "machine_line"]
+__all__ = ["Row", "bench_parser", "time_median", "time_interleaved", "print_table", "write_json", "machine_line"]
 
 
 @dataclass
@@ -104,6 +104,34 @@ def time_median(fn: Callable[[], object], *, repeat: int = 10, warmup: int = 3,
             sync()
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
+
+
+def time_interleaved(fns: Dict[str, Callable[[], object]], *, repeat: int = 10, warmup: int = 3,
+                     sync: Optional[Callable[[], object]] = None) -> Dict[str, float]:
+    """Median wall time in seconds of each function, timed in round-robin rounds.
+
+    Each round calls every function once, in order, so slow drift of a shared machine (other
+    jobs starting, memory bandwidth changing) falls on all of them alike instead of on whichever
+    was timed last. ``warmup`` untimed rounds come first.
+
+    Returns:
+        ``{name: median seconds over `repeat` rounds}``, same keys as ``fns``.
+
+    Raises:
+        ValueError: ``repeat`` < 1 or ``warmup`` < 0.
+    """
+    if repeat < 1 or warmup < 0:
+        raise ValueError(f"time_interleaved: repeat must be >= 1 and warmup >= 0, got {repeat}, {warmup}")
+    times: Dict[str, List[float]] = {name: [] for name in fns}
+    for rnd in range(warmup + repeat):
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()
+            if sync is not None:
+                sync()
+            if rnd >= warmup:
+                times[name].append(time.perf_counter() - t0)
+    return {name: statistics.median(ts) for name, ts in times.items()}
 
 
 def machine_line() -> str:

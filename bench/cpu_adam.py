@@ -13,8 +13,10 @@ Every row reports the median ms/step (after warm-up), params/s and the effective
 the 28 bytes per parameter a single pass must move (fp32: read g,p,m,v + write p,m,v;
 offload: read g16,p,m,v + write p,m,v,p16). ``roof-rmw`` is a streaming read-modify-write over
 the same buffers with those same loads and stores (zeroinf.optim.stream_rmw): the bandwidth
-ceiling measured in the same run. Ratios (``x torch-fused``, ``x roof``) are same-run ratios;
-only those are comparable across machines.
+ceiling measured in the same run. Within a workload and layout the implementations are timed
+in round-robin rounds (bench/_util.time_interleaved), so a shared machine's drift falls on all
+alike. Ratios (``x torch-fused``, ``x roof``) are same-run ratios; only those are comparable
+across machines.
 
     python bench/cpu_adam.py [--n 100000000] [--tensors 100] [--json out.json]
 """
@@ -27,7 +29,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _util import Row, bench_parser, machine_line, print_table, time_median, write_json  # noqa: E402
+from _util import Row, bench_parser, machine_line, print_table, time_interleaved, write_json  # noqa: E402
 
 import zeroinf.optim as zo  # noqa: E402
 
@@ -51,60 +53,49 @@ def _make_params(sizes, dtype):
     return params
 
 
-def bench_fp32(sizes, layout, args, ds_cls):
-    rows = []
-    n = sum(sizes)
-    params = _make_params(sizes, torch.float32)
-
-    def row(name, fn):
-        s = time_median(fn, repeat=args.repeat, warmup=args.warmup)
-        rows.append(Row(name, "fp32", layout, 1e3 * s, BYTES_PER_PARAM * n / s / 1e9, {"params_per_s": n / s}))
-
-    ms = [torch.zeros(s) for s in sizes]
-    vs = [torch.zeros(s) for s in sizes]
-    row("roof-rmw", lambda: [zo.stream_rmw(p.data, p.grad, m, v) for p, m, v in zip(params, ms, vs)])
-    del ms, vs
-    peers = [("zeroinf", lambda ps: zo.CPUAdam(ps, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD)),
-             ("torch-fused", lambda ps: torch.optim.AdamW(ps, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, fused=True)),
+def _peer_makers(ds_cls):
+    peers = [("torch-fused", lambda ps: torch.optim.AdamW(ps, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, fused=True)),
              ("torch-foreach", lambda ps: torch.optim.AdamW(ps, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, foreach=True))]
     if ds_cls is not None:
         peers.append(("deepspeed", lambda ps: ds_cls(ps, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, adamw_mode=True)))
-    for name, make in peers:
-        opt = make(params)
-        row(name, opt.step)
-        del opt
-        gc.collect()
-    return rows
+    return peers
+
+
+def _rows(fns, workload, layout, n, args):
+    secs = time_interleaved(fns, repeat=args.repeat, warmup=args.warmup)
+    return [Row(name, workload, layout, 1e3 * s, BYTES_PER_PARAM * n / s / 1e9, {"params_per_s": n / s})
+            for name, s in secs.items()]
+
+
+def bench_fp32(sizes, layout, args, ds_cls):
+    """fp32 params and grads; every implementation steps the same parameter tensors."""
+    n = sum(sizes)
+    params = _make_params(sizes, torch.float32)
+    ms = [torch.zeros(s) for s in sizes]
+    vs = [torch.zeros(s) for s in sizes]
+    fns = {"roof-rmw": lambda: [zo.stream_rmw(p.data, p.grad, m, v) for p, m, v in zip(params, ms, vs)],
+           "zeroinf": zo.CPUAdam(params, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD).step}
+    for name, make in _peer_makers(ds_cls):
+        fns[name] = make(params).step
+    return _rows(fns, "fp32", layout, n, args)
 
 
 def bench_offload(sizes, layout, args, ds_cls):
-    rows = []
+    """fp32 master, bf16 grads in, bf16 params out.
+
+    zeroinf: CPUAdam over bf16 parameters with bf16 grads (fp32 master in its state, one pass).
+    Peers: fp32 master parameters; cast the grads in, step, cast the params out (three passes).
+    The roof reads and writes the same bytes as zeroinf's single pass.
+    """
     n = sum(sizes)
     grads16 = [(torch.randn(s) * 1e-2).to(torch.bfloat16) for s in sizes]
-
-    def row(name, fn):
-        s = time_median(fn, repeat=args.repeat, warmup=args.warmup)
-        rows.append(Row(name, "offload-bf16", layout, 1e3 * s, BYTES_PER_PARAM * n / s / 1e9, {"params_per_s": n / s}))
-
-    # roof: same buffers and bytes as zeroinf's pass (bf16 grads in, fp32 p/m/v, bf16 out)
+    out16 = [torch.zeros(s, dtype=torch.bfloat16) for s in sizes]
     master = [torch.randn(s) for s in sizes]
     ms = [torch.zeros(s) for s in sizes]
     vs = [torch.zeros(s) for s in sizes]
-    out16 = [torch.zeros(s, dtype=torch.bfloat16) for s in sizes]
-    row("roof-rmw", lambda: [zo.stream_rmw(p, g, m, v, o) for p, g, m, v, o in zip(master, grads16, ms, vs, out16)])
-    del ms, vs
-    gc.collect()
-
-    # zeroinf: CPUAdam over bf16 parameters whose grads are bf16; fp32 master in the state.
-    p16 = [torch.nn.Parameter(o) for o in out16]
+    p16 = [torch.nn.Parameter(torch.randn(s).to(torch.bfloat16)) for s in sizes]
     for p, g in zip(p16, grads16):
         p.grad = g
-    opt = zo.CPUAdam(p16, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD)
-    row("zeroinf", opt.step)
-    del opt, p16
-    gc.collect()
-
-    # peers: fp32 master params; cast grads in, step, cast params out (separate passes)
     fp32_params = [torch.nn.Parameter(m) for m in master]
     for p in fp32_params:
         p.grad = torch.zeros(p.shape)
@@ -118,16 +109,11 @@ def bench_offload(sizes, layout, args, ds_cls):
                 o.copy_(p.detach())
         return step
 
-    peers = [("torch-fused", lambda ps: torch.optim.AdamW(ps, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, fused=True)),
-             ("torch-foreach", lambda ps: torch.optim.AdamW(ps, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, foreach=True))]
-    if ds_cls is not None:
-        peers.append(("deepspeed", lambda ps: ds_cls(ps, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, adamw_mode=True)))
-    for name, make in peers:
-        opt = make(fp32_params)
-        row(name, casting_step(opt))
-        del opt
-        gc.collect()
-    return rows
+    fns = {"roof-rmw": lambda: [zo.stream_rmw(p, g, m, v, o) for p, g, m, v, o in zip(master, grads16, ms, vs, out16)],
+           "zeroinf": zo.CPUAdam(p16, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD).step}
+    for name, make in _peer_makers(ds_cls):
+        fns[name] = casting_step(make(fp32_params))
+    return _rows(fns, "offload-bf16", layout, n, args)
 
 
 def main() -> int:
@@ -140,7 +126,7 @@ def main() -> int:
     info = zo.isa_info()
     print(machine_line())
     print(f"torch {torch.__version__}, {threads} threads, zeroinf Adam path: {info['chosen']}, "
-          f"n={args.n:,}, median of {args.repeat} after {args.warmup} warm-up")
+          f"n={args.n:,}, median of {args.repeat} interleaved rounds after {args.warmup} warm-up")
     ds_cls = _deepspeed_cls()
     layouts = [([args.n], f"1x{_human(args.n)}")]
     if args.tensors > 1:
