@@ -109,3 +109,13 @@ def test_report_shows_op_states_and_the_chosen_isa(monkeypatch, capsys):
     assert cli.main(["report"]) == 0
     out = capsys.readouterr().out
     assert "forced by ZEROINF_ADAM_ISA=scalar" in out and "adam" in out and "libaio" in out
+
+
+@pytest.mark.parametrize("value", ["0", "yes"])
+def test_op_status_and_loading_agree_on_force_jit(fresh_loader, monkeypatch, value):
+    """op_status must report the source load_op would really use, for any ZEROINF_FORCE_JIT value."""
+    monkeypatch.setenv("ZEROINF_FORCE_JIT", value)
+    monkeypatch.setattr(loader.importlib.util, "find_spec",
+                        lambda name, *a: object() if name == "zeroinf._ops_adam" else None)
+    state = op_status("adam")["state"]
+    assert (state == "prebuilt") == loader._has_prebuilt("adam")

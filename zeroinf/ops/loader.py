@@ -283,7 +283,7 @@ def op_status(name: str) -> dict:
     blockers = cuda_blockers(need_nvcc=not _has_prebuilt(name)) if spec.cuda else []
     if blockers:
         return {"op": name, "state": "fallback", "why": "; ".join(blockers), "notes": notes}
-    if importlib.util.find_spec(f"zeroinf._ops_{name}") is not None and not os.environ.get("ZEROINF_FORCE_JIT"):
+    if _has_prebuilt(name):  # the same test load_op applies, so report and loading agree
         return {"op": name, "state": "prebuilt", "why": "installed with ZEROINF_BUILD_OPS=1", "notes": notes}
     cxx = _compiler()
     if cxx is None:
