@@ -49,9 +49,10 @@ def _cfg(stage, device, tmp, **extra):
 
 
 def _worker(rank: int, port: int, tmp: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    # as torchrun would set them: zeroinf.initialize creates the (gloo) process group itself
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(WORLD),
+                      LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
     try:
         X, Y = batches(4)
         # 1. stages 0/1/2 with CPU or NVMe optimizer state equal one process on the combined batch
@@ -65,7 +66,8 @@ def _worker(rank: int, port: int, tmp: str) -> None:
             cfg = _cfg(stage, device, nvme)
             cfg["zero_optimization"]["reduce_scatter"] = rs
             engine, *_ = zeroinf.initialize(model, config=cfg)
-            assert engine.config.train_batch_size == 4
+            assert dist.is_initialized() and dist.get_backend() == "gloo"
+            assert engine.config.train_batch_size == 4 and (engine.rank, engine.world_size) == (rank, WORLD)
             _train_shard(engine, X, Y, 3, rank)
             assert max_diff(model, ref) <= 1e-6, (stage, device, rank, max_diff(model, ref))
             assert engine.get_global_grad_norm() == pytest.approx(ref_norms[-1], rel=1e-6), (stage, device)
@@ -122,7 +124,8 @@ def _worker(rank: int, port: int, tmp: str) -> None:
             plain.load_state_dict(torch.load(os.path.join(tmp, "full.pt"), weights_only=True))
             assert max_diff(plain, ref) <= 1e-6 and set(sd) == set(ref.state_dict())
     finally:
-        dist.destroy_process_group()
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
 
 def test_two_ranks_equal_one_rank(tmp_path):

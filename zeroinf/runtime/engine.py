@@ -59,6 +59,13 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
 
 def _world() -> tuple:
+    """(rank, world size). Under a launcher (torchrun sets ``WORLD_SIZE`` > 1 and ``RANK``) with no
+    process group yet, one is created as ``deepspeed.initialize`` does: NCCL when CUDA is
+    available (device ``LOCAL_RANK``), else gloo. One process needs no torch.distributed."""
+    if dist.is_available() and not dist.is_initialized() and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        if torch.cuda.is_available():
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
     return 0, 1
