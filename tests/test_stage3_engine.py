@@ -125,3 +125,27 @@ def test_gathered_parameters_reads_and_writes_persist(tmp_path):
     for name, p in ref.named_parameters():
         assert (sd[name] - p.detach()).abs().max().item() <= 1e-6, name
     engine.close()
+
+
+def test_gradient_accumulation_counts_each_micro_batch_once(tmp_path):
+    ref = TinyLM(tied=True)
+    model = copy.deepcopy(ref)
+    cfg = _config("nvme", "cpu", tmp_path)
+    cfg["gradient_accumulation_steps"] = 2
+    engine, *_ = zeroinf.initialize(model=model, config=cfg)
+    opt = torch.optim.AdamW(ref.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, foreach=False)
+    for step in range(2):
+        for mb in range(2):
+            x, y = batch(10 * step + mb)
+            engine.backward(loss_fn(engine(x), y))
+            engine.step()
+            (loss_fn(ref(x), y) / 2).backward()
+            assert set(engine.params.manager.last_reduce_counts.values()) == {1}
+        ref_norm = torch.norm(torch.stack([p.grad.norm() for p in ref.parameters()])).item()
+        assert abs(engine.get_global_grad_norm() - ref_norm) <= 1e-5 * ref_norm
+        opt.step()
+        opt.zero_grad()
+    sd = _state(engine)
+    for name, p in ref.named_parameters():
+        assert (sd[name] - p.detach()).abs().max().item() <= 1e-6, name
+    engine.close()
