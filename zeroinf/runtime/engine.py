@@ -29,9 +29,11 @@ from __future__ import annotations
 import math
 import os
 import shutil
+import tempfile
 import time
 from typing import Any, Dict, List, Optional
 
+import psutil
 import torch
 import torch.distributed as dist
 
@@ -163,8 +165,6 @@ class ZeroEngine:
             self.params.attach_optimizer(self.sub_optimizer)
         del fp32_copies
 
-        if lr_scheduler is not None and cfg.scheduler is not None:
-            raise ConfigError("scheduler", "given both in the config and to initialize(); use one")
         if lr_scheduler is None and cfg.scheduler is not None:
             from .lr_schedules import build_scheduler
             lr_scheduler = build_scheduler(cfg.scheduler, optimizer)
@@ -183,8 +183,12 @@ class ZeroEngine:
         path = off.nvme_path
         if not os.path.isdir(path):
             raise ConfigError(key, f"{path!r} does not exist or is not a directory")
-        if not os.access(path, os.W_OK | os.X_OK):
-            raise ConfigError(key, f"{path!r} is not writable")
+        try:  # a real write: permission bits say nothing for root or a read-only mount
+            with tempfile.NamedTemporaryFile(dir=path, prefix=".zeroinf-probe-") as f:
+                f.write(b"\0")
+                f.flush()
+        except OSError as exc:
+            raise ConfigError(key, f"{path!r} is not writable: {exc.strerror or exc}") from None
         need = sum(12 * s.numel for s in specs)
         swap_dir = os.path.join(path, "zeroinf_optimizer", f"rank{self.rank}")
         have = shutil.disk_usage(path).free + _dir_bytes(swap_dir)
@@ -192,7 +196,6 @@ class ZeroEngine:
             raise ConfigError(key, f"{path!r} has {have / 1e9:.3f} GB free; the optimizer swap files need "
                               f"{need / 1e9:.3f} GB (12 bytes per element of this rank's partition)")
         from zeroinf.io import pinned_pool_bytes
-        import psutil
 
         count = min(off.buffer_count, 1 + off.pipeline_read + off.pipeline_write, max(1, len(specs)))
         pinned = pinned_pool_bytes(count, 12 * max(s.numel for s in specs))
@@ -416,6 +419,8 @@ def initialize(model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer
     cfg = parse_config(config, world_size=world_size)
     if optimizer is not None and cfg.optimizer is not None:
         raise ConfigError("optimizer", "given both in the config and to initialize(); use one")
+    if lr_scheduler is not None and cfg.scheduler is not None:
+        raise ConfigError("scheduler", "given both in the config and to initialize(); use one")
     if optimizer is None:
         if cfg.optimizer is None:
             raise ConfigError("optimizer", "required: set optimizer {type, params} or pass optimizer=")
