@@ -339,3 +339,26 @@ def test_training_data_gives_a_loader_of_micro_batches():
     seen = torch.cat([b[0] for b in loader]).reshape(-1)
     assert [len(b[0]) for b in loader] == [4, 4, 2]
     assert sorted(seen.tolist()) == list(range(10))
+
+
+def test_deepspeed_lr_schedules_at_known_points():
+    from zeroinf.runtime.lr_schedules import WarmupCosineLR, WarmupDecayLR, WarmupLR
+
+    def lrs(sched, points):
+        out = {}
+        for t in range(max(points) + 1):
+            if t in points:
+                out[t] = sched.optimizer.param_groups[0]["lr"]
+            sched.step()
+        return [out[t] for t in points]
+
+    opt = lambda lr=1.0: torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=lr)  # noqa: E731
+    # log warm-up: log(t + 1) / log(W)
+    assert lrs(WarmupLR(opt(), 0.0, 1.0, 10, "log"), [0, 1, 9, 20]) == pytest.approx(
+        [0.0, math.log(2) / math.log(10), 1.0, 1.0])
+    # linear warm-up over 4, then linear decay to 0 at 10
+    assert lrs(WarmupDecayLR(opt(), 10, 0.0, 1.0, 4, "linear"), [2, 4, 7, 10, 12]) == pytest.approx(
+        [0.5, 1.0, 0.5, 0.0, 0.0])
+    # ratio warm-up from 0.2, then half a cosine over the 6 remaining steps, times the base lr 0.1
+    assert lrs(WarmupCosineLR(opt(0.1), 10, 0.2, 4, 0.0, "linear"), [2, 4, 9]) == pytest.approx(
+        [0.06, 0.1 * (1 + math.cos(math.pi / 6)) / 2, 0.0], abs=1e-12)
