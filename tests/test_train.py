@@ -105,23 +105,24 @@ def test_bad_input_exits_with_one_line(case, tmp_path, capsys):
     assert len(err) == 1 and culprit in err[0], err
 
 
-def test_two_ranks_agree_with_one(tmp_path):
-    common = ["--offload", OFFLOAD, "--steps", "4", "--size", "tiny", "--seq-len", "32", "--no-plot"]
-    _train([*common, "--micro-batch", "4", "--out", "one"], tmp_path)
+def test_two_ranks_agree_with_one(main_run, tmp_path):
+    """2 ranks x micro-batch 2 see the rows of 1 rank x micro-batch 4 (the main run)."""
+    args = ["--offload", OFFLOAD, "--steps", "4", *TINY, "--micro-batch", "2", "--no-plot", "--out", "two"]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                           "-m", "zeroinf", "train", *common, "--micro-batch", "2", "--out", "two"],
-                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
+                           "-m", "zeroinf", "train", *args], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=240)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    one, two = _log(tmp_path / "one"), _log(tmp_path / "two")
-    assert [r["tokens"] for r in two] == [r["tokens"] for r in one] == [4 * 32] * 4
+    one, two = _log(main_run[0] / "out")[:4], _log(tmp_path / "two")
+    assert "2 rank(s) x micro-batch 2" in proc.stdout
+    assert [r["tokens"] for r in two] == [r["tokens"] for r in one] == [4 * 64] * 4
     np.testing.assert_allclose([r["loss"] for r in two], [r["loss"] for r in one], rtol=0, atol=1e-5)
     np.testing.assert_allclose([r["grad_norm"] for r in two], [r["grad_norm"] for r in one], rtol=1e-4)
 
 
-def test_interrupt_and_resume_reproduce_the_trajectory(tmp_path):
-    args = ["--offload", OFFLOAD, "--steps", "8", *TINY, "--no-plot"]
-    _train([*args, "--out", "full"], tmp_path)
+def test_interrupt_and_resume_reproduce_the_trajectory(main_run, tmp_path):
+    """Ctrl-C after step 3 or later, then --resume: the 20 losses of the uninterrupted main run."""
+    args = ["--offload", OFFLOAD, "--steps", "20", *TINY, "--no-plot"]
     env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
     proc = subprocess.Popen([sys.executable, "-m", "zeroinf", "train", *args, "--out", "cut"], cwd=tmp_path,
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -129,15 +130,15 @@ def test_interrupt_and_resume_reproduce_the_trajectory(tmp_path):
     deadline = time.time() + 180
     while (not log.exists() or len(log.read_text().splitlines()) < 3) and proc.poll() is None:
         assert time.time() < deadline, "the run wrote no 3 steps in time"
-        time.sleep(0.05)
+        time.sleep(0.01)
     proc.send_signal(signal.SIGINT)            # what Ctrl-C sends
     out, err = proc.communicate(timeout=120)
     stopped = len(_log(tmp_path / "cut"))
-    assert proc.returncode == 130 and 3 <= stopped < 8, (proc.returncode, stopped, err[-2000:])
+    assert proc.returncode == 130 and 3 <= stopped < 20, (proc.returncode, stopped, err[-2000:])
     assert "Traceback" not in err and f"--resume {Path('cut')}" in out
     _train(["--resume", "cut"], tmp_path)
-    full, cut = _log(tmp_path / "full"), _log(tmp_path / "cut")
-    assert [r["step"] for r in cut] == list(range(1, 9))
+    full, cut = _log(main_run[0] / "out"), _log(tmp_path / "cut")
+    assert [r["step"] for r in cut] == list(range(1, 21))
     np.testing.assert_allclose([r["loss"] for r in cut], [r["loss"] for r in full], rtol=0, atol=1e-6)
 
 

@@ -35,7 +35,7 @@ PRESETS = {
         "125m": dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12, intermediate_size=3072),
         "350m": dict(hidden_size=1024, num_hidden_layers=24, num_attention_heads=16, intermediate_size=2816),
         "1b": dict(hidden_size=2048, num_hidden_layers=22, num_attention_heads=32, intermediate_size=5632),
-        "3b": dict(hidden_size=2560, num_hidden_layers=36, num_attention_heads=20, intermediate_size=6912),
+        "3b": dict(hidden_size=2560, num_hidden_layers=42, num_attention_heads=20, intermediate_size=6912),
     },
     "gpt2": {
         "tiny": dict(n_embd=64, n_layer=2, n_head=4),
