@@ -185,12 +185,16 @@ class PlainEngine:
                  weight_decay: float = 0.0, adamw: bool = True, clip: float = 0.0, norm_type: float = 2.0,
                  grad_accum: int = 1, dtype: str = "fp32", device: str = "cpu"):
         self.dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
+        trainable = [p for p in model.parameters() if p.requires_grad]
+        # master weights are fp32 copies taken before the cast, so they start exact
+        master = [p.detach().to(device=device, dtype=torch.float32, copy=True) for p in trainable]
         self.module = model.to(device=device, dtype=self.dtype)
         self.params = [p for p in self.module.parameters() if p.requires_grad]
         if self.dtype == torch.float32:
             self.master = self.params
         else:
-            self.master = [p.detach().float().clone().requires_grad_(True) for p in self.params]
+            self.master = [m.requires_grad_(True) for m in master]
+        del master
         opt_cls = torch.optim.AdamW if adamw else torch.optim.Adam
         self.optimizer = opt_cls(self.master, lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
                                  foreach=False)
