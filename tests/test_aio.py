@@ -353,3 +353,16 @@ def test_tune_io_cli_prints_a_loadable_aio_block(tmp_path, capsys):
     assert block["aio"]["block_size"] in (1 << 18, 1 << 19) and block["aio"]["queue_depth"] == 2
     AsyncIOHandle.from_config(block["aio"])
     assert list(tmp_path.iterdir()) == []  # the test file is removed
+
+
+def test_wait_raises_first_failure_and_keeps_the_others(backend, tmp_path, monkeypatch):
+    monkeypatch.setenv("ZEROINF_AIO_FAULT", "enospc:4096")
+    h = AsyncIOHandle(block_size=4096, queue_depth=2)
+    h.async_pwrite(_rand_bytes(100), tmp_path / "fits")         # below byte 4096: succeeds
+    h.async_pwrite(_rand_bytes(8192), tmp_path / "a")
+    h.async_pwrite(_rand_bytes(8192), tmp_path / "b")
+    with pytest.raises(DiskFullError) as ei:
+        h.wait()
+    assert ei.value.filename == str(tmp_path / "a")
+    assert [e.filename for e in ei.value.other_errors] == [str(tmp_path / "b")]
+    assert (tmp_path / "fits").stat().st_size == 100 and h.pending() == 0
