@@ -149,3 +149,52 @@ def test_gradient_accumulation_counts_each_micro_batch_once(tmp_path):
     for name, p in ref.named_parameters():
         assert (sd[name] - p.detach()).abs().max().item() <= 1e-6, name
     engine.close()
+
+
+def test_gradients_on_nvme_with_clipping_equal_reference(tmp_path):
+    ref = TinyLM(tied=True)
+    model = copy.deepcopy(ref)
+    cfg = _config("nvme", "nvme", tmp_path, sub_group_size=700)  # several sub-groups per flat group
+    cfg["gradient_clipping"] = 0.5
+    engine, *_ = zeroinf.initialize(model=model, config=cfg)
+    assert engine.params.manager.options.grads_on_nvme
+    assert all(g.grad_shard is None for g in engine.params.manager.groups())  # no host copy
+    opt = torch.optim.AdamW(ref.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, foreach=False)
+    for step in range(1, 4):
+        x, y = batch(step)
+        engine.backward(loss_fn(engine(x), y))
+        engine.step()
+        loss_fn(ref(x), y).backward()
+        norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5).item()
+        assert abs(engine.get_global_grad_norm() - norm) <= 1e-5 * norm and norm > 0.5  # clipping is active
+        opt.step()
+        opt.zero_grad()
+    sd = _state(engine)
+    for name, p in ref.named_parameters():
+        assert (sd[name] - p.detach()).abs().max().item() <= 1e-6, name
+    assert all(g.grad_shard is None for g in engine.params.manager.groups())
+    engine.close()
+
+
+def test_host_memory_does_not_grow_with_model_size_on_nvme(tmp_path):
+    """Peak RSS for P and ~4P parameters (params + optimizer + gradients on NVMe) differs by less
+    than the configured pinned buffers. Subprocesses, so each peak is its own."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    buf = 600_000  # elements: offload_param.buffer_size and sub_group_size
+    here = os.path.dirname(os.path.abspath(__file__))
+    # a fixed mmap threshold: glibc's dynamic one keeps freed blocks resident on the heap
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "131072"}
+    res = []
+    for blocks in (2, 8):
+        out = subprocess.run([sys.executable, os.path.join(here, "stage3_mem_probe.py"), "256", str(blocks),
+                              str(tmp_path), str(buf)], capture_output=True, text=True, timeout=300, env=env, cwd=here)
+        assert out.returncode == 0, out.stderr
+        res.append(json.loads(out.stdout.strip().splitlines()[-1]))
+    buffers = 2 * buf * 4 + 3 * 12 * buf  # parameter staging buffers + optimizer swap buffers, bytes
+    extra_state = (res[1]["params"] - res[0]["params"]) * 20  # fp32 param, grad, master, m, v
+    assert res[1]["params"] > 3.5 * res[0]["params"]
+    assert res[1]["growth"] - res[0]["growth"] < buffers < extra_state, (res, buffers)

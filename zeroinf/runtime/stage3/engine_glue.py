@@ -8,9 +8,10 @@ only reports what moved.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -42,6 +43,9 @@ def engine_manager(model: torch.nn.Module, cfg, groups: Sequence[Sequence[torch.
         groups: trainable parameters of each optimizer param group.
     """
     opts = Stage3Options.from_zero_config(cfg.zero_optimization, cfg.aio.as_dict())
+    zc = cfg.zero_optimization
+    if zc.offload_param.device == "nvme" and zc.offload_optimizer.device == "nvme":
+        opts = dataclasses.replace(opts, grads_on_nvme=True)  # ZeRO-Infinity: host memory flat in model size
     return Stage3EngineParams(model, opts, groups, sub_group_size=cfg.zero_optimization.sub_group_size)
 
 
@@ -77,6 +81,11 @@ class Stage3EngineParams:
                 self._subs.append((g, lo, min(g.shard_numel, lo + sub_group_size), gi))
                 self._keys.append(f"{g.key}/s{k}")
         self._staged: Optional[Tuple[FlatGroup, torch.Tensor]] = None
+        # [Note: gradient cache] With gradient partitions on NVMe, grad(i) reads its flat group's
+        # partition into one host tensor. The engine may change it in place (clipping) and
+        # calls grad(i) again inside the optimizer step, so the tensor is written back when
+        # grad() moves to another group, unless param_target() showed the optimizer consumed it.
+        self._grad_cache: Optional[List[Any]] = None  # [group, tensor, write back?]
         self._install_state_dict_hooks(model)
 
     # --- the seam -------------------------------------------------------------------------
@@ -111,15 +120,31 @@ class Stage3EngineParams:
         return int(self.manager.stats.last.get("bytes_reduce", 0) // 4) if self.nparts > 1 else 0
 
     def grad(self, i: int) -> torch.Tensor:
+        """This rank's accumulated fp32 gradient of sub-group ``i`` (CPU; changes persist)."""
         g, lo, hi, _ = self._subs[i]
+        if self.manager.options.grads_on_nvme:
+            c = self._grad_cache
+            if c is None or c[0] is not g:
+                self._flush_grad()
+                t = torch.empty(g.shard_numel, dtype=torch.float32)
+                self.manager.read_grad_shard(g, t)
+                self._grad_cache = c = [g, t, True]
+            return c[1][lo:hi]
         if g.grad_shard is None:
             g.grad_shard = torch.zeros(g.shard_numel, dtype=torch.float32)
         return g.grad_shard[lo:hi]
+
+    def _flush_grad(self, write: bool = True) -> None:
+        c, self._grad_cache = self._grad_cache, None
+        if c is not None and c[2] and write:
+            self.manager.write_grad_shard(c[0], c[1])
 
     def param_target(self, i: int) -> torch.Tensor:
         """Where sub-group ``i``'s updated parameters go: the partition itself (device/CPU tier),
         or a staging tensor written to the swap file once the group's sub-groups are done."""
         g, lo, hi, _ = self._subs[i]
+        if self._grad_cache is not None and self._grad_cache[0] is g:
+            self._grad_cache[2] = False  # the optimizer step consumes this gradient
         local = g.store.local()
         if local is not None:
             return local[lo:hi]
@@ -139,14 +164,26 @@ class Stage3EngineParams:
         """After the step: write back the last staged partition; partitions are gathered when
         the forward needs them, so nothing is all-gathered here."""
         self._flush()
+        self._flush_grad(write=False)
         self.manager.params_updated()
         return 0
 
     def zero_grad_acc(self) -> None:
+        self._flush_grad(write=False)
         self.manager.zero_grad()
 
+    def _grad_tensors(self):
+        if not self.manager.options.grads_on_nvme:
+            yield from (g.grad_shard for g in self.manager.groups() if g.grad_shard is not None)
+            return
+        self._flush_grad()
+        for g in self.manager.groups():  # streamed: one partition in memory at a time
+            t = torch.empty(g.shard_numel, dtype=torch.float32)
+            self.manager.read_grad_shard(g, t)
+            yield t
+
     def local_grad_norm_parts(self, norm_type: float) -> Tuple[float, bool]:
-        vals = [g.grad_shard for g in self.manager.groups() if g.grad_shard is not None]
+        vals = self._grad_tensors()
         if norm_type == math.inf:
             return max((float(v.abs().max()) for v in vals if v.numel()), default=0.0), True
         return sum(float(torch.linalg.vector_norm(v, norm_type, dtype=torch.float32).double() ** norm_type)

@@ -173,6 +173,7 @@ class Stage3ParameterManager:
         self._storage_of: Dict[int, FlatGroup] = {}
         self._handles: list = []
         self._staged: Dict[int, _Staged] = {}
+        self._grad_io: list = []  # futures of gradient accumulations on NVMe
 
         from .init import init_shapes  # parameters partitioned at construction (zeroinf.Init)
         shapes = init_shapes(module)
@@ -246,6 +247,9 @@ class Stage3ParameterManager:
             self._pool = zio.PinnedBufferPool(opts.buffer_count, opts.buffer_size * elem)
             self._cache = HostCache(opts.max_in_cpu, opts.pin_memory) if opts.max_in_cpu > 0 else None
             self._io = ThreadPoolExecutor(1, thread_name_prefix="zeroinf-stage3-io")
+        if opts.grads_on_nvme:
+            for g in self.groups():
+                self._swapper.register(self._grad_key(g), g.shard_numel, torch.float32)
         for u in self.units:
             for g in u.groups:
                 if tier == "nvme":
@@ -654,9 +658,14 @@ class Stage3ParameterManager:
                 g.grad_full.div_(self.world_size)
                 self.stats.add("bytes_reduce", g.grad_full.numel() * g.grad_full.element_size())
             lo, hi = self._shard_range(g)
-            if g.grad_shard is None:
-                g.grad_shard = torch.zeros(g.shard_numel, dtype=torch.float32, device="cpu")
-            g.grad_shard.add_(g.grad_full[lo:hi].to(device="cpu", dtype=torch.float32))
+            part = g.grad_full[lo:hi].to(device="cpu", dtype=torch.float32)
+            if self.options.grads_on_nvme:
+                # accumulate in the swap file on the I/O thread; the next unit's backward overlaps it
+                self._grad_io.append(self._io.submit(self._accumulate_grad_on_nvme, g, part))
+            else:
+                if g.grad_shard is None:
+                    g.grad_shard = torch.zeros(g.shard_numel, dtype=torch.float32, device="cpu")
+                g.grad_shard.add_(part)
             g.grad_full = None
             did = True
             self.tracer.span(f"reduce {g.key}", "comm", t0, self.tracer.now())
@@ -670,6 +679,7 @@ class Stage3ParameterManager:
             for u in self.units:
                 if any(g.grad_full is not None for g in u.groups):
                     self._reduce(u)
+            self.check_grad_io(wait=False)
             self._in_backward = False
             if self.tracer is not None and hasattr(self, "_t_bwd"):
                 self.tracer.span("backward", "unit", self._t_bwd, self.tracer.now())
@@ -719,10 +729,78 @@ class Stage3ParameterManager:
             self.release(self.units[0])
 
     def zero_grad(self) -> None:
-        """Zero every ``grad_shard`` (after an optimizer step)."""
+        """Zero every gradient partition (after an optimizer step)."""
+        if self.options.grads_on_nvme:
+            self.check_grad_io(wait=True)
+            for g in self.groups():
+                g.grad_on_nvme = False
         for g in self.groups():
             if g.grad_shard is not None:
                 g.grad_shard.zero_()
+
+    # [Note: gradients on NVMe] With grads_on_nvme, each unit's reduced fp32 gradient partition
+    # is added into its swap file on the I/O thread (a write for the first micro-batch, a
+    # read-add-write after), in submission order, so host memory holds only the partitions in
+    # flight. read_grad_shard / write_grad_shard run on the same thread, hence after them.
+    def check_grad_io(self, wait: bool = False) -> None:
+        """Raise the first failed gradient write (an ``OSError`` naming the file); with
+        ``wait``, wait for all of them first."""
+        keep = []
+        for f in self._grad_io:
+            if wait or f.done():
+                f.result()
+            else:
+                keep.append(f)
+        self._grad_io = keep
+
+    @staticmethod
+    def _grad_key(g: FlatGroup) -> str:
+        return f"grad/{g.key}"
+
+    def _accumulate_grad_on_nvme(self, g: FlatGroup, part: torch.Tensor) -> None:
+        t0 = self.tracer.now()
+        key = self._grad_key(g)
+        nbytes = part.numel() * 4
+        if g.grad_on_nvme:
+            acc = torch.empty_like(part)
+            self._swapper.swap_in([(key, acc)], async_op=False)
+            acc.add_(part)
+            part = acc
+            self.stats.add("bytes_nvme_read", nbytes)
+        self._swapper.swap_out([(key, part.contiguous())], async_op=False)
+        g.grad_on_nvme = True
+        self.stats.add("bytes_nvme_written", nbytes)
+        self.tracer.span(f"grad {g.key}", "transfer", t0, self.tracer.now(), thread="io")
+
+    def read_grad_shard(self, g: FlatGroup, dst: torch.Tensor) -> None:
+        """Copy this rank's accumulated fp32 gradient partition of ``g`` into ``dst``."""
+        if not self.options.grads_on_nvme:
+            if g.grad_shard is None:
+                dst.zero_()
+            else:
+                dst.copy_(g.grad_shard)
+            return
+        self.check_grad_io(wait=True)
+
+        def read():
+            if g.grad_on_nvme:
+                self._swapper.swap_in([(self._grad_key(g), dst)], async_op=False)
+            else:
+                dst.zero_()
+        self._run_io(read)
+
+    def write_grad_shard(self, g: FlatGroup, src: torch.Tensor) -> None:
+        """Replace this rank's gradient partition of ``g`` by ``src`` (fp32, ``shard_numel``)."""
+        if not self.options.grads_on_nvme:
+            if g.grad_shard is None:
+                g.grad_shard = torch.zeros(g.shard_numel, dtype=torch.float32)
+            g.grad_shard.copy_(src)
+            return
+
+        def write():
+            self._swapper.swap_out([(self._grad_key(g), src.contiguous())], async_op=False)
+            g.grad_on_nvme = True
+        self._run_io(write)
 
     def gather_group_copy(self, g: FlatGroup) -> torch.Tensor:
         """A new full flat tensor (``padded_numel`` elements, on the compute device) of group

@@ -48,6 +48,10 @@ class Stage3Options:
         unit_classes: module class names that form units (like FSDP's
             ``transformer_layer_cls_to_wrap``); ``None`` finds them automatically.
         aio: the DeepSpeed ``aio`` block handed to ``AsyncIOHandle.from_config``.
+        grads_on_nvme: keep the accumulated fp32 gradient partitions in swap files next to the
+            parameter partitions instead of host memory (needs ``offload_param.device: nvme``);
+            the engine turns it on when parameters and optimizer are both on NVMe, so host
+            memory does not grow with the model.
     """
 
     offload_param_device: str = "none"
@@ -62,11 +66,15 @@ class Stage3Options:
     prefetch_bucket_size: int = 50_000_000
     unit_classes: Optional[Tuple[str, ...]] = None
     aio: Dict[str, Any] = field(default_factory=dict)
+    grads_on_nvme: bool = False
 
     def __post_init__(self):
         if self.offload_param_device not in _TIERS:
             raise Stage3ConfigError("zero_optimization.offload_param.device",
                                     f"{self.offload_param_device!r} is not one of {list(_TIERS)}")
+        if self.grads_on_nvme and self.offload_param_device != "nvme":
+            raise Stage3ConfigError("zero_optimization.offload_param.device",
+                                    "gradient partitions on NVMe need the parameters on NVMe")
         if self.offload_param_device == "nvme" and not self.nvme_path:
             raise Stage3ConfigError("zero_optimization.offload_param.nvme_path",
                                     "required when offload_param.device is 'nvme'")

@@ -67,6 +67,7 @@ class FlatGroup:
     full: Optional[torch.Tensor] = None
     grad_full: Optional[torch.Tensor] = None
     grad_shard: Optional[torch.Tensor] = None
+    grad_on_nvme: bool = False  # the swap file holds this group's accumulated gradient
 
 
 @dataclass(eq=False)
