@@ -159,8 +159,13 @@ class ZeroEngine:
         except MemoryError as e:  # zeroinf.io.PinnedMemoryError: over RAM or ulimit -l
             raise ConfigError("zero_optimization.offload_optimizer.buffer_count",
                               f"{e}; lower sub_group_size or buffer_count") from e
+        # fp32 parameters in CPU memory with CPU-resident state: the parameter is the master weight
+        alias = dtype == torch.float32 and off.device != "nvme" and zc.stage != 3
         for i in range(len(specs)):
-            self.sub_optimizer.init_master(i, self.params.master_init(i, fp32_copies))
+            target = self.params.param_target(i) if alias else None
+            if target is not None and (target.device.type != "cpu" or not target.is_contiguous()):
+                target = None
+            self.sub_optimizer.init_master(i, self.params.master_init(i, fp32_copies), storage=target)
         if hasattr(self.params, "attach_optimizer"):  # stage 3: masters follow gathered_parameters writes
             self.params.attach_optimizer(self.sub_optimizer)
         del fp32_copies

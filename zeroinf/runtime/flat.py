@@ -90,6 +90,7 @@ class FlatParamManager:
         self.reduce_scatter = bool(reduce_scatter)
         pin = torch.cuda.is_available()
         self.groups: List[FlatGroup] = []
+        self._fresh = False  # True: grad_acc holds stale values that count as zero
         for ps in param_groups:
             ps = list(ps)
             offsets, n = [], 0
@@ -134,6 +135,7 @@ class FlatParamManager:
 
     def grad(self, i: int) -> torch.Tensor:
         """This rank's accumulated fp32 gradient of sub-group ``i`` (a view; CPU)."""
+        self._materialize()
         g, s, n = self._sub_index()[i]
         return g.grad_acc[s:s + n]
 
@@ -167,10 +169,15 @@ class FlatParamManager:
             for p in g.params:
                 if p.grad is not None and p.grad.shape != p.shape:
                     raise RuntimeError(f"gradient of shape {tuple(p.grad.shape)} for a parameter of shape {tuple(p.shape)}")
+            first = self._fresh  # first micro-batch since the last step: copy, no zeroing pass
             if self.world_size == 1:  # nothing to communicate: add each gradient in place
                 for p, off in zip(g.params, g.offsets):
+                    dst = g.grad_acc[off:off + p.numel()]
                     if p.grad is not None:
-                        g.grad_acc[off:off + p.numel()].add_(p.grad.reshape(-1).to("cpu", torch.float32))
+                        src = p.grad.reshape(-1).to("cpu", torch.float32)
+                        dst.copy_(src) if first else dst.add_(src)
+                    elif first:
+                        dst.zero_()
                     p.grad = None
                 continue
             P = g.part_numel
@@ -194,15 +201,24 @@ class FlatParamManager:
                         dist.all_reduce(buf, group=self.pg)
                     comm += buf.numel()
                     mine.div_(self.world_size)
-                g.grad_acc[start:start + b].add_(mine.to("cpu", non_blocking=False))
+                dst = g.grad_acc[start:start + b]
+                src = mine.to("cpu", non_blocking=False)
+                dst.copy_(src) if first else dst.add_(src)
             for p in g.params:
                 p.grad = None
+        self._fresh = False
         return comm
 
     def zero_grad_acc(self) -> None:
-        """Clear the accumulation buffers (after a step or a skipped step)."""
-        for g in self.groups:
-            g.grad_acc.zero_()
+        """Clear the accumulation buffers (after a step or a skipped step). Lazy: the next
+        micro-batch copies instead of adding, and a read before that sees zeros."""
+        self._fresh = True
+
+    def _materialize(self) -> None:
+        if self._fresh:  # read with no micro-batch since the last clear: really zero
+            for g in self.groups:
+                g.grad_acc.zero_()
+            self._fresh = False
 
     @torch.no_grad()
     def gather_params(self) -> int:
@@ -225,6 +241,7 @@ class FlatParamManager:
     def local_grad_norm_parts(self, norm_type: float) -> Tuple[float, bool]:
         """(sum of |g|^p, or max |g| for inf) over this rank's slice, and whether it is the
         rank's share of a partitioned sum (True) or a replicated value (stage 0: False)."""
+        self._materialize()
         vals = []
         for g in self.groups:
             t = g.grad_acc

@@ -156,13 +156,28 @@ class SubGroupOptimizer:
     def _new_cpu_state(self, numel: int) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         return tuple(torch.zeros(numel, dtype=torch.float32, pin_memory=self._pin) for _ in range(3))
 
-    def init_master(self, index: int, values: torch.Tensor) -> None:
+    def init_master(self, index: int, values: torch.Tensor, storage: Optional[torch.Tensor] = None) -> None:
         """Set sub-group ``index``'s master weights to ``values`` (any float dtype, numel as the
-        spec) and its moments to zero. Raises ValueError on a numel mismatch."""
+        spec) and its moments to zero.
+
+        ``storage``: for CPU-resident state only, a contiguous fp32 CPU tensor to hold the master
+        weights in place of a copy — e.g. the model's own flat fp32 parameters, which the step then
+        updates directly (no write-back copy, no second fp32 copy of the model).
+
+        Raises:
+            ValueError: a numel mismatch, or ``storage`` that is not a contiguous fp32 CPU tensor of
+                that numel (or given with device "nvme").
+        """
         rec = self._records[index]
         if values.numel() != rec.spec.numel:
             raise ValueError(f"init_master: sub-group {rec.spec.key!r} has numel {rec.spec.numel}, "
                              f"values have {values.numel()}")
+        if storage is not None:
+            if (self.device == "nvme" or storage.dtype != torch.float32 or storage.device.type != "cpu"
+                    or not storage.is_contiguous() or storage.numel() != rec.spec.numel):
+                raise ValueError(f"init_master: storage for sub-group {rec.spec.key!r} must be a contiguous fp32 "
+                                 f"CPU tensor of {rec.spec.numel} elements with CPU-resident state")
+            rec.state = (storage.view(-1),) + self._new_cpu_state(rec.spec.numel)[1:]
         self.load_state(index, values, None, None)
 
     def load_state(self, index: int, master: torch.Tensor, exp_avg: Optional[torch.Tensor],
@@ -262,7 +277,8 @@ class SubGroupOptimizer:
             st.adam_s += time.perf_counter() - t0
             if dst is not None:
                 if low is None:
-                    dst.reshape(-1).copy_(master)
+                    if dst.data_ptr() != master.data_ptr():  # not when the master is the parameter
+                        dst.reshape(-1).copy_(master)
                 elif low is not dst:
                     dst.reshape(-1).copy_(low)
 
