@@ -89,9 +89,13 @@ def _layout(engine) -> list:
     names = _names_of(engine.module)
     out = []
     for g in engine.params.groups:
+        # stage 3 groups also give the true shapes (parameters are empty placeholders there) and
+        # the keys of their sub-groups (their param_group index is the optimizer's, not the layout's)
+        shapes = getattr(g, "shapes", None) or [list(p.shape) for p in g.params]
         out.append({"padded": g.padded, "part_numel": g.part_numel, "nparts": engine.params.nparts,
-                    "params": [{"names": names[id(p)], "shape": list(p.shape), "offset": off}
-                               for p, off in zip(g.params, g.offsets)]})
+                    "sub_keys": getattr(g, "sub_keys", None),
+                    "params": [{"names": names[id(p)], "shape": list(shape), "offset": off}
+                               for p, off, shape in zip(g.params, g.offsets, shapes)]})
     return out
 
 
@@ -216,7 +220,9 @@ def consolidate(load_dir: str, tag: Optional[str], out: str) -> Dict[str, torch.
         flat = torch.zeros(lay["padded"], dtype=torch.float32)
         for r in range(lay["nparts"]):
             pos = r * lay["part_numel"]
-            for key, numel in subs.get(gi, []):
+            keys = subs.get(gi, []) if lay.get("sub_keys") is None else [
+                (k, n) for ks in subs.values() for k, n in ks if k in set(lay["sub_keys"])]
+            for key, numel in keys:
                 f = _optim_file(ckpt, r, key)
                 if not os.path.isfile(f):
                     raise CheckpointError(f"{f}: missing; consolidate needs every rank's optimizer files")

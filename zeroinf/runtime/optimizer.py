@@ -134,9 +134,8 @@ class SubGroupOptimizer:
             aio = aio.as_dict()
         handle = AsyncIOHandle.from_config(dict(aio or {}))
         self._swapper = TensorSwapper(swap_dir, handle)
-        for s in self.specs:
-            for name in ("master", "exp_avg", "exp_avg_sq"):
-                self._swapper.register(f"{s.key}/{name}", s.numel, torch.float32)
+        for s in self.specs:  # one file per sub-group: [master | exp_avg | exp_avg_sq], fp32
+            self._swapper.register(f"{s.key}/adam_state", 3 * s.numel, torch.float32)
         max_numel = max((s.numel for s in self.specs), default=1)
         # only as many buffers as can be in flight: more would pin memory that is never used
         count = min(buffer_count, 1 + self.pipeline_read + self.pipeline_write, max(1, len(self.specs)))
@@ -150,8 +149,9 @@ class SubGroupOptimizer:
         return flat[:numel], flat[numel:2 * numel], flat[2 * numel:3 * numel]
 
     def _items(self, rec: _Record):
-        views = self._views(rec.buffer, rec.spec.numel)
-        return [(f"{rec.spec.key}/{n}", t) for n, t in zip(("master", "exp_avg", "exp_avg_sq"), views)]
+        buf = self._buffers[rec.buffer]
+        flat = buf.view(torch.uint8).view(torch.float32) if buf.dtype != torch.float32 else buf
+        return [(f"{rec.spec.key}/adam_state", flat[:3 * rec.spec.numel])]
 
     def _new_cpu_state(self, numel: int) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         return tuple(torch.zeros(numel, dtype=torch.float32, pin_memory=self._pin) for _ in range(3))
