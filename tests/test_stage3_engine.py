@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import zeroinf
+import zeroinf.checkpoint
 from stage3_models import TinyLM, batch, loss_fn
 
 LR, BETAS, EPS, WD = 1e-2, (0.9, 0.999), 1e-8, 0.01
@@ -97,6 +98,11 @@ def test_save_load_resume_bit_exact_with_params_on_nvme(tmp_path):
     got = _state(resumed)
     for k in want:
         assert torch.equal(got[k], want[k]), k
+    # one plain fp32 state dict from the fp32 masters of the stage-3 checkpoint
+    resumed.save_checkpoint(str(tmp_path / "ckpt"), tag="s5")
+    sd = zeroinf.checkpoint.consolidate(str(tmp_path / "ckpt"), "s5", str(tmp_path / "fp32.pt"))
+    for k in want:
+        assert torch.equal(sd[k], want[k]), k
     resumed.close()
 
 

@@ -31,6 +31,7 @@ class _LayoutGroup:
     params: list
     offsets: list
     shapes: list
+    sub_keys: list
 
 
 def engine_manager(model: torch.nn.Module, cfg, groups: Sequence[Sequence[torch.nn.Parameter]], *,
@@ -213,10 +214,14 @@ class Stage3EngineParams:
     # --- checkpoint layout, stats ---------------------------------------------------------
     @property
     def groups(self) -> List[_LayoutGroup]:
-        """Flat groups as ``zeroinf.checkpoint`` records them."""
+        """Trainable flat groups as ``zeroinf.checkpoint`` records them (``shapes`` and
+        ``sub_keys`` let ``consolidate`` rebuild parameters from the fp32 masters)."""
+        keys: Dict[str, List[str]] = {}
+        for k, (g, _lo, _hi, _gi) in zip(self._keys, self._subs):
+            keys.setdefault(g.key, []).append(k)
         return [_LayoutGroup(g.padded_numel, g.shard_numel, [s.param for s in g.slots],
-                             [s.offset for s in g.slots], [list(s.shape) for s in g.slots])
-                for g in self.manager.groups()]
+                             [s.offset for s in g.slots], [list(s.shape) for s in g.slots], keys.get(g.key, []))
+                for g in self.manager.groups() if g.key in keys]  # trainable groups only
 
     def stats(self):
         return self.manager.stats_dict()
