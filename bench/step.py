@@ -62,7 +62,7 @@ def engine_step_times(model: nn.Module, device: str, nvme: str, sub_group: int, 
 
 
 def io_bandwidth(path: str, nbytes: int) -> tuple:
-    """(write GB/s, read GB/s) of sequential 256 MiB files through AsyncIOHandle."""
+    """(write GB/s, read GB/s) overwriting then reading 256 MiB files through AsyncIOHandle."""
     from zeroinf.io import AsyncIOHandle, PinnedBufferPool
 
     chunk = 256 << 20
@@ -72,6 +72,8 @@ def io_bandwidth(path: str, nbytes: int) -> tuple:
         buf = pool.acquire()
         buf.fill_(7)
         h = AsyncIOHandle()
+        for i in range(n):  # allocate the files first: swap files are preallocated and overwritten
+            h.sync_pwrite(buf, files[i])
         t0 = time.perf_counter()
         for i in range(n):
             h.async_pwrite(buf, files[i])
