@@ -34,11 +34,12 @@ def test_model_larger_than_cpu_budget_builds_with_nvme(tmp_path):
         with zeroinf.Init(config=cfg) as ini:
             model = nn.Sequential(*[nn.Linear(1024, 1024) for _ in range(16)])
         after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        held = ini.held_bytes_nvme
         from zeroinf.runtime.stage3.init import take_init_values
         w = take_init_values(model[7].weight)
         torch.manual_seed(0); torch.randn(8)
         ref = nn.Sequential(*[nn.Linear(1024, 1024) for _ in range(8)])
-        print(json.dumps({{"grew_kib": after - before, "held": ini.held_bytes_nvme,
+        print(json.dumps({{"grew_kib": after - before, "held": held,
                           "placeholder": model[3].weight.numel(), "equal": bool(torch.equal(w, ref[7].weight))}}))
     """)
     # A fixed mmap threshold: glibc's dynamic one moves freed 4 MiB blocks onto the heap, where
@@ -73,16 +74,32 @@ def test_init_then_initialize_equals_normal_build(tmp_path, tier):
     engine.close()
 
 
-def test_touching_a_partitioned_parameter_inside_init_is_an_error():
-    class Reinit(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.lin = nn.Linear(4, 4)
-            nn.init.zeros_(self.lin.weight)  # after the child's constructor moved it out
+@pytest.mark.parametrize("tier", ["cpu", "nvme"])
+def test_weights_changed_after_a_constructor_returned_are_kept(tmp_path, tier):
+    """A Hugging Face model re-initialises every weight in post_init, after the layers'
+    constructors moved them out; a subclass zeroes its parent's weight through ``.data``."""
+    from transformers import LlamaConfig, LlamaForCausalLM
 
-    with pytest.raises(RuntimeError, match=r"zeroinf.Init: .*shape \(4, 4\).*gathered_parameters"):
-        with zeroinf.Init():
-            Reinit()
+    from zeroinf.runtime.stage3.init import take_init_values
+
+    class Zeroed(nn.Linear):
+        def __init__(self):
+            super().__init__(4, 4)
+            self.weight.data[1].fill_(7.0)
+
+    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, initializer_range=0.5)
+    torch.manual_seed(0)
+    ref = LlamaForCausalLM(cfg)
+    torch.manual_seed(0)
+    with zeroinf.Init(config=_cfg(tier, tmp_path)):
+        model = LlamaForCausalLM(cfg)
+        zeroed = Zeroed()
+    assert all(p.numel() == 0 for p in model.parameters())
+    got = dict(model.named_parameters())
+    for name, p in ref.named_parameters():
+        assert torch.equal(take_init_values(got[name]), p.detach()), name
+    assert torch.equal(take_init_values(zeroed.weight)[1], torch.full((4,), 7.0))
     lin = nn.Linear(4, 4)  # patches are gone after the context
     assert lin.weight.numel() == 16
 

@@ -11,10 +11,10 @@ initialisation (``reset_parameters``), with the same random stream as without ``
 The stage-3 manager (``zeroinf.initialize`` with stage 3) then takes the values one flat group at
 a time into the partitions, so at no point does the whole model sit in memory.
 
-Limits: a parameter created under ``Init`` cannot be read or changed before the manager takes it
-(e.g. a Hugging Face ``post_init`` that re-initialises weights): any torch operation on it raises
-an error naming the parameter; load such weights afterwards with :meth:`load_safetensors`-style
-streaming (``zeroinf.gathered_parameters(..., modifier_rank=0)``) or build without ``Init``.
+Changes made after a constructor returned (a Hugging Face ``post_init``) still apply: see
+[Note: late initialisation]. After the ``with`` block a moved-out parameter is an empty
+placeholder until ``zeroinf.initialize`` takes it; change weights then inside
+``zeroinf.gathered_parameters(..., modifier_rank=0)`` or load them with ``load_safetensors``.
 """
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ import shutil
 import tempfile
 import threading
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 from torch import nn
@@ -69,22 +69,28 @@ def take_init_values(param: nn.Parameter) -> torch.Tensor:
 
 
 class _GuardMode(TorchFunctionMode):
-    """Raise a clear error when code touches a parameter ``Init`` moved out."""
+    """[Note: late initialisation] Code may change a parameter after its module's constructor
+    returned (a Hugging Face ``post_init`` re-initialising weights, a subclass changing its
+    parent's weight). While ``Init`` is active, any torch function that receives a moved-out
+    parameter, or reads its ``.data``, first brings that parameter's values back; it stays in
+    memory (so ``.data`` aliases keep working) until another moved-out parameter is needed or
+    the outermost constructor returns, and is then moved out again with the changes. One
+    parameter at a time is in memory, and the values equal those of a build without ``Init``."""
+
+    def __init__(self, owner: "Init"):
+        super().__init__()
+        self.owner = owner
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        name = getattr(func, "__name__", str(func))
-        if name in ("__get__", "__set__"):  # metadata (shape, grad_fn, ...) is fine; .data is not
+        name = getattr(func, "__name__", "")
+        if name in ("__get__", "__set__"):  # metadata (shape, grad_fn, ...) needs no values; .data does
             attr = getattr(getattr(func, "__self__", None), "__name__", "")
             if attr != "data":
                 return func(*args, **kwargs)
-            name = f"Tensor.data.{name}"
         for a in itertools.chain(args, kwargs.values()):
-            if isinstance(a, nn.Parameter) and a in _HELD:
-                raise RuntimeError(f"zeroinf.Init: {name} on a parameter of shape {tuple(_HELD[a].shape)} that was "
-                                   "already partitioned when its module's constructor returned. Change weights "
-                                   "inside the module's own __init__, or after zeroinf.initialize inside "
-                                   "zeroinf.gathered_parameters(params, modifier_rank=0).")
+            if isinstance(a, nn.Parameter) and a in _HELD and _HELD[a].owner is self.owner:
+                self.owner._bring_back(a)
         return func(*args, **kwargs)
 
 
@@ -124,6 +130,8 @@ class Init:
         self._patched: List[type] = []
         self._building: List[nn.Module] = []
         self._mode: Optional[_GuardMode] = None
+        self._back: Optional[Tuple[nn.Parameter, int]] = None  # the parameter brought back, its seq
+        self._registered: set = set()
 
     # --- context ----------------------------------------------------------------------------
     def __enter__(self) -> "Init":
@@ -147,7 +155,7 @@ class Init:
             owner._patch(cls)
 
         nn.Module.__init_subclass__ = classmethod(init_subclass)
-        self._mode = _GuardMode()
+        self._mode = _GuardMode(self)
         self._mode.__enter__()
         return self
 
@@ -156,6 +164,7 @@ class Init:
             return
         try:
             self._mode.__exit__(*exc)
+            self._put_back()
         finally:
             for cls in self._patched:
                 cls.__init__ = cls.__dict__["__init__"].__wrapped__
@@ -184,6 +193,8 @@ class Init:
                 owner._building.pop()
             if outermost and Init._active is owner:
                 owner._move_out(module)
+                if not owner._building:
+                    owner._put_back()
                 owner._drop_orphans(module, first)
 
         wrapped.__wrapped__ = orig
@@ -194,22 +205,42 @@ class Init:
     # --- moving values ------------------------------------------------------------------------
     def _move_out(self, module: nn.Module) -> None:
         for p in module._parameters.values():
-            if p is None or p in _HELD or p.numel() == 0:
+            if p is None or p in _HELD or p.numel() == 0 or (self._back is not None and p is self._back[0]):
                 continue
-            data = p.detach().to("cpu").contiguous()
+            self._move_one(p)
+
+    def _move_one(self, p: nn.Parameter, seq: Optional[int] = None) -> None:
+        """Move ``p``'s values out (under a new sequence number, or ``seq`` when put back)."""
+        data = p.detach().to("cpu").contiguous()
+        if seq is None:
             seq, self._seq = self._seq, self._seq + 1
-            held = _Held(f"init/p{seq}", seq, p.shape, p.dtype, self)
-            if self._swapper is not None:
+        held = _Held(f"init/p{seq}", seq, p.shape, p.dtype, self)
+        if self._swapper is not None:
+            if held.key not in self._registered:
                 self._swapper.register(held.key, data.numel(), data.dtype)
-                self._swapper.swap_out([(held.key, data)], async_op=False)
-                self.held_bytes_nvme += data.numel() * data.element_size()
-            else:
-                held.host = data.clone() if data.data_ptr() == p.data_ptr() else data
-                self.held_bytes_host += data.numel() * data.element_size()
-            p.data = torch.empty(0, dtype=p.dtype, device=p.device)
-            with _LOCK:
-                _HELD[p] = held
-            self._outstanding += 1
+                self._registered.add(held.key)
+            self._swapper.swap_out([(held.key, data)], async_op=False)
+            self.held_bytes_nvme += data.numel() * data.element_size()
+        else:
+            held.host = data.clone() if data.data_ptr() == p.data_ptr() else data
+            self.held_bytes_host += data.numel() * data.element_size()
+        p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+        with _LOCK:
+            _HELD[p] = held
+        self._outstanding += 1
+
+    def _bring_back(self, p: nn.Parameter) -> None:
+        if self._back is not None and self._back[0] is not p:
+            self._put_back()
+        with _LOCK:
+            held = _HELD.pop(p)
+        p.data = held.owner._take(held).to(p.device)
+        self._back = (p, held.seq)
+
+    def _put_back(self) -> None:
+        back, self._back = self._back, None
+        if back is not None:
+            self._move_one(*back)
 
     def _seq_next(self) -> int:
         """Sequence number the next moved-out parameter will get."""
@@ -237,6 +268,7 @@ class Init:
         else:
             out = torch.empty(held.shape, dtype=held.dtype)
             self._swapper.swap_in([(held.key, out.view(-1))], async_op=False)
+            self.held_bytes_nvme -= out.numel() * out.element_size()
         self._outstanding -= 1
         if self._outstanding == 0 and self._swapper is not None and Init._active is not self:
             self._swapper.close()
