@@ -14,7 +14,8 @@ Floors, measured here in the same process:
 
 The goal: the nvme step within 1.2x of max(cpu-adam, io-floor), i.e. swap I/O and Adam overlapped.
 
-    python bench/step.py [--params 100e6] [--nvme-path DIR] [--sub-group-size 1e7] [--json out.json]
+    python bench/step.py [--params 100e6] [--nvme-path DIR] [--sub-group-size 1e7]
+                         [--block-size 1048576] [--queue-depth 8] [--json out.json]
 """
 from __future__ import annotations
 
@@ -41,12 +42,12 @@ def build_model(params: int) -> nn.Module:
     return nn.Sequential(*[nn.Linear(width, width) for _ in range(layers)])
 
 
-def engine_step_times(model: nn.Module, device: str, nvme: str, sub_group: int, steps: int) -> dict:
+def engine_step_times(model: nn.Module, device: str, nvme: str, sub_group: int, steps: int, aio: dict) -> dict:
     off = {"device": device}
     if device == "nvme":
         off.update(nvme_path=nvme, pipeline_read=True, pipeline_write=True, buffer_count=3)
     cfg = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
-           "zero_optimization": {"stage": 2, "sub_group_size": sub_group, "offload_optimizer": off}}
+           "zero_optimization": {"stage": 2, "sub_group_size": sub_group, "offload_optimizer": off}, "aio": aio}
     engine, *_ = zeroinf.initialize(model, config=cfg)
     x = torch.randn(2, model[0].in_features)
     keys = ("optimizer_s", "adam_s", "io_wait_s", "nvme_read_bytes", "nvme_write_bytes")
@@ -61,7 +62,7 @@ def engine_step_times(model: nn.Module, device: str, nvme: str, sub_group: int, 
     return {k: statistics.median(v) for k, v in samples.items()}
 
 
-def io_bandwidth(path: str, nbytes: int) -> tuple:
+def io_bandwidth(path: str, nbytes: int, aio: dict) -> tuple:
     """(write GB/s, read GB/s) overwriting then reading 256 MiB files through AsyncIOHandle."""
     from zeroinf.io import AsyncIOHandle, PinnedBufferPool
 
@@ -71,7 +72,7 @@ def io_bandwidth(path: str, nbytes: int) -> tuple:
     with PinnedBufferPool(1, chunk) as pool:
         buf = pool.acquire()
         buf.fill_(7)
-        h = AsyncIOHandle()
+        h = AsyncIOHandle.from_config(aio)
         for i in range(n):  # allocate the files first: swap files are preallocated and overwritten
             h.sync_pwrite(buf, files[i])
         t0 = time.perf_counter()
@@ -96,15 +97,18 @@ def main() -> int:
     p.add_argument("--params", type=float, default=100e6, help="model parameters (default 100e6)")
     p.add_argument("--sub-group-size", type=float, default=1e7, help="zero_optimization.sub_group_size (elements)")
     p.add_argument("--nvme-path", default=None, help="directory for swap files (default: a temp dir under cwd)")
+    p.add_argument("--block-size", type=int, default=1 << 20, help="aio.block_size in bytes (default 1 MiB)")
+    p.add_argument("--queue-depth", type=int, default=8, help="aio.queue_depth (default 8)")
     args = p.parse_args()
     nvme = args.nvme_path or tempfile.mkdtemp(prefix="zeroinf-bench-step-", dir=os.getcwd())
     own_dir = args.nvme_path is None
+    aio = {"block_size": args.block_size, "queue_depth": args.queue_depth}
     try:
         torch.manual_seed(0)
         model = build_model(int(args.params))
         n = sum(q.numel() for q in model.parameters())
         print(machine_line())
-        print(f"model: {n / 1e6:.1f}M parameters, threads {torch.get_num_threads()}, swap dir {nvme}")
+        print(f"model: {n / 1e6:.1f}M parameters, threads {torch.get_num_threads()}, swap dir {nvme}, aio {aio}")
 
         rows = []
         master, grad = torch.randn(n) * 0.01, torch.randn(n) * 1e-3
@@ -119,14 +123,14 @@ def main() -> int:
         rows.append(Row("cpu-adam", "opt-step", f"{n / 1e6:.0f}M", 1e3 * adam_s, 28 * n / adam_s / 1e9))
         del master, grad, m, v
 
-        w_gbps, r_gbps = io_bandwidth(nvme, 1 << 30)
+        w_gbps, r_gbps = io_bandwidth(nvme, 1 << 30, aio)
         io_floor = 12 * n / (w_gbps * 1e9) + 12 * n / (r_gbps * 1e9)
         rows.append(Row("io-floor", "opt-step", f"{n / 1e6:.0f}M", 1e3 * io_floor, 24 * n / io_floor / 1e9,
                         {"write_gbps": w_gbps, "read_gbps": r_gbps}))
 
         for device in ("none", "cpu", "nvme"):
             model = build_model(int(args.params))
-            st = engine_step_times(model, device, nvme, int(args.sub_group_size), args.repeat)
+            st = engine_step_times(model, device, nvme, int(args.sub_group_size), args.repeat, aio)
             moved = st["nvme_read_bytes"] + st["nvme_write_bytes"]
             gbps = moved / st["optimizer_s"] / 1e9 if moved else 28 * n / st["optimizer_s"] / 1e9
             rows.append(Row(f"zeroinf-{device}", "opt-step", f"{n / 1e6:.0f}M", 1e3 * st["optimizer_s"], gbps,
