@@ -33,7 +33,7 @@ import signal
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, List, Optional
 
@@ -94,8 +94,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("training")
     g.add_argument("--steps", type=int, default=None, help="optimizer steps (default 40)")
     g.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default 128)")
-    g.add_argument("--micro-batch", type=int, default=None, help="sequences per rank per micro-step")
-    g.add_argument("--grad-accum", type=int, default=None, help="micro-steps per optimizer step")
+    g.add_argument("--micro-batch", type=int, default=None, help="sequences per rank per micro-step (default: the config's; 8 for the presets)")
+    g.add_argument("--grad-accum", type=int, default=None, help="micro-steps per optimizer step (default: the config's, else 1)")
     g.add_argument("--lr", type=float, default=None, help="learning rate (default: the config's)")
     g.add_argument("--seed", type=int, default=None, help="model init and batch order (default 0)")
     g = p.add_argument_group("output")
@@ -278,11 +278,6 @@ class PlainEngine:
 
 
 # ---------------------------------------------------------------------------- the run itself
-@dataclass
-class _StepRecord:
-    values: Dict[str, object] = field(default_factory=dict)
-
-
 class _Stop:
     """SIGINT/SIGTERM -> stop after the current step (a second Ctrl-C kills at once)."""
 
@@ -472,7 +467,7 @@ class _Run:
         tokens = load_tokens(a.data, tokenizer, a.seq_len + 1)
         mcfg = build_config(a.model, a.size, tokenizer.vocab_size, a.seq_len, a.init)
         model = build_model(mcfg, a.seed, a.init)
-        n_params = count_params(model)
+        n_params = self.n_params = count_params(model)
         micro_batch, grad_accum = self.zcfg.train_micro_batch_size_per_gpu, self.zcfg.gradient_accumulation_steps
         batches = Batches(tokens, a.seq_len, micro_batch, a.seed)
         device = f"cuda:{self.dist.local_rank}" if torch.cuda.is_available() else "cpu"
@@ -712,14 +707,11 @@ class _Run:
     def _compare(self, a, cfg, mcfg, batches, grad_accum, out: Path) -> int:
         """Rank 0 replays the run with :class:`PlainEngine` (all ranks' rows in one process)."""
         import psutil
-        from zeroinf.data import Batches
-        from zeroinf.models import build_model
         code = 0
         if self.dist.rank == 0:
             records = [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines() if line.strip()]
             dtype = self.zcfg.precision
-            n = sum(p.numel() for p in build_model(mcfg, a.seed, a.init).parameters())
-            need = n * 20
+            need = self.n_params * 20   # fp32 params, grads, Adam moments, and headroom
             if need > 0.8 * psutil.virtual_memory().available:
                 print(f"zeroinf train: --compare skipped: training without offload needs ~{need / 2**30:.1f} GiB "
                       f"of RAM, {psutil.virtual_memory().available / 2**30:.1f} GiB available", flush=True)
