@@ -1,5 +1,4 @@
 """``zeroinf.Init``: parameters leave memory as modules are built; values equal a normal build."""
-import copy
 import json
 import os
 import subprocess

@@ -4,7 +4,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-from typing import Iterable, Iterator, List, Optional
+from typing import Iterator, List, Optional
 
 import torch
 import torch.distributed as dist

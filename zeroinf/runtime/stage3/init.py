@@ -19,7 +19,6 @@ placeholder until ``zeroinf.initialize`` takes it; change weights then inside
 from __future__ import annotations
 
 import itertools
-import os
 import shutil
 import tempfile
 import threading

@@ -39,12 +39,10 @@ thread only, in the same order on every rank (the trace is the same on every ran
 from __future__ import annotations
 
 import contextlib
-import math
 import os
-import threading
 import weakref
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -102,7 +100,7 @@ class _ForeignAccessMode(TorchFunctionMode):
                     rec = m._slot_of.get(a)
                     if rec is not None and not rec[0].persistent and rec[0] not in m._active \
                             and rec[0] not in m._foreign:
-                        m._gather_foreign(rec[0], getattr(func, "__name__", str(func)))
+                        m._gather_foreign(rec[0])
         return func(*args, **kwargs)
 
 
@@ -492,7 +490,7 @@ class Stage3ParameterManager:
         self._complete(unit)
         self.scheduler.schedule()
 
-    def _gather_foreign(self, unit: Unit, why: str) -> None:
+    def _gather_foreign(self, unit: Unit) -> None:
         self._busy += 1
         try:
             self.stats.add("foreign_gathers")

@@ -114,7 +114,6 @@ class Stage3Options:
             aio_d = dataclasses.asdict(aio)
         else:
             aio_d = {}
-        classes = get(zero, "stage3_unit_classes")
         d = cls()
         return cls(
             offload_param_device=dev,
@@ -127,6 +126,5 @@ class Stage3Options:
             max_live_parameters=int(get(zero, "stage3_max_live_parameters", d.max_live_parameters)),
             max_reuse_distance=int(get(zero, "stage3_max_reuse_distance", d.max_reuse_distance)),
             prefetch_bucket_size=int(get(zero, "stage3_prefetch_bucket_size", d.prefetch_bucket_size)),
-            unit_classes=None if classes is None else tuple(classes),
             aio=aio_d,
         )
