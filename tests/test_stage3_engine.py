@@ -204,3 +204,17 @@ def test_host_memory_does_not_grow_with_model_size_on_nvme(tmp_path):
     extra_state = (res[1]["params"] - res[0]["params"]) * 20  # fp32 param, grad, master, m, v
     assert res[1]["params"] > 3.5 * res[0]["params"]
     assert res[1]["growth"] - res[0]["growth"] < buffers < extra_state, (res, buffers)
+
+
+def test_buffer_size_and_count_checked_at_initialize(tmp_path):
+    from zeroinf.config import ConfigError
+
+    cfg = _config("nvme", "cpu", tmp_path)
+    cfg["zero_optimization"]["offload_param"]["buffer_size"] = 1000
+    with pytest.raises(ConfigError, match=r"^zero_optimization.offload_param.buffer_size: 1000 elements .*unit "
+                                          r"'blocks.0'.*minimum is 2080"):  # persistence threshold 20: biases and norms stay out
+        zeroinf.initialize(model=TinyLM(), config=cfg)
+    cfg = _config("nvme", "cpu", tmp_path)
+    cfg["zero_optimization"]["offload_param"]["buffer_count"] = 1
+    with pytest.raises(ConfigError, match=r"^zero_optimization.offload_param.buffer_count: 1 .*minimum is 2"):
+        zeroinf.initialize(model=TinyLM(), config=cfg)

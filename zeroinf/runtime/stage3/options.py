@@ -10,15 +10,14 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Dict, Mapping, Optional, Tuple
 
+from zeroinf.config import ConfigError
+
 __all__ = ["Stage3Options", "Stage3ConfigError"]
 
 
-class Stage3ConfigError(ValueError):
-    """A stage-3 setting is invalid; the message starts with the key path (``.key_path``)."""
-
-    def __init__(self, key_path: str, message: str):
-        self.key_path = key_path
-        super().__init__(f"{key_path}: {message}")
+class Stage3ConfigError(ConfigError):
+    """A stage-3 setting is invalid or does not fit the model (checked at initialize); a
+    :class:`zeroinf.config.ConfigError` whose message starts with the key path (``.key_path``)."""
 
 
 _TIERS = ("none", "cpu", "nvme")
