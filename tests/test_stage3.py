@@ -241,7 +241,9 @@ def test_stats_and_chrome_trace(tmp_path):
     doc = json.loads((tmp_path / "t.json").read_text())
     names = [e["name"] for e in doc["traceEvents"]]
     assert n == len(names) and "fwd blocks.2" in names and "bwd blocks.2" in names and "read blocks.3" in names
-    assert all(e["ph"] == "X" and e["dur"] >= 0 for e in doc["traceEvents"])
+    spans = [e for e in doc["traceEvents"] if e["ph"] == "X"]
+    assert spans and all(e["dur"] >= 0 and isinstance(e["tid"], int) for e in spans)
+    assert {e["args"]["name"] for e in doc["traceEvents"] if e["ph"] == "M"} >= {"compute"}
 
 
 def test_hugging_face_llama_units_gradients_and_generate():

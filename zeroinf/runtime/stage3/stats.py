@@ -78,13 +78,18 @@ class TraceRecorder:
         self._t0 = time.perf_counter()
         self._current: List[Dict[str, Any]] = []
         self.last: List[Dict[str, Any]] = []
+        self._threads: Dict[str, int] = {}  # thread name -> numeric tid (the format wants numbers)
+
+    def _tid(self, thread: str) -> int:
+        with self._lock:
+            return self._threads.setdefault(thread, len(self._threads))
 
     def now(self) -> float:
         return time.perf_counter()
 
     def span(self, name: str, cat: str, start: float, end: float, thread: str = "compute",
              args: Optional[Dict[str, Any]] = None) -> None:
-        ev = {"name": name, "cat": cat, "ph": "X", "pid": os.getpid(), "tid": thread,
+        ev = {"name": name, "cat": cat, "ph": "X", "pid": os.getpid(), "tid": self._tid(thread),
               "ts": (start - self._t0) * 1e6, "dur": max(0.0, end - start) * 1e6}
         if args:
             ev["args"] = args
@@ -97,11 +102,19 @@ class TraceRecorder:
 
     def write(self, path: "str | os.PathLike") -> int:
         """Write the last finished iteration as Chrome trace JSON (open in chrome://tracing or
-        ui.perfetto.dev); returns the number of events. Written to a temporary name first and
-        renamed, so a failed write never leaves a truncated file under ``path``."""
-        events = list(self.last)
+        ui.perfetto.dev); returns the number of events, thread-name records included. Written
+        to a temporary name and renamed, so a failed write never leaves a truncated file under
+        ``path`` (the error propagates)."""
+        names = [{"name": "thread_name", "ph": "M", "pid": os.getpid(), "tid": tid, "args": {"name": name}}
+                 for name, tid in self._threads.items()]
+        events = names + list(self.last)
         tmp = f"{os.fspath(path)}.tmp{os.getpid()}"
-        with open(tmp, "w") as f:
-            json.dump({"traceEvents": events, "displayTimeUnit": "ms"}, f)
-        os.replace(tmp, path)
+        try:
+            with open(tmp, "w") as f:
+                json.dump({"traceEvents": events, "displayTimeUnit": "ms"}, f)
+            os.replace(tmp, path)
+        except BaseException:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+            raise
         return len(events)
