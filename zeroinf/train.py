@@ -399,7 +399,25 @@ class _Run:
                                   and zo[k].get("nvme_path")})
         return cfg
 
-    def _fit_param_buffers(self, cfg: dict, model: torch.nn.Module) -> None:
+    def _build_model(self, a, mcfg, cfg: dict):
+        """The model, and the true shapes of parameters already partitioned away.
+
+        With parameters on NVMe (stage 3, ``offload_param.device`` nvme) and random init, the model
+        is built inside ``zeroinf.Init``, which moves each parameter to its swap file as its module
+        is constructed, so a model larger than CPU memory can be built; the values are those of a
+        plain build with the same seed (``--compare`` checks it). Otherwise a plain build.
+        """
+        from zeroinf.models import build_model
+        zo = self.zcfg.zero_optimization
+        if (a.engine != "zeroinf" or a.init is not None or zo.stage != 3 or zo.offload_param.device != "nvme"):
+            return build_model(mcfg, a.seed, a.init), {}
+        import zeroinf
+        from zeroinf.runtime.stage3.init import init_shapes
+        with zeroinf.Init(config=cfg):
+            model = build_model(mcfg, a.seed)
+        return model, init_shapes(model)
+
+    def _fit_param_buffers(self, cfg: dict, model: torch.nn.Module, shapes: dict) -> None:
         """Shipped presets only: size stage 3's pinned staging buffers for NVMe parameters
         (``offload_param.buffer_size``, elements) to this model's largest unit partition instead
         of DeepSpeed's default 1e8 elements, which pins 2 GB (fp32, 5 buffers) whatever the model.
@@ -411,7 +429,7 @@ class _Run:
             return
         from zeroinf.runtime.stage3.units import build_units, find_unit_modules
         units = build_units(model, find_unit_modules(model), self.zcfg.zero_optimization.stage3_param_persistence_threshold,
-                            self.dist.world_size)
+                            self.dist.world_size, shapes)
         largest = max((g.shard_numel for u in units for g in u.groups), default=1)
         op["buffer_size"] = min(self.zcfg.zero_optimization.offload_param.buffer_size, -(-largest // 4096) * 4096)
         from zeroinf.config import parse_config
@@ -451,7 +469,7 @@ class _Run:
     def run(self) -> int:
         a = self._resolve_args()
         from zeroinf.data import Batches, ByteTokenizer, HFTokenizer, load_tokens
-        from zeroinf.models import build_config, build_model, count_params
+        from zeroinf.models import build_config
 
         self.dist = _Dist.from_env()
         rank0 = self.dist.rank == 0
@@ -466,15 +484,16 @@ class _Run:
         tokenizer = HFTokenizer(a.tokenizer) if a.tokenizer else ByteTokenizer()
         tokens = load_tokens(a.data, tokenizer, a.seq_len + 1)
         mcfg = build_config(a.model, a.size, tokenizer.vocab_size, a.seq_len, a.init)
-        model = build_model(mcfg, a.seed, a.init)
-        n_params = self.n_params = count_params(model)
+        model, shapes = self._build_model(a, mcfg, cfg)
+        n_params = self.n_params = sum(shapes[p].numel() if p in shapes else p.numel()
+                                       for p in {id(p): p for p in model.parameters()}.values())
         micro_batch, grad_accum = self.zcfg.train_micro_batch_size_per_gpu, self.zcfg.gradient_accumulation_steps
         batches = Batches(tokens, a.seq_len, micro_batch, a.seed)
         device = f"cuda:{self.dist.local_rank}" if torch.cuda.is_available() else "cpu"
         if rank0:
             out.mkdir(parents=True, exist_ok=True)
         if a.config is None and a.engine == "zeroinf":
-            self._fit_param_buffers(cfg, model)
+            self._fit_param_buffers(cfg, model, shapes)
         engine = None
         try:
             engine = self._make_engine(a, cfg, model, device)
