@@ -362,3 +362,24 @@ def test_deepspeed_lr_schedules_at_known_points():
     # ratio warm-up from 0.2, then half a cosine over the 6 remaining steps, times the base lr 0.1
     assert lrs(WarmupCosineLR(opt(0.1), 10, 0.2, 4, 0.0, "linear"), [2, 4, 9]) == pytest.approx(
         [0.06, 0.1 * (1 + math.cos(math.pi / 6)) / 2, 0.0], abs=1e-12)
+
+
+@pytest.mark.parametrize("make", [
+    lambda ps: torch.optim.Adam(ps, lr=LR, weight_decay=0.1),
+    lambda ps: torch.optim.Adam(ps, lr=LR, weight_decay=0.1, decoupled_weight_decay=True),
+    lambda ps: torch.optim.AdamW(ps, lr=LR, weight_decay=0.1),
+], ids=["Adam", "Adam-decoupled", "AdamW"])
+def test_client_torch_optimizers_keep_their_weight_decay_rule(make):
+    X, Y = batches(3)
+    ref = make_mlp()
+    ref_opt = make(list(ref.parameters()))
+    for s in range(3):
+        ref_opt.zero_grad()
+        F.mse_loss(ref(X[s]), Y[s]).backward()
+        ref_opt.step()
+    model = make_mlp()
+    cfg = config(2, "cpu")
+    del cfg["optimizer"]
+    engine, *_ = zeroinf.initialize(model, optimizer=make(list(model.parameters())), config=cfg)
+    train(engine, X, Y, 3)
+    assert max_diff(model, ref) <= 1e-6

@@ -316,7 +316,6 @@ _TOP_UNSUPPORTED = {
     "zero_allow_untested_optimizer": "", "zero_force_ds_cpu_optimizer": "", "timers": "",
     "disable_allgather": "", "weight_quantization": "", "graph_harvesting": "", "compile": "",
     "use_node_local_storage": "", "load_universal_checkpoint": "", "nebula": "",
-    "gradient_accumulation_dtype": "",
 }
 _TOP_ALLOWED = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
                 "optimizer", "scheduler", "fp16", "bf16", "bfloat16", "gradient_clipping",

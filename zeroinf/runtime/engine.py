@@ -74,27 +74,20 @@ def _world() -> tuple:
 
 
 def _hyper_from_client(opt: torch.optim.Optimizer) -> None:
-    """Check a client optimizer is Adam-like and complete its groups' hyper-parameters in place."""
+    """Check a client optimizer is Adam-like and complete its groups' hyper-parameters in place
+    (``adamw_mode``: torch's ``decoupled_weight_decay``, true for AdamW; CPUAdam's own key)."""
     name = type(opt).__name__
-    adamw = None
-    if isinstance(opt, torch.optim.AdamW):
-        adamw = True
-    elif isinstance(opt, torch.optim.Adam):
-        adamw = False
-    elif name == "CPUAdam":
-        adamw = None  # groups carry adamw_mode
-    elif isinstance(opt, ZeroOptimizer):
+    if isinstance(opt, ZeroOptimizer):
         return
-    else:
+    if not (isinstance(opt, torch.optim.Adam) or name == "CPUAdam"):  # torch's AdamW subclasses Adam
         raise ConfigError("optimizer", f"a client optimizer of type {name} is not supported yet; pass "
                           "torch.optim.Adam, torch.optim.AdamW or zeroinf.optim.CPUAdam, or set optimizer in the config")
     for i, g in enumerate(opt.param_groups):
         for k in ("amsgrad", "maximize", "capturable", "differentiable"):
             if g.get(k):
                 raise ConfigError("optimizer", f"param group {i} sets {k}=True, which is not supported yet")
-        if adamw is not None:
-            g["adamw_mode"] = adamw
-        g.setdefault("adamw_mode", True)
+        if "adamw_mode" not in g:
+            g["adamw_mode"] = bool(g.get("decoupled_weight_decay", isinstance(opt, torch.optim.AdamW)))
         g.setdefault("bias_correction", True)
 
 
