@@ -288,3 +288,18 @@ def test_nvme_partitions_read_ahead_into_staging_buffers(tmp_path):
     _assert_close(_grads_of(mgr), {n: p.grad for n, p in ref.named_parameters()}, what="nvme read-ahead")
     mgr.close()
     assert mgr._pool.free_count() == 4  # every staging buffer returned
+
+
+def test_units_by_size_when_no_block_class_is_found():
+    ref = torch.nn.Sequential(*[torch.nn.Linear(32, 32) for _ in range(10)],
+                              torch.nn.Sequential(torch.nn.Linear(32, 4), torch.nn.Linear(4, 4)))
+    model = copy.deepcopy(ref)
+    mgr = Stage3ParameterManager(model, _opts())
+    # an eighth of 10,712 elements: each Linear(32, 32) (1,056) and the small tail are units
+    assert [u.name for u in mgr.units[2:]] == [str(i) for i in range(11)]
+    x = torch.randn(3, 32)
+    for _ in range(2):
+        model(x).square().mean().backward()
+        ref(x).square().mean().backward()
+    _assert_close(_grads_of(mgr), {n: p.grad for n, p in ref.named_parameters()}, what="by size")
+    assert mgr.stats_dict()["prefetch_hits"] > 0

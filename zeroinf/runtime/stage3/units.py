@@ -95,12 +95,35 @@ class Unit:
         return sum(g.shard_numel for g in self.groups)
 
 
-def find_unit_modules(model: nn.Module, unit_classes: Optional[Sequence[str]] = None) -> List[Tuple[str, nn.Module]]:
+def _by_size(model: nn.Module, threshold: int) -> List[Tuple[str, nn.Module]]:
+    """Outermost submodules with at most ``threshold`` parameter elements (and at least one);
+    a larger module is split into its children, its own parameters going to the root unit."""
+    out: List[Tuple[str, nn.Module]] = []
+
+    def visit(prefix: str, mod: nn.Module) -> None:
+        for name, child in mod.named_children():
+            full = f"{prefix}.{name}" if prefix else name
+            n = sum(p.numel() for p in child.parameters())
+            if n == 0:
+                continue
+            if n <= threshold or not any(True for _ in child.children()):
+                out.append((full, child))
+            else:
+                visit(full, child)
+
+    visit("", model)
+    return out
+
+
+def find_unit_modules(model: nn.Module, unit_classes: Optional[Sequence[str]] = None,
+                      size_threshold: Optional[int] = None) -> List[Tuple[str, nn.Module]]:
     """Return ``(qualified name, module)`` of the outermost modules that form units.
 
     Order of choice: ``unit_classes`` (class names) if given; a Hugging Face model's
     ``_no_split_modules``; the element class of any ``nn.ModuleList`` holding two or more
-    modules of one class (transformer blocks). An empty list means only the root unit.
+    modules of one class (transformer blocks); else by size: the outermost submodules of at
+    most ``size_threshold`` elements (default: an eighth of the model, so about eight units
+    or more). Parameters not inside a unit belong to the root unit.
 
     Raises:
         ValueError: ``unit_classes`` names a class that no submodule has.
@@ -120,6 +143,9 @@ def find_unit_modules(model: nn.Module, unit_classes: Optional[Sequence[str]] = 
                     kinds = {type(c).__name__ for c in m}
                     if len(kinds) == 1:
                         classes |= kinds
+        if not classes:
+            total = sum(p.numel() for p in model.parameters())
+            return _by_size(model, size_threshold if size_threshold is not None else max(1, -(-total // 8)))
     out: List[Tuple[str, nn.Module]] = []
     taken: List[str] = []
     for name, m in model.named_modules():
