@@ -242,6 +242,8 @@ class ZeroEngine:
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or not loss.requires_grad:
             raise ValueError("engine.backward(loss): loss must be a scalar tensor that requires grad")
         t0 = time.perf_counter()
+        if self.is_gradient_accumulation_boundary():
+            self.sub_optimizer.prefetch()  # the first sub-group's NVMe read hides behind this backward
         scaled = loss.float()
         if self.gas > 1:
             scaled = scaled / self.gas

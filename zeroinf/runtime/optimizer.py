@@ -30,7 +30,11 @@ for all sub-groups of a step.
 loop issues, for sub-group ``i``: the write of ``i-1`` (``pipeline_write``) and the read of ``i+1``
 (``pipeline_read``) *before* running Adam on ``i``, and waits after it. Reads and writes therefore
 overlap the Adam compute, and at most ``1 + pipeline_read + pipeline_write`` sub-groups hold a
-buffer at once (``zeroinf.config.min_optimizer_buffer_count``).
+buffer at once (``zeroinf.config.min_optimizer_buffer_count``). Across calls: the last
+sub-group's swap-out is left in flight when :meth:`step` returns (it overlaps the next forward and
+backward), and :meth:`prefetch` starts the first sub-group's swap-in during the last backward;
+whatever touches the state next completes them first and raises their I/O errors, :meth:`close`
+included.
 """
 from __future__ import annotations
 
@@ -115,6 +119,9 @@ class SubGroupOptimizer:
         self._swapper = None
         self._buffers: List[torch.Tensor] = []
         self._pool = None
+        self._tail: Optional[int] = None    # sub-group whose swap-out is still in flight after step()
+        self._ahead: Optional[int] = None   # sub-group whose swap-in prefetch() issued
+        self._ahead_bytes = 0
         if device == "nvme":
             need = 1 + self.pipeline_read + self.pipeline_write
             if buffer_count < need:
@@ -190,6 +197,7 @@ class SubGroupOptimizer:
                 raise ValueError(f"load_state: {name} of sub-group {rec.spec.key!r} has numel {t.numel()}, "
                                  f"expected {rec.spec.numel}")
         if self.device == "nvme":
+            self._settle()  # a prefetched copy would be stale once this is written
             rec.buffer = self._free.pop()
             dst = self._views(rec.buffer, rec.spec.numel)
         else:
@@ -220,6 +228,7 @@ class SubGroupOptimizer:
         if self.device != "nvme":
             yield rec.state
             return
+        self._settle()
         rec.buffer = self._free.pop()
         try:
             self._swapper.swap_in(self._items(rec), async_op=False)
@@ -228,6 +237,37 @@ class SubGroupOptimizer:
         finally:
             self._free.append(rec.buffer)
             rec.buffer = None
+
+    def _settle(self, keep_ahead: bool = False) -> None:
+        """Complete the I/O left in flight across calls (the last swap-out of a step, a prefetch);
+        free the written sub-group's buffer and, unless ``keep_ahead``, the prefetched one. Raises
+        the I/O error of a failed transfer."""
+        if self._tail is None and self._ahead is None:
+            return
+        try:
+            self._swapper.wait()
+        finally:
+            for i in ([self._tail] + ([] if keep_ahead else [self._ahead])):
+                if i is not None:
+                    self._free.append(self._records[i].buffer)
+                    self._records[i].buffer = None
+            self._tail = None
+            if not keep_ahead:
+                self._ahead = None
+
+    def prefetch(self, index: int = 0) -> None:
+        """Start reading sub-group ``index``'s state (NVMe, with ``pipeline_read``) so that the next
+        :meth:`step` finds it there; the engine calls it before the backward of the last micro-batch,
+        which then hides the read. No-op otherwise or when a prefetch is already in flight."""
+        if self.device != "nvme" or not self.pipeline_read or self._ahead is not None or not self._records:
+            return
+        rec = self._records[index]
+        self._check_initialised(rec)
+        if not self._free or self._tail == index:  # no buffer, or its own swap-out still in flight
+            self._settle()
+        rec.buffer = self._free.pop()
+        self._swapper.swap_in(self._items(rec), async_op=True)
+        self._ahead, self._ahead_bytes = index, 12 * rec.spec.numel
 
     def _check_initialised(self, rec: _Record) -> None:
         if not rec.initialised:
@@ -291,7 +331,14 @@ class SubGroupOptimizer:
 
         swapper = self._swapper
         nbytes = lambda i: 12 * self._records[i].spec.numel
+        t0 = time.perf_counter()
+        self._settle(keep_ahead=bool(order) and self._ahead == order[0])
+        st.io_wait_s += time.perf_counter() - t0
         loaded = set()
+        if self._ahead is not None:  # read during the backward, completed by _settle
+            loaded.add(self._ahead)
+            st.bytes_read += self._ahead_bytes
+            self._ahead = None
         pending_write: Optional[int] = None
 
         def wait() -> None:
@@ -340,10 +387,10 @@ class SubGroupOptimizer:
                 if not self.pipeline_write:
                     free(i)
             if pending_write is not None:
+                # left in flight: it overlaps the next forward/backward, and the next call that
+                # touches the state (step, prefetch, state, load_state, close) completes it first
                 write(pending_write)
-                wait()
-                free(pending_write)
-                pending_write = None
+                self._tail = pending_write
         except BaseException:
             # leave the swapper idle and every buffer free, so a failed step can be reported
             with contextlib.suppress(Exception):
@@ -352,6 +399,7 @@ class SubGroupOptimizer:
                 if rec.buffer is not None:
                     self._free.append(rec.buffer)
                     rec.buffer = None
+            self._tail = self._ahead = None
             raise
 
     # ------------------------------------------------------------------------------------------
@@ -364,6 +412,7 @@ class SubGroupOptimizer:
         """Release the swap buffers and close the swapper (files stay for inspection). Idempotent."""
         if self._swapper is not None:
             try:
+                self._settle()
                 self._swapper.wait()
             finally:
                 for b in self._buffers:
