@@ -38,7 +38,7 @@ class ConfigError(ValueError):
 
     def __init__(self, key_path: str, message: str):
         self.key_path = key_path
-        super().__init__(f"{key_path}: {message}")
+        super().__init__(f"{key_path}: {message}" if key_path else message)
 
 
 # ----------------------------------------------------------------------------------------------
