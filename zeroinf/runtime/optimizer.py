@@ -13,6 +13,8 @@ Interface (kept small; stage 3 uses the same one for its unit shards)::
                             device="nvme", swap_dir=..., buffer_count=4,
                             pipeline_read=True, pipeline_write=True, aio=cfg.aio)
     opt.init_master(i, fp32_values)            # once per sub-group, before the first step
+                                               # (storage=flat fp32 CPU params: the master IS the param)
+    opt.prefetch()                             # optional: start reading sub-group 0 (NVMe) early
     opt.step(step=t, hyper=[{"lr":..., "betas":(b1, b2), "eps":..., "weight_decay":...,
                              "adamw_mode": True, "bias_correction": True}],
              grad=lambda i: fp32_cpu_grad_i,    # numel == specs[i].numel
@@ -20,6 +22,7 @@ Interface (kept small; stage 3 uses the same one for its unit shards)::
              grad_scale=1.0, indices=None)      # indices: a subset, in the order to step them
     with opt.state(i) as (master, exp_avg, exp_avg_sq): ...   # read, e.g. to save a checkpoint
     opt.load_state(i, master, exp_avg, exp_avg_sq)           # write, e.g. from a checkpoint
+    opt.stats                                  # OptimizerStats of the last step (s, bytes)
     opt.close()
 
 Numerics are those of :func:`zeroinf.optim.adam_step` (bit-compatible with ``torch.optim.AdamW``
