@@ -96,7 +96,7 @@ def main() -> int:
     try:
         res = run(args, "none", nvme)
         off = run(args, "nvme", nvme)
-        w_bw, r_bw = io_bandwidth(nvme, 1 << 30)
+        w_bw, r_bw = io_bandwidth(nvme, 1 << 30, {})  # the default aio block, as the runs above
     finally:
         shutil.rmtree(nvme, ignore_errors=True)
     floor = off["read_bytes"] / (r_bw * 1e9) + off["write_bytes"] / (w_bw * 1e9)
