@@ -153,20 +153,24 @@ def machine_line() -> str:
 
 
 def print_table(rows: Iterable[Row], *, peer: Optional[str] = None, roof_gbps: Optional[float] = None,
-                roof: Optional[str] = None, group_by=("workload", "layout")) -> None:
+                roof: Optional[str] = None, group_by=("workload", "layout"),
+                extra_columns: Iterable[str] = ()) -> None:
     """Print rows as a table, with ratios to a same-run peer and roof.
 
     Rows are grouped by ``group_by``; inside a group, ``x peer`` is the row's speed divided by the
     speed of the row whose ``name == peer`` (>1 means faster than the peer; computed from ``ms``,
     so it is a throughput ratio on the same work), and ``x roof`` is ``gbps / roof_gbps``, or,
     when ``roof`` names a row, the row's speed over that group's roof row's speed.
-    A missing peer or roof row in a group prints ``-``.
+    A missing peer or roof row in a group prints ``-``. ``extra_columns`` names keys of
+    ``Row.extra`` printed after GB/s (e.g. ``("params_per_s",)``), in %.3g.
     """
     rows = list(rows)
     groups: Dict[tuple, List[Row]] = {}
     for r in rows:
         groups.setdefault(tuple(getattr(r, g) for g in group_by), []).append(r)
+    extra_columns = tuple(extra_columns)
     head = f"{'name':<22} {'workload':<14} {'layout':<14} {'ms':>9} {'GB/s':>8}"
+    head += "".join(f" {c:>12}" for c in extra_columns)
     if peer is not None:
         head += f" {'x ' + peer:>16}"
     if roof_gbps or roof:
@@ -178,6 +182,7 @@ def print_table(rows: Iterable[Row], *, peer: Optional[str] = None, roof_gbps: O
         roof_row = next((r for r in grp if r.name == roof), None) if roof else None
         for r in grp:
             line = f"{r.name:<22} {r.workload:<14} {r.layout:<14} {r.ms:9.2f} {r.gbps:8.2f}"
+            line += "".join(f" {r.extra[c]:12.3g}" if c in r.extra else f" {'-':>12}" for c in extra_columns)
             if peer is not None:
                 line += f" {ref.ms / r.ms:16.3f}" if ref is not None and r.ms > 0 else f" {'-':>16}"
             if roof:

@@ -141,7 +141,7 @@ def main() -> int:
             rows += bench_offload(sizes, layout, args, ds_cls)
             gc.collect()
     print()
-    print_table(rows, peer="torch-fused", roof="roof-rmw")
+    print_table(rows, peer="torch-fused", roof="roof-rmw", extra_columns=("params_per_s",))
     roof = next(r for r in rows if r.name == "roof-rmw")
     write_json(args.json, {"n": args.n, "threads": threads, "roof_gbps": roof.gbps}, rows)
     return 0
