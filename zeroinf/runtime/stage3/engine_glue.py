@@ -118,7 +118,7 @@ class Stage3EngineParams:
 
     def reduce_gradients(self) -> int:
         """Gradients were reduced by the backward hooks; returns elements communicated."""
-        return int(self.manager.stats.last.get("bytes_reduce", 0) // 4) if self.nparts > 1 else 0
+        return int(self.manager.stats.last.get("elements_reduce", 0))
 
     def grad(self, i: int) -> torch.Tensor:
         """This rank's accumulated fp32 gradient of sub-group ``i`` (CPU; changes persist)."""

@@ -655,6 +655,7 @@ class Stage3ParameterManager:
                 dist.all_reduce(g.grad_full, group=self.group)
                 g.grad_full.div_(self.world_size)
                 self.stats.add("bytes_reduce", g.grad_full.numel() * g.grad_full.element_size())
+                self.stats.add("elements_reduce", g.grad_full.numel())
             lo, hi = self._shard_range(g)
             part = g.grad_full[lo:hi].to(device="cpu", dtype=torch.float32)
             if self.options.grads_on_nvme:

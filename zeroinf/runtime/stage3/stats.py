@@ -20,7 +20,7 @@ _COUNTERS = (
     "reduces",              # unit gradient reductions
     "releases",
     "bytes_nvme_read", "bytes_nvme_written", "bytes_host_read", "bytes_host_written",
-    "bytes_allgather", "bytes_reduce",
+    "bytes_allgather", "bytes_reduce", "elements_reduce",
 )
 
 
