@@ -1,4 +1,5 @@
-"""Stage 3 on 2 ranks (gloo, spawned here) equals 1 rank / plain PyTorch on the combined batch."""
+"""Stage 3 through the engine on 2 ranks (gloo, spawned here) equals plain PyTorch on the
+combined batch: losses, global gradient norm, parameters (1e-6), one reduction per unit."""
 import copy
 import json
 import os
@@ -17,50 +18,45 @@ def _worker(rank, world, tmp, param_tier):
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{tmp}/rdzv", rank=rank, world_size=world)
     try:
-        from zeroinf.runtime.stage3 import Stage3Options, Stage3ParameterManager
-        from zeroinf.runtime.stage3.step import Stage3Optimizer
+        import zeroinf
 
         torch.manual_seed(0)
         ref = TinyLM(tied=True)
         model = copy.deepcopy(ref)
-        mgr = Stage3ParameterManager(model, Stage3Options(
-            param_persistence_threshold=20, offload_param_device=param_tier, nvme_path=tmp,
-            buffer_size=4096, max_in_cpu=0, prefetch_bucket_size=2200, max_reuse_distance=0))
-        opt = Stage3Optimizer(mgr, device="cpu", sub_group_size=700)
+        off = {"device": param_tier}
+        if param_tier == "nvme":
+            off.update(nvme_path=tmp, buffer_size=4096, buffer_count=4, max_in_cpu=0)
+        cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
+               "optimizer": {"type": "AdamW", "params": {"lr": LR, "betas": list(BETAS), "eps": EPS, "weight_decay": WD}},
+               "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 20, "sub_group_size": 700,
+                                     "stage3_prefetch_bucket_size": 2200, "stage3_max_reuse_distance": 0,
+                                     "offload_param": off, "offload_optimizer": {"device": "cpu"}}}
+        engine, *_ = zeroinf.initialize(model=model, config=cfg)
         ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, foreach=False)
-        hyper = [{"lr": LR, "betas": BETAS, "eps": EPS, "weight_decay": WD}]
         loss_err, norm_err = 0.0, 0.0
         for step in range(1, 4):
             x, y = batch(step, b=4)
             half = slice(rank * 2, rank * 2 + 2)
-            loss = loss_fn(model(x[half]), y[half])
-            loss.backward()
+            loss = loss_fn(engine(x[half]), y[half])
+            engine.backward(loss)
+            engine.step()
             ref_loss = loss_fn(ref(x), y)
             ref_loss.backward()
             both = torch.tensor([loss.item()])
             dist.all_reduce(both)
             loss_err = max(loss_err, abs(both.item() / world - ref_loss.item()))
             ref_norm = torch.norm(torch.stack([p.grad.norm() for p in ref.parameters()])).item()
-            norm_err = max(norm_err, abs(opt.grad_norm() - ref_norm))
-            opt.step(step=step, hyper=hyper)
-            mgr.zero_grad()
+            norm_err = max(norm_err, abs(engine.get_global_grad_norm() - ref_norm))
             ref_opt.step()
             ref_opt.zero_grad()
-        # full parameters: gather every partition from both ranks
-        param_err = 0.0
-        for g in mgr.groups():
-            shard = torch.empty(g.shard_numel, dtype=g.dtype)
-            mgr.read_param_shard(g, shard)
-            parts = [torch.empty_like(shard) for _ in range(world)]
-            dist.all_gather(parts, shard)
-            full = torch.cat(parts)
-            refs = dict(ref.named_parameters())
-            for s in g.slots:
-                param_err = max(param_err, (full[s.offset:s.offset + s.numel].view(s.shape) - refs[s.name]).abs().max().item())
+        sd = engine.module.state_dict()  # collective: gathers every partition
+        param_err = max((sd[n] - p.detach()).abs().max().item() for n, p in ref.named_parameters())
+        mgr = engine.params.manager
         if rank == 0:
             with open(os.path.join(tmp, "result.json"), "w") as f:
                 json.dump({"loss": loss_err, "norm": norm_err, "param": param_err,
                            "reduces": mgr.last_reduce_counts, "bytes_allgather": mgr.stats_dict()["bytes_allgather"]}, f)
+        engine.close()
     finally:
         dist.destroy_process_group()
 
