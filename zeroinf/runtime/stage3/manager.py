@@ -128,15 +128,19 @@ class Stage3ParameterManager:
 
     Raises:
         Stage3ConfigError: ``offload_param.buffer_size`` is smaller than the largest unit
-            partition, or ``stage3_max_live_parameters`` below the root unit plus the largest
-            unit; the message names the unit and the minimum.
+            partition, ``offload_param.buffer_count`` below :meth:`min_buffer_count`, or
+            ``stage3_max_live_parameters`` below the root unit plus the largest unit; the
+            message names the unit and the minimum.
+        RuntimeError: (later) a unit module is called outside the model's forward, or a gather
+            would exceed ``stage3_max_live_parameters``; ``OSError`` from the swap files.
 
-    How an engine drives it (stage 3):
+    How an engine drives it (stage 3; ``engine_glue.py`` does this for ``ZeroEngine``):
 
     * construct it after building the model; call the model normally (hooks do the rest);
     * after ``loss.backward()`` the fp32 gradient of every partition is in
       ``group.grad_shard`` for ``group in manager.groups()`` (CPU, ``shard_numel`` elements,
-      summed over the backward passes since :meth:`zero_grad`, averaged over ranks);
+      summed over the backward passes since :meth:`zero_grad`, averaged over ranks), or with
+      ``grads_on_nvme`` in swap files (:meth:`read_grad_shard` / :meth:`write_grad_shard`);
     * step the optimizer over those shards: :meth:`read_param_shard` /
       :meth:`write_param_shard` move a partition between its home tier and a caller's tensor
       (or use ``group.store.local()`` for the device/CPU tiers), then call :meth:`params_updated`
