@@ -366,3 +366,14 @@ def test_wait_raises_first_failure_and_keeps_the_others(backend, tmp_path, monke
     assert ei.value.filename == str(tmp_path / "a")
     assert [e.filename for e in ei.value.other_errors] == [str(tmp_path / "b")]
     assert (tmp_path / "fits").stat().st_size == 100 and h.pending() == 0
+
+
+def test_backend_probe_leaves_the_global_rng_alone(monkeypatch):
+    from zeroinf.io import backends
+
+    monkeypatch.setattr(backends, "_probe_cache", {})  # force a fresh probe
+    torch.manual_seed(0)
+    want = torch.rand(4)
+    torch.manual_seed(0)
+    AsyncIOHandle()
+    assert torch.equal(torch.rand(4), want)

@@ -294,7 +294,8 @@ def _round_trip(name: str, directory: Optional[str] = None) -> Optional[str]:
         try:
             engine = make_engine(name, 1 << 16, 2, 1, False, True)
             n = 2 * ALIGN + 100
-            src = torch.randint(0, 256, (n,), dtype=torch.uint8)
+            # A private generator: the probe must not consume draws from the user's global RNG.
+            src = torch.randint(0, 256, (n,), dtype=torch.uint8, generator=torch.Generator().manual_seed(n))
             dst = torch.zeros(n, dtype=torch.uint8)
             with tempfile.TemporaryDirectory(prefix="zeroinf-probe-", dir=directory) as d:
                 path = os.path.join(d, "probe")

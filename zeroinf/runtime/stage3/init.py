@@ -142,8 +142,7 @@ class Init:
         if self.device == "nvme":
             from zeroinf.io import TensorSwapper
             self._dir = tempfile.mkdtemp(prefix="zeroinf_init_", dir=self.nvme_path)
-            with torch.random.fork_rng(devices=[]):  # the I/O backend probe draws random bytes
-                self._swapper = TensorSwapper(self._dir)
+            self._swapper = TensorSwapper(self._dir)
         self._orig_init_subclass = nn.Module.__dict__.get("__init_subclass__")
         for cls in _all_module_classes():
             self._patch(cls)

@@ -241,8 +241,7 @@ class Stage3ParameterManager:
             if swapper is None:
                 d = os.path.join(opts.nvme_path, f"zeroinf_params_rank{self.rank}")
                 os.makedirs(d, exist_ok=True)
-                with torch.random.fork_rng(devices=[]):  # the I/O backend probe draws random bytes
-                    handle = zio.AsyncIOHandle.from_config(opts.aio) if opts.aio else zio.AsyncIOHandle()
+                handle = zio.AsyncIOHandle.from_config(opts.aio) if opts.aio else zio.AsyncIOHandle()
                 swapper = zio.TensorSwapper(d, handle)
             self._swapper = swapper
             elem = max((torch.empty(0, dtype=g.dtype).element_size() for u in self.units for g in u.groups), default=4)
