@@ -107,14 +107,15 @@ def test_bad_input_exits_with_one_line(case, tmp_path, capsys):
 
 def test_two_ranks_agree_with_one(main_run, tmp_path):
     """2 ranks x micro-batch 2 see the rows of 1 rank x micro-batch 4 (the main run)."""
-    args = ["--offload", OFFLOAD, "--steps", "4", *TINY, "--micro-batch", "2", "--no-plot", "--out", "two"]
+    args = ["--offload", OFFLOAD, "--steps", "4", *TINY, "--micro-batch", "2", "--no-plot", "--compare",
+            "--out", "two"]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
                            "-m", "zeroinf", "train", *args], cwd=tmp_path, env=env, capture_output=True, text=True,
                           timeout=240)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     one, two = _log(main_run[0] / "out")[:4], _log(tmp_path / "two")
-    assert "2 rank(s) x micro-batch 2" in proc.stdout
+    assert "2 rank(s) x micro-batch 2" in proc.stdout and "PASS" in proc.stdout   # rank 0's --compare
     assert [r["tokens"] for r in two] == [r["tokens"] for r in one] == [4 * 64] * 4
     np.testing.assert_allclose([r["loss"] for r in two], [r["loss"] for r in one], rtol=0, atol=1e-5)
     np.testing.assert_allclose([r["grad_norm"] for r in two], [r["grad_norm"] for r in one], rtol=1e-4)

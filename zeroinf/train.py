@@ -177,13 +177,14 @@ class PlainEngine:
     (the mixed-precision recipe of the ZeRO paper, without loss scaling: fp16 here is for
     comparison on short runs only). ``backward`` divides the loss by ``grad_accum`` as DeepSpeed
     does; ``step`` updates at every ``grad_accum``-th call, after clipping the global gradient norm
-    to ``clip`` (``torch.nn.utils.clip_grad_norm_``, 0 = off). Under ``torch.distributed`` it is
-    plain data parallel: each gradient is all-reduced and divided by the world size before clipping.
+    to ``clip`` (``torch.nn.utils.clip_grad_norm_``, 0 = off). Under ``torch.distributed`` with
+    ``data_parallel`` it is plain data parallel: each gradient is all-reduced and divided by the
+    world size before clipping (the ``--compare`` reference runs on rank 0 alone, without).
     """
 
     def __init__(self, model: torch.nn.Module, *, lr: float, betas=(0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 0.0, adamw: bool = True, clip: float = 0.0, norm_type: float = 2.0,
-                 grad_accum: int = 1, dtype: str = "fp32", device: str = "cpu"):
+                 grad_accum: int = 1, dtype: str = "fp32", device: str = "cpu", data_parallel: bool = True):
         self.dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
         trainable = [p for p in model.parameters() if p.requires_grad]
         # master weights are fp32 copies taken before the cast, so they start exact
@@ -198,7 +199,7 @@ class PlainEngine:
         opt_cls = torch.optim.AdamW if adamw else torch.optim.Adam
         self.optimizer = opt_cls(self.master, lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
                                  foreach=False)
-        self.clip, self.norm_type, self.grad_accum = clip, norm_type, grad_accum
+        self.clip, self.norm_type, self.grad_accum, self.data_parallel = clip, norm_type, grad_accum, data_parallel
         self.device = torch.device(device)
         self.global_steps, self.micro_steps, self._norm = 0, 0, None
 
@@ -214,7 +215,7 @@ class PlainEngine:
         self.micro_steps += 1
         if self.micro_steps % self.grad_accum:
             return
-        if torch.distributed.is_available() and torch.distributed.is_initialized():
+        if self.data_parallel and torch.distributed.is_available() and torch.distributed.is_initialized():
             world = torch.distributed.get_world_size()
             for p in self.params:             # plain data parallel: average the gradients
                 if p.grad is None:
@@ -751,7 +752,7 @@ class _Run:
         from zeroinf.models import build_model
         world = self.dist.world_size
         ref_batches = Batches(batches.tokens, batches.seq_len, batches.micro_batch, batches.seed)
-        engine = PlainEngine(build_model(mcfg, a.seed, a.init), **self._reference_params(self.zcfg))
+        engine = PlainEngine(build_model(mcfg, a.seed, a.init), data_parallel=False, **self._reference_params(self.zcfg))
         ref = []
         t0 = time.perf_counter()
         for r in records:
