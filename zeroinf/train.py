@@ -280,10 +280,17 @@ class PlainEngine:
 
 # ---------------------------------------------------------------------------- the run itself
 class _Stop:
-    """SIGINT/SIGTERM -> stop after the current step (a second Ctrl-C kills at once)."""
+    """SIGINT/SIGTERM -> stop after the current step.
 
-    def __init__(self):
+    One process: a second signal gets the default behaviour (Ctrl-C twice kills at once). Under
+    torchrun every signal only sets the flag: a worker receives Ctrl-C's SIGINT from the terminal
+    and again from torchrun, and dying in the middle of the checkpoint's collectives would leave
+    the other ranks waiting forever.
+    """
+
+    def __init__(self, keep_handler: bool = False):
         self.requested = False
+        self.keep_handler = keep_handler
         self._old = {}
 
     def __enter__(self):
@@ -293,7 +300,8 @@ class _Stop:
 
     def _handle(self, signum, frame):
         self.requested = True
-        signal.signal(signum, self._old.get(signum, signal.SIG_DFL))
+        if not self.keep_handler:
+            signal.signal(signum, self._old.get(signum, signal.SIG_DFL))
 
     def __exit__(self, *exc):
         for sig, old in self._old.items():
@@ -557,7 +565,7 @@ class _Run:
         engine.train()
         interrupted = False
         try:
-            with _Stop() as stop:
+            with _Stop(keep_handler=self.dist.world_size > 1) as stop:
                 for step in range(self.start_step, a.steps + 1):
                     prof = self._profiler() if step == trace_step else contextlib.nullcontext()
                     with prof as p:
