@@ -162,3 +162,19 @@ def test_jsonl_corpus_and_its_errors(tmp_path):
     bad.write_text(json.dumps({"text": "a"}) + "\n" + json.dumps({"body": "b"}) + "\n")
     with pytest.raises(DataError, match=r"bad.jsonl:2: .*\"text\""):
         load_tokens(str(bad), ByteTokenizer(), 1)
+
+
+def test_init_from_safetensors_reproduces_the_seeded_model(main_run, tmp_path):
+    """--init with the seed-0 weights saved to a file trains exactly like the seed-0 random init."""
+    from safetensors.torch import save_file
+    from zeroinf.models import build_config, build_model
+    model = build_model(build_config("llama", "tiny"), seed=0)
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(tmp_path / "w.safetensors"))
+    _train(["--offload", OFFLOAD, "--steps", "2", *TINY, "--init", "w.safetensors", "--no-plot", "--out", "o"],
+           tmp_path)
+    got, want = _log(tmp_path / "o"), _log(main_run[0] / "out")[:2]
+    np.testing.assert_allclose([r["loss"] for r in got], [r["loss"] for r in want], rtol=0, atol=1e-6)
+    wrong = {k: v for k, v in model.state_dict().items() if not k.endswith("norm.weight")}
+    save_file({k: v.contiguous() for k, v in wrong.items()}, str(tmp_path / "partial.safetensors"))
+    proc = _train(["--init", "partial.safetensors", "--steps", "1", "--out", "p"], tmp_path, check=False)
+    assert proc.returncode == 2 and "partial.safetensors" in proc.stderr and "missing keys" in proc.stderr
