@@ -83,8 +83,9 @@ def test_compare_passes_against_plain_pytorch(main_run):
 
 
 @pytest.mark.parametrize("case", ["data", "config", "nvme"])
-def test_bad_input_exits_with_one_line(case, tmp_path, capsys):
+def test_bad_input_exits_with_one_line(case, tmp_path, capsys, monkeypatch):
     from zeroinf.cli import main
+    monkeypatch.chdir(tmp_path)
     if case == "data":
         culprit = str(tmp_path / "no-such-corpus.txt")
         argv = ["--data", culprit]
@@ -103,6 +104,7 @@ def test_bad_input_exits_with_one_line(case, tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert code != 0
     assert len(err) == 1 and culprit in err[0], err
+    assert not list(tmp_path.glob(".zeroinf-nvme-*"))     # the private swap dir went too
 
 
 def test_two_ranks_agree_with_one(main_run, tmp_path):

@@ -117,11 +117,14 @@ def main(args: argparse.Namespace) -> int:
     from zeroinf.config import ConfigError
     from zeroinf.data import DataError
     from zeroinf.models import ModelError
+    run = _Run(args)
     try:
-        return _Run(args).run()
+        return run.run()
     except (ConfigError, DataError, ModelError, TrainError) as exc:
         print(f"zeroinf train: error: {_one_line(exc)}", file=sys.stderr)
         return EXIT_BAD_INPUT
+    finally:
+        run.remove_tmp_nvme()
 
 
 def _one_line(exc: BaseException) -> str:
@@ -313,6 +316,12 @@ class _Run:
         self.args = args
         self.dist = _Dist()
         self.tmp_nvme: Optional[Path] = None
+
+    def remove_tmp_nvme(self) -> None:
+        """Remove the default private swap directory (not a user's --nvme-path), unless --keep."""
+        if self.tmp_nvme is not None and not getattr(self.args, "keep", False):
+            shutil.rmtree(self.tmp_nvme, ignore_errors=True)
+            self.tmp_nvme = None
 
     # ---- set-up ----------------------------------------------------------------------------
     def _resolve_args(self) -> argparse.Namespace:
@@ -539,8 +548,7 @@ class _Run:
         finally:
             if engine is not None and hasattr(engine, "close"):
                 engine.close()
-            if self.tmp_nvme is not None and not a.keep:
-                shutil.rmtree(self.tmp_nvme, ignore_errors=True)
+            self.remove_tmp_nvme()
             if self.dist.initialized_here:
                 torch.distributed.destroy_process_group()
 
