@@ -117,6 +117,11 @@ def save(engine, save_dir: str, tag: Optional[str] = None, client_state: Optiona
                           "exp_avg_sq": v.clone()}, _optim_file(ckpt, engine.rank, spec.key))
     _atomic_save(_rng_state(), os.path.join(ckpt, f"rng_rank{engine.rank}.pt"))
     _barrier(engine)
+    # every rank builds the module state dict: under stage 3 it all-gathers each partition (a
+    # collective), so rank 0 alone would wait forever for the others
+    module_sd = {k: v.detach().clone() for k, v in engine.module.state_dict().items()}
+    if engine.rank != 0:
+        module_sd = None
     if engine.rank == 0:
         hyper = [{k: (list(v) if isinstance(v, tuple) else v) for k, v in g.items() if k != "params"}
                  for g in engine.optimizer.param_groups]
@@ -129,7 +134,7 @@ def save(engine, save_dir: str, tag: Optional[str] = None, client_state: Optiona
             "loss_scaler": engine.loss_scaler.state_dict() if engine.loss_scaler is not None else None,
             "lr_scheduler": engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None,
             "param_groups": hyper, "layout": _layout(engine),
-            "module": {k: v.detach().clone() for k, v in engine.module.state_dict().items()},
+            "module": module_sd,
             "client_state": client_state or {},
         }
         _atomic_save(meta, os.path.join(ckpt, "model_states.pt"))
