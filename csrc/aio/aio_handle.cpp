@@ -7,7 +7,9 @@
 #include <string.h>
 #include <unistd.h>
 
+#include <exception>
 #include <stdexcept>
+#include <system_error>
 
 #ifndef ZEROINF_NO_LIBAIO
 #include <libaio.h>
@@ -28,12 +30,17 @@ struct Request {
   std::string what;
 
   // Record a failure; the one at the lowest file offset wins, so the report is deterministic.
-  void fail(int e, int64_t offset, const std::string& w) {
+  // Never throws: if the message cannot be copied the errno and offset are still recorded.
+  void fail(int e, int64_t offset, const char* w) noexcept {
     std::lock_guard<std::mutex> lock(mu);
     if (err == 0 || offset < err_offset) {
       err = e;
       err_offset = offset;
-      what = w;
+      try {
+        what = w;
+      } catch (...) {
+        what.clear();
+      }
     }
   }
 };
@@ -163,25 +170,95 @@ Engine::Engine(Backend backend, int64_t block_size, int queue_depth, int intra_o
       }
       ctxs_.push_back(ctx);
     }
-    for (int i = 0; i < parallelism_; ++i) workers_.emplace_back(&Engine::libaio_worker, this, i);
 #endif
-  } else {
-    // One blocking thread per outstanding transfer: queue_depth transfers per parallel lane.
-    const int n = parallelism_ * queue_depth_;
-    for (int i = 0; i < n; ++i) workers_.emplace_back(&Engine::threads_worker, this);
   }
+  owner_pid_ = static_cast<int>(getpid());
+  start_workers();
+}
+
+// Starting a thread can fail (EAGAIN under thread or memory limits). Unwinding out of the
+// constructor with joinable threads in workers_ would call std::terminate, so the threads already
+// started are stopped and joined first, and the failure is reported as std::runtime_error.
+void Engine::start_workers() {
+  // libaio: one thread per io context; threads: one blocking thread per outstanding transfer.
+  const int n = backend_ == Backend::kLibaio ? static_cast<int>(ctxs_.size()) : parallelism_ * queue_depth_;
+  std::string failure;
+  try {
+    workers_.reserve(static_cast<size_t>(n));
+    for (int i = 0; i < n; ++i) {
+      if (backend_ == Backend::kLibaio) {
+        workers_.emplace_back(&Engine::libaio_worker, this, i);
+      } else {
+        workers_.emplace_back(&Engine::threads_worker, this);
+      }
+    }
+    return;
+  } catch (const std::exception& e) {
+    failure = std::string("could not start aio worker thread ") + std::to_string(workers_.size() + 1) +
+              " of " + std::to_string(n) + ": " + e.what();
+  }
+  shutdown();
+  throw std::runtime_error(failure);
 }
 
 Engine::~Engine() {
+  if (forked_child()) {
+    // The workers live only in the parent; joining them here is undefined. Move the handles to a
+    // leaked vector so no joinable std::thread is destroyed (std::terminate). The condition
+    // variables may still block in their destructors (glibc counts the parent's waiters), which
+    // is why the Python binding never deletes an engine in a forked child (see bindings.cpp).
+    new (std::nothrow) std::vector<std::thread>(std::move(workers_));
+    for (auto& t : workers_) {  // only if the leak above could not allocate
+      try {
+        if (t.joinable()) t.detach();
+      } catch (...) {
+      }
+    }
+    return;
+  }
+  shutdown();
+}
+
+bool Engine::forked_child() const { return static_cast<int>(getpid()) != owner_pid_; }
+
+bool Engine::is_shut_down() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return stop_;
+}
+
+void Engine::shutdown() noexcept {
+  // In a forked child the workers, and any lock they held at fork time, belong to the parent:
+  // touching mu_ or notifying the condition variables could block forever. submit() refuses
+  // there, so there is nothing to stop.
+  if (forked_child()) return;
   {
     std::lock_guard<std::mutex> lock(mu_);
     stop_ = true;
+    if (joined_) return;
+    joined_ = true;
   }
   work_cv_.notify_all();
-  for (auto& t : workers_) t.join();  // workers drain the queue before they exit
+  const auto self = std::this_thread::get_id();
+  for (auto& t : workers_) {  // workers drain the queue before they exit
+    if (!t.joinable()) continue;
+    if (t.get_id() == self) {  // cannot join itself; never expected, but do not terminate
+      t.detach();
+      continue;
+    }
+    try {
+      t.join();
+    } catch (const std::system_error&) {
+      try {
+        t.detach();
+      } catch (...) {
+      }
+    }
+  }
+  workers_.clear();
 #ifndef ZEROINF_NO_LIBAIO
   for (void* c : ctxs_) io_destroy(static_cast<io_context_t>(c));
 #endif
+  ctxs_.clear();
 }
 
 int64_t Engine::submit(bool is_read, char* buffer, int64_t nbytes, int fd_direct, int fd_buffered,
@@ -211,8 +288,13 @@ int64_t Engine::submit(bool is_read, char* buffer, int64_t nbytes, int fd_direct
     add(0, nbytes, fd_buffered, false);
   }
   req->jobs_left = static_cast<int64_t>(jobs.size());
+  if (forked_child()) {
+    throw std::runtime_error("aio engine was created in process " + std::to_string(owner_pid_) +
+                             " and cannot be used in a forked child; create a new one");
+  }
   {
     std::lock_guard<std::mutex> lock(mu_);
+    if (stop_) throw std::runtime_error("aio engine is shut down");
     req->id = next_id_++;
     if (jobs.empty()) {
       Completion c;
@@ -228,7 +310,7 @@ int64_t Engine::submit(bool is_read, char* buffer, int64_t nbytes, int fd_direct
   return req->id;
 }
 
-void Engine::job_finished(const std::shared_ptr<Request>& req) {
+void Engine::job_finished(const std::shared_ptr<Request>& req) noexcept {
   if (--req->jobs_left != 0) return;
   Completion c;
   c.id = req->id;
@@ -239,12 +321,20 @@ void Engine::job_finished(const std::shared_ptr<Request>& req) {
     std::lock_guard<std::mutex> lock(req->mu);
     c.err = req->err;
     c.err_offset = req->err_offset;
-    c.what = req->what;
+    try {
+      c.what = req->what;
+    } catch (...) {  // keep the errno; lose only the text
+    }
   }
   {
     std::lock_guard<std::mutex> lock(mu_);
     running_.erase(req->id);
-    done_[req->id] = std::move(c);
+    try {
+      done_[req->id] = std::move(c);
+    } catch (...) {
+      // No memory for the record: waiters report the request as failed (see wait_one/wait_all).
+      ++unrecorded_;
+    }
   }
   done_cv_.notify_all();
 }
@@ -258,7 +348,15 @@ Completion Engine::wait_one(int64_t id) {
     c.what = "unknown or already collected request id";
     return c;
   }
-  done_cv_.wait(lock, [&] { return done_.count(id) > 0; });
+  done_cv_.wait(lock, [&] { return done_.count(id) > 0 || running_.count(id) == 0; });
+  if (done_.count(id) == 0) {  // finished, but job_finished could not store its record
+    if (unrecorded_ > 0) --unrecorded_;
+    Completion c;
+    c.id = id;
+    c.err = ENOMEM;
+    c.what = "out of memory recording the request's completion; its outcome is unknown";
+    return c;
+  }
   Completion c = std::move(done_[id]);
   done_.erase(id);
   return c;
@@ -271,6 +369,12 @@ std::vector<Completion> Engine::wait_all() {
   out.reserve(done_.size());
   for (auto& kv : done_) out.push_back(std::move(kv.second));
   done_.clear();
+  for (; unrecorded_ > 0; --unrecorded_) {
+    Completion c;  // id -1: the caller cannot tell which request it was, so it must raise
+    c.err = ENOMEM;
+    c.what = "out of memory recording a request's completion; its outcome is unknown";
+    out.push_back(std::move(c));
+  }
   return out;
 }
 
@@ -297,7 +401,6 @@ void Engine::run_sync_job(Job& job, char* bounce) {
   char* base = job.bounce ? bounce : job.buf;
   if (job.bounce && bounce == nullptr) {
     req.fail(ENOMEM, job.file_offset, "could not allocate an aligned bounce buffer");
-    job_finished(job.req);
     return;
   }
   if (job.bounce && !rd) memcpy(bounce, job.buf, job.nbytes);
@@ -339,15 +442,35 @@ void Engine::run_sync_job(Job& job, char* bounce) {
   }
   if (job.bounce && rd && done == job.nbytes) memcpy(job.buf, bounce, job.nbytes);
   req.bytes_done += done;
+}
+
+// run_sync_job, then job_finished exactly once; an exception fails the job's request instead of
+// leaving the worker thread (which would call std::terminate).
+void Engine::run_sync_job_guarded(Job& job, char* bounce) noexcept {
+  try {
+    run_sync_job(job, bounce);
+  } catch (const std::exception& e) {
+    job.req->fail(EIO, job.file_offset, e.what());
+  } catch (...) {
+    job.req->fail(EIO, job.file_offset, "unknown exception in an aio worker");
+  }
   job_finished(job.req);
 }
 
 void Engine::threads_worker() {
   AlignedBuf bounce;
   Job job;
-  while (pop_job(&job, /*block=*/true)) {
-    if (job.bounce && !bounce) bounce = aligned_buffer(block_size_);
-    run_sync_job(job, bounce.get());
+  while (true) {
+    try {
+      if (!pop_job(&job, /*block=*/true)) break;
+      if (job.bounce && !bounce) bounce = aligned_buffer(block_size_);
+    } catch (...) {  // pop_job's lock cannot fail in practice; never let it end the thread
+      if (!job.req) {
+        std::this_thread::yield();
+        continue;
+      }
+    }
+    run_sync_job_guarded(job, bounce.get());
     job = Job();
   }
 }
@@ -365,7 +488,7 @@ struct Slot {
 };
 }  // namespace
 
-void Engine::libaio_worker(int index) {
+void Engine::libaio_worker_body(int index) {
   io_context_t ctx = static_cast<io_context_t>(ctxs_[index]);
   std::vector<Slot> slots(queue_depth_);
   std::vector<Slot*> free_slots;
@@ -376,7 +499,7 @@ void Engine::libaio_worker(int index) {
   int inflight = 0;
   bool stopping = false;
 
-  auto finish = [&](Slot* s) {
+  auto finish = [&](Slot* s) noexcept {
     Request& req = *s->job.req;
     if (s->job.bounce && req.is_read && s->done == s->job.nbytes) {
       memcpy(s->job.buf, s->bounce.get(), s->job.nbytes);
@@ -407,127 +530,165 @@ void Engine::libaio_worker(int index) {
     return true;
   };
 
+  // An exception inside the loop must not end the thread: wait for the transfers the kernel still
+  // owns (their buffers live in `slots`), then fail every job that was in a slot.
+  auto recover = [&](const char* what) noexcept {
+    while (inflight > 0) {
+      int got = io_getevents(ctx, 1, queue_depth_, events.data(), nullptr);
+      if (got == -EINTR) continue;
+      if (got < 0) break;
+      inflight -= got;
+    }
+    inflight = 0;
+    to_submit.clear();
+    free_slots.clear();  // capacity queue_depth_: the push_backs below never allocate
+    for (auto& s : slots) {
+      if (s.job.req) {
+        s.job.req->fail(EIO, s.job.file_offset + s.done, what);
+        finish(&s);  // pushes the slot back on free_slots
+      } else {
+        free_slots.push_back(&s);
+      }
+    }
+  };
+
   while (true) {
-    if (overlap_events_ || inflight == 0) {
-      while (!free_slots.empty()) {
-        const bool block = inflight == 0 && to_submit.empty();
-        Job job;
-        if (!pop_job(&job, block)) {
-          if (block) stopping = true;
-          break;
-        }
-        if (!job.direct) {  // buffered tail: a small blocking transfer
-          run_sync_job(job, nullptr);
-          continue;
-        }
-        Slot* s = free_slots.back();
-        free_slots.pop_back();
-        s->job = std::move(job);
-        s->done = 0;
-        s->zero_writes = 0;
-        if (s->job.bounce) {
-          if (!s->bounce) s->bounce = aligned_buffer(block_size_);
-          if (!s->bounce) {
-            s->job.req->fail(ENOMEM, s->job.file_offset, "could not allocate an aligned bounce buffer");
-            finish(s);
+    try {
+      if (overlap_events_ || inflight == 0) {
+        while (!free_slots.empty()) {
+          const bool block = inflight == 0 && to_submit.empty();
+          Job job;
+          if (!pop_job(&job, block)) {
+            if (block) stopping = true;
+            break;
+          }
+          if (!job.direct) {  // buffered tail: a small blocking transfer
+            run_sync_job_guarded(job, nullptr);
             continue;
           }
-          if (!s->job.req->is_read) memcpy(s->bounce.get(), s->job.buf, s->job.nbytes);
+          Slot* s = free_slots.back();
+          free_slots.pop_back();
+          s->job = std::move(job);
+          s->done = 0;
+          s->zero_writes = 0;
+          if (s->job.bounce) {
+            if (!s->bounce) s->bounce = aligned_buffer(block_size_);
+            if (!s->bounce) {
+              s->job.req->fail(ENOMEM, s->job.file_offset, "could not allocate an aligned bounce buffer");
+              finish(s);
+              continue;
+            }
+            if (!s->job.req->is_read) memcpy(s->bounce.get(), s->job.buf, s->job.nbytes);
+          }
+          if (prep(s)) {
+            to_submit.push_back(s);
+          } else {
+            finish(s);
+          }
         }
-        if (prep(s)) {
-          to_submit.push_back(s);
-        } else {
+      }
+      if (inflight == 0 && to_submit.empty()) {
+        if (stopping) break;
+        continue;
+      }
+      // Submit: all at once, or one iocb per io_submit call with single_submit.
+      size_t pos = 0;
+      int again = 0;
+      while (pos < to_submit.size()) {
+        const size_t n = single_submit_ ? 1 : to_submit.size() - pos;
+        cbs.clear();
+        for (size_t i = 0; i < n; ++i) cbs.push_back(&to_submit[pos + i]->cb);
+        int rc = io_submit(ctx, static_cast<long>(n), cbs.data());
+        if (rc > 0) {
+          pos += rc;
+          inflight += rc;
+          again = 0;
+          continue;
+        }
+        if ((rc == -EAGAIN || rc == -EINTR || rc == 0) && ++again < 1000) {
+          std::this_thread::yield();
+          continue;
+        }
+        // The kernel refused the rest: fail those jobs (their bytes were never transferred).
+        for (size_t i = pos; i < to_submit.size(); ++i) {
+          Slot* s = to_submit[i];
+          s->job.req->fail(rc < 0 ? -rc : EIO, s->job.file_offset + s->done, "io_submit refused the request");
           finish(s);
         }
+        pos = to_submit.size();
       }
-    }
-    if (inflight == 0 && to_submit.empty()) {
-      if (stopping) break;
-      continue;
-    }
-    // Submit: all at once, or one iocb per io_submit call with single_submit.
-    size_t pos = 0;
-    int again = 0;
-    while (pos < to_submit.size()) {
-      const size_t n = single_submit_ ? 1 : to_submit.size() - pos;
-      cbs.clear();
-      for (size_t i = 0; i < n; ++i) cbs.push_back(&to_submit[pos + i]->cb);
-      int rc = io_submit(ctx, static_cast<long>(n), cbs.data());
-      if (rc > 0) {
-        pos += rc;
-        inflight += rc;
-        again = 0;
-        continue;
-      }
-      if ((rc == -EAGAIN || rc == -EINTR || rc == 0) && ++again < 1000) {
-        std::this_thread::yield();
-        continue;
-      }
-      // The kernel refused the rest: fail those jobs (their bytes were never transferred).
-      for (size_t i = pos; i < to_submit.size(); ++i) {
-        Slot* s = to_submit[i];
-        s->job.req->fail(rc < 0 ? -rc : EIO, s->job.file_offset + s->done, "io_submit refused the request");
-        finish(s);
-      }
-      pos = to_submit.size();
-    }
-    to_submit.clear();
-    if (inflight == 0) continue;
+      to_submit.clear();
+      if (inflight == 0) continue;
 
-    const long min_nr = overlap_events_ ? 1 : inflight;
-    int got = io_getevents(ctx, min_nr, queue_depth_, events.data(), nullptr);
-    if (got == -EINTR) continue;
-    if (got < 0) {
-      // Cannot tell which transfers finished; the context is unusable. Fail what is in flight.
-      for (auto& s : slots) {
-        if (s.job.req) {
-          s.job.req->fail(-got, s.job.file_offset + s.done, "io_getevents failed");
-          finish(&s);
+      const long min_nr = overlap_events_ ? 1 : inflight;
+      int got = io_getevents(ctx, min_nr, queue_depth_, events.data(), nullptr);
+      if (got == -EINTR) continue;
+      if (got < 0) {
+        // Cannot tell which transfers finished; the context is unusable. Fail what is in flight.
+        for (auto& s : slots) {
+          if (s.job.req) {
+            s.job.req->fail(-got, s.job.file_offset + s.done, "io_getevents failed");
+            finish(&s);
+          }
         }
-      }
-      inflight = 0;
-      continue;
-    }
-    inflight -= got;
-    for (int e = 0; e < got; ++e) {
-      Slot* s = static_cast<Slot*>(events[e].data);
-      Request& req = *s->job.req;
-      const bool rd = req.is_read;
-      const long res = static_cast<long>(events[e].res);
-      const int64_t off = s->job.file_offset + s->done;
-      if (res < 0) {
-        req.fail(static_cast<int>(-res), off, rd ? "aio read failed" : "aio write failed");
-        finish(s);
+        inflight = 0;
         continue;
       }
-      if (res == 0) {
-        if (rd) {
-          req.fail(ENODATA, off, "aio read returned 0 bytes: the file ends before the requested range");
+      inflight -= got;
+      for (int e = 0; e < got; ++e) {
+        Slot* s = static_cast<Slot*>(events[e].data);
+        Request& req = *s->job.req;
+        const bool rd = req.is_read;
+        const long res = static_cast<long>(events[e].res);
+        const int64_t off = s->job.file_offset + s->done;
+        if (res < 0) {
+          req.fail(static_cast<int>(-res), off, rd ? "aio read failed" : "aio write failed");
           finish(s);
-        } else if (++s->zero_writes >= 3) {
-          req.fail(EIO, off, "aio write wrote 0 bytes three times");
+          continue;
+        }
+        if (res == 0) {
+          if (rd) {
+            req.fail(ENODATA, off, "aio read returned 0 bytes: the file ends before the requested range");
+            finish(s);
+          } else if (++s->zero_writes >= 3) {
+            req.fail(EIO, off, "aio write wrote 0 bytes three times");
+            finish(s);
+          } else if (prep(s)) {
+            to_submit.push_back(s);
+          } else {
+            finish(s);
+          }
+          continue;
+        }
+        s->done += res;
+        if (s->done == s->job.nbytes) {
           finish(s);
-        } else if (prep(s)) {
+        } else if (!is_aligned(res)) {
+          req.fail(rd ? ENODATA : EIO, off + res,
+                   rd ? "short O_DIRECT read: the file ends before the requested range"
+                      : "short unaligned O_DIRECT write");
+          finish(s);
+        } else if (prep(s)) {  // short but aligned: resubmit the remainder
           to_submit.push_back(s);
         } else {
           finish(s);
         }
-        continue;
       }
-      s->done += res;
-      if (s->done == s->job.nbytes) {
-        finish(s);
-      } else if (!is_aligned(res)) {
-        req.fail(rd ? ENODATA : EIO, off + res,
-                 rd ? "short O_DIRECT read: the file ends before the requested range"
-                    : "short unaligned O_DIRECT write");
-        finish(s);
-      } else if (prep(s)) {  // short but aligned: resubmit the remainder
-        to_submit.push_back(s);
-      } else {
-        finish(s);
-      }
+    } catch (const std::exception& e) {
+      recover(e.what());
+    } catch (...) {
+      recover("unknown exception in an aio worker");
     }
+  }
+}
+
+void Engine::libaio_worker(int index) {
+  try {
+    libaio_worker_body(index);
+  } catch (...) {
+    // Setting up the worker failed (no memory for its slots): serve the queue with blocking
+    // pread/pwrite instead, so queued requests still finish.
+    threads_worker();
   }
 }
 #endif

@@ -17,6 +17,13 @@
 // Every completion is checked against the bytes asked for: a short transfer is resubmitted for
 // the remainder; a zero-byte transfer or a negative result fails the request with its errno.
 // Nothing here throws after construction: failures are returned as Completion records.
+//
+// Lifetime: shutdown() (also run by the destructor) finishes every queued job, then stops and
+// joins the workers; it never throws and may be called more than once. Worker bodies catch every
+// exception and fail the job's request with it, so no exception leaves a thread. In a process
+// forked from the owner the workers do not exist: shutdown() there does nothing and the destructor
+// abandons the thread handles instead of joining them (a joinable std::thread is never destroyed,
+// so std::terminate cannot run); the Python binding does not delete an engine in a forked child.
 #pragma once
 
 #include <atomic>
@@ -70,14 +77,22 @@ struct Job {
 class Engine {
  public:
   // Throws std::invalid_argument on bad knobs, std::runtime_error if the backend cannot start
-  // (libaio not compiled in, io_setup refused).
+  // (libaio not compiled in, io_setup refused, a worker thread could not be created: the threads
+  // already started are joined before it throws).
   Engine(Backend backend, int64_t block_size, int queue_depth, int intra_op_parallelism,
          bool single_submit, bool overlap_events, const std::string& fault);
   ~Engine();
   Engine(const Engine&) = delete;
   Engine& operator=(const Engine&) = delete;
 
+  // Finish queued jobs, stop and join the workers, release io contexts. Idempotent, never throws.
+  void shutdown() noexcept;
+  bool is_shut_down() const;
+  // True in a process forked from the one that built the engine (its workers do not exist here).
+  bool forked_child() const;
+
   // Queue a request; returns its id at once. `buffer` must stay valid until it is waited for.
+  // Throws std::runtime_error after shutdown() or in a process forked from the owner.
   int64_t submit(bool is_read, char* buffer, int64_t nbytes, int fd_direct, int fd_buffered,
                  int64_t file_offset);
   // Block until request `id` finished; returns its record (err = EINVAL if id is unknown).
@@ -88,14 +103,17 @@ class Engine {
 
   Backend backend() const { return backend_; }
 
-  // Called by workers.
-  void job_finished(const std::shared_ptr<Request>& req);
+  // Called by workers; never throws.
+  void job_finished(const std::shared_ptr<Request>& req) noexcept;
 
  private:
   void threads_worker();
   void libaio_worker(int index);
+  void libaio_worker_body(int index);
   bool pop_job(Job* job, bool block);
   void run_sync_job(Job& job, char* bounce);
+  void run_sync_job_guarded(Job& job, char* bounce) noexcept;
+  void start_workers();
 
   Backend backend_;
   int64_t block_size_;
@@ -113,6 +131,9 @@ class Engine {
   std::map<int64_t, Completion> done_;
   int64_t next_id_ = 1;
   bool stop_ = false;
+  bool joined_ = false;
+  int64_t unrecorded_ = 0;   // finished requests whose record could not be stored (bad_alloc)
+  int owner_pid_ = 0;        // getpid() of the constructing process
   std::vector<std::thread> workers_;
   std::vector<void*> ctxs_;  // io_context_t per libaio worker
 };

@@ -15,7 +15,17 @@ py::tuple to_tuple(const Completion& c) {
   return py::make_tuple(c.id, c.is_read, c.bytes_requested, c.bytes_done, c.err, c.err_offset, c.what);
 }
 
-std::unique_ptr<Engine> make_engine(const std::string& backend, int64_t block_size, int queue_depth,
+// Deletes engines, except in a process forked from the one that built the engine: there the
+// workers, their locks and their condition-variable waiters belong to the parent, and destroying
+// the object could block forever, so it is leaked (the process is about to use its own engines).
+struct EngineDeleter {
+  void operator()(Engine* e) const noexcept {
+    if (e != nullptr && !e->forked_child()) delete e;
+  }
+};
+using EnginePtr = std::unique_ptr<Engine, EngineDeleter>;
+
+EnginePtr make_engine(const std::string& backend, int64_t block_size, int queue_depth,
                                     int intra_op_parallelism, bool single_submit, bool overlap_events,
                                     const std::string& fault) {
   Backend b;
@@ -26,8 +36,8 @@ std::unique_ptr<Engine> make_engine(const std::string& backend, int64_t block_si
   } else {
     throw py::value_error("backend must be 'libaio' or 'threads', got '" + backend + "'");
   }
-  return std::make_unique<Engine>(b, block_size, queue_depth, intra_op_parallelism, single_submit,
-                                  overlap_events, fault);
+  return EnginePtr(new Engine(b, block_size, queue_depth, intra_op_parallelism, single_submit,
+                             overlap_events, fault));
 }
 
 int64_t submit(Engine& e, bool is_read, const torch::Tensor& buffer, int64_t nbytes, int fd_direct,
@@ -47,7 +57,7 @@ int64_t submit(Engine& e, bool is_read, const torch::Tensor& buffer, int64_t nby
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "zeroinf async file I/O engine (libaio or a pread/pwrite thread pool)";
   m.attr("ALIGN") = zeroinf::aio::kAlign;
-  py::class_<Engine>(m, "Engine")
+  py::class_<Engine, EnginePtr>(m, "Engine")
       .def(py::init(&make_engine), py::arg("backend"), py::arg("block_size"), py::arg("queue_depth"),
            py::arg("intra_op_parallelism"), py::arg("single_submit"), py::arg("overlap_events"),
            py::arg("fault") = "")
@@ -79,7 +89,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
             return out;
           },
           "Block until nothing is in flight; list of finished records not yet collected.")
-      .def("in_flight", &Engine::in_flight);
+      .def("in_flight", &Engine::in_flight)
+      .def(
+          "shutdown",
+          [](Engine& e) {
+            py::gil_scoped_release nogil;
+            e.shutdown();
+          },
+          "Finish queued jobs, then stop and join the worker threads; idempotent. Later submits raise.")
+      .def_property_readonly("is_shut_down", &Engine::is_shut_down);
   m.def(
       "libaio_status",
       []() {

@@ -233,6 +233,7 @@ class PythonEngine:
             return len(self._running)
 
     def shutdown(self) -> None:
+        """Finish queued jobs and join the pool's threads; idempotent. Later submits raise."""
         self._pool.shutdown(wait=True)
 
 
@@ -310,6 +311,7 @@ def _round_trip(name: str, directory: Optional[str] = None) -> Optional[str]:
                     engine.submit(True, dst, n, fd_direct, fd, 0)
                     recs += engine.wait_all()
                 finally:
+                    engine.shutdown()  # waits for anything still queued, then joins the workers
                     os.close(fd)
                     if fd_direct >= 0:
                         os.close(fd_direct)

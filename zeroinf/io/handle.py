@@ -18,13 +18,22 @@ Alignment and file-size rules (all sizes in bytes, alignment 4096):
   the whole request buffered.
 * When the filesystem refuses O_DIRECT (``open`` fails with EINVAL), I/O on it is buffered and
   one ``RuntimeWarning`` per filesystem per process says so.
+
+Lifetime: :meth:`AsyncIOHandle.close` waits for pending requests, then stops the worker threads;
+it is idempotent. Every live handle is also closed by an ``atexit`` hook (handles are tracked by
+weak reference), so the workers are joined while the interpreter, torch and pybind11 are still
+whole, never during interpreter teardown. A handle inherited by a forked child cannot be used
+there (its threads exist only in the parent): it raises ``RuntimeError``; create a new one.
 """
 from __future__ import annotations
 
+import atexit
 import errno
 import os
+import sys
 import threading
 import warnings
+import weakref
 from dataclasses import dataclass
 from typing import Dict, List, Optional
 
@@ -37,6 +46,26 @@ __all__ = ["AsyncIOHandle"]
 
 #: st_dev of filesystems already warned about refusing O_DIRECT (one warning per process each).
 _NO_DIRECT_WARNED: set = set()
+
+#: Every handle not yet closed; the atexit hook closes them before interpreter teardown.
+_LIVE_HANDLES: "weakref.WeakSet[AsyncIOHandle]" = weakref.WeakSet()
+
+
+def _close_live_handles() -> None:
+    """atexit hook: close every live handle (waiting for its pending requests).
+
+    Errors cannot propagate out of interpreter exit, so each is written to stderr naming the
+    handle; none is dropped silently.
+    """
+    for handle in list(_LIVE_HANDLES):
+        try:
+            handle.close()
+        except BaseException as exc:  # noqa: BLE001 - reported below, exit must go on
+            print(f"zeroinf: closing {handle!r} at exit: a pending request failed: "
+                  f"{type(exc).__name__}: {exc}", file=sys.stderr)
+
+
+atexit.register(_close_live_handles)
 
 _AIO_KEYS = ("block_size", "queue_depth", "intra_op_parallelism", "thread_count", "single_submit",
              "overlap_events", "use_gds", "backend")
@@ -117,6 +146,9 @@ class AsyncIOHandle:
         self._lock = threading.Lock()      # guards _pending
         self._wait_lock = threading.RLock()  # one collector at a time (sync ops and wait())
         self._pending: Dict[int, _Pending] = {}
+        self._pid = os.getpid()
+        self._closed = False
+        _LIVE_HANDLES.add(self)
 
     @classmethod
     def from_config(cls, aio: dict) -> "AsyncIOHandle":
@@ -210,7 +242,16 @@ class AsyncIOHandle:
                               "there (slower, and it fills the page cache)", RuntimeWarning, stacklevel=5)
             return -1
 
+    def _check_usable(self) -> None:
+        if self._closed:
+            raise ValueError(f"{self!r} is closed")
+        if os.getpid() != self._pid:
+            raise RuntimeError(f"{self!r} was created in process {self._pid} and cannot be used in the forked "
+                               f"process {os.getpid()} (its worker threads exist only in the parent); "
+                               "create a new AsyncIOHandle")
+
     def _submit(self, is_read: bool, buffer, filename, file_offset: int) -> int:
+        self._check_usable()
         path = os.fspath(filename)
         if not isinstance(file_offset, int) or isinstance(file_offset, bool) or file_offset < 0:
             raise ValueError(f"file_offset must be an integer >= 0, got {file_offset!r}")
@@ -330,13 +371,26 @@ class AsyncIOHandle:
             return len(self._pending)
 
     def close(self) -> None:
-        """Wait for pending requests (raising their errors) and stop the worker threads."""
+        """Wait for pending requests (raising their errors), then stop and join the worker threads.
+
+        Idempotent: a second call does nothing. Later submissions raise ``ValueError``. In a
+        forked child it only marks the handle closed (the threads belong to the parent).
+
+        Raises:
+            AIOError subclass: a pending request failed (see :meth:`wait`); the threads are
+            stopped all the same.
+        """
+        with self._wait_lock:
+            if self._closed:
+                return
+            self._closed = True
+        _LIVE_HANDLES.discard(self)
+        if os.getpid() != self._pid:
+            return
         try:
             self.wait()
         finally:
-            shutdown = getattr(self._engine, "shutdown", None)
-            if shutdown is not None:
-                shutdown()
+            self._engine.shutdown()
 
     def __enter__(self) -> "AsyncIOHandle":
         return self
