@@ -218,3 +218,52 @@ def test_buffer_size_and_count_checked_at_initialize(tmp_path):
     cfg["zero_optimization"]["offload_param"]["buffer_count"] = 1
     with pytest.raises(ConfigError, match=r"^zero_optimization.offload_param.buffer_count: 1 .*minimum is 2"):
         zeroinf.initialize(model=TinyLM(), config=cfg)
+
+
+def test_default_buffer_size_pins_only_the_largest_partition(tmp_path):
+    """offload_param.buffer_size 1e8 (DeepSpeed's default) × 5 buffers must not pin ~2 GB for a
+    tiny model: each buffer is capped at the largest unit partition; stats() counts the pool."""
+    from zeroinf.io import pinned_pool_bytes
+
+    torch.manual_seed(0)
+    cfg = _config("nvme", "cpu", tmp_path)
+    cfg["zero_optimization"]["offload_param"].update(buffer_size=100_000_000, buffer_count=5)
+    engine, *_ = zeroinf.initialize(model=TinyLM(), config=cfg)
+    m = engine.params.manager
+    largest = max(g.shard_numel * 4 for g in m.groups())  # fp32 partitions, bytes
+    want = pinned_pool_bytes(5, -(-largest // 4096) * 4096)
+    assert want < 5 * 1024 * 1024  # the independent bound: a few pages per buffer, not 400 MB
+    assert m._pool.pinned_bytes == want
+    assert m.pinned_bytes() == want
+    _run(engine, 1)
+    st = engine.stats()
+    assert st["pinned_bytes"] == engine.sub_optimizer.pinned_bytes() + want
+    engine.close()
+
+
+def test_disk_check_counts_parameter_gradient_and_optimizer_swap_files(tmp_path, monkeypatch):
+    """Stage 3 fp32 with both offloads on NVMe writes 4 (parameters) + 4 (fp32 gradients) + 12
+    (optimizer state) bytes per partition element; initialize must refuse a disk one byte short."""
+    import collections
+
+    import zeroinf.runtime.engine as eng_mod
+
+    (tmp_path / "a").mkdir()
+    torch.manual_seed(0)
+    engine, *_ = zeroinf.initialize(model=TinyLM(), config=_config("nvme", "nvme", tmp_path / "a"))
+    parts = sum(g.shard_numel for g in engine.params.manager.groups())
+    assert parts == sum(p.numel() for p in TinyLM().parameters())  # one rank: the whole model, unpadded
+    engine.close()
+    need = (4 + 4 + 12) * parts
+    Usage = collections.namedtuple("Usage", "total used free")
+    for free, ok in ((need - 1, False), (need, True)):
+        d = tmp_path / f"free{free}"
+        d.mkdir()
+        monkeypatch.setattr(eng_mod.shutil, "disk_usage", lambda p, free=free: Usage(10**12, 10**12 - free, free))
+        if ok:
+            zeroinf.initialize(model=TinyLM(), config=_config("nvme", "nvme", d))[0].close()
+            continue
+        with pytest.raises(zeroinf.config.ConfigError) as ei:
+            zeroinf.initialize(model=TinyLM(), config=_config("nvme", "nvme", d))
+        assert f"({need} bytes;" in str(ei.value) and "fp32 gradient partitions" in str(ei.value), ei.value
+        assert not list(d.iterdir())  # refused before any swap file was written

@@ -458,7 +458,6 @@ class _Run:
         op["buffer_size"] = min(self.zcfg.zero_optimization.offload_param.buffer_size, -(-largest // 4096) * 4096)
         from zeroinf.config import parse_config
         self.zcfg = parse_config(cfg, world_size=self.dist.world_size)
-        self.stage3_pinned_bytes = _stage3_pinned_bytes(self.zcfg)
 
     @staticmethod
     def _reference_params(zcfg) -> dict:
@@ -501,7 +500,6 @@ class _Run:
         cfg = self._build_config(a)
         from zeroinf.config import parse_config
         self.zcfg = parse_config(cfg, world_size=self.dist.world_size)
-        self.stage3_pinned_bytes = _stage3_pinned_bytes(self.zcfg)
         if self.zcfg.scheduler is not None and a.engine == "torch":
             raise TrainError(f"{self.config_source}: scheduler is applied by the zeroinf engine only; "
                              "--engine torch trains at the constant optimizer.params.lr")
@@ -675,7 +673,7 @@ class _Run:
                 device_bytes += p.numel() * p.element_size()
                 if p.grad is not None:
                     device_bytes += p.grad.numel() * p.grad.element_size()
-        pinned = (_pick(stats, ("pinned_bytes",)) or 0) + self.stage3_pinned_bytes
+        pinned = _pick(stats, ("pinned_bytes",)) or 0  # the engine counts stage 3's staging pool
         return {"compute_s": max(0.0, rec["step_s"] - optimizer_s - io_wait), "io_wait_s": io_wait,
                 "optimizer_s": optimizer_s, "device_bytes": device_bytes,
                 "pinned_cpu_bytes": int(pinned or 0), "nvme_bytes": _dir_bytes(self.nvme_paths),
@@ -813,18 +811,6 @@ def _engine_stats(engine) -> dict:
         return {k: v for k, v in dict(d).items() if isinstance(v, (int, float, str, bool)) or v is None}
     return {k: (plain(v) if isinstance(v, dict) else v) for k, v in fn().items()
             if isinstance(v, (int, float, str, bool, dict)) or v is None}
-
-
-def _stage3_pinned_bytes(zcfg) -> int:
-    """Pinned staging buffers stage 3 allocates for NVMe parameters (``offload_param.buffer_count``
-    buffers of ``buffer_size`` elements of the training dtype, as ``zeroinf.io.pinned_pool_bytes``
-    counts them); 0 when parameters are not on NVMe."""
-    zo = zcfg.zero_optimization
-    if zo.stage != 3 or zo.offload_param.device != "nvme":
-        return 0
-    from zeroinf.io import pinned_pool_bytes
-    elem = {"fp32": 4, "bf16": 2, "fp16": 2}[zcfg.precision]
-    return pinned_pool_bytes(zo.offload_param.buffer_count, zo.offload_param.buffer_size * elem)
 
 
 def _pick(d: dict, names) -> Optional[float]:

@@ -128,9 +128,12 @@ class ZeroEngine:
         if zc.stage == 3:
             try:
                 from zeroinf.runtime.stage3 import engine_manager
+                from zeroinf.runtime.stage3.engine_glue import swap_file_bytes
             except ImportError:
                 raise NotImplementedError("zero_optimization.stage 3 is not wired into the engine yet "
                                           "(zeroinf.runtime.stage3.engine_manager is missing)") from None
+            # before the manager writes its parameter partitions: every swap file stage 3 implies
+            self._check_disk(swap_file_bytes(model, cfg, groups, rank=rank, world_size=world_size))
             self.params = engine_manager(model, cfg, groups, rank=rank, world_size=world_size)
         else:
             from .flat import FlatParamManager
@@ -139,6 +142,10 @@ class ZeroEngine:
                                            allgather_bucket_size=zc.allgather_bucket_size,
                                            reduce_scatter=zc.reduce_scatter, rank=rank, world_size=world_size)
         specs = self.params.sub_group_specs()
+        if zc.stage != 3 and off.device == "nvme":
+            self._check_disk([("zero_optimization.offload_optimizer.nvme_path", off.nvme_path,
+                               os.path.join(off.nvme_path, "zeroinf_optimizer", f"rank{rank}"),
+                               12 * sum(s.numel for s in specs), "optimizer state (12 bytes per element)")])
         self._check_machine(specs)
         swap_dir = None
         if off.device == "nvme":
@@ -173,26 +180,35 @@ class ZeroEngine:
     # ------------------------------------------------------------------------------------------
     # checks at start-up: fail now, not mid-step
 
+    def _check_disk(self, files) -> None:
+        """Raise :class:`ConfigError` unless each swap folder's file system has room for every swap
+        file this rank will write there. ``files``: ``(config key, nvme_path, swap folder, bytes,
+        what)``; bytes already in a swap folder (a rerun overwrites them) count as free."""
+        by_dev: Dict[int, Dict[str, Any]] = {}
+        for key, path, folder, nbytes, what in files:
+            if not os.path.isdir(path):
+                raise ConfigError(key, f"{path!r} does not exist or is not a directory")
+            try:  # a real write: permission bits say nothing for root or a read-only mount
+                with tempfile.NamedTemporaryFile(dir=path, prefix=".zeroinf-probe-") as f:
+                    f.write(b"\0")
+                    f.flush()
+            except OSError as exc:
+                raise ConfigError(key, f"{path!r} is not writable: {exc.strerror or exc}") from None
+            e = by_dev.setdefault(os.stat(path).st_dev, {"key": key, "path": path, "need": 0, "folders": set(),
+                                                         "what": []})
+            e["need"] += nbytes
+            e["folders"].add(folder)
+            e["what"].append(f"{what}: {nbytes} bytes")
+        for e in by_dev.values():
+            have = shutil.disk_usage(e["path"]).free + sum(_dir_bytes(f) for f in e["folders"])
+            if have < e["need"]:
+                raise ConfigError(e["key"], f"{e['path']!r} has {have / 1e9:.3f} GB free; this rank's swap files need "
+                                  f"{e['need'] / 1e9:.3f} GB ({e['need']} bytes; {'; '.join(e['what'])})")
+
     def _check_machine(self, specs) -> None:
         off = self.config.zero_optimization.offload_optimizer
         if off.device != "nvme":
             return
-        key = "zero_optimization.offload_optimizer.nvme_path"
-        path = off.nvme_path
-        if not os.path.isdir(path):
-            raise ConfigError(key, f"{path!r} does not exist or is not a directory")
-        try:  # a real write: permission bits say nothing for root or a read-only mount
-            with tempfile.NamedTemporaryFile(dir=path, prefix=".zeroinf-probe-") as f:
-                f.write(b"\0")
-                f.flush()
-        except OSError as exc:
-            raise ConfigError(key, f"{path!r} is not writable: {exc.strerror or exc}") from None
-        need = sum(12 * s.numel for s in specs)
-        swap_dir = os.path.join(path, "zeroinf_optimizer", f"rank{self.rank}")
-        have = shutil.disk_usage(path).free + _dir_bytes(swap_dir)
-        if have < need:
-            raise ConfigError(key, f"{path!r} has {have / 1e9:.3f} GB free; the optimizer swap files need "
-                              f"{need / 1e9:.3f} GB (12 bytes per element of this rank's partition)")
         from zeroinf.io import pinned_pool_bytes
 
         count = min(off.buffer_count, 1 + off.pipeline_read + off.pipeline_write, max(1, len(specs)))
@@ -337,13 +353,20 @@ class ZeroEngine:
     def stats(self) -> Dict[str, Any]:
         """Counters of the last optimizer step: seconds in backward, gradient reduction, optimizer
         (of which Adam compute and waiting on NVMe I/O) and all-gather; elements communicated;
-        NVMe bytes read/written; pinned bytes; plus step counters and the loss scale."""
+        NVMe bytes read/written; pinned bytes (optimizer swap buffers plus stage 3's parameter
+        staging pool); plus step counters and the loss scale."""
         out = dict(self._stats)
         out.update(global_steps=self.global_steps, skipped_steps=self.skipped_steps, loss_scale=self.loss_scale,
-                   pinned_bytes=self.sub_optimizer.pinned_bytes(), grad_norm=self._grad_norm)
+                   pinned_bytes=self.sub_optimizer.pinned_bytes() + self._param_pinned_bytes(),
+                   grad_norm=self._grad_norm)
         if hasattr(self.params, "stats"):  # stage 3: per-iteration transfer counters (last backward)
             out["stage3"] = self.params.stats()
         return out
+
+    def _param_pinned_bytes(self) -> int:
+        """Stage 3: bytes of the parameters' pinned NVMe staging pool; 0 below stage 3."""
+        m = getattr(self.params, "manager", None)
+        return m.pinned_bytes() if m is not None else 0
 
     def trace(self, path) -> int:
         """Stage 3: write the last iteration's transfers and unit executions as Chrome/Perfetto

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
@@ -19,7 +20,7 @@ from .manager import Stage3ParameterManager
 from .options import Stage3Options
 from .units import FlatGroup
 
-__all__ = ["engine_manager", "Stage3EngineParams"]
+__all__ = ["engine_manager", "swap_file_bytes", "Stage3EngineParams"]
 
 
 @dataclass
@@ -48,6 +49,42 @@ def engine_manager(model: torch.nn.Module, cfg, groups: Sequence[Sequence[torch.
     if zc.offload_param.device == "nvme" and zc.offload_optimizer.device == "nvme":
         opts = dataclasses.replace(opts, grads_on_nvme=True)  # ZeRO-Infinity: host memory flat in model size
     return Stage3EngineParams(model, opts, groups, sub_group_size=cfg.zero_optimization.sub_group_size)
+
+
+def swap_file_bytes(model: torch.nn.Module, cfg, groups: Sequence[Sequence[torch.nn.Parameter]], *,
+                    rank: int = 0, world_size: int = 1) -> List[Tuple[str, str, str, int, str]]:
+    """NVMe swap files that :func:`engine_manager` and the engine's optimizer will create on
+    this rank, computed from the unit layout before anything is written.
+
+    Returns ``(config key, nvme_path, swap folder, bytes, what)`` per kind of file: parameter
+    partitions in the training dtype (``offload_param.device: nvme``), fp32 gradient partitions
+    (both offloads on NVMe, ZeRO-Infinity), optimizer state at 12 bytes per trainable partition
+    element (fp32 master, exp_avg, exp_avg_sq; ``offload_optimizer.device: nvme``).
+    """
+    from .init import init_shapes
+    from .units import build_units, find_unit_modules
+
+    opts = Stage3Options.from_zero_config(cfg.zero_optimization, cfg.aio.as_dict())
+    zc = cfg.zero_optimization
+    units = build_units(model, find_unit_modules(model, opts.unit_classes), opts.param_persistence_threshold,
+                        world_size, init_shapes(model))
+    parts = [g for u in units for g in u.groups]
+    trainable = {p for ps in groups for p in ps}
+    out = []
+    if zc.offload_param.device == "nvme":
+        key, path = "zero_optimization.offload_param.nvme_path", opts.nvme_path
+        folder = os.path.join(path, f"zeroinf_params_rank{rank}")
+        out.append((key, path, folder, sum(g.shard_numel * torch.empty(0, dtype=g.dtype).element_size()
+                                           for g in parts), "parameter partitions"))
+        if zc.offload_optimizer.device == "nvme":
+            out.append((key, path, folder, sum(4 * g.shard_numel for g in parts), "fp32 gradient partitions"))
+    if zc.offload_optimizer.device == "nvme":
+        path = zc.offload_optimizer.nvme_path
+        out.append(("zero_optimization.offload_optimizer.nvme_path", path,
+                    os.path.join(path, "zeroinf_optimizer", f"rank{rank}"),
+                    12 * sum(g.shard_numel for g in parts if any(s.param in trainable for s in g.slots)),
+                    "optimizer state (12 bytes per element)"))
+    return out
 
 
 class Stage3EngineParams:

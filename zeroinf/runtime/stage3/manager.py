@@ -191,6 +191,7 @@ class Stage3ParameterManager:
         self._check_limits()
         self._io: Optional[ThreadPoolExecutor] = None
         self._swapper = None
+        self._pool = None
         self._make_stores(swapper)
         self._partition_initial(shapes)
         self.scheduler = PrefetchScheduler(self, opts.prefetch_bucket_size, opts.max_live_parameters,
@@ -233,6 +234,20 @@ class Stage3ParameterManager:
         widest = max((len(u.groups) for u in self.units), default=1) or 1
         return widest * (2 if self.options.prefetch_bucket_size > 0 else 1)
 
+    def staging_buffer_bytes(self) -> int:
+        """Bytes per pinned staging buffer: ``offload_param.buffer_size`` elements of the widest
+        dtype, capped at the largest unit partition (bytes, rounded up to 4096) since a buffer
+        never holds more than one partition (the DeepSpeed default of 1e8 elements would
+        otherwise pin ~2 GB for any model)."""
+        parts = [(g.shard_numel, torch.empty(0, dtype=g.dtype).element_size()) for u in self.units for g in u.groups]
+        elem = max((e for _, e in parts), default=4)
+        largest = max((n * e for n, e in parts), default=1) or 1
+        return min(self.options.buffer_size * elem, -(-largest // 4096) * 4096)
+
+    def pinned_bytes(self) -> int:
+        """Bytes page-locked by the NVMe staging buffer pool (0 without NVMe parameters)."""
+        return int(self._pool.pinned_bytes) if self._pool is not None else 0
+
     def _make_stores(self, swapper) -> None:
         opts = self.options
         tier = opts.offload_param_device
@@ -244,8 +259,7 @@ class Stage3ParameterManager:
                 handle = zio.AsyncIOHandle.from_config(opts.aio) if opts.aio else zio.AsyncIOHandle()
                 swapper = zio.TensorSwapper(d, handle)
             self._swapper = swapper
-            elem = max((torch.empty(0, dtype=g.dtype).element_size() for u in self.units for g in u.groups), default=4)
-            self._pool = zio.PinnedBufferPool(opts.buffer_count, opts.buffer_size * elem)
+            self._pool = zio.PinnedBufferPool(opts.buffer_count, self.staging_buffer_bytes())
             self._cache = HostCache(opts.max_in_cpu, opts.pin_memory) if opts.max_in_cpu > 0 else None
             self._io = ThreadPoolExecutor(1, thread_name_prefix="zeroinf-stage3-io")
         if opts.grads_on_nvme:
