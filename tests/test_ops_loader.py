@@ -22,10 +22,11 @@ def fresh_loader(monkeypatch, tmp_path):
     return tmp_path
 
 
-def test_bad_compiler_flag_raises_one_clear_error(fresh_loader, monkeypatch):
+def test_bad_compiler_flag_raises_one_clear_error(fresh_loader, monkeypatch, capsys):
     monkeypatch.setenv("ZEROINF_EXTRA_CFLAGS", BAD_FLAG)
     with pytest.raises(OpBuildError) as info:
         load_op("adam")
+    assert "zeroinf: compiling op 'adam' on first use" in capsys.readouterr().err
     err = info.value
     assert err.op == "adam"
     assert BAD_FLAG in err.command, err.command

@@ -187,6 +187,11 @@ def _jit_build(spec: OpSpec) -> ModuleType:
     lock_path = cache_dir() / spec.name / f"{key}.lock"
     with open(lock_path, "w") as lock_file:
         fcntl.flock(lock_file, fcntl.LOCK_EX)
+        if not any(build_dir.glob("*.so")):
+            # A first-use build takes 30-60 s on 2 cores: say so on stderr rather than stall silently
+            # (the time also lands in whatever the caller is timing, e.g. the first optimizer step).
+            print(f"zeroinf: compiling op '{spec.name}' on first use (cached in {build_dir})",
+                  file=sys.stderr, flush=True)
         try:
             return cpp_extension.load(
                 name=f"zeroinf_{spec.name}_{key}",
