@@ -78,6 +78,21 @@ def test_deepspeed_keys_not_implemented_say_so(cfg, path):
     assert e.key_path == path and str(e).startswith(f"{path}: ") and "not supported yet" in str(e)
 
 
+def test_unimplemented_keys_at_their_noop_value_are_accepted_and_others_still_refused():
+    # stock DeepSpeed configs spell these out at their defaults; they ask for nothing we lack
+    parse_config({**BASE, "prescale_gradients": False, "memory_breakdown": False,
+                  "zero_allow_untested_optimizer": True,
+                  "zero_optimization": {"stage": 2, "ignore_unused_parameters": True,
+                                        "load_from_fp32_weights": True}})
+    for cfg, path in [({"prescale_gradients": True}, "prescale_gradients"),
+                      ({"zero_optimization": {"ignore_unused_parameters": False}},
+                       "zero_optimization.ignore_unused_parameters"),
+                      ({"zero_optimization": {"zero_hpz_partition_size": 8}}, "zero_optimization.zero_hpz_partition_size"),
+                      ({"memory_breakdown": 0}, "memory_breakdown")]:  # 0 is not the bool False
+        e = err({**BASE, **cfg})
+        assert e.key_path == path and "not supported yet" in str(e)
+
+
 def test_disabled_feature_block_is_accepted():
     parse_config({**BASE, "tensorboard": {"enabled": False}, "amp": {"enabled": False}})
 

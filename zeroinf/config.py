@@ -110,6 +110,9 @@ def _check_keys(block: Mapping, prefix: str, allowed: Tuple[str, ...], unsupport
     for key in sorted(block):
         if key in unsupported and isinstance(block[key], Mapping) and block[key].get("enabled", True) is False:
             continue  # a disabled feature block (e.g. "tensorboard": {"enabled": false}) asks for nothing
+        if key in unsupported and key in _NOOP_VALUES and any(
+                type(block[key]) is type(v) and block[key] == v for v in _NOOP_VALUES[key]):
+            continue  # DeepSpeed's own default / no-op value: asks for nothing we lack
         if key in unsupported:
             why = unsupported[key]
             raise ConfigError(_path(prefix, key), f"not supported yet{': ' + why if why else ''}")
@@ -316,6 +319,21 @@ _TOP_UNSUPPORTED = {
     "zero_allow_untested_optimizer": "", "zero_force_ds_cpu_optimizer": "", "timers": "",
     "disable_allgather": "", "weight_quantization": "", "graph_harvesting": "", "compile": "",
     "use_node_local_storage": "", "load_universal_checkpoint": "", "nebula": "",
+}
+# Values of unsupported DeepSpeed keys that change nothing here (mostly DeepSpeed's defaults), so
+# stock configs that spell them out are accepted; any other value still says "not supported yet".
+_NOOP_VALUES = {
+    "prescale_gradients": (False,), "memory_breakdown": (False,), "dump_state": (False,),
+    "dataloader_drop_last": (False,), "sparse_gradients": (False,), "disable_allgather": (False,),
+    "gradient_predivide_factor": (1.0, 1), "load_universal_checkpoint": (False,),
+    "zero_allow_untested_optimizer": (True, False), "zero_force_ds_cpu_optimizer": (True, False),
+    "ignore_unused_parameters": (True,), "load_from_fp32_weights": (True,), "legacy_stage1": (False,),
+    "elastic_checkpoint": (False,), "zero_quantized_weights": (False,), "zero_quantized_gradients": (False,),
+    "zero_quantized_nontrainable_weights": (False,), "zero_hpz_partition_size": (1,),
+    "mics_shard_size": (-1,), "log_trace_cache_warnings": (False,), "use_all_reduce_for_fetch_params": (False,),
+    "allgather_sequential": (False,), "pipeline_loading_checkpoint": (False,), "save_mmap_storage": (False,),
+    "log_memory_usage": (False,), "module_granularity_threshold": (0,),
+    "stage3_module_granularity_threshold": (0,),
 }
 _TOP_ALLOWED = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
                 "optimizer", "scheduler", "fp16", "bf16", "bfloat16", "gradient_clipping",
