@@ -241,18 +241,19 @@ void Engine::shutdown() noexcept {
   const auto self = std::this_thread::get_id();
   for (auto& t : workers_) {  // workers drain the queue before they exit
     if (!t.joinable()) continue;
-    if (t.get_id() == self) {  // cannot join itself; never expected, but do not terminate
-      t.detach();
-      continue;
-    }
     try {
-      t.join();
+      if (t.get_id() == self) {  // cannot join itself; never expected, but do not terminate
+        t.detach();
+      } else {
+        t.join();
+      }
     } catch (const std::system_error&) {
       try {
         t.detach();
-      } catch (...) {
+      } catch (...) {  // nothing left to try; the handle is leaked below rather than destroyed
       }
     }
+    if (t.joinable()) new (std::nothrow) std::thread(std::move(t));
   }
   workers_.clear();
 #ifndef ZEROINF_NO_LIBAIO
