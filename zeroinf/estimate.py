@@ -24,7 +24,8 @@ add a 1.5x safety factor and the host copy made while the model is built):
 * ``offload_optimizer`` cpu|nvme: the K-byte optimizer state goes to pinned host memory or NVMe
   (with an fp32 master copy even in fp32 training, so K = 4 + the optimizer's own state there);
   the rank's gradient partition goes to pinned host memory in fp32 (4 bytes per parameter; the CPU
-  optimizer reads it there). With partitioned gradients (stage 2, 3) the accelerator then keeps none
+  optimizer reads it there) — except with both params and optimizer on NVMe at stage 3, where the
+  engine swaps the fp32 gradient partition to NVMe too. With partitioned gradients (stage 2, 3) the accelerator then keeps none
   (only a reduce bucket, not counted); with stages 0 and 1 it still computes the full gradient.
 * ``offload_param`` cpu|nvme (stage 3 only): the Ψp-byte parameter partition goes to pinned host
   memory or NVMe. The accelerator holds only the units gathered for compute; with a model (not a
@@ -580,7 +581,11 @@ def estimate(params: int, placement: Placement, *, world_size: int = 1, gpus_per
     parts = f"master {master} + {optimizer} {OPTIMIZERS[optimizer]}" if master else f"{optimizer}"
     tier = {"none": "device", "cpu": "host", "nvme": "nvme"}[placement.offload_optimizer]
     terms.append(Term("optimizer state (fp32)", tier, k * numel, f"K = {k} B ({parts}) x {what}"))
-    if placement.offload_optimizer != "none":
+    if st == 3 and placement.offload_param == "nvme" and placement.offload_optimizer == "nvme":
+        # ZeRO-Infinity: the engine swaps the fp32 gradient partitions to NVMe as well
+        # (zeroinf/runtime/stage3/engine_glue.py, grads_on_nvme), so host memory stays flat in P.
+        terms.append(Term("gradient partition (fp32, swapped)", "nvme", 4 * numel, f"4 B x {what}"))
+    elif placement.offload_optimizer != "none":
         terms.append(Term("gradient partition (fp32, pinned)", "host", 4 * numel, f"4 B x {what}"))
     if placement.offload_optimizer == "nvme":
         elems = min(swap.sub_group_size, numel)
