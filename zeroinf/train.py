@@ -420,20 +420,16 @@ class _Run:
     def _build_model(self, a, mcfg, cfg: dict):
         """The model, and the true shapes of parameters already partitioned away.
 
-        With parameters on NVMe (stage 3, ``offload_param.device`` nvme), fp32 and random init, the
+        With parameters on NVMe (stage 3, ``offload_param.device`` nvme) and random init, the
         model is built inside ``zeroinf.Init``, which moves each parameter to its swap file as its
         module is constructed, so a model larger than CPU memory can be built; the values are those
-        of a plain build with the same seed (``--compare`` checks it). Otherwise a plain build.
-
-        [Note: no Init in bf16/fp16] Under ``Init`` the engine cannot take its fp32 copies before
-        the cast (the parameters are placeholders by then), so the master weights would start
-        from the bf16-rounded values: on the yardstick model that moved the loss 0.11 away from
-        plain PyTorch by step 3, against 2e-4 for a plain build.
+        of a plain build with the same seed (``--compare`` checks it). Otherwise a plain build. In
+        bf16/fp16 the fp32 master weights come from the values as built, not their rounding
+        (stage 3's [Note: Init masters]).
         """
         from zeroinf.models import build_model
         zo = self.zcfg.zero_optimization
-        if (a.engine != "zeroinf" or a.init is not None or zo.stage != 3 or zo.offload_param.device != "nvme"
-                or self.zcfg.precision != "fp32"):
+        if a.engine != "zeroinf" or a.init is not None or zo.stage != 3 or zo.offload_param.device != "nvme":
             return build_model(mcfg, a.seed, a.init), {}
         import zeroinf
         from zeroinf.runtime.stage3.init import init_shapes

@@ -140,9 +140,14 @@ class Stage3EngineParams:
         return t
 
     def master_init(self, i: int, fp32_params: Optional[Dict[int, torch.Tensor]] = None) -> torch.Tensor:
-        """fp32 initial values of sub-group ``i``: the partition, overlaid with the fp32 copies
-        taken before a cast (``fp32_params``: id(param) -> tensor, the engine's map)."""
+        """fp32 initial values of sub-group ``i``: the fp32 values of a model built under
+        ``zeroinf.Init`` and cast afterwards (kept by the manager), else the partition overlaid
+        with the fp32 copies taken before a cast (``fp32_params``: id(param) -> tensor, the
+        engine's map)."""
         g, lo, hi, _ = self._subs[i]
+        out = self.manager.take_init_master(g, lo, hi)  # zeroinf.Init values before a bf16/fp16 cast
+        if out is not None:
+            return out
         out = self._read_shard(g)[lo:hi].to(device="cpu", dtype=torch.float32, copy=True)
         if fp32_params:
             base = self.manager.rank * g.shard_numel + lo  # flat offset of out[0]
@@ -230,6 +235,7 @@ class Stage3EngineParams:
     def attach_optimizer(self, sub_optimizer) -> None:
         """Keep ``sub_optimizer``'s fp32 master weights in step with partitions written outside
         the step (``zeroinf.gathered_parameters(..., modifier_rank=r)``); moments are kept."""
+        self.manager.drop_init_masters()  # the engine made every master already
         by_group: Dict[str, List[int]] = {}
         for i, (g, _lo, _hi, _gi) in enumerate(self._subs):
             by_group.setdefault(g.key, []).append(i)

@@ -29,7 +29,7 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-__all__ = ["Init", "init_shapes", "take_init_values"]
+__all__ = ["Init", "init_shapes", "init_dtype", "take_init_values"]
 
 
 @dataclass
@@ -54,6 +54,14 @@ def init_shapes(module: nn.Module) -> Dict[nn.Parameter, torch.Size]:
     """True shapes of ``module``'s parameters that ``Init`` moved out."""
     with _LOCK:
         return {p: _HELD[p].shape for p in module.parameters() if p in _HELD}
+
+
+def init_dtype(param: nn.Parameter) -> Optional[torch.dtype]:
+    """The dtype ``Init`` holds ``param``'s values in (as constructed, before any later cast of
+    the module); None when ``Init`` does not hold it."""
+    with _LOCK:
+        held = _HELD.get(param)
+    return held.dtype if held is not None else None
 
 
 def take_init_values(param: nn.Parameter) -> torch.Tensor:

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import time
 import weakref
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
@@ -59,6 +60,14 @@ from .units import FlatGroup, ParamSlot, Unit, UnitState, build_units, find_unit
 __all__ = ["Stage3ParameterManager", "managers"]
 
 _MANAGERS: "weakref.WeakSet[Stage3ParameterManager]" = weakref.WeakSet()
+
+
+def _io_delay() -> None:
+    """Test hook: ``ZEROINF_STAGE3_IO_DELAY_S`` (seconds, default 0) delays every background
+    partition read, making races between the I/O thread and the caller deterministic."""
+    d = float(os.environ.get("ZEROINF_STAGE3_IO_DELAY_S", "0") or 0)
+    if d > 0:
+        time.sleep(d)
 
 
 def managers() -> List["Stage3ParameterManager"]:
@@ -192,6 +201,7 @@ class Stage3ParameterManager:
         self._io: Optional[ThreadPoolExecutor] = None
         self._swapper = None
         self._pool = None
+        self._init_masters: Dict[str, torch.Tensor] = {}  # [Note: Init masters]
         self._make_stores(swapper)
         self._partition_initial(shapes)
         self.scheduler = PrefetchScheduler(self, opts.prefetch_bucket_size, opts.max_live_parameters,
@@ -280,11 +290,19 @@ class Stage3ParameterManager:
 
     def _partition_initial(self, shapes) -> None:
         """Copy each group's full values into this rank's partition, one group at a time, then
-        drop the full parameter data."""
-        from .init import take_init_values
+        drop the full parameter data.
+
+        [Note: Init masters] ``zeroinf.Init`` holds values as constructed (fp32); a model cast to
+        bf16/fp16 afterwards has partitions in that dtype. Rounding them would make the engine's
+        fp32 master weights start rounded, so for such groups this rank's partition is also kept
+        in fp32 (host memory, 4 bytes per partition element) until :meth:`take_init_master`
+        hands it to the engine."""
+        from .init import init_dtype, take_init_values
         for u in self.units:
             for g in u.groups:
-                flat = torch.zeros(g.padded_numel, dtype=g.dtype, device=self.device)
+                wide = g.dtype != torch.float32 and g.dtype.is_floating_point and any(
+                    s.param in shapes and init_dtype(s.param) == torch.float32 for s in g.slots)
+                flat = torch.zeros(g.padded_numel, dtype=torch.float32 if wide else g.dtype, device=self.device)
                 for s in g.slots:
                     src = take_init_values(s.param) if s.param in shapes else s.param.data
                     flat[s.offset:s.offset + s.numel].copy_(src.reshape(-1))
@@ -292,10 +310,28 @@ class Stage3ParameterManager:
                     dist.broadcast(flat, src=dist.get_global_rank(self.group, 0) if self.group is not None else 0,
                                    group=self.group)
                 lo, hi = self._shard_range(g)
+                if wide:
+                    self._init_masters[g.key] = flat[lo:hi].to("cpu", copy=True)
+                    flat = flat.to(g.dtype)
                 self._run_io(g.store.write_from, flat[lo:hi])
                 for s in g.slots:
                     s.param.data = self._placeholder(g.dtype)
                 del flat
+
+    def take_init_master(self, g: FlatGroup, lo: int, hi: int) -> Optional[torch.Tensor]:
+        """fp32 values ``[lo, hi)`` of this rank's partition of ``g`` as ``zeroinf.Init``
+        constructed them (see [Note: Init masters]), or None when the partition itself holds
+        them exactly. The kept copy is dropped once ``hi`` reaches the partition's end."""
+        t = self._init_masters.get(g.key)
+        if t is None:
+            return None
+        if hi >= g.shard_numel:
+            del self._init_masters[g.key]
+        return t[lo:hi].clone()
+
+    def drop_init_masters(self) -> None:
+        """Forget the fp32 values kept by [Note: Init masters] (frozen groups' are never taken)."""
+        self._init_masters.clear()
 
     def _placeholder(self, dtype: torch.dtype) -> torch.Tensor:
         t = self._placeholders.get(dtype)
@@ -331,6 +367,7 @@ class Stage3ParameterManager:
         return self._io.submit(fn, *args).result()
 
     def _read_partitions(self, unit: Unit, staged: Optional["_Staged"] = None) -> None:
+        _io_delay()
         t0 = self.tracer.now()
         nbytes = 0
         if staged is not None:  # the NVMe read is done (earlier on this thread): copy and free
@@ -406,6 +443,7 @@ class Stage3ParameterManager:
         return True
 
     def _stage_read(self, unit: Unit, st: "_Staged") -> None:
+        _io_delay()
         t0 = self.tracer.now()
         nbytes = sum(g.store.read_raw(v) for g, v in zip(unit.groups, st.views))
         t1 = self.tracer.now()
@@ -531,8 +569,10 @@ class Stage3ParameterManager:
     def _unpack(self, x):
         if isinstance(x, _SavedRef):
             g = x.group
-            if g.full is None:
-                unit = self._unit_of_group(g)
+            unit = self._unit_of_group(g)
+            # g.full exists from issue() on, but holds the values only once GATHERED: a unit
+            # prefetched for its backward may still be FETCHING (read in flight) here
+            if unit.state is not UnitState.GATHERED:
                 self._busy += 1
                 try:
                     self._request(unit, "bwd", record=False)
@@ -822,7 +862,7 @@ class Stage3ParameterManager:
         """A new full flat tensor (``padded_numel`` elements, on the compute device) of group
         ``g`` read from every rank's partition; the module's parameters are not touched.
         Collective when ``world_size > 1``."""
-        if g.full is not None:
+        if self._unit_of_group(g).state is UnitState.GATHERED:  # FETCHING: g.full not filled yet
             return g.full.clone()
         full = torch.empty(g.padded_numel, dtype=g.dtype, device=self.device)
         lo, hi = self._shard_range(g)
@@ -840,6 +880,10 @@ class Stage3ParameterManager:
         shard = local if local is not None else torch.empty(g.shard_numel, dtype=g.dtype, device=self.device)
         if local is None:
             self._run_io(g.store.read_into, shard)
+        unit = self._unit_of_group(g)
+        if unit.future is not None:  # a read of the old partition into g.full must not land after the new values
+            unit.future.result()
+            unit.future = None
         for s, v in values:
             a, b = max(lo, s.offset), min(hi, s.offset + s.numel)
             if a < b:

@@ -77,13 +77,15 @@ class Stage3Optimizer:
             shard = self._read(g)
             for i in self._by_group[g.key]:
                 _, lo, hi = self.chunks[i]
-                if first:
-                    self.opt.init_master(i, shard[lo:hi].float())
+                if first:  # zeroinf.Init's fp32 values when the partition holds them rounded
+                    init = self.manager.take_init_master(g, lo, hi)
+                    self.opt.init_master(i, init if init is not None else shard[lo:hi].float())
                 else:
                     with self.opt.state(i) as (_master, m, v):
                         m, v = m.clone(), v.clone()
                     self.opt.load_state(i, shard[lo:hi].float(), m, v)
         self._initialised = True
+        self.manager.drop_init_masters()
 
     def _read(self, g: FlatGroup) -> torch.Tensor:
         local = g.store.local()
