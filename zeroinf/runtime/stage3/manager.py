@@ -35,6 +35,9 @@ for a side stream), so the NVMe reads of the next units overlap the current unit
 All swap-file traffic (reads, and write-backs after the optimizer step) goes through that one
 thread, so the swapper is never used from two threads at once. Collectives run on the caller's
 thread only, in the same order on every rank (the trace is the same on every rank).
+From issue() until _complete() a unit is FETCHING: ``g.full`` exists but a read may still be
+filling it, so everything that touches ``g.full`` outside _complete (saved-tensor unpacking,
+gather_group_copy, write_group_values, release) waits for the unit's read first.
 """
 from __future__ import annotations
 
