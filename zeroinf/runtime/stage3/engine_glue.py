@@ -131,14 +131,6 @@ class Stage3EngineParams:
         from zeroinf.runtime.optimizer import SubGroupSpec
         return [SubGroupSpec(k, hi - lo, gi) for k, (g, lo, hi, gi) in zip(self._keys, self._subs)]
 
-    def _read_shard(self, g: FlatGroup) -> torch.Tensor:
-        local = g.store.local()
-        if local is not None:
-            return local
-        t = torch.empty(g.shard_numel, dtype=g.dtype)
-        self.manager.read_param_shard(g, t)
-        return t
-
     def master_init(self, i: int, fp32_params: Optional[Dict[int, torch.Tensor]] = None) -> torch.Tensor:
         """fp32 initial values of sub-group ``i``: the fp32 values of a model built under
         ``zeroinf.Init`` and cast afterwards (kept by the manager), else the partition overlaid
@@ -148,7 +140,7 @@ class Stage3EngineParams:
         out = self.manager.take_init_master(g, lo, hi)  # zeroinf.Init values before a bf16/fp16 cast
         if out is not None:
             return out
-        out = self._read_shard(g)[lo:hi].to(device="cpu", dtype=torch.float32, copy=True)
+        out = self.manager.param_shard(g)[lo:hi].to(device="cpu", dtype=torch.float32, copy=True)
         if fp32_params:
             base = self.manager.rank * g.shard_numel + lo  # flat offset of out[0]
             for s in g.slots:
@@ -194,7 +186,7 @@ class Stage3EngineParams:
         if self._staged is not None and self._staged[0] is not g:
             self._flush()
         if self._staged is None:
-            self._staged = (g, self._read_shard(g))
+            self._staged = (g, self.manager.param_shard(g))
         return self._staged[1][lo:hi]
 
     def _flush(self) -> None:
@@ -245,7 +237,7 @@ class Stage3EngineParams:
                 idx = by_group.get(g.key, [])
                 if not idx:
                     continue
-                shard = self._read_shard(g)
+                shard = self.manager.param_shard(g)
                 for i in idx:
                     _, lo, hi, _ = self._subs[i]
                     with sub_optimizer.state(i) as (_master, m, v):

@@ -770,6 +770,17 @@ class Stage3ParameterManager:
         """Copy this rank's partition of ``g`` (``shard_numel`` elements) into ``dst``."""
         self._run_io(g.store.read_into, dst)
 
+    def param_shard(self, g: FlatGroup) -> torch.Tensor:
+        """This rank's partition of ``g`` (``shard_numel`` elements of ``g.dtype``): the resident
+        tensor itself on the device/cpu tiers (writes to it are writes to the partition), a fresh
+        copy read from NVMe otherwise."""
+        local = g.store.local()
+        if local is not None:
+            return local
+        t = torch.empty(g.shard_numel, dtype=g.dtype)
+        self.read_param_shard(g, t)
+        return t
+
     def write_param_shard(self, g: FlatGroup, src: torch.Tensor) -> None:
         """Store ``src`` as this rank's partition of ``g`` on its home tier (synchronously)."""
         t0 = self.tracer.now()

@@ -74,7 +74,7 @@ class Stage3Optimizer:
         of those groups restart at zero only at construction (later calls keep them)."""
         first = not hasattr(self, "_initialised")
         for g in self._groups(groups):
-            shard = self._read(g)
+            shard = self.manager.param_shard(g)
             for i in self._by_group[g.key]:
                 _, lo, hi = self.chunks[i]
                 if first:  # zeroinf.Init's fp32 values when the partition holds them rounded
@@ -86,14 +86,6 @@ class Stage3Optimizer:
                     self.opt.load_state(i, shard[lo:hi].float(), m, v)
         self._initialised = True
         self.manager.drop_init_masters()
-
-    def _read(self, g: FlatGroup) -> torch.Tensor:
-        local = g.store.local()
-        if local is not None:
-            return local
-        t = torch.empty(g.shard_numel, dtype=g.dtype)
-        self.manager.read_param_shard(g, t)
-        return t
 
     def grad_norm(self, norm_type: float = 2.0) -> float:
         """Norm of the whole (all ranks) fp32 gradient in the partitions' ``grad_shard``."""
