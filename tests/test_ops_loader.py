@@ -1,4 +1,5 @@
 """zeroinf.ops.loader: one clear build error, the declared fallback, the cache key, op_status."""
+import os
 import warnings
 
 import pytest
@@ -24,9 +25,11 @@ def fresh_loader(monkeypatch, tmp_path):
 
 def test_bad_compiler_flag_raises_one_clear_error(fresh_loader, monkeypatch, capsys):
     monkeypatch.setenv("ZEROINF_EXTRA_CFLAGS", BAD_FLAG)
+    monkeypatch.delenv("MAX_JOBS", raising=False)
     with pytest.raises(OpBuildError) as info:
         load_op("adam")
     assert "zeroinf: compiling op 'adam' on first use" in capsys.readouterr().err
+    assert "MAX_JOBS" not in os.environ  # sized for the build only, not left in the user's environment
     err = info.value
     assert err.op == "adam"
     assert BAD_FLAG in err.command, err.command

@@ -437,24 +437,6 @@ class _Run:
             model = build_model(mcfg, a.seed)
         return model, init_shapes(model)
 
-    def _fit_param_buffers(self, cfg: dict, model: torch.nn.Module, shapes: dict) -> None:
-        """Shipped presets only: size stage 3's pinned staging buffers for NVMe parameters
-        (``offload_param.buffer_size``, elements) to this model's largest unit partition instead
-        of DeepSpeed's default 1e8 elements, which pins 2 GB (fp32, 5 buffers) whatever the model.
-        Units are found as stage 3 finds them (``zeroinf.runtime.stage3.units``). A user's
-        ``--config`` is passed on unchanged."""
-        zo = cfg.get("zero_optimization", {})
-        op = zo.get("offload_param")
-        if zo.get("stage") != 3 or not isinstance(op, dict) or op.get("device") != "nvme" or "buffer_size" in op:
-            return
-        from zeroinf.runtime.stage3.units import build_units, find_unit_modules
-        units = build_units(model, find_unit_modules(model), self.zcfg.zero_optimization.stage3_param_persistence_threshold,
-                            self.dist.world_size, shapes)
-        largest = max((g.shard_numel for u in units for g in u.groups), default=1)
-        op["buffer_size"] = min(self.zcfg.zero_optimization.offload_param.buffer_size, -(-largest // 4096) * 4096)
-        from zeroinf.config import parse_config
-        self.zcfg = parse_config(cfg, world_size=self.dist.world_size)
-
     @staticmethod
     def _reference_params(zcfg) -> dict:
         """:class:`PlainEngine` keyword arguments for the same optimizer, clipping and precision."""
@@ -510,8 +492,6 @@ class _Run:
         device = f"cuda:{self.dist.local_rank}" if torch.cuda.is_available() else "cpu"
         if rank0:
             out.mkdir(parents=True, exist_ok=True)
-        if a.config is None and a.engine == "zeroinf":
-            self._fit_param_buffers(cfg, model, shapes)
         engine = None
         try:
             engine = self._make_engine(a, cfg, model, device)

@@ -182,8 +182,6 @@ def _jit_build(spec: OpSpec) -> ModuleType:
     key = _build_key(spec, cflags, ldflags, cxx)
     build_dir = cache_dir() / spec.name / key
     build_dir.mkdir(parents=True, exist_ok=True)
-    if "MAX_JOBS" not in os.environ:
-        os.environ["MAX_JOBS"] = str(_max_jobs())
     lock_path = cache_dir() / spec.name / f"{key}.lock"
     with open(lock_path, "w") as lock_file:
         fcntl.flock(lock_file, fcntl.LOCK_EX)
@@ -192,6 +190,10 @@ def _jit_build(spec: OpSpec) -> ModuleType:
             # (the time also lands in whatever the caller is timing, e.g. the first optimizer step).
             print(f"zeroinf: compiling op '{spec.name}' on first use (cached in {build_dir})",
                   file=sys.stderr, flush=True)
+        # cpp_extension reads MAX_JOBS from the environment: set it for this build only.
+        set_jobs = "MAX_JOBS" not in os.environ
+        if set_jobs:
+            os.environ["MAX_JOBS"] = str(_max_jobs())
         try:
             return cpp_extension.load(
                 name=f"zeroinf_{spec.name}_{key}",
@@ -207,6 +209,8 @@ def _jit_build(spec: OpSpec) -> ModuleType:
             log = str(exc)
             raise OpBuildError(spec.name, _compile_command(build_dir), _first_error_line(log), log) from exc
         finally:
+            if set_jobs:
+                os.environ.pop("MAX_JOBS", None)
             fcntl.flock(lock_file, fcntl.LOCK_UN)
 
 
