@@ -44,6 +44,31 @@ def test_bad_compiler_flag_raises_one_clear_error(fresh_loader, monkeypatch, cap
     assert "adam" not in loader._loaded
 
 
+def test_stale_build_baton_of_a_killed_build_does_not_hang_the_next(fresh_loader, monkeypatch):
+    """torch's baton file left by a build killed midway made every later build wait forever."""
+    import threading
+
+    monkeypatch.setenv("ZEROINF_EXTRA_CFLAGS", BAD_FLAG)  # fails fast once it really compiles
+    spec = OPS["adam"]
+    cflags, ldflags, _ = spec.flags()
+    build_dir = loader.cache_dir() / "adam" / loader._build_key(spec, cflags, ldflags, loader._compiler())
+    build_dir.mkdir(parents=True)
+    (build_dir / "lock").touch()  # what a killed torch build leaves
+    result = []
+
+    def build():
+        try:
+            load_op("adam")
+        except OpBuildError as exc:
+            result.append(exc)
+
+    t = threading.Thread(target=build, daemon=True)
+    t.start()
+    t.join(timeout=120)
+    assert not t.is_alive(), "the build waited on the stale baton"
+    assert len(result) == 1 and BAD_FLAG in result[0].command
+
+
 def test_disabled_ops_are_unavailable_and_warn_once(fresh_loader, monkeypatch):
     monkeypatch.setenv("ZEROINF_DISABLE_OPS", "1")
     with pytest.raises(OpUnavailableError, match="ZEROINF_DISABLE_OPS"):

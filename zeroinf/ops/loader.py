@@ -185,6 +185,10 @@ def _jit_build(spec: OpSpec) -> ModuleType:
     lock_path = cache_dir() / spec.name / f"{key}.lock"
     with open(lock_path, "w") as lock_file:
         fcntl.flock(lock_file, fcntl.LOCK_EX)
+        # torch's own build baton: a file it deletes when its build ends. A build killed midway
+        # (Ctrl-C in a spawned rank, a test timeout) leaves it behind and every later build would
+        # wait on it forever. Holding our lock, no other zeroinf build can be using it.
+        (build_dir / "lock").unlink(missing_ok=True)
         if not any(build_dir.glob("*.so")):
             # A first-use build takes 30-60 s on 2 cores: say so on stderr rather than stall silently
             # (the time also lands in whatever the caller is timing, e.g. the first optimizer step).
