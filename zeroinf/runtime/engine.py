@@ -166,6 +166,8 @@ class ZeroEngine:
             if target is not None and (target.device.type != "cpu" or not target.is_contiguous()):
                 target = None
             self.sub_optimizer.init_master(i, self.params.master_init(i, fp32_copies), storage=target)
+        if hasattr(self.params, "track_grad_norm"):  # stage 3, gradients on NVMe: no re-read for the norm
+            self.params.track_grad_norm(cfg.zeroinf.grad_norm_type)
         if hasattr(self.params, "attach_optimizer"):  # stage 3: masters follow gathered_parameters writes
             self.params.attach_optimizer(self.sub_optimizer)
         del fp32_copies
@@ -311,16 +313,16 @@ class ZeroEngine:
             self.params.zero_grad_acc()
             self._step_stats["optimizer_s"] += time.perf_counter() - t0
             return
-        n = len(self.sub_optimizer.specs)
+        grad_scale = self.loss_scaler.scale if self.loss_scaler is not None else 1.0
         if cfg.gradient_clipping > 0:
-            # torch.nn.utils.clip_grad_norm_: coef = max_norm / (total_norm + 1e-6), clamped to 1
+            # torch.nn.utils.clip_grad_norm_: coef = max_norm / (total_norm + 1e-6), clamped to 1.
+            # Folded into the step's divisor rather than a pass over the gradients (which, on
+            # NVMe, would read and rewrite every gradient partition): g / (scale / coef).
             coef = torch.tensor(cfg.gradient_clipping, dtype=torch.float32) / (torch.tensor(norm, dtype=torch.float32) + 1e-6)
             if float(coef) < 1.0:
-                for i in range(n):
-                    self.params.grad(i).mul_(coef)
+                grad_scale = grad_scale / float(coef)
         self.optimizer_steps += 1
         hyper = self.optimizer.param_groups
-        grad_scale = self.loss_scaler.scale if self.loss_scaler is not None else 1.0
         self.sub_optimizer.step(step=self.optimizer_steps, hyper=hyper, grad=self.params.grad,
                                 out=self.params.param_target, grad_scale=grad_scale)
         st = self.sub_optimizer.stats

@@ -217,7 +217,17 @@ class Stage3EngineParams:
             self.manager.read_grad_shard(g, t)
             yield t
 
+    def track_grad_norm(self, norm_type: float) -> None:
+        """Record each gradient partition's norm part while it is reduced (gradients on NVMe),
+        so :meth:`local_grad_norm_parts` need not read them back (see [Note: norm while
+        reducing] in manager.py)."""
+        self.manager.grad_norm_type = float(norm_type)
+
     def local_grad_norm_parts(self, norm_type: float) -> Tuple[float, bool]:
+        if self.manager.grad_norm_type == norm_type and (self._grad_cache is None or not self._grad_cache[2]):
+            parts = self.manager.grad_norm_parts()
+            if parts is not None:
+                return (max(parts, default=0.0) if norm_type == math.inf else sum(parts)), True
         vals = self._grad_tensors()
         if norm_type == math.inf:
             return max((float(v.abs().max()) for v in vals if v.numel()), default=0.0), True

@@ -42,6 +42,7 @@ gather_group_copy, write_group_values, release) waits for the unit's read first.
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import time
 import weakref
@@ -71,6 +72,13 @@ def _io_delay() -> None:
     d = float(os.environ.get("ZEROINF_STAGE3_IO_DELAY_S", "0") or 0)
     if d > 0:
         time.sleep(d)
+
+
+def _norm_part(t: torch.Tensor, norm_type: float) -> float:
+    """``max |t|`` for the inf norm, else ``sum |t|^p`` (fp32 norm, then the power in float64)."""
+    if math.isinf(norm_type):
+        return float(t.abs().max()) if t.numel() else 0.0
+    return float(torch.linalg.vector_norm(t, norm_type, dtype=torch.float32).double() ** norm_type)
 
 
 def managers() -> List["Stage3ParameterManager"]:
@@ -188,6 +196,7 @@ class Stage3ParameterManager:
         self._handles: list = []
         self._staged: Dict[int, _Staged] = {}
         self._grad_io: list = []  # futures of gradient accumulations on NVMe
+        self.grad_norm_type: Optional[float] = None  # [Note: norm while reducing]
 
         from .init import init_shapes  # parameters partitioned at construction (zeroinf.Init)
         shapes = init_shapes(module)
@@ -804,6 +813,7 @@ class Stage3ParameterManager:
             self.check_grad_io(wait=True)
             for g in self.groups():
                 g.grad_on_nvme = False
+                g.grad_norm_part = None
         for g in self.groups():
             if g.grad_shard is not None:
                 g.grad_shard.zero_()
@@ -823,6 +833,29 @@ class Stage3ParameterManager:
                 keep.append(f)
         self._grad_io = keep
 
+    # [Note: norm while reducing] With gradients on NVMe, the global gradient norm at the step
+    # would re-read every gradient partition. Each accumulation into a swap file has the new
+    # accumulated value in memory anyway, so it also records that value's norm part
+    # (``sum |g|^p``, or ``max |g|`` for inf; the formula of ``local_grad_norm_parts``) in
+    # ``group.grad_norm_part``; a write from outside (``write_grad_shard``) or ``zero_grad``
+    # clears it. The engine sets ``grad_norm_type`` to its configured norm.
+    def grad_norm_parts(self) -> Optional[List[float]]:
+        """Norm parts of every group's accumulated gradient recorded while reducing (0.0 for
+        a group with no gradient), or None when one is missing (then read the partitions).
+        Waits for the gradient writes in flight; raises their I/O error."""
+        if not self.options.grads_on_nvme or self.grad_norm_type is None:
+            return None
+        self.check_grad_io(wait=True)
+        out = []
+        for g in self.groups():
+            if not g.grad_on_nvme:
+                out.append(0.0)
+            elif g.grad_norm_part is None:
+                return None
+            else:
+                out.append(g.grad_norm_part)
+        return out
+
     @staticmethod
     def _grad_key(g: FlatGroup) -> str:
         return f"grad/{g.key}"
@@ -837,6 +870,8 @@ class Stage3ParameterManager:
             acc.add_(part)
             part = acc
             self.stats.add("bytes_nvme_read", nbytes)
+        if self.grad_norm_type is not None:
+            g.grad_norm_part = _norm_part(part, self.grad_norm_type)
         self._swapper.swap_out([(key, part.contiguous())], async_op=False)
         g.grad_on_nvme = True
         self.stats.add("bytes_nvme_written", nbytes)
@@ -868,6 +903,7 @@ class Stage3ParameterManager:
             return
 
         def write():
+            g.grad_norm_part = None
             self._swapper.swap_out([(self._grad_key(g), src.contiguous())], async_op=False)
             g.grad_on_nvme = True
         self._run_io(write)

@@ -68,6 +68,7 @@ class FlatGroup:
     grad_full: Optional[torch.Tensor] = None
     grad_shard: Optional[torch.Tensor] = None
     grad_on_nvme: bool = False  # the swap file holds this group's accumulated gradient
+    grad_norm_part: Optional[float] = None  # [Note: norm while reducing] of the accumulated gradient
 
 
 @dataclass(eq=False)
