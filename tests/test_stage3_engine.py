@@ -157,20 +157,21 @@ def test_gradient_accumulation_counts_each_micro_batch_once(tmp_path):
     engine.close()
 
 
-@pytest.mark.parametrize("gas", [1, 2])
-def test_gradients_on_nvme_with_clipping_equal_reference(tmp_path, gas):
+@pytest.mark.parametrize("gas,overlap", [(1, True), (2, True), (1, False)])
+def test_gradients_on_nvme_with_clipping_equal_reference(tmp_path, gas, overlap):
     ref = TinyLM(tied=True)
     model = copy.deepcopy(ref)
     cfg = _config("nvme", "nvme", tmp_path, sub_group_size=700)  # several sub-groups per flat group
     cfg["gradient_clipping"] = 0.5
     cfg["gradient_accumulation_steps"] = gas
+    cfg["zeroinf"] = {"overlap_step": overlap}
     engine, *_ = zeroinf.initialize(model=model, config=cfg)
     m = engine.params.manager
     assert m.options.grads_on_nvme
     assert all(g.grad_shard is None for g in m.groups())  # no host copy
     reads = []
-    read_grad_shard = m.read_grad_shard
-    m.read_grad_shard = lambda g, dst: (reads.append(g.key), read_grad_shard(g, dst))[1]
+    read_grad_raw = m.read_grad_raw
+    m.read_grad_raw = lambda g, dst: (reads.append(g.key), read_grad_raw(g, dst))[1]
     opt = torch.optim.AdamW(ref.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, foreach=False)
     for step in range(1, 4):
         reads.clear()
@@ -179,6 +180,7 @@ def test_gradients_on_nvme_with_clipping_equal_reference(tmp_path, gas):
             engine.backward(loss_fn(engine(x), y))
             engine.step()
             (loss_fn(ref(x), y) / gas).backward()
+        engine.synchronize()
         # the norm comes from the values recorded while reducing, clipping from the step's divisor:
         # each gradient partition is read back once, by the optimizer step
         assert sorted(reads) == sorted(g.key for g in m.groups() if g.shard_numel), reads

@@ -110,6 +110,7 @@ def save(engine, save_dir: str, tag: Optional[str] = None, client_state: Optiona
         raise ValueError(f"checkpoint tag must be a plain folder name, got {tag!r}")
     ckpt = os.path.join(save_dir, tag)
     os.makedirs(ckpt, exist_ok=True)
+    engine.synchronize()  # a background optimizer step (stage 3) finishes before its state is read
     opt = engine.sub_optimizer
     for i, spec in enumerate(opt.specs):
         with opt.state(i) as (master, m, v):
@@ -172,6 +173,7 @@ def load(engine, load_dir: str, tag: Optional[str] = None) -> Tuple[str, dict]:
         CheckpointError: missing/incomplete files, or a checkpoint from another world size, stage
             or sub-group layout (the message names what differs); nothing is loaded then.
     """
+    engine.synchronize()
     ckpt, meta = _load_meta(load_dir, tag)
     mine = [[s.key, s.numel, s.param_group] for s in engine.sub_optimizer.specs]
     if meta["world_size"] != engine.world_size:

@@ -16,7 +16,8 @@ the machine (``nvme_path`` writable, free disk, pinned-memory budget) run in
 
 Extension: the ``"zeroinf"`` block holds the few settings DeepSpeed has no key for
 (``grad_norm_type``: the norm used for ``gradient_clipping`` and the global gradient norm,
-2.0 by default as in DeepSpeed, or ``"inf"``).
+2.0 by default as in DeepSpeed, or ``"inf"``; ``overlap_step``: stage 3 runs the optimizer
+step in the background, overlapped with the next forward, true by default).
 """
 from __future__ import annotations
 
@@ -274,6 +275,9 @@ class ZeroInfExtraConfig:
     """``zeroinf``: settings DeepSpeed has no key for."""
 
     grad_norm_type: float = 2.0  #: 2.0 (DeepSpeed's) or math.inf ("inf" in JSON)
+    #: stage 3: run the optimizer step on a background thread, unit by unit in forward order,
+    #: overlapped with the next forward (a unit's gather waits for its own update only)
+    overlap_step: bool = True
 
 
 @dataclass(frozen=True)
@@ -632,7 +636,7 @@ def parse_config(config: "Mapping[str, Any] | str | os.PathLike", world_size: in
     if fp16.enabled and bf16.enabled:
         raise ConfigError("fp16.enabled", "fp16 and bf16 cannot both be enabled")
     extra = _block(config, "zeroinf", "")
-    _check_keys(extra, "zeroinf", ("grad_norm_type",))
+    _check_keys(extra, "zeroinf", ("grad_norm_type", "overlap_step"))
     norm_type = _float(extra, "grad_norm_type", "zeroinf", 2.0, allow_inf=True)
     if not (norm_type == math.inf or norm_type >= 1.0):
         raise ConfigError("zeroinf.grad_norm_type", f"expected a number >= 1 or \"inf\", got {norm_type!r}")
@@ -643,4 +647,5 @@ def parse_config(config: "Mapping[str, Any] | str | os.PathLike", world_size: in
         zero_optimization=_parse_zero(config), aio=_parse_aio(config),
         steps_per_print=_int(config, "steps_per_print", "", 10, min_value=1),
         wall_clock_breakdown=_bool(config, "wall_clock_breakdown", "", False),
-        zeroinf=ZeroInfExtraConfig(grad_norm_type=norm_type))
+        zeroinf=ZeroInfExtraConfig(grad_norm_type=norm_type,
+                                   overlap_step=_bool(extra, "overlap_step", "zeroinf", True)))

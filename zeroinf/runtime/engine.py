@@ -112,6 +112,7 @@ class ZeroEngine:
         self._grad_norm: Optional[float] = None
         self._stats: Dict[str, Any] = {}
         self._step_stats = self._new_step_stats()
+        self._step_running = False  # a background optimizer step is in flight (stage 3)
         self.loss_scaler = LossScaler.from_config(cfg.fp16) if cfg.fp16.enabled else None
         zc = cfg.zero_optimization
         off = zc.offload_optimizer
@@ -168,6 +169,8 @@ class ZeroEngine:
             self.sub_optimizer.init_master(i, self.params.master_init(i, fp32_copies), storage=target)
         if hasattr(self.params, "track_grad_norm"):  # stage 3, gradients on NVMe: no re-read for the norm
             self.params.track_grad_norm(cfg.zeroinf.grad_norm_type)
+        # [Note: overlapped step] (stage3/overlap.py): the step runs behind the next forward
+        self._overlap = zc.stage == 3 and cfg.zeroinf.overlap_step and hasattr(self.params, "start_step")
         if hasattr(self.params, "attach_optimizer"):  # stage 3: masters follow gathered_parameters writes
             self.params.attach_optimizer(self.sub_optimizer)
         del fp32_copies
@@ -260,6 +263,7 @@ class ZeroEngine:
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or not loss.requires_grad:
             raise ValueError("engine.backward(loss): loss must be a scalar tensor that requires grad")
         t0 = time.perf_counter()
+        self.synchronize()  # a background step has finished by now (the forward needed its updates)
         if self.is_gradient_accumulation_boundary():
             self.sub_optimizer.prefetch()  # the first sub-group's NVMe read hides behind this backward
         scaled = loss.float()
@@ -298,8 +302,30 @@ class ZeroEngine:
             norm = norm / self.loss_scaler.scale
         return norm
 
+    def synchronize(self) -> None:
+        """Wait for the optimizer step running in the background (stage 3 with
+        ``zeroinf.overlap_step``); a no-op otherwise. Its Adam time and NVMe bytes are counted
+        in the current step's :meth:`stats`, the time waited in ``io_wait_s``.
+
+        Raises:
+            StepFailedError: the background step failed (``__cause__`` is the original error);
+                raised again by every later wait until :meth:`close`.
+        """
+        if not self._step_running:
+            return
+        t0 = time.perf_counter()
+        self._step_running = False
+        self.params.finish_step()
+        st = self.sub_optimizer.stats
+        s = self._step_stats
+        s["io_wait_s"] += time.perf_counter() - t0
+        s["adam_s"] += st.adam_s
+        s["nvme_read_bytes"] += st.bytes_read
+        s["nvme_write_bytes"] += st.bytes_written
+
     @torch.no_grad()
     def _optimizer_step(self) -> None:
+        self.synchronize()
         t0 = time.perf_counter()
         cfg = self.config
         norm = self._global_norm(cfg.zeroinf.grad_norm_type)
@@ -322,21 +348,30 @@ class ZeroEngine:
             if float(coef) < 1.0:
                 grad_scale = grad_scale / float(coef)
         self.optimizer_steps += 1
-        hyper = self.optimizer.param_groups
-        self.sub_optimizer.step(step=self.optimizer_steps, hyper=hyper, grad=self.params.grad,
-                                out=self.params.param_target, grad_scale=grad_scale)
-        st = self.sub_optimizer.stats
-        t1 = time.perf_counter()
-        self.params.gather_params()
-        self._step_stats["gather_s"] += time.perf_counter() - t1
-        self.params.zero_grad_acc()
+        # a snapshot: the LR schedule below moves on while a background step still reads it
+        hyper = [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
+        s = self._step_stats
+        if self._overlap:
+            self.params.start_step(self.sub_optimizer, step=self.optimizer_steps, hyper=hyper, grad_scale=grad_scale)
+            self._step_running = True
+            s["io_wait_s"] += self.params.manager.step_gate.take_wait_s()  # forward waits on the last update
+        else:
+            self.sub_optimizer.step(step=self.optimizer_steps, hyper=hyper, grad=self.params.grad,
+                                    out=self.params.param_target, grad_scale=grad_scale)
+            st = self.sub_optimizer.stats
+            t1 = time.perf_counter()
+            self.params.gather_params()
+            s["gather_s"] += time.perf_counter() - t1
+            self.params.zero_grad_acc()
+            s["adam_s"] += st.adam_s
+            s["io_wait_s"] += st.io_wait_s
+            s["nvme_read_bytes"] += st.bytes_read
+            s["nvme_write_bytes"] += st.bytes_written
         if self.lr_scheduler is not None:
             # the engine stepped on the optimizer's behalf: tell torch schedulers so (they warn otherwise)
             self.optimizer._opt_called = True
             self.lr_scheduler.step()
-        self._step_stats.update(adam_s=st.adam_s, io_wait_s=st.io_wait_s, nvme_read_bytes=st.bytes_read,
-                                nvme_write_bytes=st.bytes_written)
-        self._step_stats["optimizer_s"] += time.perf_counter() - t0
+        s["optimizer_s"] += time.perf_counter() - t0
 
     def get_global_grad_norm(self) -> Optional[float]:
         """The (unscaled) global gradient norm of the last boundary, before clipping; None before
@@ -356,7 +391,11 @@ class ZeroEngine:
         """Counters of the last optimizer step: seconds in backward, gradient reduction, optimizer
         (of which Adam compute and waiting on NVMe I/O) and all-gather; elements communicated;
         NVMe bytes read/written; pinned bytes (optimizer swap buffers plus stage 3's parameter
-        staging pool); plus step counters and the loss scale."""
+        staging pool); plus step counters and the loss scale.
+
+        With a background step (stage 3, ``zeroinf.overlap_step``) a step's Adam time and NVMe
+        bytes land in the counters of the step during which it ran (the next one), and
+        ``io_wait_s`` counts the time the forward waited for its updates."""
         out = dict(self._stats)
         out.update(global_steps=self.global_steps, skipped_steps=self.skipped_steps, loss_scale=self.loss_scale,
                    pinned_bytes=self.sub_optimizer.pinned_bytes() + self._param_pinned_bytes(),
@@ -392,8 +431,12 @@ class ZeroEngine:
         return checkpoint.load(self, load_dir, tag)
 
     def close(self) -> None:
-        """Release swap buffers and files handles (idempotent)."""
-        self.sub_optimizer.close()
+        """Wait for a background step, then release swap buffers and file handles (idempotent).
+        Raises the background step's failure after releasing them."""
+        try:
+            self.synchronize()
+        finally:
+            self.sub_optimizer.close()
 
     def destroy(self) -> None:
         """Alias of :meth:`close` (DeepSpeed's name)."""

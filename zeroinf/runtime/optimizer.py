@@ -282,7 +282,7 @@ class SubGroupOptimizer:
 
     def step(self, *, step: int, hyper: Sequence[Mapping], grad: Callable[[int], torch.Tensor],
              out: Callable[[int], Optional[torch.Tensor]], grad_scale: float = 1.0,
-             indices: Optional[Sequence[int]] = None) -> None:
+             indices: Optional[Sequence[int]] = None, on_done: Optional[Callable[[int], None]] = None) -> None:
         """Run one Adam step over the sub-groups ``indices`` (default: all, in order).
 
         Args:
@@ -293,6 +293,9 @@ class SubGroupOptimizer:
             out: ``out(i)`` → a flat tensor receiving the updated parameters (fp32, bf16 or fp16,
                 any device), or None.
             grad_scale: gradients are divided by it (loss scale, or loss scale / clip coefficient).
+            on_done: ``on_done(i)`` runs once sub-group i's new parameters are in ``out(i)`` (its
+                state's swap-out may still be in flight); the stage-3 overlapped step stores and
+                releases a flat group from there.
         """
         from zeroinf.optim import adam_step
 
@@ -330,6 +333,8 @@ class SubGroupOptimizer:
                 rec = self._records[i]
                 self._check_initialised(rec)
                 run_adam(i, *rec.state)
+                if on_done is not None:
+                    on_done(i)
             return
 
         swapper = self._swapper
@@ -381,6 +386,8 @@ class SubGroupOptimizer:
                 if self.pipeline_read and pos + 1 < len(order):
                     read(order[pos + 1])  # overlaps this sub-group's Adam
                 run_adam(i, *self._views(rec.buffer, rec.spec.numel))
+                if on_done is not None:
+                    on_done(i)
                 if self.pipeline_write:
                     pending_write = i
                 else:

@@ -119,6 +119,7 @@ class Stage3EngineParams:
                 self._subs.append((g, lo, min(g.shard_numel, lo + sub_group_size), gi))
                 self._keys.append(f"{g.key}/s{k}")
         self._staged: Optional[Tuple[FlatGroup, torch.Tensor]] = None
+        self._worker = None  # the background optimizer step's thread ([Note: overlapped step])
         # [Note: gradient cache] With gradient partitions on NVMe, grad(i) reads its flat group's
         # partition into one host tensor. The engine may change it in place (clipping) and
         # calls grad(i) again inside the optimizer step, so the tensor is written back when
@@ -205,6 +206,104 @@ class Stage3EngineParams:
 
     def zero_grad_acc(self) -> None:
         self._flush_grad(write=False)
+        self.manager.zero_grad()
+
+    # --- the overlapped step ([Note: overlapped step] in overlap.py) -----------------------
+    def start_step(self, sub_optimizer, *, step: int, hyper, grad_scale: float) -> None:
+        """Start the optimizer step over every sub-group on a background thread and return.
+
+        Flat groups are updated in forward order; each group's new partition is stored on its
+        home tier, its gradient cleared, and then the group is released to the forward's
+        gathers (``manager.step_gate``). ``hyper`` must be a snapshot (the caller's LR schedule
+        moves on). :meth:`finish_step` joins the thread.
+
+        Raises:
+            OSError: a gradient write of the last backward failed (raised here, before starting).
+        """
+        import threading
+
+        m = self.manager
+        self._flush()
+        self._flush_grad(write=False)
+        m.check_grad_io(wait=True)
+        m.params_updated()  # staged reads are stale; the persistent unit is gathered afresh
+        last: Dict[str, int] = {}
+        for i, (g, _lo, _hi, _gi) in enumerate(self._subs):
+            last[g.key] = i
+        groups = list(dict.fromkeys(g for g, _lo, _hi, _gi in self._subs))  # forward order, unique
+        on_nvme = m.options.grads_on_nvme
+        cur: Dict[str, Any] = {}  # the group being stepped: its gradient and its new partition
+        ahead: Dict[str, Any] = {}  # the next group's gradient read, in flight on the I/O thread
+
+        def read_grad(g: FlatGroup):
+            if not on_nvme:
+                return None
+            t = torch.empty(g.shard_numel, dtype=torch.float32)
+            return t, m.submit_io(m.read_grad_raw, g, t)
+
+        def enter(g: FlatGroup) -> None:
+            if on_nvme:
+                t, fut = ahead.pop(g.key, None) or read_grad(g)
+                fut.result()
+                nxt = groups.index(g) + 1
+                if nxt < len(groups):
+                    ahead[groups[nxt].key] = read_grad(groups[nxt])
+            else:
+                t = g.grad_shard if g.grad_shard is not None else torch.zeros(g.shard_numel, dtype=torch.float32)
+            local = g.store.local()
+            # every element of the partition is written by its sub-groups: no read of the old values
+            cur.update(g=g, grad=t, target=local if local is not None else torch.empty(g.shard_numel, dtype=g.dtype))
+
+        def grad(i: int) -> torch.Tensor:
+            g, lo, hi, _ = self._subs[i]
+            if cur.get("g") is not g:
+                enter(g)
+            return cur["grad"][lo:hi]
+
+        def out(i: int) -> torch.Tensor:
+            g, lo, hi, _ = self._subs[i]
+            return cur["target"][lo:hi]
+
+        def done(i: int) -> None:
+            g = self._subs[i][0]
+            if last[g.key] != i:
+                return
+            if g.store.local() is None:
+                m.write_param_shard(g, cur["target"])
+            if on_nvme:
+                g.grad_on_nvme = False
+                g.grad_norm_part = None
+            elif g.grad_shard is not None:
+                g.grad_shard.zero_()
+            cur.clear()
+            m.step_gate.done(g.key)
+
+        def run() -> None:
+            m.step_gate.set_worker(threading.get_ident())
+            try:
+                sub_optimizer.step(step=step, hyper=hyper, grad=grad, out=out, grad_scale=grad_scale, on_done=done)
+            except BaseException as exc:  # re-raised in the caller's thread by the gate
+                for _t, fut in ahead.values():
+                    fut.exception()  # let the read in flight finish before its tensor goes
+                m.step_gate.fail(exc)
+                return
+            m.step_gate.finish()
+
+        m.step_gate.begin(last.keys())
+        self._worker = threading.Thread(target=run, name="zeroinf-optimizer-step", daemon=True)
+        self._worker.start()
+
+    def finish_step(self) -> None:
+        """Join the background step started by :meth:`start_step`; zero the remaining gradient
+        state and note the partitions changed.
+
+        Raises:
+            StepFailedError: the step failed (``__cause__`` is the original exception).
+        """
+        w, self._worker = getattr(self, "_worker", None), None
+        if w is not None:
+            w.join()
+        self.manager.step_gate.wait()
         self.manager.zero_grad()
 
     def _grad_tensors(self):

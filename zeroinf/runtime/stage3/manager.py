@@ -46,7 +46,7 @@ import math
 import os
 import time
 import weakref
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -56,6 +56,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
 from .options import Stage3ConfigError, Stage3Options
+from .overlap import StepGate
 from .prefetch import PrefetchScheduler
 from .stats import Stage3Stats, TraceRecorder
 from .tiers import DeviceStore, HostCache, HostStore, NvmeStore
@@ -197,6 +198,7 @@ class Stage3ParameterManager:
         self._staged: Dict[int, _Staged] = {}
         self._grad_io: list = []  # futures of gradient accumulations on NVMe
         self.grad_norm_type: Optional[float] = None  # [Note: norm while reducing]
+        self.step_gate = StepGate()  # [Note: overlapped step] in overlap.py
 
         from .init import init_shapes  # parameters partitioned at construction (zeroinf.Init)
         shapes = init_shapes(module)
@@ -378,6 +380,18 @@ class Stage3ParameterManager:
             return fn(*args)
         return self._io.submit(fn, *args).result()
 
+    def submit_io(self, fn, *args) -> "Future":
+        """Run ``fn(*args)`` on the I/O thread (after the transfers queued before it) and return
+        its future; inline (a finished future) without NVMe partitions."""
+        if self._io is not None:
+            return self._io.submit(fn, *args)
+        f: Future = Future()
+        try:
+            f.set_result(fn(*args))
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller through the future
+            f.set_exception(exc)
+        return f
+
     def _read_partitions(self, unit: Unit, staged: Optional["_Staged"] = None) -> None:
         _io_delay()
         t0 = self.tracer.now()
@@ -417,6 +431,7 @@ class Stage3ParameterManager:
         """Start gathering ``unit`` (its tier reads; the all-gather runs in :meth:`_complete`)."""
         if unit.state is not UnitState.RELEASED:
             return
+        self.step_gate.wait(g.key for g in unit.groups)  # its update from a background step
         if not unit.persistent:
             self._live += unit.numel
             self.stats.live(self._live)
@@ -442,7 +457,7 @@ class Stage3ParameterManager:
         """Start reading ``unit``'s NVMe partitions into staging buffers; False when not
         possible now (not NVMe, already staged or gathered, or too few free buffers)."""
         if (self._io is None or unit.state is not UnitState.RELEASED or unit.index in self._staged
-                or not unit.groups):
+                or not unit.groups or self.step_gate.pending(g.key for g in unit.groups)):
             return False
         reserve = max(len(u.groups) for u in self.units)
         if self._pool.free_count() - len(unit.groups) < reserve:
@@ -777,6 +792,7 @@ class Stage3ParameterManager:
 
     def read_param_shard(self, g: FlatGroup, dst: torch.Tensor) -> None:
         """Copy this rank's partition of ``g`` (``shard_numel`` elements) into ``dst``."""
+        self.step_gate.wait()
         self._run_io(g.store.read_into, dst)
 
     def param_shard(self, g: FlatGroup) -> torch.Tensor:
@@ -785,6 +801,7 @@ class Stage3ParameterManager:
         copy read from NVMe otherwise."""
         local = g.store.local()
         if local is not None:
+            self.step_gate.wait()
             return local
         t = torch.empty(g.shard_numel, dtype=g.dtype)
         self.read_param_shard(g, t)
@@ -793,7 +810,10 @@ class Stage3ParameterManager:
     def write_param_shard(self, g: FlatGroup, src: torch.Tensor) -> None:
         """Store ``src`` as this rank's partition of ``g`` on its home tier (synchronously)."""
         t0 = self.tracer.now()
-        self.drop_staged([self._unit_of_group(g)])  # a staged read of the old values is stale now
+        self.step_gate.wait()  # a no-op on the background step's own thread
+        # a staged read of the old values is stale now (none exist for a group a background step
+        # updates: stage() skips pending groups)
+        self.drop_staged([self._unit_of_group(g)])
         n = self._run_io(g.store.write_from, src)
         key = "bytes_nvme_written" if self.options.offload_param_device == "nvme" else "bytes_host_written"
         self.stats.add(key, n)
@@ -809,6 +829,7 @@ class Stage3ParameterManager:
 
     def zero_grad(self) -> None:
         """Zero every gradient partition (after an optimizer step)."""
+        self.step_gate.wait()
         if self.options.grads_on_nvme:
             self.check_grad_io(wait=True)
             for g in self.groups():
@@ -879,6 +900,7 @@ class Stage3ParameterManager:
 
     def read_grad_shard(self, g: FlatGroup, dst: torch.Tensor) -> None:
         """Copy this rank's accumulated fp32 gradient partition of ``g`` into ``dst``."""
+        self.step_gate.wait()
         if not self.options.grads_on_nvme:
             if g.grad_shard is None:
                 dst.zero_()
@@ -886,16 +908,19 @@ class Stage3ParameterManager:
                 dst.copy_(g.grad_shard)
             return
         self.check_grad_io(wait=True)
+        self._run_io(self.read_grad_raw, g, dst)
 
-        def read():
-            if g.grad_on_nvme:
-                self._swapper.swap_in([(self._grad_key(g), dst)], async_op=False)
-            else:
-                dst.zero_()
-        self._run_io(read)
+    def read_grad_raw(self, g: FlatGroup, dst: torch.Tensor) -> None:
+        """The swap-file read of :meth:`read_grad_shard` alone, for the I/O thread (see
+        :meth:`submit_io`): no waits; the caller has completed the gradient writes first."""
+        if g.grad_on_nvme:
+            self._swapper.swap_in([(self._grad_key(g), dst)], async_op=False)
+        else:
+            dst.zero_()
 
     def write_grad_shard(self, g: FlatGroup, src: torch.Tensor) -> None:
         """Replace this rank's gradient partition of ``g`` by ``src`` (fp32, ``shard_numel``)."""
+        self.step_gate.wait()
         if not self.options.grads_on_nvme:
             if g.grad_shard is None:
                 g.grad_shard = torch.zeros(g.shard_numel, dtype=torch.float32)
@@ -912,6 +937,7 @@ class Stage3ParameterManager:
         """A new full flat tensor (``padded_numel`` elements, on the compute device) of group
         ``g`` read from every rank's partition; the module's parameters are not touched.
         Collective when ``world_size > 1``."""
+        self.step_gate.wait()
         if self._unit_of_group(g).state is UnitState.GATHERED:  # FETCHING: g.full not filled yet
             return g.full.clone()
         full = torch.empty(g.padded_numel, dtype=g.dtype, device=self.device)
@@ -925,6 +951,7 @@ class Stage3ParameterManager:
     def write_group_values(self, g: FlatGroup, values: Sequence[Tuple[ParamSlot, torch.Tensor]]) -> None:
         """Write full values of some of ``g``'s parameters into this rank's partition (each rank
         keeps the part that falls in its shard), refresh a gathered copy, and notify listeners."""
+        self.step_gate.wait()
         lo, hi = self._shard_range(g)
         local = g.store.local()
         shard = local if local is not None else torch.empty(g.shard_numel, dtype=g.dtype, device=self.device)
@@ -963,12 +990,16 @@ class Stage3ParameterManager:
         return self.tracer.write(path)
 
     def close(self) -> None:
-        """Release everything, stop the I/O thread, close the swapper."""
-        for u in self.units:
-            self.release(u)
-        if self._io is not None:
-            self.drop_staged()
-            self._io.shutdown(wait=True)
-            self._io = None
-        if self._swapper is not None and hasattr(self._swapper, "close"):
-            self._swapper.close()
+        """Release everything, stop the I/O thread, close the swapper. Raises a background
+        step's failure (:class:`~zeroinf.runtime.stage3.overlap.StepFailedError`) after that."""
+        try:
+            self.step_gate.wait()
+        finally:
+            for u in self.units:
+                self.release(u)
+            if self._io is not None:
+                self.drop_staged()
+                self._io.shutdown(wait=True)
+                self._io = None
+            if self._swapper is not None and hasattr(self._swapper, "close"):
+                self._swapper.close()

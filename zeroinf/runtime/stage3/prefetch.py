@@ -122,6 +122,8 @@ class PrefetchScheduler:
             u = self.m.units[idx]
             if u.persistent or u.state.value != "released":
                 continue
+            if self.m.step_gate.pending(g.key for g in u.groups):
+                break  # its update from the background step is not stored yet: no read ahead of it
             if ahead + u.numel > self.bucket or self.m.live_numel + u.numel > self.max_live:
                 break
             self.m.issue(u)

@@ -1,0 +1,80 @@
+"""Stage 3's optimizer step in the background, overlapped with the next forward
+([Note: overlapped step] in zeroinf/runtime/stage3/overlap.py): same numbers as the synchronous
+step even when the forward outruns the step, and a failure in the background reaches the caller."""
+import copy
+import threading
+import time
+
+import pytest
+import torch
+
+import zeroinf
+from stage3_models import TinyLM, batch, loss_fn
+from test_stage3_engine import _config, _run, _state
+from zeroinf.runtime.stage3.overlap import StepFailedError
+
+
+def _engine(tmp_path, model, overlap, param_tier="nvme", opt_tier="nvme", clip=0.5):
+    cfg = _config(param_tier, opt_tier, tmp_path, sub_group_size=700)
+    cfg["gradient_clipping"] = clip
+    cfg["zeroinf"] = {"overlap_step": overlap}
+    engine, *_ = zeroinf.initialize(model=model, config=cfg)
+    return engine
+
+
+@pytest.mark.parametrize("tiers", [("nvme", "nvme"), ("cpu", "nvme"), ("nvme", "cpu"), ("none", "cpu")])
+def test_overlapped_step_equals_synchronous_step_bit_for_bit(tmp_path, tiers):
+    """The background step is slowed down (each partition write sleeps) so that the forward
+    reaches units whose update is not stored yet: it must wait for them, not read old values."""
+    ref = TinyLM(tied=True)
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    sync = _engine(tmp_path / "a", copy.deepcopy(ref), False, *tiers)
+    over = _engine(tmp_path / "b", copy.deepcopy(ref), True, *tiers)
+    m = over.params.manager
+    write, waited = m.write_param_shard, []
+
+    def slow_write(g, src):
+        time.sleep(0.02)
+        write(g, src)
+    m.write_param_shard = slow_write
+    wait = m.step_gate.wait
+
+    def spy_wait(keys=None):
+        keys = None if keys is None else list(keys)
+        if threading.current_thread() is threading.main_thread() and m.step_gate.pending(keys):
+            waited.append(keys)
+        wait(keys)
+    m.step_gate.wait = spy_wait
+    a, b = _run(sync, 4), _run(over, 4)
+    assert over._overlap and not sync._overlap
+    assert a == b, (a, b)
+    sa, sb = _state(sync), _state(over)
+    assert all(torch.equal(sa[k], sb[k]) for k in sa)
+    if tiers[0] == "nvme":  # slow NVMe writes: the forward did catch up with the step
+        assert waited
+    sync.close()
+    over.close()
+
+
+def test_failure_in_the_background_step_is_raised_to_the_caller(tmp_path):
+    engine = _engine(tmp_path, TinyLM(tied=True), True)
+    _run(engine, 1)  # one good step
+    swapper = engine.sub_optimizer._swapper
+    swap_in = swapper.swap_in
+
+    def broken(*a, **k):
+        raise OSError(5, "injected read error", "adam_state")
+    x, y = batch(2)
+    engine.backward(loss_fn(engine(x), y))
+    swapper.swap_in = broken
+    engine.step()  # hands the step to the background thread, which fails
+    with pytest.raises(StepFailedError) as info:
+        x, y = batch(3)
+        engine.backward(loss_fn(engine(x), y))  # a gather waits on the failed step, or backward does
+    assert isinstance(info.value.__cause__, OSError) and "injected" in str(info.value.__cause__)
+    with pytest.raises(StepFailedError):  # not lost after the first report
+        engine(x)
+    swapper.swap_in = swap_in
+    with pytest.raises(StepFailedError):
+        engine.close()

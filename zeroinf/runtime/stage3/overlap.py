@@ -1,0 +1,112 @@
+"""The optimizer step of stage 3 overlapped with the next forward.
+
+[Note: overlapped step] With parameters and optimizer state off the device, the step moves
+~12 bytes per parameter each way (fp32 master, ``exp_avg``, ``exp_avg_sq``) plus the gradient
+and the new parameters. Nothing in the next forward needs unit *k*'s new parameters before the
+forward reaches unit *k*, so the engine hands the step to one background thread that updates the
+flat groups in forward order (``manager.groups()`` order: persistent, root, blocks) and marks each
+group done once its new partition is stored. The forward's gathers wait only for their own
+groups (:meth:`StepGate.wait`); the prefetcher does not run ahead into groups still pending.
+The global gradient norm, and with it the clipping coefficient, is known before the hand-off
+(ZeRO-Offload's delayed update, Ren et al. 2021 §4.3, would use stale gradients instead; this
+keeps the step exact: same numbers as a synchronous step).
+
+Anything that reads or writes partitions or optimizer state outside a gather (checkpoints, the
+module's ``state_dict``, ``gathered_parameters``, the next optimizer step, ``close``) waits for
+the whole step first; an exception in the background thread is re-raised there, in the caller's
+thread, and every later wait raises it again until the engine is closed.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from typing import Iterable, Optional, Set
+
+__all__ = ["StepGate", "StepFailedError"]
+
+
+class StepFailedError(RuntimeError):
+    """The background optimizer step failed; ``__cause__`` is the original exception. Partitions
+    whose update had not finished hold their old values: do not continue training from them."""
+
+
+class StepGate:
+    """Which flat groups (by key) still wait for their update from the background step.
+
+    Thread-safe. ``wait_s`` accumulates the seconds callers blocked in :meth:`wait` (read and
+    reset with :meth:`take_wait_s`).
+    """
+
+    def __init__(self):
+        self._cv = threading.Condition()
+        self._pending: Set[str] = set()
+        self._error: Optional[BaseException] = None
+        self._worker: Optional[int] = None  # thread ident of the step's worker: it never waits on itself
+        self.wait_s = 0.0
+
+    def begin(self, keys: Iterable[str], worker: Optional[int] = None) -> None:
+        """Mark ``keys`` pending (the step is about to start). Raises a previous step's error."""
+        with self._cv:
+            self._raise()
+            self._pending = set(keys)
+            self._worker = worker
+
+    def set_worker(self, ident: int) -> None:
+        with self._cv:
+            self._worker = ident
+
+    def done(self, key: str) -> None:
+        """Group ``key`` has its new values in its home tier."""
+        with self._cv:
+            self._pending.discard(key)
+            self._cv.notify_all()
+
+    def fail(self, exc: BaseException) -> None:
+        """The step failed: wake every waiter with ``exc``."""
+        with self._cv:
+            self._error = exc
+            self._pending.clear()
+            self._cv.notify_all()
+
+    def finish(self) -> None:
+        """The worker ended normally: nothing is pending any more."""
+        with self._cv:
+            self._pending.clear()
+            self._worker = None
+            self._cv.notify_all()
+
+    def pending(self, keys: Optional[Iterable[str]] = None) -> bool:
+        """Whether any of ``keys`` (default: any group) still waits for its update."""
+        with self._cv:
+            if keys is None:
+                return bool(self._pending)
+            return any(k in self._pending for k in keys)
+
+    def wait(self, keys: Optional[Iterable[str]] = None) -> None:
+        """Block until ``keys`` (default: all) are updated. A no-op on the worker thread itself.
+
+        Raises:
+            StepFailedError: the background step failed (chained to its exception).
+        """
+        if threading.get_ident() == self._worker:
+            return
+        keys = None if keys is None else list(keys)
+        with self._cv:
+            t0 = None
+            while self._error is None and (self._pending if keys is None else
+                                           any(k in self._pending for k in keys)):
+                if t0 is None:
+                    t0 = time.perf_counter()
+                self._cv.wait()
+            if t0 is not None:
+                self.wait_s += time.perf_counter() - t0
+            self._raise()
+
+    def take_wait_s(self) -> float:
+        with self._cv:
+            s, self.wait_s = self.wait_s, 0.0
+            return s
+
+    def _raise(self) -> None:
+        if self._error is not None:
+            raise StepFailedError(f"the background optimizer step failed: {self._error!r}") from self._error
