@@ -19,8 +19,9 @@ the speed on a virtio disk: device requests are capped by how many physically sc
 they span (see bench/README.md).
 
 Timing: per workload and block size × depth, every row of that group (raw-odirect on each buffer
-included) is timed in round-robin rounds (``--warmup`` untimed, ``--repeat`` timed, median), so
-drift of the shared disk falls on all rows alike. Prints GB/s with each row's ratio to
+included) is timed in rounds (``--warmup`` untimed, ``--repeat`` timed, median), each round in a
+new shuffled order (fixed seed), so drift of the shared disk falls on all rows alike and no row
+always runs first or after the same neighbour. Prints GB/s with each row's ratio to
 raw-odirect on the same buffer in the same rounds, then per workload the best zeroinf row with its
 ratios to raw-odirect, fio and deepspeed. Only same-run ratios mean anything on a shared disk.
 
@@ -30,7 +31,9 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -89,9 +92,22 @@ def deepspeed_handle(bs: int, qd: int):
     return AsyncIOBuilder().load().aio_handle(bs, qd, False, True, 1)
 
 
+def time_shuffled(fns, repeat: int, warmup: int, rng: random.Random):
+    """Median seconds of each function over ``repeat`` rounds, each round one call of every
+    function in a new shuffled order (``warmup`` untimed rounds first). Returns ``{name: s}``."""
+    keys = list(fns)
+    times = {k: [] for k in keys}
+    for rnd in range(warmup + repeat):
+        rng.shuffle(keys)
+        for k, t in time_interleaved({k: fns[k] for k in keys}, repeat=1, warmup=0).items():
+            if rnd >= warmup:
+                times[k].append(t)
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
 def main() -> int:
     parser = bench_parser("O_DIRECT sequential write/read: zeroinf aio vs raw O_DIRECT, fio, DeepSpeed",
-                          repeat=3, warmup=1)
+                          repeat=5, warmup=1)
     parser.add_argument("--dir", default=".", help="directory on the device to measure (default: .)")
     parser.add_argument("--size", default="2G", help="file size (default 2G)")
     parser.add_argument("--block-sizes", default="256K,1M,4M")
@@ -136,6 +152,7 @@ def main() -> int:
     tmpdir = tempfile.mkdtemp(prefix="zeroinf-bench-aio-", dir=args.dir)
     path = os.path.join(tmpdir, "data.bin")
     rows = []
+    rng = random.Random(0)
 
     def add(name, workload, layout, seconds):
         rows.append(Row(name=name, workload=workload, layout=layout, ms=1e3 * seconds, gbps=size / seconds / 1e9))
@@ -169,7 +186,7 @@ def main() -> int:
                     if ds is not None:
                         dop = ds.sync_pwrite if write else ds.sync_pread
                         entry("deepspeed", "ds-locked", lambda: dop(bufs["ds-locked"], path))
-                    times = time_interleaved(fns, repeat=args.repeat, warmup=args.warmup)
+                    times = time_shuffled(fns, args.repeat, args.warmup, rng)
                     for key, t in times.items():
                         add(names[key][0], wl, names[key][1], t)
                     for h in handles:
