@@ -24,9 +24,9 @@ DeepSpeed's name) gives page-locked memory backed by 2 MiB transparent huge page
 the buffer's pages to the device as a scatter list of at most ``max_segments`` entries per
 request (254 on this project's virtio disk), so scattered 4 KiB pages cap device requests near
 1 MiB, while physically contiguous 2 MiB pages let the block layer merge them up to
-``max_sectors_kb`` (4 MiB there). Same engine, same file, same run, bs 1 MiB qd 8: 6.8 GB/s
-write / 3.1 GB/s read from huge-page memory against 4.4 / 1.9 from the same-sized
-mmap-populated 4 KiB-page buffer (see bench/README.md).
+``max_sectors_kb`` (4 MiB there). On that disk this buffer read ~1.15x and wrote ~1.25x
+faster than a :class:`~zeroinf.io.PinnedBufferPool` buffer (4 KiB pages), same engine, same
+run (bench/README.md, bench/aio.py).
 
 Lifetime: :meth:`AsyncIOHandle.close` waits for pending requests, then stops the worker threads;
 it is idempotent. Every live handle is also closed by an ``atexit`` hook (handles are tracked by
