@@ -24,7 +24,7 @@ DeepSpeed's name) gives page-locked memory backed by 2 MiB transparent huge page
 the buffer's pages to the device as a scatter list of at most ``max_segments`` entries per
 request (254 on this project's virtio disk), so scattered 4 KiB pages cap device requests near
 1 MiB, while physically contiguous 2 MiB pages let the block layer merge them up to
-``max_sectors_kb`` (4 MiB there). On that disk this buffer read ~1.15x and wrote ~1.25x
+``max_sectors_kb`` (4 MiB there). On that disk this buffer read 1.11-1.18x and wrote 1.17-1.26x
 faster than a :class:`~zeroinf.io.PinnedBufferPool` buffer (4 KiB pages), same engine, same
 run (bench/README.md, bench/aio.py).
 
