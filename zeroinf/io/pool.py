@@ -1,9 +1,12 @@
 """A fixed budget of aligned, page-locked host buffers for swapping.
 
 With CUDA present the buffers are CUDA pinned memory (``torch.empty(..., pin_memory=True)``),
-so host↔device copies are DMA. Without CUDA they are one anonymous ``mmap`` that is pre-faulted
-(``MAP_POPULATE``) and ``mlock``-ed, so the kernel never pages them out or faults them in during
-an O_DIRECT transfer (DeepSpeed measured its locked buffers 2–3× faster than plain tensors for aio).
+so host↔device copies are DMA. Without CUDA they are one anonymous ``mmap``, aligned to 2 MiB and
+advised ``MADV_HUGEPAGE`` before ``mlock`` faults it in, so the kernel never pages it out or
+faults it in during an O_DIRECT transfer, and its pages are physically contiguous 2 MiB runs
+(where transparent huge pages are enabled): a request's scatter list then merges into large
+device requests. bench/README.md (aio) measured 4 KiB-page pool buffers 1.11–1.26× slower than
+huge-page buffers for the same O_DIRECT transfers on a virtio disk.
 
 :func:`pinned_pool_bytes` gives the exact number of bytes a pool will lock, so a config can be
 checked before anything is allocated.
@@ -23,6 +26,7 @@ import torch
 __all__ = ["PinnedBufferPool", "PinnedMemoryError", "PoolExhaustedError", "pinned_pool_bytes"]
 
 _PAGE = mmap.PAGESIZE
+_HUGE_PAGE = 2 << 20  # transparent huge page size on x86-64 and arm64 (4 KiB base pages)
 _CAP_IPC_LOCK = 14  # linux/capability.h
 
 
@@ -168,12 +172,18 @@ class PinnedBufferPool:
                 skip = (-raw.data_ptr()) % alignment
                 self._buffers.append(raw[skip:skip + buffer_size])
         else:
-            extra = max(0, alignment - _PAGE)
-            flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_POPULATE", 0)
+            # over-map so a start aligned to both `alignment` and a huge page exists; the slack is
+            # never touched, so it costs no memory. mlock faults the pages in after the advice.
+            start_align = max(alignment, _HUGE_PAGE)
+            extra = start_align - _PAGE
+            flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
             self._mmap = mmap.mmap(-1, total + extra, flags=flags)
             whole = torch.frombuffer(self._mmap, dtype=torch.uint8)
-            skip = (-whole.data_ptr()) % alignment
+            skip = (-whole.data_ptr()) % start_align
             self._addr = whole.data_ptr() + skip
+            whole_huge = total // _HUGE_PAGE * _HUGE_PAGE  # only whole huge pages inside the locked range
+            if whole_huge and hasattr(mmap, "MADV_HUGEPAGE"):
+                self._mmap.madvise(mmap.MADV_HUGEPAGE, skip, whole_huge)
             try:
                 _mlock(self._addr, total)
             except PinnedMemoryError as exc:
