@@ -4,6 +4,8 @@
   (backends: libaio, a C++ thread pool, a pure-Python thread pool; see :mod:`.backends`).
 * :class:`PinnedBufferPool` / :func:`pinned_pool_bytes` — aligned, page-locked buffers with a
   budget checked before allocating.
+* :func:`locked_cpu_tensor` / :func:`free_locked_cpu_tensor` — one page-locked tensor on 2 MiB
+  huge pages (DeepSpeed's ``new_cpu_locked_tensor``); :func:`huge_page_bytes` checks it got them.
 * :class:`TensorSwapper` — named tensors to preallocated swap files and back, with a manifest.
 * :func:`backend_report` — which backends run here and why the others do not.
 
@@ -12,7 +14,7 @@ All I/O failures are :class:`AIOError` (``OSError``) subclasses from :mod:`.erro
 from .backends import BACKENDS, backend_report
 from .errors import (AIOError, AIOFileNotFoundError, BackendUnavailableError, ChecksumMismatchError,
                      DeviceIOError, DiskFullError, ReadPastEndError, SizeMismatchError, StaleSwapFileError)
-from .handle import AsyncIOHandle
+from .handle import AsyncIOHandle, free_locked_cpu_tensor, huge_page_bytes, locked_cpu_tensor
 from .pool import PinnedBufferPool, PinnedMemoryError, PoolExhaustedError, pinned_pool_bytes
 from .swapper import TensorSwapper
 
@@ -20,5 +22,5 @@ __all__ = [
     "AIOError", "AIOFileNotFoundError", "AsyncIOHandle", "BACKENDS", "BackendUnavailableError",
     "ChecksumMismatchError", "DeviceIOError", "DiskFullError", "PinnedBufferPool", "PinnedMemoryError",
     "PoolExhaustedError", "ReadPastEndError", "SizeMismatchError", "StaleSwapFileError", "TensorSwapper",
-    "backend_report", "pinned_pool_bytes",
+    "backend_report", "free_locked_cpu_tensor", "huge_page_bytes", "locked_cpu_tensor", "pinned_pool_bytes",
 ]
