@@ -204,8 +204,11 @@ class Stage3EngineParams:
         return 0
 
     def zero_grad_acc(self) -> None:
+        """At each accumulation boundary (after the step, or instead of a skipped one): drop
+        the gradients and close the optimizer step's stage-3 counters (see :meth:`stats`)."""
         self._flush_grad(write=False)
         self.manager.zero_grad()
+        self.manager.stats.begin_step()
 
     def _grad_tensors(self):
         if not self.manager.options.grads_on_nvme:
@@ -259,7 +262,9 @@ class Stage3EngineParams:
                 for g in self.manager.groups() if g.key in keys]  # trainable groups only
 
     def stats(self):
-        return self.manager.stats_dict()
+        """Stage-3 counters of the last optimizer step: all its micro-batches' forwards and
+        backwards (``iterations`` of them) and the parameter write-backs of the step."""
+        return self.manager.stats_dict(step=True)
 
     def trace(self, path) -> int:
         return self.manager.trace(path)
