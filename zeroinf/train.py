@@ -358,15 +358,18 @@ class _Run:
         if a.nvme_path is None:
             self.tmp_nvme = Path(tempfile.mkdtemp(prefix=f".zeroinf-nvme-r{self.dist.rank}-", dir=os.getcwd()))
             return self.tmp_nvme
+        from zeroinf.io.probe import dir_problem
         path = Path(a.nvme_path)
         try:
             path.mkdir(parents=True, exist_ok=True)
-            probe = path / f".zeroinf-write-probe-{os.getpid()}"
-            with open(probe, "wb") as fh:
-                fh.write(b"\0" * 4096)
-            probe.unlink()
         except OSError as exc:
-            raise TrainError(f"--nvme-path {a.nvme_path}: not a writable directory ({exc.strerror})") from exc
+            parent = next(p for p in path.absolute().parents if p.exists())  # "/" always exists
+            why = dir_problem(str(parent))
+            raise TrainError(f"--nvme-path {a.nvme_path}: cannot be created: "
+                             + (f"{parent} {why}" if why else exc.strerror or str(exc))) from exc
+        why = dir_problem(str(path))
+        if why is not None:
+            raise TrainError(f"--nvme-path {a.nvme_path}: {why}")
         return path
 
     def _build_config(self, a) -> dict:

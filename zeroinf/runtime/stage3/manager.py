@@ -141,7 +141,8 @@ class Stage3ParameterManager:
             ``<nvme_path>/zeroinf_params_rank<r>``).
 
     Raises:
-        Stage3ConfigError: ``offload_param.buffer_size`` is smaller than the largest unit
+        Stage3ConfigError: ``offload_param.nvme_path`` cannot hold swap files (NVMe tier, no
+            ``swapper`` given), ``offload_param.buffer_size`` is smaller than the largest unit
             partition, ``offload_param.buffer_count`` below :meth:`min_buffer_count`, or
             ``stage3_max_live_parameters`` below the root unit plus the largest unit; the
             message names the unit and the minimum.
@@ -270,6 +271,11 @@ class Stage3ParameterManager:
             from zeroinf import io as zio  # contract B
             if swapper is None:
                 d = os.path.join(opts.nvme_path, f"zeroinf_params_rank{self.rank}")
+                from zeroinf.io.probe import dir_problem
+                problem = dir_problem(opts.nvme_path)
+                if problem is not None:
+                    raise Stage3ConfigError("zero_optimization.offload_param.nvme_path",
+                                            f"{opts.nvme_path!r} {problem}")
                 os.makedirs(d, exist_ok=True)
                 handle = zio.AsyncIOHandle.from_config(opts.aio) if opts.aio else zio.AsyncIOHandle()
                 swapper = zio.TensorSwapper(d, handle)
