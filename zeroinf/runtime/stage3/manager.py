@@ -508,8 +508,8 @@ class Stage3ParameterManager:
         for g in unit.groups:
             self._storage_of[g.full.untyped_storage().data_ptr()] = g
             for s in g.slots:
+                s.param.__class__ = gathered_class(type(s.param))  # first: .data = on the plain class is faster
                 s.param.data = g.full[s.offset:s.offset + s.numel].view(s.shape)
-                s.param.__class__ = gathered_class(type(s.param))
         unit.state = UnitState.GATHERED
 
     def release(self, unit: Unit) -> None:
