@@ -48,7 +48,8 @@ import torch  # noqa: E402
 from zeroinf.io import AsyncIOHandle, PinnedBufferPool  # noqa: E402
 from zeroinf.io.backends import BACKENDS, backend_reasons  # noqa: E402
 from zeroinf.io.handle import huge_page_bytes, locked_cpu_tensor  # noqa: E402
-from zeroinf.io.tune import _fmt, parse_bytes  # noqa: E402
+from zeroinf.io.tune import _block_sizes, _fmt, parse_bytes  # noqa: E402
+from zeroinf.sizes import SIZE_HELP  # noqa: E402
 
 CHUNK = 1 << 30  # raw loop: bytes per preadv/pwritev call
 
@@ -109,8 +110,8 @@ def main() -> int:
     parser = bench_parser("O_DIRECT sequential write/read: zeroinf aio vs raw O_DIRECT, fio, DeepSpeed",
                           repeat=5, warmup=1)
     parser.add_argument("--dir", default=".", help="directory on the device to measure (default: .)")
-    parser.add_argument("--size", default="2G", help="file size (default 2G)")
-    parser.add_argument("--block-sizes", default="256K,1M,4M")
+    parser.add_argument("--size", default="2GiB", help=f"file size ({SIZE_HELP}; default 2GiB)")
+    parser.add_argument("--block-sizes", default="256KiB,1MiB,4MiB", help="comma list, multiples of 4096 bytes")
     parser.add_argument("--queue-depths", default="4,8,32")
     parser.add_argument("--backends", default=",".join(BACKENDS), help="comma list (unavailable ones are skipped)")
     parser.add_argument("--buffers", default="locked,pool",
@@ -119,7 +120,7 @@ def main() -> int:
     parser.add_argument("--no-deepspeed", action="store_true", help="skip the deepspeed rows")
     args = parser.parse_args()
     size = -(-parse_bytes(args.size) // 4096) * 4096
-    bss = [parse_bytes(b) for b in args.block_sizes.split(",")]
+    bss = _block_sizes(args.block_sizes)
     qds = [int(q) for q in args.queue_depths.split(",")]
     backends = []
     for b in args.backends.split(","):

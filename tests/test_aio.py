@@ -343,10 +343,14 @@ def test_tune_io_cli_prints_a_loadable_aio_block(tmp_path, capsys):
     from zeroinf.cli import main
     from zeroinf.io.tune import parse_bytes
 
-    assert [parse_bytes(s) for s in ("4096", "256K", "1M", "2GiB")] == [4096, 1 << 18, 1 << 20, 2 << 30]
-    with pytest.raises(ValueError, match="not a byte size"):
-        parse_bytes("1.5M")
-    rc = main(["tune-io", "--path", str(tmp_path), "--size", "1M", "--block-sizes", "256K,512K",
+    # the same units as every other tool: K/M/G decimal, KiB/MiB/GiB binary
+    assert [parse_bytes(s) for s in ("4096", "256K", "256KiB", "1G", "2GiB")] == [4096, 256_000, 1 << 18, 10**9, 2 << 30]
+    with pytest.raises(ValueError, match="expected a number of bytes"):
+        parse_bytes("1.5 apples")
+    # a decimal block size is no multiple of 4096: refused with the fix, nothing written
+    assert main(["tune-io", "--path", str(tmp_path), "--block-sizes", "256K"]) == 2
+    assert "'256K' = 256000 bytes is not a positive multiple of 4096" in capsys.readouterr().out
+    rc = main(["tune-io", "--path", str(tmp_path), "--size", "1MiB", "--block-sizes", "256KiB,512KiB",
                "--queue-depths", "2", "--repeat", "1", "--backend", "python"])
     assert rc == 0
     out = capsys.readouterr().out

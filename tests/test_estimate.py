@@ -207,9 +207,23 @@ def test_parse_count(text, want):
 
 
 @pytest.mark.parametrize("text,want", [("80GB", 80 * GB), ("80GiB", 80 * GiB), ("1TB", 10**12),
-                                       ("512MiB", 512 * 2**20), ("4096", 4096)])
+                                       ("512MiB", 512 * 2**20), ("4096", 4096), ("80G", 80 * GB), ("80g", 80 * GB),
+                                       ("1Gi", GiB), ("1.5M", 1_500_000), ("256K", 256_000), ("256KiB", 2**18),
+                                       ("2P", 2 * 10**15)])
 def test_parse_bytes(text, want):
     assert parse_bytes(text) == want
+
+
+def test_every_tool_parses_sizes_alike():
+    """``1G`` is 1e9 bytes and ``1GiB`` 2**30 in zeroinf plan/estimate, tune-io and bench/aio alike."""
+    from zeroinf.io import tune
+    from zeroinf.sizes import format_bytes, parse_bytes as common
+    for text in ("1G", "1GiB", "256KiB", "3M", "12"):
+        assert parse_bytes(text) == tune.parse_bytes(text) == common(text), text
+    assert common("1G") == 10**9 and common("1GiB") == 2**30
+    for n in (2**18, 3 * 2**30, 10**9, 1500, 4097):
+        assert common(format_bytes(n)) == n
+    assert format_bytes(2**18) == "256KiB" and format_bytes(10**9) == "1G"
 
 
 @pytest.mark.parametrize("fn,text", [(parse_count, "7 apples"), (parse_count, "0"), (parse_bytes, "80 GBs"),

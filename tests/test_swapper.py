@@ -70,11 +70,31 @@ def test_stale_file_of_other_size_detected(tmp_path):
     a.register("k", 100, torch.float32)
     a.swap_out([("k", torch.ones(100))], async_op=False)
     b = TensorSwapper(tmp_path)  # a later run with another config
-    with pytest.warns(RuntimeWarning, match="stale swap file"):
-        b.register("k", 200, torch.float32)
-    with pytest.raises(StaleSwapFileError, match="holds no swapped-out data") as ei:
-        b.swap_in([("k", torch.zeros(200))])
+    b.register("k", 200, torch.float32)
+    with pytest.warns(RuntimeWarning, match=r"1 stale swap file\(s\) in .*zeroinf-swap"):
+        with pytest.raises(StaleSwapFileError, match="holds no swapped-out data") as ei:
+            b.swap_in([("k", torch.zeros(200))])
     assert ei.value.filename == str(b.path_for("k"))
+
+
+def test_many_stale_files_give_one_warning_that_counts_them(tmp_path):
+    a = TensorSwapper(tmp_path)
+    for i in range(37):
+        a.register(f"sub{i}", 100, torch.float32)
+        a.swap_out([(f"sub{i}", torch.ones(100))])
+    a.close()
+    b = TensorSwapper(tmp_path)  # another sub_group_size: every key has another size
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        for i in range(37):
+            b.register(f"sub{i}", 150, torch.float32)
+        b.register("new", 10, torch.float32)  # no file yet: not stale
+        b.swap_out([("sub0", torch.zeros(150))], async_op=False)
+        b.close()
+    msgs = [str(x.message) for x in w if issubclass(x.category, RuntimeWarning)]
+    assert len(msgs) == 1, msgs
+    assert msgs[0].startswith(f"37 stale swap file(s) in {b.directory} ")
+    assert b.report_stale() == 0  # reported once only
 
 
 def test_same_config_adopts_data_of_earlier_run(tmp_path):
@@ -99,10 +119,10 @@ def test_truncated_file_detected(swapper):
         swapper.swap_in([(k, torch.zeros(4097))])
     # and across processes: a fresh swapper refuses the truncated file as well
     again = TensorSwapper(swapper.directory.parent)
-    with pytest.warns(RuntimeWarning, match="stale"):
-        again.register(k, 4097, torch.float32)
-    with pytest.raises(StaleSwapFileError):
-        again.swap_in([(k, torch.zeros(4097))])
+    again.register(k, 4097, torch.float32)
+    with pytest.warns(RuntimeWarning, match="1 stale swap file"):  # reported at the first swap
+        with pytest.raises(StaleSwapFileError):
+            again.swap_in([(k, torch.zeros(4097))])
 
 
 def test_checksum_detects_corruption(tmp_path):

@@ -180,3 +180,13 @@ def test_init_from_safetensors_reproduces_the_seeded_model(main_run, tmp_path):
     save_file({k: v.contiguous() for k, v in wrong.items()}, str(tmp_path / "partial.safetensors"))
     proc = _train(["--init", "partial.safetensors", "--steps", "1", "--out", "p"], tmp_path, check=False)
     assert proc.returncode == 2 and "partial.safetensors" in proc.stderr and "missing keys" in proc.stderr
+
+
+@pytest.mark.parametrize("n,k", [(1, 1), (2, 1), (5, 2), (9, 4), (10, 5), (40, 5)])
+def test_loss_windows_never_overlap(n, k):
+    from zeroinf.train import loss_label, loss_windows
+    losses = [float(3 ** i) for i in range(n)]  # every window has its own mean
+    got_k, first, last = loss_windows(losses)
+    assert got_k == k and (n == 1 or 2 * k <= n)
+    assert first == sum(losses[:k]) / k and last == sum(losses[n - k:]) / k
+    assert loss_label(k, n) == ("loss (1 step)" if n == 1 else f"loss first {k} -> last {k}")

@@ -54,6 +54,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
+from zeroinf.sizes import parse_bytes as _parse_bytes
+
 __all__ = [
     "GB", "GiB", "PRESETS", "PRECISIONS", "OPTIMIZERS", "PLACEMENTS", "Precision", "Placement",
     "ModelInfo", "SwapBuffers", "Term", "Estimate", "parse_count", "parse_bytes", "load_model_config",
@@ -268,8 +270,6 @@ class Estimate:
 # Parsing of sizes and counts
 
 _SUFFIX_COUNT = {"": 1, "k": 10**3, "m": 10**6, "b": 10**9, "g": 10**9, "t": 10**12}
-_SUFFIX_BYTES = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12, "pb": 10**15,
-                 "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "pib": 2**50}
 
 
 def parse_count(text: Union[str, int, float]) -> int:
@@ -294,25 +294,14 @@ def parse_count(text: Union[str, int, float]) -> int:
 
 
 def parse_bytes(text: Union[str, int]) -> int:
-    """Bytes from ``80GB``, ``1TB``, ``80GiB``, ``512MiB`` or a plain number of bytes.
-
-    GB/TB/MB/KB are decimal (1e9, 1e12, ...); GiB/TiB/MiB/KiB are binary (2**30, 2**40, ...).
+    """Bytes from ``80GB`` or ``80G`` (decimal, 1e9), ``80GiB`` (binary, 2**30), ``1TB``,
+    ``512MiB`` or a plain number of bytes: :func:`zeroinf.sizes.parse_bytes`, the parser of every
+    tool.
 
     Raises:
         ValueError: not a non-negative number with one of those units.
     """
-    if isinstance(text, int) and not isinstance(text, bool):
-        value = float(text)
-    else:
-        m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]*)\s*", str(text))
-        unit = m.group(2).lower() if m else None
-        if not m or (unit and unit not in _SUFFIX_BYTES):
-            raise ValueError(f"size {text!r}: expected a number with a unit such as 80GB (1e9 bytes), "
-                             f"80GiB (2**30 bytes) or 1TB")
-        value = float(m.group(1)) * _SUFFIX_BYTES[unit or "b"]
-    if not math.isfinite(value) or value < 0:
-        raise ValueError(f"size {text!r}: must be non-negative")
-    return int(round(value))
+    return _parse_bytes(text)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -292,7 +292,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of ``zeroinf plan``."""
     add_model_arguments(parser)
     parser.add_argument("--optimizer", choices=["adam", "adamw"], default="adamw", help="default adamw")
-    mem = parser.add_argument_group("memory (GB = 1e9 bytes, GiB = 2**30 bytes)")
+    mem = parser.add_argument_group("memory (1G = 1GB = 1e9 bytes, 1GiB = 2**30 bytes; also K, M, T)")
     mem.add_argument("--gpu-mem", type=parse_bytes, required=True, help="per accelerator, e.g. 80GB")
     mem.add_argument("--cpu-mem", type=parse_bytes, required=True, help="host memory per node, e.g. 1TB")
     mem.add_argument("--nvme", type=parse_bytes, default=0, help="NVMe space per node, e.g. 8TB (default: none)")

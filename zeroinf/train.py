@@ -35,11 +35,11 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 import torch
 
-__all__ = ["add_arguments", "main", "TrainError", "LOG_FIELDS", "COMPARE_ATOL", "PlainEngine"]
+__all__ = ["add_arguments", "main", "TrainError", "LOG_FIELDS", "COMPARE_ATOL", "PlainEngine", "loss_windows", "loss_label"]
 
 PRESET_DIR = Path(__file__).resolve().parent / "presets"
 OFFLOADS = ("none", "cpu", "nvme-optimizer", "infinity")
@@ -125,6 +125,25 @@ def main(args: argparse.Namespace) -> int:
         return EXIT_BAD_INPUT
     finally:
         run.remove_tmp_nvme()
+
+
+def loss_windows(losses: List[float]) -> Tuple[int, float, float]:
+    """``(k, mean of the first k losses, mean of the last k)`` with ``k = min(5, n // 2)``, so
+    the two windows never share a step (``k = 1`` and the same single step when ``n == 1``).
+
+    Raises:
+        ValueError: ``losses`` is empty.
+    """
+    n = len(losses)
+    if n == 0:
+        raise ValueError("loss_windows: no losses")
+    k = max(1, min(5, n // 2))
+    return k, sum(losses[:k]) / k, sum(losses[-k:]) / k
+
+
+def loss_label(k: int, n: int) -> str:
+    """The summary's label for :func:`loss_windows` over ``n`` steps."""
+    return "loss (1 step)" if n == 1 else f"loss first {k} -> last {k}"
 
 
 def _one_line(exc: BaseException) -> str:
@@ -358,15 +377,18 @@ class _Run:
         if a.nvme_path is None:
             self.tmp_nvme = Path(tempfile.mkdtemp(prefix=f".zeroinf-nvme-r{self.dist.rank}-", dir=os.getcwd()))
             return self.tmp_nvme
+        from zeroinf.io.probe import dir_problem
         path = Path(a.nvme_path)
         try:
             path.mkdir(parents=True, exist_ok=True)
-            probe = path / f".zeroinf-write-probe-{os.getpid()}"
-            with open(probe, "wb") as fh:
-                fh.write(b"\0" * 4096)
-            probe.unlink()
         except OSError as exc:
-            raise TrainError(f"--nvme-path {a.nvme_path}: not a writable directory ({exc.strerror})") from exc
+            parent = next(p for p in path.absolute().parents if p.exists())  # "/" always exists
+            why = dir_problem(str(parent))
+            raise TrainError(f"--nvme-path {a.nvme_path}: cannot be created: "
+                             + (f"{parent} {why}" if why else exc.strerror or str(exc))) from exc
+        why = dir_problem(str(path))
+        if why is not None:
+            raise TrainError(f"--nvme-path {a.nvme_path}: {why}")
         return path
 
     def _build_config(self, a) -> dict:
@@ -662,15 +684,14 @@ class _Run:
         timed = records[1:] if len(records) > 1 else records
         med = sorted(r["step_s"] for r in timed)[len(timed) // 2]
         mean = lambda k: sum(r[k] for r in timed) / len(timed)  # noqa: E731
-        k = min(5, len(records))
+        k, loss_first, loss_last = loss_windows([r["loss"] for r in records])
         peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
         s = {
             "params": n_params, "dtype": dtype, "config": self.config_source, "ranks": self.dist.world_size,
             "steps": len(records), "tokens_per_step": records[-1]["tokens"],
             "median_step_s": med, "tokens_per_s": records[-1]["tokens"] / med,
             "compute_s": mean("compute_s"), "io_wait_s": mean("io_wait_s"), "optimizer_s": mean("optimizer_s"),
-            "loss_first5": sum(r["loss"] for r in records[:k]) / k,
-            "loss_last5": sum(r["loss"] for r in records[-k:]) / k,
+            "loss_window": k, "loss_first": loss_first, "loss_last": loss_last,
             "peak_rss_bytes": peak_rss,
             "peak_device_bytes": max(r["device_bytes"] for r in records),
             "peak_pinned_cpu_bytes": max(r["pinned_cpu_bytes"] for r in records),
@@ -681,7 +702,7 @@ class _Run:
         lines = [
             f"{'params':<26}{n_params:,} ({dtype}, {self.config_source}, {self.dist.world_size} rank(s))",
             f"{'steps':<26}{len(records)} x {records[-1]['tokens']} tokens",
-            f"{'loss first 5 -> last 5':<26}{s['loss_first5']:.4f} -> {s['loss_last5']:.4f}",
+            f"{loss_label(k, len(records)):<26}{loss_first:.4f} -> {loss_last:.4f}",
             f"{'step time (median)':<26}{med:.3f} s   {s['tokens_per_s']:.0f} tokens/s",
             f"{'  compute / io wait / opt':<26}{s['compute_s']:.3f} / {s['io_wait_s']:.3f} / {s['optimizer_s']:.3f} s (mean)",
             f"{'peak memory (MiB)':<26}device {s['peak_device_bytes'] / mib:.1f}  pinned CPU "

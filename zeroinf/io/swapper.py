@@ -8,7 +8,8 @@ same files — never ``id()`` or registration order.
 
 [Note: stale files] A file is read as weights only when its manifest entry says it was written
 for this key with the same numel/dtype/shape *and* the file has exactly that many bytes. Files
-left by another config are reported (one ``RuntimeWarning`` at :meth:`register`) and reset;
+left by another config are reset and reported by one ``RuntimeWarning`` per batch of
+registrations, counting them and naming the folder (see :meth:`register`);
 reading a key that was never written, or whose file was truncated since, raises
 :class:`~zeroinf.io.errors.StaleSwapFileError`. With ``checksum=True`` the CRC32 recorded at swap
 out is verified at swap in (:class:`~zeroinf.io.errors.ChecksumMismatchError`).
@@ -86,6 +87,7 @@ class TensorSwapper:
         self.checksum = bool(checksum)
         self._entries: Dict[str, _Entry] = {}
         self._pending: List[Tuple[str, str, torch.Tensor, Optional[int]]] = []  # (op, key, tensor, crc)
+        self._stale: List[Tuple[Path, str]] = []  # stale files reset by register(), not reported yet
 
     # -- names and manifest -------------------------------------------------------------------
     @staticmethod
@@ -132,7 +134,10 @@ class TensorSwapper:
 
         A file already holding this key's data from an earlier run (same numel, dtype and shape,
         exact size, marked written) is adopted and can be swapped in. Any other existing file is
-        stale: one ``RuntimeWarning`` names it and it is reset.
+        stale and is reset. Callers register many keys at once (one per sub-group), so stale
+        files are reported together: one ``RuntimeWarning`` that counts them and names the
+        folder, issued by the next :meth:`swap_out`, :meth:`swap_in`, :meth:`wait`,
+        :meth:`close` or :meth:`report_stale`.
 
         Args:
             key: non-empty stable name.
@@ -176,8 +181,7 @@ class TensorSwapper:
         if size is not None:
             why = ("no manifest entry" if on_disk is None else
                    f"manifest says {on_disk.numel} x {on_disk.dtype} {tuple(on_disk.shape)}, written={on_disk.written}")
-            warnings.warn(f"stale swap file {path} for key {key!r} ({size} bytes, {why}; expected {nbytes} bytes "
-                          f"of {want.dtype}): it is reset and will not be read as data", RuntimeWarning, stacklevel=2)
+            self._stale.append((path, f"key {key!r}: {size} bytes, {why}; expected {nbytes} bytes of {want.dtype}"))
         self._preallocate(path, nbytes)
         self._save_entry(want)
         self._entries[key] = want
@@ -204,6 +208,17 @@ class TensorSwapper:
             if fd is not None:
                 os.close(fd)
 
+    def report_stale(self) -> int:
+        """Issue the one ``RuntimeWarning`` for stale files reset since the last report (see
+        :meth:`register`); returns how many it counted (0: no warning)."""
+        stale, self._stale = self._stale, []
+        if stale:
+            path, first = stale[0]
+            warnings.warn(f"{len(stale)} stale swap file(s) in {self.directory} (left by a run with other sizes, "
+                          f"e.g. another sub_group_size) were reset and will not be read as data; first: "
+                          f"{path.name} ({first})", RuntimeWarning, stacklevel=3)
+        return len(stale)
+
     # -- swapping -----------------------------------------------------------------------------
     def _check(self, key: str, tensor) -> _Entry:
         e = self._entries.get(key)
@@ -226,6 +241,7 @@ class TensorSwapper:
             KeyError: unregistered key. ValueError/TypeError: tensor of the wrong numel/dtype.
             AIOError: opening failed (here) or a write failed (here if sync, else at :meth:`wait`).
         """
+        self.report_stale()
         items = list(items)
         for key, tensor in items:
             self._check(key, tensor)
@@ -249,6 +265,7 @@ class TensorSwapper:
             StaleSwapFileError: the key was never swapped out, or its file changed size since.
             AIOError: a read failed (here if sync, else at :meth:`wait`).
         """
+        self.report_stale()
         items = list(items)
         for key, tensor in items:
             e = self._check(key, tensor)
@@ -274,6 +291,7 @@ class TensorSwapper:
                 not done: its key cannot be swapped in until written again).
             ChecksumMismatchError: with ``checksum=True``, a swapped-in tensor's CRC32 differs.
         """
+        self.report_stale()
         pending, self._pending = self._pending, []
         if not pending:
             return 0
@@ -299,6 +317,7 @@ class TensorSwapper:
 
     def close(self) -> None:
         """Wait for queued swaps (raising their errors); files stay for a later run."""
+        self.report_stale()
         try:
             self.wait()
         finally:

@@ -10,33 +10,32 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import statistics
 import time
 from typing import Dict, List, Optional, Sequence
 
+from zeroinf.sizes import SIZE_HELP, format_bytes, parse_bytes
+
 __all__ = ["add_arguments", "main", "parse_bytes", "sweep"]
 
-_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+_fmt = format_bytes  # bench/aio.py's name
 
 
-def parse_bytes(text: str) -> int:
-    """``"256K"`` -> 262144 (binary units K/M/G/T, optional ``iB``/``B``).
+def _block_sizes(text: str) -> List[int]:
+    """Comma list of block sizes; each a multiple of 4096 bytes (O_DIRECT).
 
     Raises:
-        ValueError: not a size.
+        ValueError: a size does not parse or is not such a multiple (e.g. ``256K``, which is
+            256000 bytes: write ``256KiB``).
     """
-    m = re.fullmatch(r"\s*(\d+)\s*([KMGT]?)(?:i?B)?\s*", str(text), re.IGNORECASE)
-    if not m:
-        raise ValueError(f"not a byte size: {text!r} (examples: 4096, 256K, 1M, 2G)")
-    return int(m.group(1)) * _UNITS[m.group(2).upper()]
-
-
-def _fmt(n: int) -> str:
-    for unit, mult in (("G", 1 << 30), ("M", 1 << 20), ("K", 1 << 10)):
-        if n % mult == 0:
-            return f"{n // mult}{unit}"
-    return str(n)
+    out = []
+    for b in text.split(","):
+        n = parse_bytes(b)
+        if n <= 0 or n % 4096:
+            raise ValueError(f"block size {b.strip()!r} = {n} bytes is not a positive multiple of 4096 (O_DIRECT); "
+                             f"K/M/G are decimal (1K = 1000): write e.g. 256KiB or 1MiB")
+        out.append(n)
+    return out
 
 
 def sweep(directory: str, size: int, block_sizes: Sequence[int], queue_depths: Sequence[int],
@@ -99,8 +98,9 @@ def _time(fn) -> float:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--path", required=True, help="directory on the device to tune for (must exist)")
-    parser.add_argument("--size", default="256M", help="bytes per test file (default 256M)")
-    parser.add_argument("--block-sizes", default="256K,1M,4M", help="comma list (default 256K,1M,4M)")
+    parser.add_argument("--size", default="256MiB", help=f"test file size ({SIZE_HELP}; default 256MiB)")
+    parser.add_argument("--block-sizes", default="256KiB,1MiB,4MiB",
+                        help="comma list of sizes, each a multiple of 4096 bytes (default 256KiB,1MiB,4MiB)")
     parser.add_argument("--queue-depths", default="4,8,32", help="comma list (default 4,8,32)")
     parser.add_argument("--backend", default=None, help="libaio, threads or python (default: probed)")
     parser.add_argument("--repeat", type=int, default=2, help="timed repetitions per point (default 2)")
@@ -112,7 +112,7 @@ def main(args: argparse.Namespace) -> int:
         return 2
     try:
         size = parse_bytes(args.size)
-        bss = [parse_bytes(b) for b in args.block_sizes.split(",")]
+        bss = _block_sizes(args.block_sizes)
         qds = [int(q) for q in args.queue_depths.split(",")]
     except ValueError as exc:
         print(f"zeroinf tune-io: {exc}")

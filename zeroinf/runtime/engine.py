@@ -29,7 +29,6 @@ from __future__ import annotations
 import math
 import os
 import shutil
-import tempfile
 import time
 from typing import Any, Dict, List, Optional
 
@@ -189,16 +188,13 @@ class ZeroEngine:
         """Raise :class:`ConfigError` unless each swap folder's file system has room for every swap
         file this rank will write there. ``files``: ``(config key, nvme_path, swap folder, bytes,
         what)``; bytes already in a swap folder (a rerun overwrites them) count as free."""
+        from zeroinf.io.probe import dir_problem
+
         by_dev: Dict[int, Dict[str, Any]] = {}
         for key, path, folder, nbytes, what in files:
-            if not os.path.isdir(path):
-                raise ConfigError(key, f"{path!r} does not exist or is not a directory")
-            try:  # a real write: permission bits say nothing for root or a read-only mount
-                with tempfile.NamedTemporaryFile(dir=path, prefix=".zeroinf-probe-") as f:
-                    f.write(b"\0")
-                    f.flush()
-            except OSError as exc:
-                raise ConfigError(key, f"{path!r} is not writable: {exc.strerror or exc}") from None
+            problem = dir_problem(path)  # a real write: permission bits say nothing for root or a read-only mount
+            if problem is not None:
+                raise ConfigError(key, f"{path!r} {problem}")
             e = by_dev.setdefault(os.stat(path).st_dev, {"key": key, "path": path, "need": 0, "folders": set(),
                                                          "what": []})
             e["need"] += nbytes
@@ -400,7 +396,7 @@ class ZeroEngine:
         out.update(global_steps=self.global_steps, skipped_steps=self.skipped_steps, loss_scale=self.loss_scale,
                    pinned_bytes=self.sub_optimizer.pinned_bytes() + self._param_pinned_bytes(),
                    grad_norm=self._grad_norm)
-        if hasattr(self.params, "stats"):  # stage 3: per-iteration transfer counters (last backward)
+        if hasattr(self.params, "stats"):  # stage 3: transfer counters of the last optimizer step
             out["stage3"] = self.params.stats()
         return out
 

@@ -205,8 +205,11 @@ class Stage3EngineParams:
         return 0
 
     def zero_grad_acc(self) -> None:
+        """At each accumulation boundary (after the step, or instead of a skipped one): drop
+        the gradients and close the optimizer step's stage-3 counters (see :meth:`stats`)."""
         self._flush_grad(write=False)
         self.manager.zero_grad()
+        self.manager.stats.begin_step()
 
     # --- the overlapped step ([Note: overlapped step] in overlap.py) -----------------------
     def start_step(self, sub_optimizer, *, step: int, hyper, grad_scale: float) -> None:
@@ -227,6 +230,7 @@ class Stage3EngineParams:
         self._flush_grad(write=False)
         m.check_grad_io(wait=True)
         m.params_updated()  # staged reads are stale; the persistent unit is gathered afresh
+        m.stats.begin_step()  # the background write-backs count in the step during which they run
         last: Dict[str, int] = {}
         for i, (g, _lo, _hi, _gi) in enumerate(self._subs):
             last[g.key] = i
@@ -368,7 +372,9 @@ class Stage3EngineParams:
                 for g in self.manager.groups() if g.key in keys]  # trainable groups only
 
     def stats(self):
-        return self.manager.stats_dict()
+        """Stage-3 counters of the last optimizer step: all its micro-batches' forwards and
+        backwards (``iterations`` of them) and the parameter write-backs of the step."""
+        return self.manager.stats_dict(step=True)
 
     def trace(self, path) -> int:
         return self.manager.trace(path)

@@ -115,7 +115,8 @@ class Init:
         held_bytes_nvme: bytes written to swap files.
 
     Raises:
-        zeroinf.config.ConfigError: an invalid config.
+        zeroinf.config.ConfigError: an invalid config; on entering, an ``offload_param.nvme_path``
+            that cannot hold swap files (the message says why).
     """
 
     _active: Optional["Init"] = None
@@ -146,11 +147,16 @@ class Init:
             return self
         if Init._active is not None:
             raise RuntimeError("zeroinf.Init: contexts do not nest")
-        Init._active = self
-        if self.device == "nvme":
+        if self.device == "nvme":  # before anything is patched: a failure here leaves nothing behind
+            from zeroinf.config import ConfigError
             from zeroinf.io import TensorSwapper
+            from zeroinf.io.probe import dir_problem
+            problem = dir_problem(self.nvme_path)
+            if problem is not None:
+                raise ConfigError("zero_optimization.offload_param.nvme_path", f"{self.nvme_path!r} {problem}")
             self._dir = tempfile.mkdtemp(prefix="zeroinf_init_", dir=self.nvme_path)
             self._swapper = TensorSwapper(self._dir)
+        Init._active = self
         self._orig_init_subclass = nn.Module.__dict__.get("__init_subclass__")
         for cls in _all_module_classes():
             self._patch(cls)

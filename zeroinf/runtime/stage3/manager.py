@@ -28,7 +28,8 @@ forward runs, a ``TorchFunctionMode`` looks at the parameters passed to every to
 one whose unit is not the running unit is requested like any unit (gathered on demand unless
 prefetched or still live; counted as ``foreign_gathers``, recorded in the trace) and kept until
 the current unit's forward ends. A released parameter is therefore never seen as an empty
-placeholder inside a forward.
+placeholder inside a forward; outside it, compute on one raises an error that names it (see
+[Note: released parameters] in ``released.py``).
 
 [Note: I/O thread] With NVMe partitions, reads run on one background thread (the CPU stand-in
 for a side stream), so the NVMe reads of the next units overlap the current unit's compute.
@@ -58,6 +59,7 @@ from torch.utils._pytree import tree_flatten
 from .options import Stage3ConfigError, Stage3Options
 from .overlap import StepGate
 from .prefetch import PrefetchScheduler
+from .released import gathered_class, released_class
 from .stats import Stage3Stats, TraceRecorder
 from .tiers import DeviceStore, HostCache, HostStore, NvmeStore
 from .units import FlatGroup, ParamSlot, Unit, UnitState, build_units, find_unit_modules
@@ -148,7 +150,8 @@ class Stage3ParameterManager:
             ``<nvme_path>/zeroinf_params_rank<r>``).
 
     Raises:
-        Stage3ConfigError: ``offload_param.buffer_size`` is smaller than the largest unit
+        Stage3ConfigError: ``offload_param.nvme_path`` cannot hold swap files (NVMe tier, no
+            ``swapper`` given), ``offload_param.buffer_size`` is smaller than the largest unit
             partition, ``offload_param.buffer_count`` below :meth:`min_buffer_count`, or
             ``stage3_max_live_parameters`` below the root unit plus the largest unit; the
             message names the unit and the minimum.
@@ -279,12 +282,18 @@ class Stage3ParameterManager:
             from zeroinf import io as zio  # contract B
             if swapper is None:
                 d = os.path.join(opts.nvme_path, f"zeroinf_params_rank{self.rank}")
+                from zeroinf.io.probe import dir_problem
+                problem = dir_problem(opts.nvme_path)
+                if problem is not None:
+                    raise Stage3ConfigError("zero_optimization.offload_param.nvme_path",
+                                            f"{opts.nvme_path!r} {problem}")
                 os.makedirs(d, exist_ok=True)
                 handle = zio.AsyncIOHandle.from_config(opts.aio) if opts.aio else zio.AsyncIOHandle()
                 swapper = zio.TensorSwapper(d, handle)
             self._swapper = swapper
             self._pool = zio.PinnedBufferPool(opts.buffer_count, self.staging_buffer_bytes())
-            self._cache = HostCache(opts.max_in_cpu, opts.pin_memory) if opts.max_in_cpu > 0 else None
+            self._cache = HostCache(opts.max_in_cpu, opts.pin_memory, on_hit=self._count_cache_hit) \
+                if opts.max_in_cpu > 0 else None
             self._io = ThreadPoolExecutor(1, thread_name_prefix="zeroinf-stage3-io")
         if opts.grads_on_nvme:
             for g in self.groups():
@@ -298,6 +307,11 @@ class Stage3ParameterManager:
                     g.store = HostStore(g.shard_numel, g.dtype, opts.pin_memory)
                 else:
                     g.store = DeviceStore(g.shard_numel, g.dtype, self.device)
+
+    def _count_cache_hit(self, nbytes: int) -> None:
+        """An NVMe partition read served by the ``max_in_cpu`` host cache (I/O thread)."""
+        self.stats.add("host_cache_hits")
+        self.stats.add("bytes_host_read", nbytes)
 
     def _shard_range(self, g: FlatGroup) -> Tuple[int, int]:
         return self.rank * g.shard_numel, (self.rank + 1) * g.shard_numel
@@ -329,7 +343,9 @@ class Stage3ParameterManager:
                     flat = flat.to(g.dtype)
                 self._run_io(g.store.write_from, flat[lo:hi])
                 for s in g.slots:
+                    s.param.ds_shape, s.param.ds_numel = s.shape, s.numel  # DeepSpeed's names
                     s.param.data = self._placeholder(g.dtype)
+                    s.param.__class__ = released_class(type(s.param))  # [Note: released parameters]
                 del flat
 
     def take_init_master(self, g: FlatGroup, lo: int, hi: int) -> Optional[torch.Tensor]:
@@ -516,6 +532,7 @@ class Stage3ParameterManager:
         for g in unit.groups:
             self._storage_of[g.full.untyped_storage().data_ptr()] = g
             for s in g.slots:
+                s.param.__class__ = gathered_class(type(s.param))  # first: .data = on the plain class is faster
                 s.param.data = g.full[s.offset:s.offset + s.numel].view(s.shape)
         unit.state = UnitState.GATHERED
 
@@ -531,6 +548,7 @@ class Stage3ParameterManager:
                 self._storage_of.pop(g.full.untyped_storage().data_ptr(), None)
             for s in g.slots:
                 s.param.data = self._placeholder(g.dtype)
+                s.param.__class__ = released_class(type(s.param))
             g.full = None
         if unit.persistent:
             self._persistent_stale = True
@@ -570,6 +588,7 @@ class Stage3ParameterManager:
             self.stats.add("prefetch_misses")
         self._make_room(unit)
         self._complete(unit)
+        self.stats.live(self._live)  # also units gathered before this iteration began
         self.scheduler.schedule()
 
     def _gather_foreign(self, unit: Unit) -> None:
@@ -793,7 +812,9 @@ class Stage3ParameterManager:
     def read_param_shard(self, g: FlatGroup, dst: torch.Tensor) -> None:
         """Copy this rank's partition of ``g`` (``shard_numel`` elements) into ``dst``."""
         self.step_gate.wait()
-        self._run_io(g.store.read_into, dst)
+        n = self._run_io(g.store.read_into, dst)
+        if n:  # counted like the forward's reads (a host-cache hit counts itself, n = 0)
+            self.stats.add("bytes_nvme_read" if self.options.offload_param_device == "nvme" else "bytes_host_read", n)
 
     def param_shard(self, g: FlatGroup) -> torch.Tensor:
         """This rank's partition of ``g`` (``shard_numel`` elements of ``g.dtype``): the resident
@@ -978,11 +999,13 @@ class Stage3ParameterManager:
         self._listeners.append(fn)
 
     # ------------------------------------------------------------------------ visibility
-    def stats_dict(self) -> Dict[str, Any]:
-        """Counters of the last finished iteration (see :class:`Stage3Stats`)."""
-        out = self.stats.snapshot()
+    def stats_dict(self, step: bool = False) -> Dict[str, Any]:
+        """Counters of the last finished iteration, or with ``step`` of the last optimizer step
+        (every micro-batch since the previous ``stats.begin_step()``; see :class:`Stage3Stats`)."""
+        out = self.stats.snapshot(step=step)
         out["traces_recorded"] = self.scheduler.traces_recorded
         out["live_now"] = self._live
+        out["persistent_numel"] = self.units[0].numel  # resident, not in the live counts
         return out
 
     def trace(self, path: "str | os.PathLike") -> int:

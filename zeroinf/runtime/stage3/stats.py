@@ -19,16 +19,43 @@ _COUNTERS = (
     "foreign_gathers",      # units gathered because another module read their weights
     "reduces",              # unit gradient reductions
     "releases",
-    "bytes_nvme_read", "bytes_nvme_written", "bytes_host_read", "bytes_host_written",
+    "host_cache_hits",      # NVMe partition reads served by the max_in_cpu host cache
+    "bytes_nvme_read", "bytes_nvme_written",
+    "bytes_host_read",      # from host memory: the cpu tier, or the NVMe tier's max_in_cpu cache
+    "bytes_host_written",
     "bytes_allgather", "bytes_reduce", "elements_reduce",
 )
 
 
+def _zeros() -> Dict[str, float]:
+    out: Dict[str, float] = {k: 0 for k in _COUNTERS}
+    out.update(wait_io_s=0.0, io_busy_s=0.0, live_high_water=0)
+    return out
+
+
+def _merge(into: Dict[str, float], more: Dict[str, float]) -> None:
+    """Add ``more``'s counters into ``into``; ``live_high_water`` takes the maximum."""
+    for k, v in more.items():
+        if k == "live_high_water":
+            into[k] = max(into.get(k, 0), v)
+        else:
+            into[k] = into.get(k, 0) + v
+
+
 class Stage3Stats:
-    """Counters of one iteration (forward + backward); ``snapshot()`` of the last one.
+    """Counters of one iteration (forward + backward) and of one optimizer step.
+
+    ``snapshot()`` gives the last finished iteration (``finish()``, called at the end of each
+    backward or no-grad forward); ``snapshot(step=True)`` the last finished optimizer step:
+    every iteration since the previous ``begin_step()`` plus what moved between them (the
+    optimizer's parameter write-backs), so with ``gradient_accumulation_steps > 1`` it covers
+    all micro-batches. The engine calls ``begin_step()`` at each accumulation boundary.
 
     Units: ``bytes_*`` in bytes; ``wait_io_s`` seconds the compute thread blocked on gathers;
-    ``io_busy_s`` seconds the I/O thread spent reading/writing; ``live_high_water`` elements.
+    ``io_busy_s`` seconds the I/O thread spent reading/writing; ``live_high_water`` elements
+    of non-persistent units gathered at once (the maximum, not a sum, over a step's
+    iterations; the persistent unit stays gathered and is not counted, as for
+    ``stage3_max_live_parameters``).
     """
 
     def __init__(self):
@@ -37,11 +64,13 @@ class Stage3Stats:
         self.last: Dict[str, float] = {}
         self.totals: Dict[str, float] = {}
         self.live_high_water_all = 0
+        self._step: Dict[str, float] = _zeros()  # finished iterations of the optimizer step in progress
+        self.iterations_this_step = 0
+        self.last_step: Dict[str, float] = {}
         self.reset()
 
     def reset(self) -> None:
-        self.current = {k: 0 for k in _COUNTERS}
-        self.current.update(wait_io_s=0.0, io_busy_s=0.0, live_high_water=0)
+        self.current = _zeros()
 
     def add(self, key: str, value: float = 1) -> None:
         with self._lock:
@@ -54,14 +83,32 @@ class Stage3Stats:
         self.live_high_water_all = max(self.live_high_water_all, live_now)
 
     def finish(self) -> None:
-        """Close the iteration: its counters become ``last`` and a new one starts."""
-        self.last = dict(self.current)
-        self.reset()
+        """Close the iteration: its counters become ``last``, are added to the optimizer step
+        in progress, and a new iteration starts."""
+        with self._lock:
+            self.last = dict(self.current)
+            _merge(self._step, self.current)
+            self.iterations_this_step += 1
+            self.reset()
 
-    def snapshot(self) -> Dict[str, Any]:
-        """The last finished iteration's counters, ``io_hidden_fraction`` (share of I/O time
-        the compute did not wait for), and cumulative ``totals``."""
-        out: Dict[str, Any] = dict(self.last)
+    def begin_step(self) -> None:
+        """Close the optimizer step: the iterations finished since the last call, plus counters
+        of the unfinished iteration (transfers between backward and step, such as parameter
+        write-backs), become ``last_step``; the next step starts from zero."""
+        with self._lock:
+            _merge(self._step, self.current)
+            self.last_step = dict(self._step)
+            self.last_step["iterations"] = self.iterations_this_step
+            self._step = _zeros()
+            self.iterations_this_step = 0
+            self.reset()
+
+    def snapshot(self, step: bool = False) -> Dict[str, Any]:
+        """The last finished iteration's counters (``step``: the last finished optimizer
+        step's, with ``iterations``, the forward/backward passes it covers),
+        ``io_hidden_fraction`` (share of I/O time the compute did not wait for), and cumulative
+        ``totals``."""
+        out: Dict[str, Any] = dict(self.last_step if step else self.last)
         busy = out.get("io_busy_s", 0.0)
         out["io_hidden_fraction"] = (max(0.0, 1.0 - out.get("wait_io_s", 0.0) / busy) if busy > 0 else None)
         out["live_high_water_all"] = self.live_high_water_all

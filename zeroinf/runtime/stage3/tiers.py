@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -65,10 +65,13 @@ class HostStore(DeviceStore):
 
 class HostCache:
     """Host copies of NVMe partitions, at most ``max_elements`` elements, least recently used
-    evicted first (``offload_param.max_in_cpu``). Thread-safe."""
+    evicted first (``offload_param.max_in_cpu``). Thread-safe.
 
-    def __init__(self, max_elements: int, pin: bool):
-        self.max_elements, self.pin = max_elements, pin
+    ``on_hit(nbytes)``, if given, is called for every :meth:`get` that finds its key (a read
+    served from host memory instead of NVMe), so the caller can count those bytes."""
+
+    def __init__(self, max_elements: int, pin: bool, on_hit: Optional[Callable[[int], None]] = None):
+        self.max_elements, self.pin, self.on_hit = max_elements, pin, on_hit
         self._lock = threading.Lock()
         self._entries: "OrderedDict[str, torch.Tensor]" = OrderedDict()
         self._used = 0
@@ -78,7 +81,9 @@ class HostCache:
             t = self._entries.get(key)
             if t is not None:
                 self._entries.move_to_end(key)
-            return t
+        if t is not None and self.on_hit is not None:
+            self.on_hit(t.numel() * t.element_size())
+        return t
 
     def put(self, key: str, src: torch.Tensor) -> None:
         """Cache a copy of ``src`` (replacing an older one) if it fits, evicting LRU entries."""

@@ -1,0 +1,78 @@
+"""An ``nvme_path`` that cannot hold swap files fails at set-up with the config key (or the CLI
+flag) and the real reason, from every entry point: ``zeroinf.initialize``, ``zeroinf.Init``, the
+stage-3 manager built directly, and ``zeroinf train``. ``/proc/sys`` exists, but creating a file
+there fails with ENOENT ("No such file or directory"), which misleads."""
+import os
+
+import pytest
+
+import zeroinf
+from zeroinf.config import ConfigError
+from zeroinf.io.probe import dir_problem, fs_type
+from zeroinf.runtime.stage3 import Stage3ConfigError, Stage3Options, Stage3ParameterManager
+from stage3_models import TinyLM
+
+PROC = "/proc/sys"
+needs_proc = pytest.mark.skipif(not os.path.isdir(PROC) or fs_type(PROC) != "proc", reason="no procfs at /proc/sys")
+KEY = "zero_optimization.offload_param.nvme_path"
+
+
+def _cfg(path, opt="cpu"):
+    z = {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": str(path)}, "offload_optimizer": {"device": opt}}
+    if opt == "nvme":
+        z["offload_optimizer"]["nvme_path"] = str(path)
+    return {"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+            "zero_optimization": z}
+
+
+def _assert_real_reason(msg):
+    assert "'proc' file system" in msg and "No such file" not in msg, msg
+
+
+def test_dir_problem_reasons(tmp_path):
+    assert dir_problem(str(tmp_path)) is None
+    assert dir_problem(str(tmp_path / "missing")) == "does not exist"
+    (tmp_path / "f").write_text("x")
+    assert dir_problem(str(tmp_path / "f")) == "is not a directory"
+    assert not list(tmp_path.glob(".zeroinf-probe-*"))  # the probe file is gone
+
+
+@needs_proc
+@pytest.mark.parametrize("opt", ["cpu", "nvme"])
+def test_initialize_raises_config_error_naming_the_key(opt):
+    with pytest.raises(ConfigError) as ei:
+        zeroinf.initialize(model=TinyLM(), config=_cfg(PROC, opt))
+    assert str(ei.value).startswith(f"{KEY}: '/proc/sys' ")
+    _assert_real_reason(str(ei.value))
+
+
+@needs_proc
+def test_init_raises_config_error_and_leaves_no_context_behind(tmp_path):
+    with pytest.raises(ConfigError) as ei:
+        with zeroinf.Init(config=_cfg(PROC)):
+            TinyLM()
+    assert str(ei.value).startswith(f"{KEY}: ")
+    _assert_real_reason(str(ei.value))
+    with zeroinf.Init(config=_cfg(tmp_path)) as init:  # a failed enter does not block the next one
+        TinyLM()
+    assert init.held_bytes_nvme > 0
+
+
+@needs_proc
+def test_manager_built_directly_raises_stage3_config_error():
+    with pytest.raises(Stage3ConfigError) as ei:
+        Stage3ParameterManager(TinyLM(), Stage3Options(offload_param_device="nvme", nvme_path=PROC))
+    assert str(ei.value).startswith(f"{KEY}: ")
+    _assert_real_reason(str(ei.value))
+
+
+@needs_proc
+@pytest.mark.parametrize("path", [PROC, PROC + "/zeroinf/swap"])
+def test_train_cli_exits_with_one_line_naming_flag_and_reason(path, tmp_path, capsys, monkeypatch):
+    from zeroinf.cli import main
+    monkeypatch.chdir(tmp_path)
+    code = main(["train", "--offload", "infinity", "--nvme-path", path, "--steps", "1", "--out", str(tmp_path / "o")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code != 0 and len(err) == 1, err
+    assert f"--nvme-path {path}" in err[0]
+    _assert_real_reason(err[0])

@@ -1,0 +1,47 @@
+"""Released stage-3 parameters outside the forward (issue 5a): DeepSpeed's ``ds_shape`` /
+``ds_numel``, a ``repr`` that says what they are, and compute on them raising an error that
+names the parameter instead of silently computing on the empty placeholder."""
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import zeroinf
+from stage3_models import D, V, TinyLM
+from test_stage3_engine import _config, _reference, _run
+
+
+@pytest.mark.parametrize("tier", ["cpu", "nvme"])
+def test_compute_on_released_parameter_raises_naming_it(tmp_path, tier):
+    ref = TinyLM(tied=True)
+    model = copy.deepcopy(ref)
+    engine, *_ = zeroinf.initialize(model=model, config=_config(tier, "cpu", tmp_path))
+    refs = dict(ref.named_parameters())
+    for name, p in model.named_parameters():
+        assert isinstance(p, nn.Parameter) and p.shape == torch.Size([0]), name
+        assert p.ds_shape == refs[name].shape and p.ds_numel == refs[name].numel(), name
+    w = model.head.weight  # tied: the manager knows it as emb.weight
+    assert w.ds_shape == torch.Size([V, D])
+    with pytest.raises(RuntimeError, match=r"emb\.weight \(shape \(37, 16\)\) is released.*gathered_parameters"):
+        w.sum()
+    with pytest.raises(RuntimeError, match=r"blocks\.1\.ff\.0\.weight .*is released"):
+        F.linear(torch.ones(1, D), model.blocks[1].ff[0].weight)
+    r = repr(w)
+    assert "released stage-3 parameter emb.weight" in r and "(37, 16)" in r
+    # metadata and bookkeeping still work on the placeholder
+    assert w.requires_grad and w.dtype == torch.float32 and w.grad is None and w.numel() == 0
+    with zeroinf.gathered_parameters([w]):
+        assert torch.equal(w, ref.emb.weight)
+    # the forward and backward (which gather) are unaffected; afterwards the guard is back
+    assert max(abs(a - b) for a, b in zip(_run(engine, 2), _reference(ref, 2))) <= 1e-6
+    with pytest.raises(RuntimeError, match=r"emb\.weight"):
+        w * 2
+    sd = model.state_dict()  # the engine's hook fills the full values
+    for name, p in ref.named_parameters():
+        assert (sd[name] - p.detach()).abs().max().item() <= 1e-6, name
+    model.load_state_dict(sd)  # the empty placeholders left by its pre-hook copy to nothing
+    with zeroinf.gathered_parameters([w]):
+        assert (w - ref.emb.weight).abs().max().item() <= 1e-6
+    engine.close()

@@ -1,0 +1,77 @@
+"""``engine.stats()["stage3"]``: counters of the whole optimizer step under gradient
+accumulation (issue 5b), and reads served by the ``max_in_cpu`` host cache."""
+import copy
+
+import torch
+
+import zeroinf
+from stage3_models import TinyLM, batch, loss_fn
+from test_stage3_engine import _config
+
+
+def _steps(engine, steps, gas):
+    """Run ``steps`` optimizer steps; return engine.stats()["stage3"] after each and the
+    manager's per-iteration counters of each micro-batch."""
+    mgr = engine.params.manager
+    per_step, per_iter = [], []
+    for step in range(steps):
+        iters = []
+        for mb in range(gas):
+            x, y = batch(10 * step + mb)
+            engine.backward(loss_fn(engine(x), y))
+            engine.step()
+            iters.append(dict(mgr.stats.last))
+        per_step.append(engine.stats()["stage3"])
+        per_iter.append(iters)
+    return per_step, per_iter
+
+
+def test_step_counters_cover_every_micro_batch(tmp_path):
+    runs = {}
+    for gas in (1, 2):
+        cfg = _config("nvme", "cpu", tmp_path / f"g{gas}")
+        (tmp_path / f"g{gas}").mkdir()
+        cfg["gradient_accumulation_steps"] = gas
+        engine, *_ = zeroinf.initialize(model=copy.deepcopy(TinyLM()), config=cfg)
+        runs[gas] = _steps(engine, 3, gas)
+        mgr = engine.params.manager
+        engine.close()
+    # the persistent unit is gathered once per optimizer step (in the first forward), not once
+    # per micro-batch; everything else in the forwards and backwards moves once per micro-batch
+    once = {"gathers": 1, "releases": 0, "reduces": 0,
+            "bytes_nvme_read": sum(g.shard_numel * 4 for g in mgr.units[0].groups)}
+    # the optimizer step itself reads each (trainable) partition to stage its write-back, and
+    # releases the persistent unit it rewrote
+    between = {"gathers": 0, "releases": 1, "reduces": 0, "bytes_nvme_read": sum(g.shard_numel * 4 for g in mgr.groups())}
+    assert once["bytes_nvme_read"] > 0
+    (one, _), (two, iters) = runs[1], runs[2]
+    for k in range(1, 3):  # steps after the first (trace recorded, masters read)
+        assert one[k]["iterations"] == 1 and two[k]["iterations"] == 2
+        for key in ("gathers", "reduces", "releases", "bytes_nvme_read"):
+            assert one[k][key] > once[key], key
+            assert two[k][key] == 2 * one[k][key] - once[key] - between[key], (k, key)
+            # and the step is the sum of its micro-batches' iterations and the step itself
+            assert two[k][key] == sum(it[key] for it in iters[k]) + between[key], (k, key)
+        # the optimizer writes every partition back once per step, whatever the accumulation
+        assert two[k]["bytes_nvme_written"] == one[k]["bytes_nvme_written"] > 0
+        assert two[k]["live_high_water"] == max(it["live_high_water"] for it in iters[k]) > 0
+
+
+def test_host_cache_hits_are_counted(tmp_path):
+    got = {}
+    for cache in (0, 10**6):
+        d = tmp_path / f"c{cache}"
+        d.mkdir()
+        cfg = _config("nvme", "cpu", d)
+        cfg["zero_optimization"]["offload_param"]["max_in_cpu"] = cache
+        engine, *_ = zeroinf.initialize(model=copy.deepcopy(TinyLM()), config=cfg)
+        got[cache] = _steps(engine, 2, 1)[0][-1]
+        engine.close()
+    cold, hot = got[0], got[10**6]
+    assert cold["bytes_nvme_read"] > 0 and cold["host_cache_hits"] == 0 and cold["bytes_host_read"] == 0
+    # every partition read came from the cache: the same bytes, now from host memory
+    assert hot["bytes_nvme_read"] == 0
+    assert hot["bytes_host_read"] == cold["bytes_nvme_read"]
+    assert hot["host_cache_hits"] > 0
+    assert hot["live_high_water"] == cold["live_high_water"] > 0
+    assert hot["gathers"] == cold["gathers"]

@@ -1,0 +1,101 @@
+"""Released stage-3 parameters: empty placeholders that refuse compute.
+
+[Note: released parameters] A released parameter's ``.data`` is an empty placeholder (shape
+``[0]``): the manager's hooks and autograd rely on that, and it is what frees the memory. Used
+in compute outside the model's forward (where the foreign-access mode in ``manager.py`` gathers
+it first) such a placeholder would silently give wrong answers: ``model.head.weight.sum()`` is
+0. So while a parameter is released its Python class is switched to a subclass of its own class
+(``released_class``) whose ``__torch_function__`` lets metadata and bookkeeping through (shape,
+dtype, ``.grad``, ``.data``, hooks, ``detach``, ``numel``) and raises a ``RuntimeError`` naming
+the parameter for anything else. When the unit is gathered the original class comes back, so
+the forward and backward compute on plain parameters and pay nothing for this. ``isinstance(p,
+nn.Parameter)`` holds in both states.
+
+Every managed parameter also carries DeepSpeed's ``ds_shape`` (``torch.Size``, the full shape)
+and ``ds_numel`` (int, the full element count), gathered or not.
+"""
+from __future__ import annotations
+
+from typing import Dict, Optional, Tuple
+
+import torch
+from torch import nn
+
+__all__ = ["released_class", "gathered_class", "is_released", "PASS_THROUGH"]
+
+#: torch functions allowed on a released parameter: attribute access (``__get__``/``__set__``:
+#: ``.shape``, ``.grad``, ``.data``, ...), metadata, hooks, pickling/copying, and ``detach``
+#: (``state_dict`` detaches before the engine's hook puts the full values in).
+PASS_THROUGH = frozenset({
+    "__get__", "__set__", "__hash__", "__format__", "__reduce_ex__", "__deepcopy__", "__setstate__",
+    "detach", "requires_grad_", "numel", "nelement", "dim", "ndimension", "size", "stride",
+    "element_size", "is_contiguous", "is_floating_point", "is_complex", "get_device", "data_ptr",
+    "untyped_storage", "storage_offset", "register_hook", "register_post_accumulate_grad_hook", "_is_view",
+})
+
+_CLASSES: Dict[type, type] = {}
+
+
+def _describe(p: torch.Tensor) -> Tuple[str, Optional[torch.Size]]:
+    """(qualified name, full shape) of a released parameter, from the manager that owns it."""
+    from .manager import managers
+    for m in managers():
+        rec = m._slot_of.get(p)
+        if rec is not None:
+            return rec[2].name, rec[2].shape
+    return "<unmanaged>", getattr(p, "ds_shape", None)
+
+
+class _ReleasedMixin:
+    """See [Note: released parameters]."""
+
+    _zeroinf_gathered_class: type = nn.Parameter
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = getattr(func, "__name__", "")
+        if name not in PASS_THROUGH and not (name == "copy_" and _empty_copy(args)):
+            p = next(a for a in list(args) + list(kwargs.values()) if isinstance(a, _ReleasedMixin))
+            pname, shape = _describe(p)
+            shape_s = tuple(shape) if shape is not None else "?"
+            raise RuntimeError(
+                f"zeroinf stage 3: {pname} (shape {shape_s}) is released: outside the model's forward it holds only "
+                f"an empty placeholder, so '{name or func}' on it would compute on nothing. Gather it first: "
+                f"`with zeroinf.gathered_parameters([param]):` (add modifier_rank=0 to keep changes); "
+                f"`param.ds_shape` / `param.ds_numel` give its full shape and size without gathering")
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **kwargs)
+
+    def __repr__(self, *args, **kwargs) -> str:
+        pname, shape = _describe(self)
+        shape_s = tuple(shape) if shape is not None else "?"
+        return (f"Parameter(released stage-3 parameter {pname}, shape {shape_s}, dtype {self.dtype}; "
+                f"read it inside zeroinf.gathered_parameters(...))")
+
+
+def _empty_copy(args) -> bool:
+    """``dst.copy_(src)`` with both empty: a no-op (``load_state_dict`` after the engine's
+    pre-hook wrote the values into the partitions and left empty tensors in the dict)."""
+    return len(args) >= 2 and all(isinstance(a, torch.Tensor) and a.numel() == 0 for a in args[:2])
+
+
+def released_class(cls: type) -> type:
+    """The released twin of parameter class ``cls`` (made once per class)."""
+    if issubclass(cls, _ReleasedMixin):
+        return cls
+    twin = _CLASSES.get(cls)
+    if twin is None:
+        twin = _CLASSES[cls] = type(f"Released{cls.__name__}", (_ReleasedMixin, cls),
+                                    {"_zeroinf_gathered_class": cls, "__module__": __name__})
+    return twin
+
+
+def gathered_class(cls: type) -> type:
+    """The original class of a (possibly released) parameter class."""
+    return cls._zeroinf_gathered_class if issubclass(cls, _ReleasedMixin) else cls
+
+
+def is_released(p: torch.Tensor) -> bool:
+    """True while ``p`` is a released stage-3 parameter."""
+    return isinstance(p, _ReleasedMixin)
