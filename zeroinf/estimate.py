@@ -171,9 +171,10 @@ class SwapBuffers:
             cached in pinned memory (default 1e9).
         optimizer_buffer_count: ``offload_optimizer.buffer_count`` (default 4); each buffer holds one
             sub-group's fp32 master weights and optimizer moments: ``K x sub-group elements`` bytes
-            (see :class:`zeroinf.config.OffloadOptimizerConfig`). The engine pins only the buffers
-            that can be in flight: ``min(buffer_count, 1 + pipeline_read + pipeline_write,
-            number of sub-groups)`` (``zeroinf.runtime.optimizer.SubGroupOptimizer``).
+            (see :class:`zeroinf.config.OffloadOptimizerConfig`). The engine pins
+            ``zeroinf.runtime.optimizer.optimizer_buffer_count``: ``buffer_count`` capped at the
+            number of sub-groups with ``pipeline_read`` (all are prefetched during the last
+            backward), else at the ``1 + pipeline_write`` in flight.
         optimizer_pipeline_read, optimizer_pipeline_write: ``offload_optimizer.pipeline_read`` /
             ``pipeline_write`` (default false).
         sub_group_size: ``zero_optimization.sub_group_size``, elements (default 1e9); the rank's
@@ -194,9 +195,10 @@ class SwapBuffers:
 
 #: The swap settings ``zeroinf plan`` writes, and the table assumes without ``--config``: sub-groups
 #: of 1e8 elements (the 1e9 default would pin 4 x 12 GB per rank for optimizer buffers) and no
-#: ``max_in_cpu`` parameter cache (parameters go to NVMe when the host cannot hold them).
-PLAN_SWAP = SwapBuffers(sub_group_size=100_000_000, param_max_in_cpu=0, optimizer_pipeline_read=True,
-                        optimizer_pipeline_write=True)
+#: ``max_in_cpu`` parameter cache (parameters go to NVMe when the host cannot hold them), and 3
+#: optimizer buffers (the fewest that pipelined reads and writes need; every one is used).
+PLAN_SWAP = SwapBuffers(sub_group_size=100_000_000, param_max_in_cpu=0, optimizer_buffer_count=3,
+                        optimizer_pipeline_read=True, optimizer_pipeline_write=True)
 
 
 def _pool_bytes(count: int, size: int, alignment: int) -> int:
@@ -579,11 +581,13 @@ def estimate(params: int, placement: Placement, *, world_size: int = 1, gpus_per
     if placement.offload_optimizer == "nvme":
         elems = min(swap.sub_group_size, numel)
         groups = -(-numel // swap.sub_group_size)
-        in_flight = min(swap.optimizer_buffer_count,
-                        1 + swap.optimizer_pipeline_read + swap.optimizer_pipeline_write, groups)
+        from zeroinf.runtime.optimizer import optimizer_buffer_count
+        in_flight = optimizer_buffer_count(swap.optimizer_buffer_count, swap.optimizer_pipeline_read,
+                                           swap.optimizer_pipeline_write, groups)
+        cap = groups if swap.optimizer_pipeline_read else 1 + swap.optimizer_pipeline_write
         terms.append(Term("optimizer swap buffers (pinned)", "host", _pool_bytes(in_flight, k * elems, swap.alignment),
-                          f"min(buffer_count {swap.optimizer_buffer_count}, in flight "
-                          f"{1 + swap.optimizer_pipeline_read + swap.optimizer_pipeline_write}, sub-groups {groups})"
+                          f"min(buffer_count {swap.optimizer_buffer_count}, "
+                          f"{'sub-groups' if swap.optimizer_pipeline_read else 'in flight'} {cap})"
                           f" x K {k} B x {_fmt(elems)} elements, rounded up to pages"))
     if placement.offload_param == "nvme":
         terms.append(Term("parameter swap buffers (pinned)", "host",

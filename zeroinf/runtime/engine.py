@@ -212,7 +212,8 @@ class ZeroEngine:
             return
         from zeroinf.io import pinned_pool_bytes
 
-        count = min(off.buffer_count, 1 + off.pipeline_read + off.pipeline_write, max(1, len(specs)))
+        from .optimizer import optimizer_buffer_count
+        count = optimizer_buffer_count(off.buffer_count, off.pipeline_read, off.pipeline_write, len(specs))
         pinned = pinned_pool_bytes(count, 12 * max(s.numel for s in specs))
         avail = psutil.virtual_memory().available
         if pinned > avail:

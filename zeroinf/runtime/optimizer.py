@@ -48,7 +48,16 @@ from typing import Callable, Dict, Iterator, List, Mapping, Optional, Sequence, 
 
 import torch
 
-__all__ = ["SubGroupSpec", "SubGroupOptimizer"]
+__all__ = ["SubGroupSpec", "SubGroupOptimizer", "optimizer_buffer_count"]
+
+
+def optimizer_buffer_count(buffer_count: int, pipeline_read: bool, pipeline_write: bool, n_sub_groups: int) -> int:
+    """Swap buffers :class:`SubGroupOptimizer` pins for NVMe state: ``buffer_count``, but no more
+    than there are sub-groups, and without ``pipeline_read`` no more than can be in flight
+    (``1 + pipeline_write``). With ``pipeline_read`` every buffer is used: :meth:`prefetch`
+    fills them all during the last backward, so the step starts with that many sub-groups read."""
+    cap = n_sub_groups if pipeline_read else 1 + bool(pipeline_write)
+    return max(1, min(buffer_count, cap))
 
 
 @dataclass(frozen=True)
@@ -123,8 +132,7 @@ class SubGroupOptimizer:
         self._buffers: List[torch.Tensor] = []
         self._pool = None
         self._tail: Optional[int] = None    # sub-group whose swap-out is still in flight after step()
-        self._ahead: Optional[int] = None   # sub-group whose swap-in prefetch() issued
-        self._ahead_bytes = 0
+        self._ahead: List[int] = []         # sub-groups whose swap-in prefetch() issued, in order
         if device == "nvme":
             need = 1 + self.pipeline_read + self.pipeline_write
             if buffer_count < need:
@@ -147,8 +155,7 @@ class SubGroupOptimizer:
         for s in self.specs:  # one file per sub-group: [master | exp_avg | exp_avg_sq], fp32
             self._swapper.register(f"{s.key}/adam_state", 3 * s.numel, torch.float32)
         max_numel = max((s.numel for s in self.specs), default=1)
-        # only as many buffers as can be in flight: more would pin memory that is never used
-        count = min(buffer_count, 1 + self.pipeline_read + self.pipeline_write, max(1, len(self.specs)))
+        count = optimizer_buffer_count(buffer_count, self.pipeline_read, self.pipeline_write, len(self.specs))
         self._pool = PinnedBufferPool(count, 3 * 4 * max_numel)
         self._buffers = [self._pool.acquire() for _ in range(count)]
         self._free = list(range(count))
@@ -242,35 +249,38 @@ class SubGroupOptimizer:
             rec.buffer = None
 
     def _settle(self, keep_ahead: bool = False) -> None:
-        """Complete the I/O left in flight across calls (the last swap-out of a step, a prefetch);
-        free the written sub-group's buffer and, unless ``keep_ahead``, the prefetched one. Raises
-        the I/O error of a failed transfer."""
-        if self._tail is None and self._ahead is None:
+        """Complete the I/O left in flight across calls (the last swap-out of a step, prefetches);
+        free the written sub-group's buffer and, unless ``keep_ahead``, the prefetched ones.
+        Raises the I/O error of a failed transfer."""
+        if self._tail is None and not self._ahead:
             return
         try:
             self._swapper.wait()
         finally:
-            for i in ([self._tail] + ([] if keep_ahead else [self._ahead])):
+            for i in ([self._tail] + ([] if keep_ahead else self._ahead)):
                 if i is not None:
                     self._free.append(self._records[i].buffer)
                     self._records[i].buffer = None
             self._tail = None
             if not keep_ahead:
-                self._ahead = None
+                self._ahead = []
 
-    def prefetch(self, index: int = 0) -> None:
-        """Start reading sub-group ``index``'s state (NVMe, with ``pipeline_read``) so that the next
-        :meth:`step` finds it there; the engine calls it before the backward of the last micro-batch,
-        which then hides the read. No-op otherwise or when a prefetch is already in flight."""
-        if self.device != "nvme" or not self.pipeline_read or self._ahead is not None or not self._records:
+    def prefetch(self, indices: Optional[Sequence[int]] = None) -> None:
+        """Start reading the state of the first sub-groups of ``indices`` (default: all, in
+        order), as many as there are swap buffers (NVMe with ``pipeline_read``), so that the
+        next :meth:`step` over that order finds them there; the engine calls it before the
+        backward of the last micro-batch, which then hides the reads. No-op otherwise or when
+        prefetches are already in flight."""
+        if self.device != "nvme" or not self.pipeline_read or self._ahead or not self._records:
             return
-        rec = self._records[index]
-        self._check_initialised(rec)
-        if not self._free or self._tail == index:  # no buffer, or its own swap-out still in flight
-            self._settle()
-        rec.buffer = self._free.pop()
-        self._swapper.swap_in(self._items(rec), async_op=True)
-        self._ahead, self._ahead_bytes = index, 12 * rec.spec.numel
+        order = list(range(len(self._records))) if indices is None else list(indices)
+        self._settle()  # the last step's swap-out: its buffer is free again
+        for i in order[:len(self._free)]:
+            rec = self._records[i]
+            self._check_initialised(rec)
+            rec.buffer = self._free.pop()
+            self._swapper.swap_in(self._items(rec), async_op=True)
+            self._ahead.append(i)
 
     def _check_initialised(self, rec: _Record) -> None:
         if not rec.initialised:
@@ -340,13 +350,18 @@ class SubGroupOptimizer:
         swapper = self._swapper
         nbytes = lambda i: 12 * self._records[i].spec.numel
         t0 = time.perf_counter()
-        self._settle(keep_ahead=bool(order) and self._ahead == order[0])
+        # prefetched sub-groups are used if they are this step's first ones (the loop below
+        # needs a free buffer for any other read); the others are dropped
+        ahead = self._ahead
+        usable = len(ahead) if order[:len(ahead)] == ahead else 0
+        self._settle(keep_ahead=True)
         st.io_wait_s += time.perf_counter() - t0
-        loaded = set()
-        if self._ahead is not None:  # read during the backward, completed by _settle
-            loaded.add(self._ahead)
-            st.bytes_read += self._ahead_bytes
-            self._ahead = None
+        loaded = set(ahead[:usable])  # read during the backward, completed by _settle
+        st.bytes_read += sum(nbytes(i) for i in loaded)
+        for i in ahead[usable:]:
+            self._free.append(self._records[i].buffer)
+            self._records[i].buffer = None
+        self._ahead = []
         pending_write: Optional[int] = None
 
         def wait() -> None:
@@ -383,7 +398,7 @@ class SubGroupOptimizer:
                     wait()
                     free(writing)
                     writing = None
-                if self.pipeline_read and pos + 1 < len(order):
+                if self.pipeline_read and pos + 1 < len(order) and order[pos + 1] not in loaded:
                     read(order[pos + 1])  # overlaps this sub-group's Adam
                 run_adam(i, *self._views(rec.buffer, rec.spec.numel))
                 if on_done is not None:
@@ -409,7 +424,7 @@ class SubGroupOptimizer:
                 if rec.buffer is not None:
                     self._free.append(rec.buffer)
                     rec.buffer = None
-            self._tail = self._ahead = None
+            self._tail, self._ahead = None, []
             raise
 
     # ------------------------------------------------------------------------------------------
