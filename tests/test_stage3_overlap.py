@@ -78,3 +78,40 @@ def test_failure_in_the_background_step_is_raised_to_the_caller(tmp_path):
     swapper.swap_in = swap_in
     with pytest.raises(StepFailedError):
         engine.close()
+
+
+@pytest.mark.parametrize("tiers", [("cpu", "nvme"), ("nvme", "nvme")])
+def test_writes_right_after_the_step_wait_for_its_optimizer_state(tmp_path, tiers):
+    """gathered_parameters(modifier_rank=0) and load_state_dict right after engine.step() re-read
+    the optimizer state: they must wait until the background step's state swaps are done, not
+    only until the last group's parameters are stored (they raced it: IndexError, or stale moments)."""
+    ref = TinyLM(tied=True)
+    runs = {}
+    for overlap in (False, True):
+        d = tmp_path / str(overlap)
+        d.mkdir()
+        engine = _engine(d, copy.deepcopy(ref), overlap, *tiers)
+        m = engine.params.manager
+        swap_out = engine.sub_optimizer._swapper.swap_out
+
+        def slow_swap_out(*a, **k):  # the last state swap-out outlives the last group's write-back
+            time.sleep(0.05)
+            return swap_out(*a, **k)
+        engine.sub_optimizer._swapper.swap_out = slow_swap_out
+        losses = []
+        for s in range(1, 4):
+            x, y = batch(s)
+            loss = loss_fn(engine(x), y)
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.item())
+            with zeroinf.gathered_parameters(list(engine.module.blocks[3].parameters()), modifier_rank=0):
+                for p in engine.module.blocks[3].parameters():
+                    p.data.mul_(0.9)
+            if s == 2:
+                engine.module.load_state_dict(_state(engine))
+        assert not m.step_gate.pending()
+        runs[overlap] = (losses, _state(engine))
+        engine.close()
+    assert runs[False][0] == runs[True][0]
+    assert all(torch.equal(runs[False][1][k], runs[True][1][k]) for k in runs[False][1])

@@ -24,6 +24,8 @@ from typing import Iterable, Optional, Set
 
 __all__ = ["StepGate", "StepFailedError"]
 
+_WHOLE_STEP = object()  # pending until the worker returns: its optimizer state I/O is done too
+
 
 class StepFailedError(RuntimeError):
     """The background optimizer step failed; ``__cause__`` is the original exception. Partitions
@@ -45,10 +47,11 @@ class StepGate:
         self.wait_s = 0.0
 
     def begin(self, keys: Iterable[str], worker: Optional[int] = None) -> None:
-        """Mark ``keys`` pending (the step is about to start). Raises a previous step's error."""
+        """Mark ``keys`` pending (the step is about to start), and the step as a whole until
+        :meth:`finish`. Raises a previous step's error."""
         with self._cv:
             self._raise()
-            self._pending = set(keys)
+            self._pending = set(keys) | {_WHOLE_STEP}
             self._worker = worker
 
     def set_worker(self, ident: int) -> None:
@@ -83,7 +86,8 @@ class StepGate:
             return any(k in self._pending for k in keys)
 
     def wait(self, keys: Optional[Iterable[str]] = None) -> None:
-        """Block until ``keys`` (default: all) are updated. A no-op on the worker thread itself.
+        """Block until ``keys`` are updated, or with ``keys=None`` until the whole step has
+        finished (its optimizer-state swaps included). A no-op on the worker thread itself.
 
         Raises:
             StepFailedError: the background step failed (chained to its exception).
