@@ -273,7 +273,7 @@ class Stage3EngineParams:
             if last[g.key] != i:
                 return
             if g.store.local() is None:
-                m.write_param_shard(g, cur["target"])
+                m.write_param_shard_and_stage(g, cur["target"])  # the next gather reads no NVMe
             if on_nvme:
                 g.grad_on_nvme = False
                 g.grad_norm_part = None

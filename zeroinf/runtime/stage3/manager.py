@@ -840,6 +840,33 @@ class Stage3ParameterManager:
         self.stats.add(key, n)
         self.tracer.span(f"write {g.key}", "transfer", t0, self.tracer.now(), thread="io" if self._io else "compute")
 
+    def write_param_shard_and_stage(self, g: FlatGroup, src: torch.Tensor) -> None:
+        """:meth:`write_param_shard`, keeping the new values in a staging buffer as the staged
+        read of ``g``'s unit when one is spare (NVMe, a one-group unit, two buffers beyond the
+        on-demand reserve): the next gather then copies them instead of reading them back.
+        The background optimizer step stores its partitions through this."""
+        unit = self._unit_of_group(g)
+        reserve = max(len(u.groups) for u in self.units)
+        if (self._io is None or len(unit.groups) != 1 or unit.index in self._staged
+                or unit.state is not UnitState.RELEASED or self._pool.free_count() < reserve + 2):
+            self.write_param_shard(g, src)
+            return
+        t0 = self.tracer.now()
+        buf = self._pool.acquire()
+        try:
+            view = buf.view(torch.uint8)[: g.store.nbytes].view(g.dtype)
+            view.copy_(src)
+            n = self._run_io(g.store.write_raw, view)
+        except BaseException:
+            self._pool.release(buf)
+            raise
+        self.stats.add("bytes_nvme_written", n)
+        self.tracer.span(f"write {g.key}", "transfer", t0, self.tracer.now(), thread="io")
+        st = _Staged([buf], [view])
+        st.future = Future()
+        st.future.set_result(None)
+        self._staged[unit.index] = st
+
     def params_updated(self, groups: Optional[List[FlatGroup]] = None) -> None:
         """Partitions changed outside a forward (optimizer step): gather the persistent unit
         afresh before the next forward."""

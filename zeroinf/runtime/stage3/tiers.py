@@ -160,6 +160,14 @@ class NvmeStore:
             self.pool.release(buf)
         return self.nbytes
 
+    def write_raw(self, src: torch.Tensor) -> int:
+        """Write ``src``, a pinned staging view of the partition's size, straight to the swap
+        file (no copy); returns bytes written."""
+        self.swapper.swap_out([(self.key, src)], async_op=False)
+        if self.cache is not None:
+            self.cache.put(self.key, src)
+        return self.nbytes
+
     def write_from(self, src: torch.Tensor) -> int:
         buf, view = self._staging()
         try:
