@@ -5,7 +5,7 @@ from typing import Any, Callable, Dict, Iterable, Optional, Tuple
 
 import torch
 
-from .functional import adam_step_list
+from .functional import adam_step_list, load_adam_op
 
 __all__ = ["CPUAdam"]
 
@@ -65,6 +65,7 @@ class CPUAdam(torch.optim.Optimizer):
                         decoupled_weight_decay=adamw_mode, foreach=None, capturable=False,
                         differentiable=False, fused=None)
         super().__init__(params, defaults)
+        load_adam_op()  # the first-use build happens here, not in the first step
 
     def add_param_group(self, param_group: Dict[str, Any]) -> None:
         """Add a param group (see ``torch.optim.Optimizer.add_param_group``); validates its options."""

@@ -20,7 +20,8 @@ import torch
 
 from ..ops import try_load_op
 
-__all__ = ["adam_step", "adam_step_list", "adam_step_reference", "isa_info", "stream_rmw", "ISA_ENV"]
+__all__ = ["adam_step", "adam_step_list", "adam_step_reference", "isa_info", "load_adam_op", "stream_rmw",
+           "ISA_ENV"]
 
 #: Environment variable that forces an instruction-set path of the C++ op.
 ISA_ENV = "ZEROINF_ADAM_ISA"
@@ -28,6 +29,17 @@ _ISAS = ("auto", "avx512", "avx2", "scalar")
 _GRAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _OUT_DTYPES = (torch.bfloat16, torch.float16)
 _FALLBACK = "the pure-PyTorch Adam (zeroinf.optim.adam_step_reference)"
+
+
+def load_adam_op():
+    """Build (on first use) and load the C++ Adam op now; return it, or None when ops are off.
+
+    Optimizers call this at construction, as DeepSpeedCPUAdam does, so the first-use compile
+    (about 30 s on 2 cores, cached afterwards) happens at set-up instead of inside the first timed
+    step. Returns None, with the loader's one warning, where the op cannot be built and
+    :func:`adam_step` falls back to the pure-PyTorch Adam.
+    """
+    return try_load_op("adam", _FALLBACK)
 
 
 def _forced_isa() -> str:

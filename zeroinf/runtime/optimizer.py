@@ -133,6 +133,9 @@ class SubGroupOptimizer:
         self._pool = None
         self._tail: Optional[int] = None    # sub-group whose swap-out is still in flight after step()
         self._ahead: List[int] = []         # sub-groups whose swap-in prefetch() issued, in order
+        if device in ("cpu", "nvme"):
+            from zeroinf.optim.functional import load_adam_op
+            load_adam_op()  # the first-use build happens at set-up, not in the first (timed) step
         if device == "nvme":
             need = 1 + self.pipeline_read + self.pipeline_write
             if buffer_count < need:
