@@ -40,8 +40,9 @@ SMALL_EXPECTED = {
     (3, "cpu", "nvme"): (0, 500 + 1000 + 8192, 3000),
     (3, "nvme", "none"): (500 + 3000, 12288 + 20, 500),
     (3, "nvme", "cpu"): (0, 3000 + 1000 + 12288 + 20, 500),
-    # ZeRO-Infinity: the fp32 gradient partition (1000) is swapped to NVMe, not pinned on the host
-    (3, "nvme", "nvme"): (0, 8192 + 12288 + 20, 3000 + 500 + 1000),
+    # ZeRO-Infinity: the fp32 gradient partition (1000) is swapped to NVMe, not pinned on the host,
+    # and so is one micro-batch's bf16 partition (500)
+    (3, "nvme", "nvme"): (0, 8192 + 12288 + 20, 3000 + 500 + 1000 + 500),
 }
 
 

@@ -576,6 +576,9 @@ def estimate(params: int, placement: Placement, *, world_size: int = 1, gpus_per
         # ZeRO-Infinity: the engine swaps the fp32 gradient partitions to NVMe as well
         # (zeroinf/runtime/stage3/engine_glue.py, grads_on_nvme), so host memory stays flat in P.
         terms.append(Term("gradient partition (fp32, swapped)", "nvme", 4 * numel, f"4 B x {what}"))
+        if prec.grad_bytes != 4:  # one micro-batch's partition is kept in the training dtype
+            terms.append(Term(f"gradient partition ({prec.name}, swapped)", "nvme", prec.grad_bytes * numel,
+                              f"{prec.grad_bytes} B x {what}"))
     elif placement.offload_optimizer != "none":
         terms.append(Term("gradient partition (fp32, pinned)", "host", 4 * numel, f"4 B x {what}"))
     if placement.offload_optimizer == "nvme":

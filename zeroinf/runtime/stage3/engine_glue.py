@@ -57,8 +57,8 @@ def swap_file_bytes(model: torch.nn.Module, cfg, groups: Sequence[Sequence[torch
     this rank, computed from the unit layout before anything is written.
 
     Returns ``(config key, nvme_path, swap folder, bytes, what)`` per kind of file: parameter
-    partitions in the training dtype (``offload_param.device: nvme``), fp32 gradient partitions
-    (both offloads on NVMe, ZeRO-Infinity), optimizer state at 12 bytes per trainable partition
+    partitions in the training dtype (``offload_param.device: nvme``), gradient partitions in fp32
+    and in the training dtype (both offloads on NVMe, ZeRO-Infinity; [Note: gradients on NVMe]), optimizer state at 12 bytes per trainable partition
     element (fp32 master, exp_avg, exp_avg_sq; ``offload_optimizer.device: nvme``).
     """
     from .init import init_shapes
@@ -77,7 +77,10 @@ def swap_file_bytes(model: torch.nn.Module, cfg, groups: Sequence[Sequence[torch
         out.append((key, path, folder, sum(g.shard_numel * torch.empty(0, dtype=g.dtype).element_size()
                                            for g in parts), "parameter partitions"))
         if zc.offload_optimizer.device == "nvme":
-            out.append((key, path, folder, sum(4 * g.shard_numel for g in parts), "fp32 gradient partitions"))
+            # fp32 (accumulated) and, for bf16/fp16 training, one micro-batch's in the training dtype
+            out.append((key, path, folder, sum((4 + (0 if g.dtype == torch.float32 else
+                                                     torch.empty(0, dtype=g.dtype).element_size())) * g.shard_numel
+                                               for g in parts), "gradient partitions"))
     if zc.offload_optimizer.device == "nvme":
         path = zc.offload_optimizer.nvme_path
         out.append(("zero_optimization.offload_optimizer.nvme_path", path,
@@ -242,7 +245,8 @@ class Stage3EngineParams:
         def read_grad(g: FlatGroup):
             if not on_nvme:
                 return None
-            t = torch.empty(g.shard_numel, dtype=torch.float32)
+            # in the dtype the file holds (bf16 after one micro-batch of bf16 training): fewest bytes
+            t = torch.empty(g.shard_numel, dtype=m.grad_file_dtype(g))
             return t, m.submit_io(m.read_grad_raw, g, t)
 
         def enter(g: FlatGroup) -> None:
@@ -277,8 +281,8 @@ class Stage3EngineParams:
             if on_nvme:
                 g.grad_on_nvme = False
                 g.grad_norm_part = None
-            elif g.grad_shard is not None:
-                g.grad_shard.zero_()
+            else:
+                g.drop_grad_shard()
             cur.clear()
             m.step_gate.done(g.key)
 

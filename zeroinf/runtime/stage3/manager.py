@@ -298,6 +298,8 @@ class Stage3ParameterManager:
         if opts.grads_on_nvme:
             for g in self.groups():
                 self._swapper.register(self._grad_key(g), g.shard_numel, torch.float32)
+                if g.dtype != torch.float32:
+                    self._swapper.register(self._grad_key(g, g.dtype), g.shard_numel, g.dtype)
         for u in self.units:
             for g in u.groups:
                 if tier == "nvme":
@@ -735,9 +737,15 @@ class Stage3ParameterManager:
         grad = param.grad
         if grad is None:
             return
-        if g.grad_full is None:
-            g.grad_full = torch.zeros(g.padded_numel, dtype=g.dtype, device=self.device)
-        g.grad_full[s.offset:s.offset + s.numel].add_(grad.reshape(-1))
+        if g.grad_full is None:  # [Note: first gradient copied] no zero fill, no add
+            g.grad_full = torch.empty(g.padded_numel, dtype=g.dtype, device=self.device)
+            g.grad_written = set()
+        dst = g.grad_full[s.offset:s.offset + s.numel]
+        if s.index in g.grad_written:
+            dst.add_(grad.reshape(-1))
+        else:
+            dst.copy_(grad.reshape(-1))
+            g.grad_written.add(s.index)
         param.grad = None
         unit.grads_seen += 1
         if unit.grads_seen == unit.trainable:
@@ -753,6 +761,7 @@ class Stage3ParameterManager:
             if g.grad_full is None:
                 continue
             t0 = self.tracer.now()
+            self._zero_unwritten(g)
             if self.world_size > 1:
                 # gloo has no reduce-scatter: all-reduce, then keep this rank's shard
                 dist.all_reduce(g.grad_full, group=self.group)
@@ -760,20 +769,42 @@ class Stage3ParameterManager:
                 self.stats.add("bytes_reduce", g.grad_full.numel() * g.grad_full.element_size())
                 self.stats.add("elements_reduce", g.grad_full.numel())
             lo, hi = self._shard_range(g)
-            part = g.grad_full[lo:hi].to(device="cpu", dtype=torch.float32)
+            part = g.grad_full[lo:hi]  # training dtype; summed in fp32 below (exact: fp32 holds it)
+            if part.device.type != "cpu":
+                part = part.to(device="cpu", dtype=torch.float32)
             if self.options.grads_on_nvme:
                 # accumulate in the swap file on the I/O thread; the next unit's backward overlaps it
                 self._grad_io.append(self._io.submit(self._accumulate_grad_on_nvme, g, part))
+            elif g.grad_shard is None:  # the first micro-batch: a copy (fp32 holds any bf16/fp16 exactly)
+                buf = g.grad_spare if g.grad_spare is not None else torch.empty(g.shard_numel, dtype=torch.float32)
+                g.grad_spare, g.grad_shard = None, buf
+                buf.copy_(part)
             else:
-                if g.grad_shard is None:
-                    g.grad_shard = torch.zeros(g.shard_numel, dtype=torch.float32, device="cpu")
                 g.grad_shard.add_(part)
-            g.grad_full = None
+            g.grad_full, g.grad_written = None, None
             did = True
             self.tracer.span(f"reduce {g.key}", "comm", t0, self.tracer.now())
         if did:
             unit.reduces_this_backward += 1
             self.stats.add("reduces")
+
+    # [Note: first gradient copied] A unit's flat gradient is allocated without zeroing; each
+    # parameter's first gradient is copied into its slot and a repeated one added, and before
+    # the reduction the elements no gradient was written to (parameters without a gradient,
+    # alignment gaps, padding) are zeroed. Likewise the fp32 partition ``grad_shard`` of the
+    # first micro-batch is a copy into a kept buffer, not an add onto zeros: a bf16/fp16 add
+    # into fp32 would convert into a temporary first.
+    @staticmethod
+    def _zero_unwritten(g: FlatGroup) -> None:
+        done = g.grad_written or set()
+        pos = 0
+        for s in sorted(g.slots, key=lambda s: s.offset):
+            if s.index in done:
+                if s.offset > pos:
+                    g.grad_full[pos:s.offset].zero_()
+                pos = max(pos, s.offset + s.numel)
+        if pos < g.padded_numel:
+            g.grad_full[pos:].zero_()
 
     def _end_backward(self) -> None:
         self._busy += 1
@@ -884,13 +915,17 @@ class Stage3ParameterManager:
                 g.grad_on_nvme = False
                 g.grad_norm_part = None
         for g in self.groups():
-            if g.grad_shard is not None:
-                g.grad_shard.zero_()
+            g.drop_grad_shard()
 
-    # [Note: gradients on NVMe] With grads_on_nvme, each unit's reduced fp32 gradient partition
-    # is added into its swap file on the I/O thread (a write for the first micro-batch, a
-    # read-add-write after), in submission order, so host memory holds only the partitions in
-    # flight. read_grad_shard / write_grad_shard run on the same thread, hence after them.
+    # [Note: gradients on NVMe] With grads_on_nvme, each unit's reduced gradient partition is
+    # added into its swap file on the I/O thread, in submission order, so host memory holds only
+    # the partitions in flight. The first micro-batch's partition is written as it is, in the
+    # training dtype (``grad_nvme_dtype``; lossless, half the bytes of fp32 in bf16/fp16, and no
+    # cast on the compute thread); a later micro-batch reads it back, adds in fp32 and writes
+    # the fp32 file, so accumulation never rounds to bf16/fp16. The optimizer step reads the
+    # file in whichever dtype it holds (CPU Adam takes bf16/fp16 gradients); readers that want
+    # fp32 get it converted. read_grad_shard / write_grad_shard run on the I/O thread too,
+    # hence after the accumulations.
     def check_grad_io(self, wait: bool = False) -> None:
         """Raise the first failed gradient write (an ``OSError`` naming the file); with
         ``wait``, wait for all of them first."""
@@ -926,25 +961,40 @@ class Stage3ParameterManager:
         return out
 
     @staticmethod
-    def _grad_key(g: FlatGroup) -> str:
-        return f"grad/{g.key}"
+    def _grad_key(g: FlatGroup, dtype: torch.dtype = torch.float32) -> str:
+        return f"grad/{g.key}" if dtype == torch.float32 else f"grad/{g.key}/{str(dtype).split('.')[-1]}"
 
     def _accumulate_grad_on_nvme(self, g: FlatGroup, part: torch.Tensor) -> None:
+        """Add ``part`` (this rank's reduced partition, ``shard_numel`` CPU elements in the
+        training dtype or fp32) into the group's gradient swap file; see [Note: gradients on NVMe]."""
         t0 = self.tracer.now()
-        key = self._grad_key(g)
-        nbytes = part.numel() * 4
+        part = part.contiguous()
         if g.grad_on_nvme:
-            acc = torch.empty_like(part)
-            self._swapper.swap_in([(key, acc)], async_op=False)
+            acc = torch.empty(part.numel(), dtype=torch.float32)
+            self.stats.add("bytes_nvme_read", self._read_grad_file(g, acc))
             acc.add_(part)
             part = acc
-            self.stats.add("bytes_nvme_read", nbytes)
         if self.grad_norm_type is not None:
             g.grad_norm_part = _norm_part(part, self.grad_norm_type)
-        self._swapper.swap_out([(key, part.contiguous())], async_op=False)
-        g.grad_on_nvme = True
-        self.stats.add("bytes_nvme_written", nbytes)
+        self._swapper.swap_out([(self._grad_key(g, part.dtype), part)], async_op=False)
+        g.grad_on_nvme, g.grad_nvme_dtype = True, part.dtype
+        self.stats.add("bytes_nvme_written", part.numel() * part.element_size())
         self.tracer.span(f"grad {g.key}", "transfer", t0, self.tracer.now(), thread="io")
+
+    def _read_grad_file(self, g: FlatGroup, dst: torch.Tensor) -> int:
+        """Read the group's accumulated gradient (``grad_on_nvme``) into ``dst``, converting
+        from the file's dtype when ``dst``'s differs; returns the bytes read."""
+        src = dst if dst.dtype == g.grad_nvme_dtype else torch.empty(dst.numel(), dtype=g.grad_nvme_dtype)
+        self._swapper.swap_in([(self._grad_key(g, g.grad_nvme_dtype), src)], async_op=False)
+        if src is not dst:
+            dst.copy_(src)
+        return src.numel() * src.element_size()
+
+    def grad_file_dtype(self, g: FlatGroup) -> torch.dtype:
+        """The dtype the group's gradient partition is held in on NVMe (after the gradient
+        writes completed: :meth:`check_grad_io` with ``wait``); reading it in that dtype moves
+        the fewest bytes."""
+        return g.grad_nvme_dtype if g.grad_on_nvme else torch.float32
 
     def read_grad_shard(self, g: FlatGroup, dst: torch.Tensor) -> None:
         """Copy this rank's accumulated fp32 gradient partition of ``g`` into ``dst``."""
@@ -962,7 +1012,7 @@ class Stage3ParameterManager:
         """The swap-file read of :meth:`read_grad_shard` alone, for the I/O thread (see
         :meth:`submit_io`): no waits; the caller has completed the gradient writes first."""
         if g.grad_on_nvme:
-            self._swapper.swap_in([(self._grad_key(g), dst)], async_op=False)
+            self._read_grad_file(g, dst)
         else:
             dst.zero_()
 
@@ -977,8 +1027,8 @@ class Stage3ParameterManager:
 
         def write():
             g.grad_norm_part = None
-            self._swapper.swap_out([(self._grad_key(g), src.contiguous())], async_op=False)
-            g.grad_on_nvme = True
+            self._swapper.swap_out([(self._grad_key(g), src.to(torch.float32).contiguous())], async_op=False)
+            g.grad_on_nvme, g.grad_nvme_dtype = True, torch.float32
         self._run_io(write)
 
     def gather_group_copy(self, g: FlatGroup) -> torch.Tensor:

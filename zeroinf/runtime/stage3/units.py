@@ -41,6 +41,7 @@ class ParamSlot:
     offset: int
     numel: int
     shape: torch.Size
+    index: int  # position in its group's ``slots``
 
 
 @dataclass(eq=False)
@@ -54,7 +55,8 @@ class FlatGroup:
         store: the rank's partition on its home tier (see ``tiers.py``).
         full: the gathered flat buffer (``padded_numel`` elements) or ``None`` when released.
         grad_full: the unit's flat gradient during backward, ``None`` otherwise.
-        grad_shard: fp32 CPU gradient of this rank's partition, accumulated over micro-batches.
+        grad_shard: fp32 CPU gradient of this rank's partition, accumulated over micro-batches;
+            ``None`` means zero (its buffer is kept in ``grad_spare`` and reused).
     """
 
     key: str
@@ -66,9 +68,18 @@ class FlatGroup:
     store: object = None
     full: Optional[torch.Tensor] = None
     grad_full: Optional[torch.Tensor] = None
+    grad_written: Optional[set] = None  # indices of slots whose gradient is in grad_full (the rest is garbage)
     grad_shard: Optional[torch.Tensor] = None
+    grad_spare: Optional[torch.Tensor] = None  # grad_shard's buffer while no gradient is held (None)
     grad_on_nvme: bool = False  # the swap file holds this group's accumulated gradient
+    grad_nvme_dtype: torch.dtype = torch.float32  # which swap file holds it ([Note: gradients on NVMe])
     grad_norm_part: Optional[float] = None  # [Note: norm while reducing] of the accumulated gradient
+
+    def drop_grad_shard(self) -> None:
+        """Zero the accumulated gradient: ``grad_shard`` becomes None, its buffer is kept for
+        the next micro-batch's copy (see [Note: first gradient copied] in manager.py)."""
+        if self.grad_shard is not None:
+            self.grad_spare, self.grad_shard = self.grad_shard, None
 
 
 @dataclass(eq=False)
@@ -169,7 +180,7 @@ def _groups_for(index: int, named: List[Tuple[str, nn.Parameter]], world_size: i
         slots, off = [], 0
         for n, p in items:
             shape = torch.Size(shapes.get(p, p.shape))
-            slots.append(ParamSlot(n, p, off, math.prod(shape), shape))
+            slots.append(ParamSlot(n, p, off, math.prod(shape), shape, len(slots)))
             off += math.prod(shape)
         padded = int(math.ceil(off / world_size) * world_size) if off else 0
         groups.append(FlatGroup(key=f"unit{index}/{str(dtype).replace('torch.', '')}", dtype=dtype,
