@@ -39,6 +39,34 @@ thread only, in the same order on every rank (the trace is the same on every ran
 From issue() until _complete() a unit is FETCHING: ``g.full`` exists but a read may still be
 filling it, so everything that touches ``g.full`` outside _complete (saved-tensor unpacking,
 gather_group_copy, write_group_values, release) waits for the unit's read first.
+
+[Note: CUDA streams] On a CUDA device, host<->device copies run on two side streams of
+``self.transfers`` (``zeroinf/runtime/streams.py``), named ``h2d_stream`` and ``d2h_stream``, and
+are handed over with events; the compute stream never waits on the host, and no call on the hot
+path synchronises the device:
+
+* gather (host tiers): ``issue()`` allocates ``g.full`` on the compute stream and records an event
+  there (``after``: the allocator may hand out a block that earlier kernels still read). The read
+  (on the I/O thread for NVMe, inline for the CPU tier) fills pinned staging buffers from NVMe,
+  then the H2D stream waits for ``after``, copies ``non_blocking`` into ``g.full`` and records
+  ``ready``, which the read returns through ``unit.future``. The I/O thread waits for ``ready``
+  (``Event.synchronize``: it blocks the I/O thread only) before the staging buffers go back to
+  the pool. ``_complete`` makes the compute stream wait for ``ready`` (``wait_event``), then runs
+  the all-gather. ``g.full`` is ``record_stream``-ed on the H2D stream, so freeing it early (a
+  prefetch dropped) is safe. The device tier (``offload_param.device: none``) copies device to
+  device on the compute stream as before.
+* gradients: ``_reduce`` hands each reduced shard to ``_grad_to_host_cuda``: the D2H stream waits
+  for the compute stream, copies (converting to fp32 on the device) ``non_blocking`` into a
+  pinned host tensor and records ``ready``; ``grad_full`` is ``record_stream``-ed on the D2H
+  stream. With ``grads_on_nvme`` the I/O thread waits for ``ready`` before adding the shard into
+  its swap file; otherwise the compute thread adds landed shards into ``grad_shard`` as their
+  events complete, and waits for the rest at the end of the backward (the host needs them for
+  the optimizer step; the device does not stall).
+* CPU-tier partitions are read by the H2D stream straight from their pinned host tensors, which
+  the optimizer writes in place: the last such copy is waited for (host) at the end of the
+  backward and before a partition is written (``_host_reads_done``).
+
+On the CPU ``self.transfers`` is a no-op (``HostTransfers``) and these paths are not taken.
 """
 from __future__ import annotations
 
@@ -61,8 +89,9 @@ from .overlap import StepGate
 from .prefetch import PrefetchScheduler
 from .released import gathered_class, released_class
 from .stats import Stage3Stats, TraceRecorder
-from .tiers import DeviceStore, HostCache, HostStore, NvmeStore
+from .tiers import DeviceStore, HostCache, HostStore, NvmeStore, host_empty
 from .units import FlatGroup, ParamSlot, Unit, UnitState, build_units, find_unit_modules
+from ..streams import transfers_for
 
 __all__ = ["Stage3ParameterManager", "managers"]
 
@@ -82,6 +111,13 @@ def _norm_part(t: torch.Tensor, norm_type: float) -> float:
     if math.isinf(norm_type):
         return float(t.abs().max()) if t.numel() else 0.0
     return float(torch.linalg.vector_norm(t, norm_type, dtype=torch.float32).double() ** norm_type)
+
+
+def _finished(value: Any) -> Future:
+    """A future already holding ``value``."""
+    f: Future = Future()
+    f.set_result(value)
+    return f
 
 
 def managers() -> List["Stage3ParameterManager"]:
@@ -201,6 +237,10 @@ class Stage3ParameterManager:
         self._staged: Dict[int, _Staged] = {}
         self._grad_io: list = []  # futures of gradient accumulations on NVMe
         self.grad_norm_type: Optional[float] = None  # [Note: norm while reducing]
+        # [Note: CUDA streams]: side streams and events on CUDA, plain copies on the CPU
+        self.transfers = transfers_for(self.device)
+        self._grads_in_flight: List[Tuple[FlatGroup, torch.Tensor, Any]] = []  # (group, pinned shard, ready)
+        self._h2d_last: Any = None  # ready event of the last H2D copy from a CPU-tier partition
         self.step_gate = StepGate()  # [Note: overlapped step] in overlap.py
 
         from .init import init_shapes  # parameters partitioned at construction (zeroinf.Init)
@@ -225,6 +265,18 @@ class Stage3ParameterManager:
                                            opts.max_reuse_distance)
         self._install_hooks()
         _MANAGERS.add(self)
+
+    @property
+    def h2d_stream(self):
+        """The side stream of host -> device parameter copies (``torch.cuda.Stream``), or None on
+        the CPU. See [Note: CUDA streams]."""
+        return self.transfers.h2d_stream
+
+    @property
+    def d2h_stream(self):
+        """The side stream of device -> host gradient copies (``torch.cuda.Stream``), or None on
+        the CPU. See [Note: CUDA streams]."""
+        return self.transfers.d2h_stream
 
     # ------------------------------------------------------------------------ set-up
     def _check_limits(self) -> None:
@@ -410,8 +462,13 @@ class Stage3ParameterManager:
             f.set_exception(exc)
         return f
 
-    def _read_partitions(self, unit: Unit, staged: Optional["_Staged"] = None) -> None:
+    def _read_partitions(self, unit: Unit, staged: Optional["_Staged"] = None, after: Any = None) -> Any:
+        """Fill ``unit``'s ``g.full`` shards from their home tier (or from ``staged``). Returns the
+        ``ready`` event of the H2D copies on CUDA (see [Note: CUDA streams]; ``after`` is the
+        event recorded when ``g.full`` was allocated), None otherwise."""
         _io_delay()
+        if self.transfers.side_streams and self.options.offload_param_device != "none":
+            return self._h2d_partitions(unit, staged, after)
         t0 = self.tracer.now()
         nbytes = 0
         if staged is not None:  # the NVMe read is done (earlier on this thread): copy and free
@@ -424,6 +481,9 @@ class Stage3ParameterManager:
         for g in unit.groups:
             lo, hi = self._shard_range(g)
             nbytes += g.store.read_into(g.full[lo:hi])
+        self._count_read(unit, nbytes, t0)
+
+    def _count_read(self, unit: Unit, nbytes: int, t0: float) -> None:
         t1 = self.tracer.now()
         tier = self.options.offload_param_device
         if tier == "nvme":
@@ -433,6 +493,53 @@ class Stage3ParameterManager:
             self.stats.add("bytes_host_read", nbytes)
         self.tracer.span(f"read {unit.name}", "transfer", t0, t1,
                          thread="io" if self._io is not None else "compute", args={"bytes": nbytes, "tier": tier})
+
+    def _h2d_partitions(self, unit: Unit, staged: Optional["_Staged"], after: Any) -> Any:
+        """CUDA, host tiers: :meth:`_read_partitions` with the copies on the H2D stream; returns
+        their ``ready`` event. Staging buffers go back to the pool only once it has completed."""
+        t0 = self.tracer.now()
+        if staged is not None:  # the NVMe read is done (earlier on this thread): copy, then free
+            ready = self._h2d_copy(unit, staged.views, after)
+            self.transfers.host_wait(ready)
+            self._free_staged(staged)
+            self.tracer.span(f"copy {unit.name}", "transfer", t0, self.tracer.now(), thread="io")
+            return ready
+        if self.options.offload_param_device == "cpu":  # the pinned partitions are the sources
+            ready = self._h2d_copy(unit, [g.store.local() for g in unit.groups], after)
+            self._h2d_last = ready
+            self._count_read(unit, sum(g.store.tensor.numel() * g.store.tensor.element_size() for g in unit.groups), t0)
+            return ready
+        bufs, views, nbytes = [], [], 0
+        try:
+            for g in unit.groups:
+                buf = self._pool.acquire()
+                bufs.append(buf)
+                views.append(buf.view(torch.uint8)[: g.store.nbytes].view(g.dtype))
+                nbytes += g.store.read_raw(views[-1])
+        except BaseException:
+            for b in bufs:
+                self._pool.release(b)
+            raise
+        # if the copy fails to enqueue, the buffers stay out of the pool: a copy may still read them
+        ready = self._h2d_copy(unit, views, after)
+        self.transfers.host_wait(ready)
+        for b in bufs:
+            self._pool.release(b)
+        self._count_read(unit, nbytes, t0)
+        return ready
+
+    def _h2d_copy(self, unit: Unit, sources: Sequence[torch.Tensor], after: Any) -> Any:
+        """Enqueue ``g.full[shard] <- source`` for each group of ``unit`` on the H2D stream."""
+        pairs = []
+        for g, src in zip(unit.groups, sources):
+            lo, hi = self._shard_range(g)
+            pairs.append((g.full[lo:hi], src))
+        return self.transfers.h2d(pairs, after)
+
+    def _host_reads_done(self) -> None:
+        """Wait (host) until no H2D copy still reads a CPU-tier partition, before it is written."""
+        ready, self._h2d_last = self._h2d_last, None
+        self.transfers.host_wait(ready)
 
     # ------------------------------------------------------------------------ gather / release
     @property
@@ -455,16 +562,17 @@ class Stage3ParameterManager:
             self.stats.live(self._live)
         for g in unit.groups:
             g.full = torch.empty(g.padded_numel, dtype=g.dtype, device=self.device)
+        after = self.transfers.mark()  # [Note: CUDA streams]: earlier kernels may still use g.full's block
         unit.state = UnitState.FETCHING
         self.stats.add("gathers")
         staged = self._staged.pop(unit.index, None)
         if staged is not None:
             self.stats.add("read_ahead_hits")
         if self._io is not None:
-            unit.future = self._io.submit(self._read_partitions, unit, staged)
+            unit.future = self._io.submit(self._read_partitions, unit, staged, after)
         else:
-            self._read_partitions(unit)
-            unit.future = None
+            ready = self._read_partitions(unit, None, after)
+            unit.future = None if ready is None else _finished(ready)  # _complete waits for it
 
     # [Note: read-ahead] NVMe partitions can be read into pinned staging buffers further ahead
     # than units are gathered: staging does not count as live parameters (nothing is on the
@@ -517,7 +625,7 @@ class Stage3ParameterManager:
         if unit.future is not None:
             t0 = self.tracer.now()
             done = unit.future.done()
-            unit.future.result()
+            self.transfers.stream_wait(unit.future.result())  # [Note: CUDA streams]
             unit.future = None
             t1 = self.tracer.now()
             if not done:
@@ -769,18 +877,20 @@ class Stage3ParameterManager:
                 self.stats.add("bytes_reduce", g.grad_full.numel() * g.grad_full.element_size())
                 self.stats.add("elements_reduce", g.grad_full.numel())
             lo, hi = self._shard_range(g)
+            if self.transfers.side_streams:  # CUDA: D2H on a side stream, landed by its event
+                self._grad_to_host_cuda(g, lo, hi)
+                g.grad_full, g.grad_written = None, None
+                did = True
+                self.tracer.span(f"reduce {g.key}", "comm", t0, self.tracer.now())
+                continue
             part = g.grad_full[lo:hi]  # training dtype; summed in fp32 below (exact: fp32 holds it)
             if part.device.type != "cpu":
                 part = part.to(device="cpu", dtype=torch.float32)
             if self.options.grads_on_nvme:
                 # accumulate in the swap file on the I/O thread; the next unit's backward overlaps it
                 self._grad_io.append(self._io.submit(self._accumulate_grad_on_nvme, g, part))
-            elif g.grad_shard is None:  # the first micro-batch: a copy (fp32 holds any bf16/fp16 exactly)
-                buf = g.grad_spare if g.grad_spare is not None else torch.empty(g.shard_numel, dtype=torch.float32)
-                g.grad_spare, g.grad_shard = None, buf
-                buf.copy_(part)
             else:
-                g.grad_shard.add_(part)
+                self._add_to_grad_shard(g, part)
             g.grad_full, g.grad_written = None, None
             did = True
             self.tracer.span(f"reduce {g.key}", "comm", t0, self.tracer.now())
@@ -806,12 +916,59 @@ class Stage3ParameterManager:
         if pos < g.padded_numel:
             g.grad_full[pos:].zero_()
 
+    @staticmethod
+    def _add_to_grad_shard(g: FlatGroup, part: torch.Tensor) -> None:
+        """``grad_shard += part`` (fp32 CPU); the first micro-batch copies into the kept buffer."""
+        if g.grad_shard is None:  # fp32 holds any bf16/fp16 value exactly: a copy, no temporary
+            buf = g.grad_spare if g.grad_spare is not None else torch.empty(g.shard_numel, dtype=torch.float32)
+            g.grad_spare, g.grad_shard = None, buf
+            buf.copy_(part)
+        else:
+            g.grad_shard.add_(part)
+
+    def _grad_to_host_cuda(self, g: FlatGroup, lo: int, hi: int) -> None:
+        """CUDA: copy ``g.grad_full[lo:hi]`` as fp32 into a pinned host tensor on the D2H stream,
+        then hand it on by its event (see [Note: CUDA streams]): to the I/O thread, which adds it
+        into the swap file (``grads_on_nvme``), or to :meth:`_land_grads`, which adds it into
+        ``grad_shard``.
+
+        A plain ``non_blocking`` copy, not ``zeroinf.ops.cuda_grad.grad_bucket_pass``: the norm
+        recorded for clipping is that of the accumulated gradient ([Note: norm while reducing]),
+        which the per-micro-batch statistics of the fused pass do not give, and reading those
+        device tensors would need another hand-off."""
+        part = host_empty(hi - lo, torch.float32, pin=True)
+        ready = self.transfers.d2h(part, g.grad_full[lo:hi])
+        if self.options.grads_on_nvme:
+            # accumulate in the swap file on the I/O thread; the next unit's backward overlaps it
+            self._grad_io.append(self._io.submit(self._accumulate_landed_grad_on_nvme, g, part, ready))
+        else:
+            self._grads_in_flight.append((g, part, ready))
+            self._land_grads(wait=False)
+
+    def _accumulate_landed_grad_on_nvme(self, g: FlatGroup, part: torch.Tensor, ready: Any) -> None:
+        """I/O thread: wait (this thread only) for ``part``'s D2H copy, then add it to the file."""
+        self.transfers.host_wait(ready)
+        self._accumulate_grad_on_nvme(g, part)
+
+    def _land_grads(self, wait: bool) -> None:
+        """Add gradient shards whose D2H copy has completed into ``grad_shard``, in the order they
+        were reduced (so the fp32 sums round as on the CPU path); with ``wait``, wait for all."""
+        while self._grads_in_flight:
+            g, part, ready = self._grads_in_flight[0]
+            if not wait and not self.transfers.done(ready):
+                return
+            self.transfers.host_wait(ready)
+            self._add_to_grad_shard(g, part)
+            self._grads_in_flight.pop(0)
+
     def _end_backward(self) -> None:
         self._busy += 1
         try:
             for u in self.units:
                 if any(g.grad_full is not None for g in u.groups):
                     self._reduce(u)
+            self._land_grads(wait=True)  # [Note: CUDA streams]: the optimizer step reads them next
+            self._host_reads_done()
             self.check_grad_io(wait=False)
             self._in_backward = False
             if self.tracer is not None and hasattr(self, "_t_bwd"):
@@ -854,6 +1011,7 @@ class Stage3ParameterManager:
         local = g.store.local()
         if local is not None:
             self.step_gate.wait()
+            self._host_reads_done()  # the caller may write it
             return local
         t = torch.empty(g.shard_numel, dtype=g.dtype)
         self.read_param_shard(g, t)
@@ -863,6 +1021,7 @@ class Stage3ParameterManager:
         """Store ``src`` as this rank's partition of ``g`` on its home tier (synchronously)."""
         t0 = self.tracer.now()
         self.step_gate.wait()  # a no-op on the background step's own thread
+        self._host_reads_done()
         # a staged read of the old values is stale now (none exist for a group a background step
         # updates: stage() skips pending groups)
         self.drop_staged([self._unit_of_group(g)])
@@ -909,6 +1068,7 @@ class Stage3ParameterManager:
     def zero_grad(self) -> None:
         """Zero every gradient partition (after an optimizer step)."""
         self.step_gate.wait()
+        self._land_grads(wait=True)
         if self.options.grads_on_nvme:
             self.check_grad_io(wait=True)
             for g in self.groups():
@@ -999,6 +1159,7 @@ class Stage3ParameterManager:
     def read_grad_shard(self, g: FlatGroup, dst: torch.Tensor) -> None:
         """Copy this rank's accumulated fp32 gradient partition of ``g`` into ``dst``."""
         self.step_gate.wait()
+        self._land_grads(wait=True)
         if not self.options.grads_on_nvme:
             if g.grad_shard is None:
                 dst.zero_()
@@ -1019,6 +1180,7 @@ class Stage3ParameterManager:
     def write_grad_shard(self, g: FlatGroup, src: torch.Tensor) -> None:
         """Replace this rank's gradient partition of ``g`` by ``src`` (fp32, ``shard_numel``)."""
         self.step_gate.wait()
+        self._land_grads(wait=True)
         if not self.options.grads_on_nvme:
             if g.grad_shard is None:
                 g.grad_shard = torch.zeros(g.shard_numel, dtype=torch.float32)
@@ -1057,8 +1219,9 @@ class Stage3ParameterManager:
             self._run_io(g.store.read_into, shard)
         unit = self._unit_of_group(g)
         if unit.future is not None:  # a read of the old partition into g.full must not land after the new values
-            unit.future.result()
+            self.transfers.stream_wait(unit.future.result())
             unit.future = None
+        self._host_reads_done()
         for s, v in values:
             a, b = max(lo, s.offset), min(hi, s.offset + s.numel)
             if a < b:
