@@ -12,6 +12,7 @@ import torch
 
 import zeroinf
 from zeroinf.checkpoint import CheckpointError
+from zeroinf.runtime.engine import destroy_process_group
 
 def train_run(mode: str, ckdir: str, nvme: str, out: str) -> dict:
     """Train 10 steps ("full"), 5 then save ("save"), or load then 5 ("load"); saves the final
@@ -172,8 +173,9 @@ def _stage3_worker(rank, world, tmp):
             with open(os.path.join(tmp, "result.json"), "w") as f:
                 json.dump({"losses": losses, "ref": ref_losses, "keys": sorted(sd) == sorted(ref_sd),
                            "equal": all(torch.equal(sd[k], ref_sd[k]) for k in ref_sd)}, f)
+        destroy_process_group()  # with its closing barrier (see its docstring)
     finally:
-        dist.destroy_process_group()
+        destroy_process_group(barrier=False)
 
 
 def test_stage3_two_ranks_save_and_load_without_hanging(tmp_path):

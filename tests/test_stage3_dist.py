@@ -10,6 +10,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from stage3_models import TinyLM, batch, loss_fn
+from zeroinf.runtime.engine import destroy_process_group
 
 LR, BETAS, EPS, WD = 1e-2, (0.9, 0.999), 1e-8, 0.01
 
@@ -57,8 +58,9 @@ def _worker(rank, world, tmp, param_tier):
                 json.dump({"loss": loss_err, "norm": norm_err, "param": param_err,
                            "reduces": mgr.last_reduce_counts, "bytes_allgather": mgr.stats_dict()["bytes_allgather"]}, f)
         engine.close()
+        destroy_process_group()  # with its closing barrier (see its docstring)
     finally:
-        dist.destroy_process_group()
+        destroy_process_group(barrier=False)
 
 
 @pytest.mark.parametrize("param_tier", ["nvme"])

@@ -515,6 +515,7 @@ class _Run:
         if rank0:
             out.mkdir(parents=True, exist_ok=True)
         engine = None
+        ended = False  # every rank got through without an exception: the closing barrier is safe
         try:
             engine = self._make_engine(a, cfg, model, device)
             if a.resume:
@@ -537,16 +538,19 @@ class _Run:
                 if rank0:
                     print(f"zeroinf train: interrupted after step {self.completed}; checkpoint in "
                           f"{out / 'checkpoint'}; continue with: zeroinf train --resume {out}", flush=True)
+                ended = True
                 return EXIT_INTERRUPTED
             if a.compare:
                 code = self._compare(a, cfg, mcfg, batches, grad_accum, out)
+            ended = True
             return code
         finally:
             if engine is not None and hasattr(engine, "close"):
                 engine.close()
             self.remove_tmp_nvme()
             if self.dist.initialized_here:
-                torch.distributed.destroy_process_group()
+                from zeroinf.runtime.engine import destroy_process_group
+                destroy_process_group(barrier=ended)
 
     def _loop(self, a, engine, batches, grad_accum, device, out: Path):
         from tqdm import tqdm
