@@ -303,3 +303,31 @@ def test_units_by_size_when_no_block_class_is_found():
         ref(x).square().mean().backward()
     _assert_close(_grads_of(mgr), {n: p.grad for n, p in ref.named_parameters()}, what="by size")
     assert mgr.stats_dict()["prefetch_hits"] > 0
+
+
+@pytest.mark.parametrize("tier", ["cpu", "nvme"])
+def test_a_view_kept_past_release_keeps_its_values(tmp_path, tier):
+    """Released units' gather buffers are reused for later gathers (no page faults), but never
+    while a view of one survives: a weight kept from inside a forward still reads its values
+    after other units (of the same size) were gathered into recycled buffers."""
+    torch.manual_seed(0)
+    model = TinyLM()
+    opts = Stage3Options(param_persistence_threshold=20, offload_param_device=tier, nvme_path=str(tmp_path),
+                         buffer_count=4, buffer_size=4096)
+    mgr = Stage3ParameterManager(model, opts)
+    kept = {}
+
+    def keep(mod, args):  # runs after the manager's pre-hook gathered the unit
+        if not kept:
+            kept["w"] = mod.ff[0].weight.detach()  # a view into the unit's gather buffer
+            kept["values"] = kept["w"].clone()
+    h = model.blocks[1].register_forward_pre_hook(keep)
+    with torch.no_grad():
+        for step in range(3):
+            model(batch(step)[0])
+    h.remove()
+    assert mgr.units[3].state is UnitState.RELEASED  # blocks[1] is unit 3 (persistent, root, block 0, ...)
+    assert torch.equal(kept["w"], kept["values"])
+    # and without a surviving view the buffers are reused: later gathers take them back
+    assert any(mgr.scratch._free.values())
+    mgr.remove_hooks()

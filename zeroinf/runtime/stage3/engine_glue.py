@@ -246,7 +246,7 @@ class Stage3EngineParams:
             if not on_nvme:
                 return None
             # in the dtype the file holds (bf16 after one micro-batch of bf16 training): fewest bytes
-            t = torch.empty(g.shard_numel, dtype=m.grad_file_dtype(g))
+            t = m.scratch.take(g.shard_numel, m.grad_file_dtype(g))
             return t, m.submit_io(m.read_grad_raw, g, t)
 
         def enter(g: FlatGroup) -> None:
@@ -260,7 +260,7 @@ class Stage3EngineParams:
                 t = g.grad_shard if g.grad_shard is not None else torch.zeros(g.shard_numel, dtype=torch.float32)
             local = g.store.local()
             # every element of the partition is written by its sub-groups: no read of the old values
-            cur.update(g=g, grad=t, target=local if local is not None else torch.empty(g.shard_numel, dtype=g.dtype))
+            cur.update(g=g, grad=t, target=local if local is not None else m.scratch.take(g.shard_numel, g.dtype))
 
         def grad(i: int) -> torch.Tensor:
             g, lo, hi, _ = self._subs[i]
@@ -278,7 +278,9 @@ class Stage3EngineParams:
                 return
             if g.store.local() is None:
                 m.write_param_shard_and_stage(g, cur["target"])  # the next gather reads no NVMe
+                m.scratch.give(cur["target"])  # written (synchronously) or copied: free again
             if on_nvme:
+                m.scratch.give(cur["grad"])
                 g.grad_on_nvme = False
                 g.grad_norm_part = None
             else:

@@ -89,7 +89,7 @@ from .overlap import StepGate
 from .prefetch import PrefetchScheduler
 from .released import gathered_class, released_class
 from .stats import Stage3Stats, TraceRecorder
-from .tiers import DeviceStore, HostCache, HostStore, NvmeStore, host_empty
+from .tiers import BufferRecycler, DeviceStore, HostCache, HostStore, NvmeStore, host_empty
 from .units import FlatGroup, ParamSlot, Unit, UnitState, build_units, find_unit_modules
 from ..streams import transfers_for
 
@@ -120,13 +120,24 @@ def _finished(value: Any) -> Future:
     return f
 
 
+def _sole_owner(t: torch.Tensor) -> bool:
+    """True when ``t`` is the only tensor on its storage (no view of it survives), so the
+    memory can be reused without changing values someone still reads. False when torch
+    cannot tell (then the buffer is simply freed)."""
+    use_count = getattr(torch._C, "_storage_Use_Count", None)
+    if use_count is None:
+        return False
+    return use_count(t.untyped_storage()._cdata) <= 2  # t, and the temporary storage object here
+
+
 def managers() -> List["Stage3ParameterManager"]:
     """The live managers of this process (for ``gathered_parameters``)."""
     return list(_MANAGERS)
 
 
 class _SavedRef:
-    """A saved tensor that lies in a flat buffer: rebuilt from the group at unpack time."""
+    """A saved tensor that lies in a flat buffer: rebuilt from the group at unpack time
+    (``offset`` in elements from the start of ``group.full``, which may be a view)."""
 
     __slots__ = ("group", "offset", "size", "stride")
 
@@ -242,6 +253,7 @@ class Stage3ParameterManager:
         self._grads_in_flight: List[Tuple[FlatGroup, torch.Tensor, Any]] = []  # (group, pinned shard, ready)
         self._h2d_last: Any = None  # ready event of the last H2D copy from a CPU-tier partition
         self.step_gate = StepGate()  # [Note: overlapped step] in overlap.py
+        self.scratch = BufferRecycler()  # unit-sized CPU scratch tensors, reused (no page faults)
 
         from .init import init_shapes  # parameters partitioned at construction (zeroinf.Init)
         shapes = init_shapes(module)
@@ -561,7 +573,8 @@ class Stage3ParameterManager:
             self._live += unit.numel
             self.stats.live(self._live)
         for g in unit.groups:
-            g.full = torch.empty(g.padded_numel, dtype=g.dtype, device=self.device)
+            g.full = (self.scratch.take(g.padded_numel, g.dtype) if self.device.type == "cpu" else
+                      torch.empty(g.padded_numel, dtype=g.dtype, device=self.device))
         after = self.transfers.mark()  # [Note: CUDA streams]: earlier kernels may still use g.full's block
         unit.state = UnitState.FETCHING
         self.stats.add("gathers")
@@ -659,7 +672,9 @@ class Stage3ParameterManager:
             for s in g.slots:
                 s.param.data = self._placeholder(g.dtype)
                 s.param.__class__ = released_class(type(s.param))
-            g.full = None
+            full, g.full = g.full, None
+            if full is not None and full.device.type == "cpu" and _sole_owner(full):
+                self.scratch.give(full)  # no view of it is left (a user's or autograd's keeps it alive)
         if unit.persistent:
             self._persistent_stale = True
         else:
@@ -719,7 +734,7 @@ class Stage3ParameterManager:
             except RuntimeError:
                 g = None
             if g is not None and g.full is not None and t.untyped_storage().data_ptr() == g.full.untyped_storage().data_ptr():
-                return _SavedRef(g, t.storage_offset(), tuple(t.shape), tuple(t.stride()))
+                return _SavedRef(g, t.storage_offset() - g.full.storage_offset(), tuple(t.shape), tuple(t.stride()))
         return t
 
     def _unpack(self, x):
@@ -734,7 +749,7 @@ class Stage3ParameterManager:
                     self._request(unit, "bwd", record=False)
                 finally:
                     self._busy -= 1
-            return g.full.as_strided(x.size, x.stride, x.offset)
+            return g.full.as_strided(x.size, x.stride, g.full.storage_offset() + x.offset)
         return x
 
     def _unit_of_group(self, g: FlatGroup) -> Unit:
@@ -846,7 +861,8 @@ class Stage3ParameterManager:
         if grad is None:
             return
         if g.grad_full is None:  # [Note: first gradient copied] no zero fill, no add
-            g.grad_full = torch.empty(g.padded_numel, dtype=g.dtype, device=self.device)
+            g.grad_full = (self.scratch.take(g.padded_numel, g.dtype) if self.device.type == "cpu" else
+                           torch.empty(g.padded_numel, dtype=g.dtype, device=self.device))
             g.grad_written = set()
         dst = g.grad_full[s.offset:s.offset + s.numel]
         if s.index in g.grad_written:
@@ -886,11 +902,14 @@ class Stage3ParameterManager:
             part = g.grad_full[lo:hi]  # training dtype; summed in fp32 below (exact: fp32 holds it)
             if part.device.type != "cpu":
                 part = part.to(device="cpu", dtype=torch.float32)
+            recycle = g.grad_full if g.grad_full.device.type == "cpu" else None
             if self.options.grads_on_nvme:
                 # accumulate in the swap file on the I/O thread; the next unit's backward overlaps it
-                self._grad_io.append(self._io.submit(self._accumulate_grad_on_nvme, g, part))
+                self._grad_io.append(self._io.submit(self._accumulate_grad_on_nvme, g, part, recycle))
             else:
                 self._add_to_grad_shard(g, part)
+                if recycle is not None:
+                    self.scratch.give(recycle)
             g.grad_full, g.grad_written = None, None
             did = True
             self.tracer.span(f"reduce {g.key}", "comm", t0, self.tracer.now())
@@ -1124,13 +1143,16 @@ class Stage3ParameterManager:
     def _grad_key(g: FlatGroup, dtype: torch.dtype = torch.float32) -> str:
         return f"grad/{g.key}" if dtype == torch.float32 else f"grad/{g.key}/{str(dtype).split('.')[-1]}"
 
-    def _accumulate_grad_on_nvme(self, g: FlatGroup, part: torch.Tensor) -> None:
+    def _accumulate_grad_on_nvme(self, g: FlatGroup, part: torch.Tensor,
+                                 recycle: Optional[torch.Tensor] = None) -> None:
         """Add ``part`` (this rank's reduced partition, ``shard_numel`` CPU elements in the
-        training dtype or fp32) into the group's gradient swap file; see [Note: gradients on NVMe]."""
+        training dtype or fp32) into the group's gradient swap file; see [Note: gradients on NVMe].
+        ``recycle``: the scratch tensor ``part`` lies in, given back to ``self.scratch`` once done."""
         t0 = self.tracer.now()
         part = part.contiguous()
+        acc = None
         if g.grad_on_nvme:
-            acc = torch.empty(part.numel(), dtype=torch.float32)
+            acc = self.scratch.take(part.numel(), torch.float32)
             self.stats.add("bytes_nvme_read", self._read_grad_file(g, acc))
             acc.add_(part)
             part = acc
@@ -1140,6 +1162,9 @@ class Stage3ParameterManager:
         g.grad_on_nvme, g.grad_nvme_dtype = True, part.dtype
         self.stats.add("bytes_nvme_written", part.numel() * part.element_size())
         self.tracer.span(f"grad {g.key}", "transfer", t0, self.tracer.now(), thread="io")
+        for t in (acc, recycle):
+            if t is not None:
+                self.scratch.give(t)
 
     def _read_grad_file(self, g: FlatGroup, dst: torch.Tensor) -> int:
         """Read the group's accumulated gradient (``grad_on_nvme``) into ``dst``, converting
