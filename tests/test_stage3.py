@@ -331,3 +331,18 @@ def test_a_view_kept_past_release_keeps_its_values(tmp_path, tier):
     # and without a surviving view the buffers are reused: later gathers take them back
     assert any(mgr.scratch._free.values())
     mgr.remove_hooks()
+
+
+def test_buffer_recycler_reuses_aligned_buffers_within_its_byte_budget():
+    from zeroinf.runtime.stage3.tiers import BufferRecycler
+    r = BufferRecycler(keep=2, max_free_bytes=3 * 4096)
+    a = r.take(1024, torch.float32)  # 4096 bytes
+    assert a.data_ptr() % 4096 == 0 and a.numel() == 1024 and a.dtype == torch.float32
+    b, c = r.take(1024, torch.float32), r.take(1024, torch.float32)
+    for t in (a, b, c):
+        r.give(t)
+    assert r.free_bytes == 2 * 4096  # keep=2 per (numel, dtype)
+    assert r.take(1024, torch.float32).data_ptr() in (a.data_ptr(), b.data_ptr())
+    big = r.take(4096, torch.float32)  # 16 KiB: over the budget, dropped when given back
+    r.give(big)
+    assert r.free_bytes == 4096 and not r._free.get((4096, torch.float32))

@@ -34,15 +34,20 @@ class BufferRecycler:
     need no bounce copy. Thread-safe (the I/O and optimizer threads give buffers back).
 
     Args:
-        keep: how many free buffers of one (numel, dtype) to keep; more are dropped. The
-            memory held is at most ``keep`` x the largest buffer size per distinct size.
+        keep: how many free buffers of one (numel, dtype) to keep; more are dropped.
+        max_free_bytes: the most memory the free buffers may hold together (bytes, default
+            512 MiB); a buffer that would exceed it is dropped, so models with very large units
+            (a 1B-parameter block in fp32 is 4 GB) fall back to plain allocations instead of
+            pinning several spare copies in host memory.
     """
 
     ALIGN = 4096  # bytes
 
-    def __init__(self, keep: int = 6):
+    def __init__(self, keep: int = 6, max_free_bytes: int = 512 << 20):
         self.keep = int(keep)
+        self.max_free_bytes = int(max_free_bytes)
         self._free: dict = {}
+        self._free_bytes = 0
         self._lock = threading.Lock()
 
     def take(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
@@ -50,7 +55,9 @@ class BufferRecycler:
         with self._lock:
             free = self._free.get((numel, dtype))
             if free:
-                return free.pop()
+                t = free.pop()
+                self._free_bytes -= t.numel() * t.element_size()
+                return t
         nbytes = numel * torch.empty(0, dtype=dtype).element_size()
         raw = torch.empty(nbytes + self.ALIGN, dtype=torch.uint8)
         off = (-raw.data_ptr()) % self.ALIGN
@@ -60,14 +67,22 @@ class BufferRecycler:
         """Return a tensor from :meth:`take`; the caller must hold no view of it any more."""
         if t.device.type != "cpu":
             return
+        nbytes = t.numel() * t.element_size()
         with self._lock:
             free = self._free.setdefault((t.numel(), t.dtype), [])
-            if len(free) < self.keep:
+            if len(free) < self.keep and self._free_bytes + nbytes <= self.max_free_bytes:
                 free.append(t)
+                self._free_bytes += nbytes
+
+    @property
+    def free_bytes(self) -> int:
+        """Bytes held by the free buffers now."""
+        return self._free_bytes
 
     def clear(self) -> None:
         with self._lock:
             self._free.clear()
+            self._free_bytes = 0
 
 
 class DeviceStore:
