@@ -55,3 +55,15 @@ def batch(seed, b=2, t=5):
 
 def loss_fn(logits, y):
     return F.cross_entropy(logits.flatten(0, 1), y.flatten())
+
+
+def full_params(mgr):
+    """Every parameter of a stage-3 manager's model, read back from its partitions (one rank):
+    ``{name: tensor of the parameter's full shape}``."""
+    out = {}
+    for g in mgr.groups():
+        t = torch.empty(g.shard_numel, dtype=g.dtype)
+        mgr.read_param_shard(g, t)
+        for s in g.slots:
+            out[s.name] = t[s.offset:s.offset + s.numel].view(s.shape).clone()
+    return out

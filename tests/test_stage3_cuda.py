@@ -18,7 +18,7 @@ import torch
 from zeroinf.runtime.stage3 import Stage3Options, Stage3ParameterManager
 from zeroinf.runtime.streams import CudaTransfers, HostTransfers, transfers_for
 
-from stage3_models import TinyLM, batch, loss_fn
+from stage3_models import TinyLM, batch, full_params, loss_fn
 
 HAS_CUDA = torch.version.cuda is not None and torch.cuda.is_available()
 needs_cuda = pytest.mark.skipif(
@@ -44,16 +44,6 @@ def _grads_of(mgr):
         mgr.read_grad_shard(g, gs)
         for s in g.slots:
             out[s.name] = gs[s.offset:s.offset + s.numel].view(s.shape).clone()
-    return out
-
-
-def _full_params(mgr):
-    out = {}
-    for g in mgr.groups():
-        t = torch.empty(g.shard_numel, dtype=g.dtype)
-        mgr.read_param_shard(g, t)
-        for s in g.slots:
-            out[s.name] = t[s.offset:s.offset + s.numel].view(s.shape).clone()
     return out
 
 
@@ -278,7 +268,7 @@ def _train_manager(tmp_path, steps, sync_check=False):
 def test_three_steps_nvme_on_cuda_equal_adamw_on_cuda(tmp_path):
     mgr, opt, losses, ref, ref_losses = _train_manager(tmp_path, 3)
     assert max(abs(a - b) for a, b in zip(losses, ref_losses)) <= 1e-5
-    assert _max_err(_full_params(mgr), dict(ref.named_parameters())) <= 1e-5
+    assert _max_err(full_params(mgr), dict(ref.named_parameters())) <= 1e-5
     opt.close()
     mgr.close()
 

@@ -51,13 +51,12 @@ import torch
 
 from .backends import ALIGN, choose_backend, fault_spec, make_engine
 from .errors import AIOError, SizeMismatchError, ReadPastEndError, make_error
-from .pool import PinnedMemoryError, _available_bytes, _locked_bytes, _memlock_limit, _mlock, _munlock
+from .pool import HUGE_PAGE, PinnedMemoryError, _available_bytes, _locked_bytes, _memlock_limit, _mlock, _munlock
 
 __all__ = ["AsyncIOHandle", "HUGE_PAGE", "free_locked_cpu_tensor", "huge_page_bytes", "locked_cpu_tensor",
            "locked_cpu_tensor_bytes"]
 
 #: Transparent huge page size (bytes) that locked buffers are aligned to and advised for.
-HUGE_PAGE = 2 << 20
 
 _THP_ENABLED = "/sys/kernel/mm/transparent_hugepage/enabled"
 _THP_WARNED = False

@@ -26,7 +26,7 @@ import torch
 __all__ = ["PinnedBufferPool", "PinnedMemoryError", "PoolExhaustedError", "pinned_pool_bytes"]
 
 _PAGE = mmap.PAGESIZE
-_HUGE_PAGE = 2 << 20  # transparent huge page size on x86-64 and arm64 (4 KiB base pages)
+HUGE_PAGE = 2 << 20  # transparent huge page size on x86-64 and arm64 (4 KiB base pages)
 _CAP_IPC_LOCK = 14  # linux/capability.h
 
 
@@ -174,14 +174,14 @@ class PinnedBufferPool:
         else:
             # over-map so a start aligned to both `alignment` and a huge page exists; the slack is
             # never touched, so it costs no memory. mlock faults the pages in after the advice.
-            start_align = max(alignment, _HUGE_PAGE)
+            start_align = max(alignment, HUGE_PAGE)
             extra = start_align - _PAGE
             flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
             self._mmap = mmap.mmap(-1, total + extra, flags=flags)
             whole = torch.frombuffer(self._mmap, dtype=torch.uint8)
             skip = (-whole.data_ptr()) % start_align
             self._addr = whole.data_ptr() + skip
-            whole_huge = total // _HUGE_PAGE * _HUGE_PAGE  # only whole huge pages inside the locked range
+            whole_huge = total // HUGE_PAGE * HUGE_PAGE  # only whole huge pages inside the locked range
             if whole_huge and hasattr(mmap, "MADV_HUGEPAGE"):
                 self._mmap.madvise(mmap.MADV_HUGEPAGE, skip, whole_huge)
             try:

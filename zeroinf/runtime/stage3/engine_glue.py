@@ -78,9 +78,8 @@ def swap_file_bytes(model: torch.nn.Module, cfg, groups: Sequence[Sequence[torch
                                            for g in parts), "parameter partitions"))
         if zc.offload_optimizer.device == "nvme":
             # fp32 (accumulated) and, for bf16/fp16 training, one micro-batch's in the training dtype
-            out.append((key, path, folder, sum((4 + (0 if g.dtype == torch.float32 else
-                                                     torch.empty(0, dtype=g.dtype).element_size())) * g.shard_numel
-                                               for g in parts), "gradient partitions"))
+            out.append((key, path, folder, sum((4 + (0 if g.dtype == torch.float32 else g.dtype.itemsize))
+                                               * g.shard_numel for g in parts), "gradient partitions"))
     if zc.offload_optimizer.device == "nvme":
         path = zc.offload_optimizer.nvme_path
         out.append(("zero_optimization.offload_optimizer.nvme_path", path,
@@ -238,6 +237,7 @@ class Stage3EngineParams:
         for i, (g, _lo, _hi, _gi) in enumerate(self._subs):
             last[g.key] = i
         groups = list(dict.fromkeys(g for g, _lo, _hi, _gi in self._subs))  # forward order, unique
+        following = {a.key: b for a, b in zip(groups, groups[1:])}  # the group stepped after each
         on_nvme = m.options.grads_on_nvme
         cur: Dict[str, Any] = {}  # the group being stepped: its gradient and its new partition
         ahead: Dict[str, Any] = {}  # the next group's gradient read, in flight on the I/O thread
@@ -253,9 +253,9 @@ class Stage3EngineParams:
             if on_nvme:
                 t, fut = ahead.pop(g.key, None) or read_grad(g)
                 fut.result()
-                nxt = groups.index(g) + 1
-                if nxt < len(groups):
-                    ahead[groups[nxt].key] = read_grad(groups[nxt])
+                nxt = following.get(g.key)
+                if nxt is not None:
+                    ahead[nxt.key] = read_grad(nxt)
             else:
                 t = g.grad_shard if g.grad_shard is not None else torch.zeros(g.shard_numel, dtype=torch.float32)
             local = g.store.local()

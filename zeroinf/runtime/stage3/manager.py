@@ -573,8 +573,7 @@ class Stage3ParameterManager:
             self._live += unit.numel
             self.stats.live(self._live)
         for g in unit.groups:
-            g.full = (self.scratch.take(g.padded_numel, g.dtype) if self.device.type == "cpu" else
-                      torch.empty(g.padded_numel, dtype=g.dtype, device=self.device))
+            g.full = self.scratch.take(g.padded_numel, g.dtype, self.device)
         after = self.transfers.mark()  # [Note: CUDA streams]: earlier kernels may still use g.full's block
         unit.state = UnitState.FETCHING
         self.stats.add("gathers")
@@ -673,7 +672,7 @@ class Stage3ParameterManager:
                 s.param.data = self._placeholder(g.dtype)
                 s.param.__class__ = released_class(type(s.param))
             full, g.full = g.full, None
-            if full is not None and full.device.type == "cpu" and _sole_owner(full):
+            if full is not None and _sole_owner(full):
                 self.scratch.give(full)  # no view of it is left (a user's or autograd's keeps it alive)
         if unit.persistent:
             self._persistent_stale = True
@@ -861,8 +860,7 @@ class Stage3ParameterManager:
         if grad is None:
             return
         if g.grad_full is None:  # [Note: first gradient copied] no zero fill, no add
-            g.grad_full = (self.scratch.take(g.padded_numel, g.dtype) if self.device.type == "cpu" else
-                           torch.empty(g.padded_numel, dtype=g.dtype, device=self.device))
+            g.grad_full = self.scratch.take(g.padded_numel, g.dtype, self.device)
             g.grad_written = set()
         dst = g.grad_full[s.offset:s.offset + s.numel]
         if s.index in g.grad_written:
@@ -902,14 +900,12 @@ class Stage3ParameterManager:
             part = g.grad_full[lo:hi]  # training dtype; summed in fp32 below (exact: fp32 holds it)
             if part.device.type != "cpu":
                 part = part.to(device="cpu", dtype=torch.float32)
-            recycle = g.grad_full if g.grad_full.device.type == "cpu" else None
             if self.options.grads_on_nvme:
                 # accumulate in the swap file on the I/O thread; the next unit's backward overlaps it
-                self._grad_io.append(self._io.submit(self._accumulate_grad_on_nvme, g, part, recycle))
+                self._grad_io.append(self._io.submit(self._accumulate_grad_on_nvme, g, part, g.grad_full))
             else:
                 self._add_to_grad_shard(g, part)
-                if recycle is not None:
-                    self.scratch.give(recycle)
+                self.scratch.give(g.grad_full)
             g.grad_full, g.grad_written = None, None
             did = True
             self.tracer.span(f"reduce {g.key}", "comm", t0, self.tracer.now())
@@ -927,7 +923,7 @@ class Stage3ParameterManager:
     def _zero_unwritten(g: FlatGroup) -> None:
         done = g.grad_written or set()
         pos = 0
-        for s in sorted(g.slots, key=lambda s: s.offset):
+        for s in g.slots:  # in offset order (units.py lays them out one after the other)
             if s.index in done:
                 if s.offset > pos:
                     g.grad_full[pos:s.offset].zero_()
@@ -939,9 +935,7 @@ class Stage3ParameterManager:
     def _add_to_grad_shard(g: FlatGroup, part: torch.Tensor) -> None:
         """``grad_shard += part`` (fp32 CPU); the first micro-batch copies into the kept buffer."""
         if g.grad_shard is None:  # fp32 holds any bf16/fp16 value exactly: a copy, no temporary
-            buf = g.grad_spare if g.grad_spare is not None else torch.empty(g.shard_numel, dtype=torch.float32)
-            g.grad_spare, g.grad_shard = None, buf
-            buf.copy_(part)
+            g.new_grad_shard().copy_(part)
         else:
             g.grad_shard.add_(part)
 
@@ -1072,8 +1066,7 @@ class Stage3ParameterManager:
         self.stats.add("bytes_nvme_written", n)
         self.tracer.span(f"write {g.key}", "transfer", t0, self.tracer.now(), thread="io")
         st = _Staged([buf], [view])
-        st.future = Future()
-        st.future.set_result(None)
+        st.future = _finished(None)
         self._staged[unit.index] = st
 
     def params_updated(self, groups: Optional[List[FlatGroup]] = None) -> None:
@@ -1207,9 +1200,7 @@ class Stage3ParameterManager:
         self.step_gate.wait()
         self._land_grads(wait=True)
         if not self.options.grads_on_nvme:
-            if g.grad_shard is None:
-                g.grad_shard = torch.zeros(g.shard_numel, dtype=torch.float32)
-            g.grad_shard.copy_(src)
+            (g.grad_shard if g.grad_shard is not None else g.new_grad_shard()).copy_(src)
             return
 
         def write():

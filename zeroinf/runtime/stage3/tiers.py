@@ -50,21 +50,26 @@ class BufferRecycler:
         self._free_bytes = 0
         self._lock = threading.Lock()
 
-    def take(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        """A contiguous CPU tensor of ``numel`` elements of ``dtype``, contents undefined."""
+    def take(self, numel: int, dtype: torch.dtype, device: Optional[torch.device] = None) -> torch.Tensor:
+        """A contiguous tensor of ``numel`` elements of ``dtype``, contents undefined: a reused
+        or new 4096-aligned CPU buffer, or a plain ``torch.empty`` on another ``device`` (the
+        accelerator's caching allocator already reuses memory; :meth:`give` ignores those)."""
+        if device is not None and torch.device(device).type != "cpu":
+            return torch.empty(numel, dtype=dtype, device=device)
         with self._lock:
             free = self._free.get((numel, dtype))
             if free:
                 t = free.pop()
                 self._free_bytes -= t.numel() * t.element_size()
                 return t
-        nbytes = numel * torch.empty(0, dtype=dtype).element_size()
+        nbytes = numel * dtype.itemsize
         raw = torch.empty(nbytes + self.ALIGN, dtype=torch.uint8)
         off = (-raw.data_ptr()) % self.ALIGN
         return raw[off:off + nbytes].view(dtype)
 
     def give(self, t: torch.Tensor) -> None:
-        """Return a tensor from :meth:`take`; the caller must hold no view of it any more."""
+        """Return a tensor from :meth:`take`; the caller must hold no view of it any more.
+        Non-CPU tensors and buffers beyond ``keep`` or ``max_free_bytes`` are simply dropped."""
         if t.device.type != "cpu":
             return
         nbytes = t.numel() * t.element_size()
@@ -78,11 +83,6 @@ class BufferRecycler:
     def free_bytes(self) -> int:
         """Bytes held by the free buffers now."""
         return self._free_bytes
-
-    def clear(self) -> None:
-        with self._lock:
-            self._free.clear()
-            self._free_bytes = 0
 
 
 class DeviceStore:

@@ -81,6 +81,13 @@ class FlatGroup:
         if self.grad_shard is not None:
             self.grad_spare, self.grad_shard = self.grad_shard, None
 
+    def new_grad_shard(self) -> torch.Tensor:
+        """Make ``grad_shard`` a buffer (fp32 CPU, ``shard_numel``; contents undefined, the
+        caller overwrites it whole): the kept ``grad_spare`` when there is one, else new."""
+        buf = self.grad_spare if self.grad_spare is not None else torch.empty(self.shard_numel, dtype=torch.float32)
+        self.grad_spare, self.grad_shard = None, buf
+        return buf
+
 
 @dataclass(eq=False)
 class Unit:
