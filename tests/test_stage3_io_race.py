@@ -3,6 +3,10 @@ is saved for backward; in backward the unit is prefetched (its NVMe read in flig
 thread) when the saved tensor is unpacked. The unpack must wait for the read, not use the
 half-filled buffer. ``ZEROINF_STAGE3_IO_DELAY_S`` delays every background read so the race
 happens on every run instead of only on a loaded machine."""
+import os
+import sys
+
+import pytest
 import torch
 import torch.nn as nn
 
@@ -59,3 +63,50 @@ def test_foreign_saved_param_waits_for_inflight_prefetch(tmp_path, monkeypatch):
         eng.step()
         got.append(loss.item())
     assert max(abs(a - b) for a, b in zip(want, got)) < 1e-6, (want, got)
+
+
+def test_failed_read_ahead_is_raised_not_used(tmp_path):
+    """A read-ahead into a staging buffer that fails (EIO from the swap file) must surface as an
+    error at the gather that would use it; the half-filled buffer is never copied into the
+    parameters. It used to be copied silently: the next step trained on garbage (NaN here)."""
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "bench"))
+    from stage3_step import LM  # blocks large enough for the read-ahead to run
+
+    w = 256
+    z = {"stage": 3, "stage3_max_reuse_distance": 0, "stage3_prefetch_bucket_size": 24 * w * w,
+         "offload_param": {"device": "nvme", "nvme_path": str(tmp_path), "buffer_count": 6,
+                           "buffer_size": 9 * w * w, "max_in_cpu": 0},
+         "offload_optimizer": {"device": "nvme", "nvme_path": str(tmp_path), "buffer_count": 3,
+                               "pipeline_read": True, "pipeline_write": True}}
+    cfg = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
+           "zero_optimization": z}
+    torch.manual_seed(0)
+    engine, *_ = zeroinf.initialize(model=LM(6, w), config=cfg)
+    m = engine.params.manager
+    x = torch.randint(0, 256, (2, 16))
+    read, failed = m._stage_read, []
+
+    def broken(unit, st):
+        read(unit, st)
+        for v in st.views:  # what a torn read might leave behind
+            v.fill_(float("nan"))
+        failed.append(unit.name)
+        raise OSError(5, "injected read-ahead error")
+
+    def step():
+        loss = nn.functional.cross_entropy(engine(x).flatten(0, 1), x.flatten())
+        engine.backward(loss)
+        engine.step()
+        return loss.item()
+
+    first = step()
+    assert torch.isfinite(torch.tensor(first))
+    m._stage_read = broken
+    try:
+        with pytest.raises(OSError, match="injected read-ahead error"):
+            for _ in range(3):
+                loss = step()
+                assert torch.isfinite(torch.tensor(loss)), "a failed read-ahead was used as parameters"
+    finally:
+        m._stage_read = read
+    assert failed, "no read-ahead ran: the test did not exercise the staged path"

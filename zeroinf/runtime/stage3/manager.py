@@ -479,6 +479,10 @@ class Stage3ParameterManager:
         ``ready`` event of the H2D copies on CUDA (see [Note: CUDA streams]; ``after`` is the
         event recorded when ``g.full`` was allocated), None otherwise."""
         _io_delay()
+        if staged is not None and staged.future.exception() is not None:
+            # the read-ahead failed: its buffers hold partial data; raise its error, never copy them
+            self._free_staged(staged)
+            raise staged.future.exception()
         if self.transfers.side_streams and self.options.offload_param_device != "none":
             return self._h2d_partitions(unit, staged, after)
         t0 = self.tracer.now()
@@ -622,12 +626,21 @@ class Stage3ParameterManager:
         st.bufs = []
 
     def drop_staged(self, units: Optional[List[Unit]] = None) -> None:
-        """Forget staged reads (of ``units``, default all) and free their buffers."""
+        """Forget staged reads (of ``units``, default all) and free their buffers.
+
+        Raises:
+            OSError: the first read-ahead that failed (after every buffer is freed); its data
+                was never used.
+        """
+        errors = []
         for idx in list(self._staged):
             if units is None or any(u.index == idx for u in units):
                 st = self._staged.pop(idx)
-                st.future.result()
+                if st.future.exception() is not None:
+                    errors.append(st.future.exception())
                 self._free_staged(st)
+        if errors:
+            raise errors[0]
 
     def _complete(self, unit: Unit) -> None:
         if unit.state is UnitState.GATHERED:
