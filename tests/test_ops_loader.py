@@ -111,6 +111,28 @@ def test_build_key_tracks_flags_and_sources(monkeypatch):
     assert loader._build_key(spec, c2, l2, cxx) != k1
 
 
+def test_build_key_differs_between_checkouts_of_the_same_sources(monkeypatch, tmp_path):
+    """torch's build files name sources by absolute path: two copies of identical sources must
+    not share a build folder, or each process start rebuilds the op for the other copy."""
+    import shutil
+
+    import zeroinf.ops.specs as specs
+
+    spec = OPS["adam"]
+    cxx = loader._compiler()
+    if cxx is None:
+        pytest.skip("no C++ compiler")
+    c, l, _ = spec.flags()
+    k1 = loader._build_key(spec, c, l, cxx)
+    original = [p.read_bytes() for p in spec.source_paths()]
+    copy = tmp_path / "csrc"
+    shutil.copytree(loader.csrc_root(), copy)
+    monkeypatch.setattr(loader, "csrc_root", lambda: copy)
+    monkeypatch.setattr(specs, "csrc_root", lambda: copy)
+    assert [p.read_bytes() for p in spec.source_paths()] == original and spec.source_paths()[0].is_relative_to(copy)
+    assert loader._build_key(spec, c, l, cxx) != k1
+
+
 def test_loaded_state_and_cache_reuse():
     mod = load_op("adam")
     assert load_op("adam") is mod

@@ -112,6 +112,10 @@ def _build_key(spec: OpSpec, cflags, ldflags, cxx: str) -> str:
     for f in sorted(files):
         h.update(f.name.encode())
         h.update(f.read_bytes())
+    # torch's build.ninja names the sources and include folders by absolute path: two checkouts
+    # (or installs) of the same sources sharing one cache would rebuild each other's op on every
+    # process start if they shared a build folder
+    h.update(str(csrc_root().resolve()).encode())
     for part in (cflags, ldflags, [torch.__version__, sys.version, _compiler_version(cxx)]):
         h.update(json.dumps(list(part)).encode())
     if spec.cuda:
