@@ -322,3 +322,49 @@ def test_bf16_gradients_on_nvme_kept_in_bf16_for_one_micro_batch_and_summed_in_f
     assert not torch.equal(total, total.to(torch.bfloat16).float())
     engine.step()
     engine.close()
+
+
+def _groups(model):
+    """Biases and norms without weight decay and at half the LR (a common split): every block
+    unit then holds parameters of two param groups."""
+    decay = [p for n, p in model.named_parameters() if p.requires_grad and p.ndim >= 2]
+    rest = [p for n, p in model.named_parameters() if p.requires_grad and p.ndim < 2]
+    return [{"params": decay}, {"params": rest, "weight_decay": 0.0, "lr": LR / 2}]
+
+
+@pytest.mark.parametrize("param_tier,opt_tier", [("nvme", "nvme"), ("none", "cpu")])
+def test_units_mixing_frozen_and_trainable_parameters_and_two_param_groups(tmp_path, param_tier, opt_tier):
+    """A block unit with a frozen linear layer beside trainable ones, and with parameters of
+    two optimizer param groups, is split into separate flat groups: 3 steps equal AdamW with
+    the same groups (1e-6), frozen parameters stay bit-identical. Both used to raise
+    NotImplementedError at initialize."""
+    ref = TinyLM(tied=True)
+    for b in ref.blocks:
+        b.ff[0].requires_grad_(False)
+    model = copy.deepcopy(ref)
+    frozen = {n: p.detach().clone() for n, p in ref.named_parameters() if not p.requires_grad}
+    assert frozen
+    cfg = _config(param_tier, opt_tier, tmp_path, stage3_param_persistence_threshold=0)
+    if param_tier == "nvme":  # a block now reads 3 partitions at once (frozen, decay, no decay)
+        cfg["zero_optimization"]["offload_param"]["buffer_count"] = 6
+    engine, *_ = zeroinf.initialize(model=model, model_parameters=_groups(model), config=cfg)
+    keys = [g.key for g in engine.params.manager.groups()]
+    assert any(k.endswith("/frozen") for k in keys) and any(k.endswith("/pg1") for k in keys), keys
+    got = _run(engine, 3)
+    opt = torch.optim.AdamW(_groups(ref), lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, foreach=False)
+    want = []
+    for step in range(1, 4):
+        x, y = batch(step)
+        loss = loss_fn(ref(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        want.append(loss.item())
+    assert max(abs(a - b) for a, b in zip(got, want)) <= 1e-6, (got, want)
+    sd = _state(engine)
+    for name, p in ref.named_parameters():
+        err = (sd[name] - p.detach()).abs().max().item()
+        assert err <= 1e-6, f"{name}: {err}"
+    for name, p in frozen.items():
+        assert torch.equal(sd[name], p), name
+    engine.close()

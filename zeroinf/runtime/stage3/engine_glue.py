@@ -35,6 +35,11 @@ class _LayoutGroup:
     sub_keys: list
 
 
+def _group_index(groups: Sequence[Sequence[torch.nn.Parameter]]) -> Dict[torch.nn.Parameter, int]:
+    """Parameter -> index of its optimizer param group."""
+    return {p: gi for gi, ps in enumerate(groups) for p in ps}
+
+
 def engine_manager(model: torch.nn.Module, cfg, groups: Sequence[Sequence[torch.nn.Parameter]], *,
                    rank: int = 0, world_size: int = 1) -> "Stage3EngineParams":
     """Build the stage-3 parameter manager for ``ZeroEngine`` (``zero_optimization.stage == 3``).
@@ -67,7 +72,7 @@ def swap_file_bytes(model: torch.nn.Module, cfg, groups: Sequence[Sequence[torch
     opts = Stage3Options.from_zero_config(cfg.zero_optimization, cfg.aio.as_dict())
     zc = cfg.zero_optimization
     units = build_units(model, find_unit_modules(model, opts.unit_classes), opts.param_persistence_threshold,
-                        world_size, init_shapes(model))
+                        world_size, init_shapes(model), _group_index(groups))
     parts = [g for u in units for g in u.groups]
     trainable = {p for ps in groups for p in ps}
     out = []
@@ -92,30 +97,32 @@ def swap_file_bytes(model: torch.nn.Module, cfg, groups: Sequence[Sequence[torch
 class Stage3EngineParams:
     """The seam's methods over a :class:`Stage3ParameterManager` (attribute ``manager``).
 
+    Flat groups are laid out per optimizer param group and apart from frozen parameters
+    (``build_units``' ``param_group_of``), so each sub-group is stepped with one param group's
+    hyperparameters.
+
     Raises:
-        NotImplementedError: one flat group holds parameters of two optimizer param groups, or
-            mixes trainable and frozen parameters (put them in different units).
+        RuntimeError: a flat group mixes param groups or frozen and trainable parameters after
+            all: ``requires_grad`` was changed between building the model and ``initialize``
+            in a way the layout did not see (it is fixed at construction).
     """
 
     def __init__(self, model: torch.nn.Module, options: Stage3Options,
                  groups: Sequence[Sequence[torch.nn.Parameter]], *, sub_group_size: int):
-        self.manager = m = Stage3ParameterManager(model, options)
+        group_of = _group_index(groups)
+        self.manager = m = Stage3ParameterManager(model, options, param_group_of=group_of)
         self.nparts = m.world_size
-        group_of: Dict[torch.nn.Parameter, int] = {}
-        for gi, ps in enumerate(groups):
-            for p in ps:
-                group_of[p] = gi
         self._subs: List[Tuple[FlatGroup, int, int, int]] = []  # (group, lo, hi, param group)
         self._keys: List[str] = []
         for g in m.groups():
             gis = {group_of.get(s.param) for s in g.slots}
             if gis == {None}:
                 continue  # frozen
-            if len(gis) > 1:
+            if len(gis) > 1:  # only a parameter frozen or unfrozen between layout and here
                 names = [s.name for s in g.slots]
-                raise NotImplementedError(f"stage 3: unit group {g.key} ({names[:3]}...) spans optimizer param groups "
-                                          f"or mixes frozen and trainable parameters {sorted(map(str, gis))}; "
-                                          "give each unit one param group")
+                raise RuntimeError(f"stage 3: flat group {g.key} ({names[:3]}...) mixes optimizer param groups or "
+                                   f"frozen and trainable parameters {sorted(map(str, gis))}: requires_grad changed "
+                                   "after the stage-3 layout was made; set it before zeroinf.initialize")
             gi = gis.pop()
             for k, lo in enumerate(range(0, g.shard_numel, sub_group_size)):
                 self._subs.append((g, lo, min(g.shard_numel, lo + sub_group_size), gi))

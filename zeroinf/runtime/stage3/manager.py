@@ -195,6 +195,10 @@ class Stage3ParameterManager:
         process_group: ``torch.distributed`` group (default: the world when initialized).
         swapper: a ``zeroinf.io.TensorSwapper`` for NVMe partitions (default: one made under
             ``<nvme_path>/zeroinf_params_rank<r>``).
+        unit_modules: ``(name, module)`` of the unit modules (default: :func:`find_unit_modules`).
+        param_group_of: parameter -> optimizer param-group index; a unit's parameters of two
+            param groups, or frozen and trainable ones, go to separate flat groups (default:
+            split only frozen from trainable).
 
     Raises:
         Stage3ConfigError: ``offload_param.nvme_path`` cannot hold swap files (NVMe tier, no
@@ -220,7 +224,8 @@ class Stage3ParameterManager:
 
     def __init__(self, module: nn.Module, options: Optional[Stage3Options] = None, *,
                  device: Optional[torch.device] = None, process_group=None, swapper=None,
-                 unit_modules: Optional[Sequence[Tuple[str, nn.Module]]] = None):
+                 unit_modules: Optional[Sequence[Tuple[str, nn.Module]]] = None,
+                 param_group_of: Optional[Dict[nn.Parameter, int]] = None):
         self.options = opts = options or Stage3Options()
         self.module = module
         self.device = torch.device(device) if device is not None else (
@@ -260,7 +265,7 @@ class Stage3ParameterManager:
         if unit_modules is None:
             unit_modules = find_unit_modules(module, opts.unit_classes)
         self.units: List[Unit] = build_units(module, list(unit_modules), opts.param_persistence_threshold,
-                                             self.world_size, shapes)
+                                             self.world_size, shapes, param_group_of)
         self._slot_of: Dict[nn.Parameter, Tuple[Unit, FlatGroup, ParamSlot]] = {}
         for u in self.units:
             for g in u.groups:

@@ -31,7 +31,8 @@ class Stage3Optimizer:
             to ``SubGroupOptimizer`` (``zero_optimization.offload_optimizer``).
 
     Raises:
-        NotImplementedError: a flat group mixes trainable and frozen parameters.
+        RuntimeError: a flat group mixes trainable and frozen parameters: ``requires_grad``
+            changed after the manager laid out its flat groups (which splits them).
     """
 
     def __init__(self, manager: Stage3ParameterManager, *, sub_group_size: int = 1_000_000_000,
@@ -48,8 +49,8 @@ class Stage3Optimizer:
                 continue
             if len(flags) > 1:
                 names = [s.name for s in g.slots if not s.param.requires_grad]
-                raise NotImplementedError(f"stage 3: flat group {g.key} mixes frozen parameters {names} with "
-                                          "trainable ones; freeze whole units or none")
+                raise RuntimeError(f"stage 3: flat group {g.key} mixes frozen parameters {names} with trainable "
+                                   "ones: requires_grad changed after the manager was built; set it before")
             for lo in range(0, g.shard_numel, sub_group_size):
                 self._by_group.setdefault(g.key, []).append(len(self.chunks))
                 self.chunks.append((g, lo, min(g.shard_numel, lo + sub_group_size)))

@@ -7,20 +7,21 @@ shared by two blocks, belongs to the root unit, which is gathered for the whole 
 backward. Parameters with fewer than ``param_persistence_threshold`` elements form the
 persistent unit, gathered once and kept gathered.
 
-Each unit owns one :class:`FlatGroup` per parameter dtype: a flat buffer of all its parameters
-of that dtype, padded to a multiple of the world size and partitioned into equal shards.
+Each unit owns one :class:`FlatGroup` per parameter dtype (split further into frozen and
+trainable parameters, and by optimizer param group, where a unit mixes them): a flat buffer of
+those parameters, padded to a multiple of the world size and partitioned into equal shards.
 """
 from __future__ import annotations
 
 import enum
 import math
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence, Set, Tuple
+from typing import Callable, Dict, Hashable, List, Optional, Sequence, Set, Tuple
 
 import torch
 from torch import nn
 
-__all__ = ["UnitState", "ParamSlot", "FlatGroup", "Unit", "find_unit_modules", "build_units"]
+__all__ = ["UnitState", "ParamSlot", "FlatGroup", "Unit", "find_unit_modules", "build_units", "param_splitter", "FROZEN"]
 
 
 class UnitState(enum.Enum):
@@ -177,28 +178,59 @@ def find_unit_modules(model: nn.Module, unit_classes: Optional[Sequence[str]] = 
     return out
 
 
+FROZEN = "frozen"  #: the split key of parameters without requires_grad (see :func:`param_splitter`)
+
+
+def _split_name(key: Hashable) -> str:
+    return "frozen" if key == FROZEN else f"pg{key}"
+
+
 def _groups_for(index: int, named: List[Tuple[str, nn.Parameter]], world_size: int,
-                shapes: Dict[nn.Parameter, torch.Size]) -> List[FlatGroup]:
-    by_dtype: Dict[torch.dtype, List[Tuple[str, nn.Parameter]]] = {}
+                shapes: Dict[nn.Parameter, torch.Size], split: Callable[[nn.Parameter], Hashable]) -> List[FlatGroup]:
+    """One flat group per (dtype, ``split(p)``) of the unit's parameters, in first-seen order.
+    Keys: ``unit<i>/<dtype>`` where a dtype has one split; ``unit<i>/<dtype>/frozen`` and
+    ``unit<i>/<dtype>/pg<k>`` where it has several."""
+    parts: Dict[Tuple[torch.dtype, Hashable], List[Tuple[str, nn.Parameter]]] = {}
     for n, p in named:
-        by_dtype.setdefault(p.dtype, []).append((n, p))
+        parts.setdefault((p.dtype, split(p)), []).append((n, p))
+    per_dtype: Dict[torch.dtype, int] = {}
+    for dtype, _ in parts:
+        per_dtype[dtype] = per_dtype.get(dtype, 0) + 1
     groups = []
-    for dtype, items in by_dtype.items():
+    for (dtype, key), items in parts.items():
         slots, off = [], 0
         for n, p in items:
             shape = torch.Size(shapes.get(p, p.shape))
             slots.append(ParamSlot(n, p, off, math.prod(shape), shape, len(slots)))
             off += math.prod(shape)
         padded = int(math.ceil(off / world_size) * world_size) if off else 0
-        groups.append(FlatGroup(key=f"unit{index}/{str(dtype).replace('torch.', '')}", dtype=dtype,
-                                slots=slots, numel=off, padded_numel=padded,
+        name = f"unit{index}/{str(dtype).replace('torch.', '')}"
+        if per_dtype[dtype] > 1:
+            name += "/" + _split_name(key)
+        groups.append(FlatGroup(key=name, dtype=dtype, slots=slots, numel=off, padded_numel=padded,
                                 shard_numel=padded // world_size))
     return groups
 
 
+def param_splitter(param_group_of: Optional[Dict[nn.Parameter, int]] = None) -> Callable[[nn.Parameter], Hashable]:
+    """The split key that keeps a flat group within one optimizer param group and one of
+    frozen / trainable: :data:`FROZEN` for a parameter without ``requires_grad`` or, when a
+    map is given, one the optimizer does not train (not in ``param_group_of``); else its
+    param-group index (0 without a map)."""
+    if param_group_of is None:
+        return lambda p: FROZEN if not p.requires_grad else 0
+    return lambda p: FROZEN if not p.requires_grad else param_group_of.get(p, FROZEN)
+
+
 def build_units(model: nn.Module, unit_modules: List[Tuple[str, nn.Module]], persistence_threshold: int,
-                world_size: int, shapes: Optional[Dict[nn.Parameter, torch.Size]] = None) -> List[Unit]:
+                world_size: int, shapes: Optional[Dict[nn.Parameter, torch.Size]] = None,
+                param_group_of: Optional[Dict[nn.Parameter, int]] = None) -> List[Unit]:
     """Assign every parameter of ``model`` to exactly one unit and lay out the flat groups.
+
+    A unit holds one flat group per dtype, split further so that no flat group mixes frozen
+    (``requires_grad=False``) and trainable parameters, or parameters of two optimizer param
+    groups (``param_group_of``: parameter -> param-group index; see :func:`param_splitter`):
+    each flat group's partition is then stepped with one set of hyperparameters, or not at all.
 
     ``shapes`` gives the true shape of parameters whose data was already partitioned away
     (``zeroinf.Init``); others use ``p.shape``. Unit 0 is the persistent unit, unit 1 the root
@@ -206,6 +238,7 @@ def build_units(model: nn.Module, unit_modules: List[Tuple[str, nn.Module]], per
     indices match modules, with no groups).
     """
     shapes = shapes or {}
+    split = param_splitter(param_group_of)
     owner: Dict[nn.Parameter, List[int]] = {}
     names: Dict[nn.Parameter, str] = {}
     for ui, (mname, mod) in enumerate(unit_modules):
@@ -224,10 +257,10 @@ def build_units(model: nn.Module, unit_modules: List[Tuple[str, nn.Module]], per
             per_unit[units_of[0]].append((fq, p))
         else:  # outside every block, or shared by two blocks
             root.append((fq, p))
-    units = [Unit(0, "<persistent>", None, _groups_for(0, persistent, world_size, shapes), persistent=True),
-             Unit(1, "<root>", model, _groups_for(1, root, world_size, shapes))]
+    units = [Unit(0, "<persistent>", None, _groups_for(0, persistent, world_size, shapes, split), persistent=True),
+             Unit(1, "<root>", model, _groups_for(1, root, world_size, shapes, split))]
     for ui, (mname, mod) in enumerate(unit_modules):
-        units.append(Unit(ui + 2, mname, mod, _groups_for(ui + 2, per_unit[ui], world_size, shapes)))
+        units.append(Unit(ui + 2, mname, mod, _groups_for(ui + 2, per_unit[ui], world_size, shapes, split)))
     for u in units:
         u.trainable = sum(1 for g in u.groups for s in g.slots if s.param.requires_grad)
     return units
