@@ -11,7 +11,10 @@ in stage3/manager.py).
      released after waiting for the work (traced as unused), and the gradients stay right;
   3. the CUDA branch with stand-in streams: each reduction's work is waited for with the D2H
      stream current (never the compute stream), before the shard's copy; the numbers are
-     bit-equal to the CPU branch.
+     bit-equal to the CPU branch;
+  4. stages 1 and 2 (``FlatParamManager``, [Note: stage 1/2 transfers]): the CUDA branch with
+     stand-in streams waits for every bucket's collective on the D2H stream and gives the CPU
+     branch's gradients bit for bit (a copied and two accumulated micro-batches).
 """
 from __future__ import annotations
 
@@ -23,6 +26,7 @@ import warnings
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+import torch.nn.functional as F
 
 from stage3_models import TinyLM, batch, loss_fn
 from test_stage3_cuda import _FakeCuda, _RecordingTransfers
@@ -42,6 +46,39 @@ class _LoggedWork:
     def wait(self):
         self.fake.log.append(("work_wait", self.fake.current_stream().name, self))
         return self.work.wait()
+
+
+class _LoggedCollectives:
+    """Replaces ``dist.all_reduce`` and ``dist.reduce_scatter_tensor`` by versions whose work
+    handles log where they are waited for (``works``: every handle made)."""
+
+    def __init__(self, fake: _FakeCuda):
+        self.fake, self.works, self.saved = fake, [], {}
+
+    def __enter__(self):
+        for name in ("all_reduce", "reduce_scatter_tensor"):
+            fn = self.saved[name] = getattr(dist, name)
+
+            def logged(*a, fn=fn, name=name, **k):
+                w = fn(*a, **k)
+                if k.get("async_op"):
+                    w = _LoggedWork(w, self.fake, name)
+                    self.works.append(w)
+                return w
+            setattr(dist, name, logged)
+        return self
+
+    def __exit__(self, *exc):
+        for name, fn in self.saved.items():
+            setattr(dist, name, fn)
+
+    def waited_on_d2h(self) -> bool:
+        """Every work was waited for exactly once, with the D2H stream current, right after that
+        stream waited for the compute stream."""
+        log = self.fake.log
+        waits = [(i, e) for i, e in enumerate(log) if e[0] == "work_wait"]
+        return (bool(waits) and sorted(id(e[2]) for _, e in waits) == sorted(id(w) for w in self.works)
+                and all(e[1] == "d2h" and log[i - 1] == ("wait_stream", "d2h", "compute") for i, e in waits))
 
 
 def test_d2h_waits_for_the_collective_on_the_d2h_stream():
@@ -175,36 +212,46 @@ def _worker(rank, tmp):
         plain = Stage3ParameterManager(plain_model, _opts(None, 5000, "cpu"), device="cpu")
         mgr = Stage3ParameterManager(model, _opts(None, 5000, "cpu"), device="cpu")
         rec = mgr.transfers = _RecordingTransfers()
-        works = []
-        all_reduce = dist.all_reduce
-
-        def logged_all_reduce(*a, **k):
-            w = _LoggedWork(all_reduce(*a, **k), rec.fake, "all_reduce")
-            works.append(w)
-            return w
-
-        dist.all_reduce = logged_all_reduce
-        try:
+        with _LoggedCollectives(rec.fake) as coll:
             _run(model, mgr, rank, [4, 5])
-        finally:
-            dist.all_reduce = all_reduce
         _run(plain_model, plain, rank, [4, 5])
         log = rec.fake.log
-        waits = [e for e in log if e[0] == "work_wait"]
-        res["reductions"] = len(works)
-        res["waited_on"] = sorted({e[1] for e in waits})
-        res["all_waited"] = sorted(id(e[2]) for e in waits) == sorted(id(w) for w in works)
-        # each wait comes after the D2H stream waited for the compute stream, before its copy's event
-        ok = True
-        for e in waits:
-            i = log.index(e)
-            nxt = next(x for x in log[i:] if x[0] == "record")
-            ok &= log[i - 1] == ("wait_stream", "d2h", "compute") and nxt[1] == "d2h" and nxt[2] in rec.d2h_calls
-        res["wait_before_copy"] = ok
+        res["reductions"] = len(coll.works)
+        res["waited_on_d2h"] = coll.waited_on_d2h()
+        # the next event each wait is followed by is its copy's, on the D2H stream
+        res["wait_before_copy"] = all(
+            next(x for x in log[i:] if x[0] == "record")[2] in rec.d2h_calls
+            for i, e in enumerate(log) if e[0] == "work_wait")
         res["landed"] = all(ev.synced for ev in rec.d2h_calls)
         res["equal_cuda_branch"] = _equal(_shards(mgr), _shards(plain))
         mgr.close()
         plain.close()
+
+        # 4. stages 1/2: the CUDA branch with stand-in streams against the CPU branch
+        from test_engine import batches, make_mlp
+        from zeroinf.runtime.flat import FlatParamManager
+
+        X, Y = batches(3)
+        for stage in (1, 2):
+            models = [make_mlp(), make_mlp()]
+            kw = dict(stage=stage, sub_group_size=33, reduce_bucket_size=30, rank=rank, world_size=WORLD)
+            cpu = FlatParamManager([list(models[0].parameters())], **kw)
+            rec = _RecordingTransfers()
+            fm = FlatParamManager([list(models[1].parameters())], transfers=rec, **kw)
+            cpu.zero_grad_acc()
+            fm.zero_grad_acc()
+            coll = _LoggedCollectives(rec.fake)
+            for k in range(3):
+                for model in models:
+                    F.mse_loss(model(X[k][2 * rank:2 * rank + 2]), Y[k][2 * rank:2 * rank + 2]).backward()
+                cpu.reduce_gradients()
+                with coll:
+                    fm.reduce_gradients()
+            n = len(fm.sub_group_specs())
+            res[f"flat{stage}_equal"] = torch.equal(torch.cat([fm.grad(i) for i in range(n)]),
+                                                    torch.cat([cpu.grad(i) for i in range(n)]))
+            res[f"flat{stage}_works"] = len(coll.works)
+            res[f"flat{stage}_waited_on_d2h"] = coll.waited_on_d2h()
         with open(os.path.join(tmp, f"result{rank}.json"), "w") as f:
             json.dump(res, f)
         destroy_process_group()  # with its closing barrier (see its docstring)
@@ -223,5 +270,9 @@ def test_two_ranks_collectives_ahead_and_async(tmp_path):
         assert res["invalidations"] >= 1 and res["unused"] == ["all_gather blocks.1"], res
         assert res["equal_diverged"] and res["live_after"] == 0, res
         # 3.
-        assert res["reductions"] > 0 and res["all_waited"] and res["waited_on"] == ["d2h"], res
+        assert res["reductions"] > 0 and res["waited_on_d2h"], res
         assert res["wait_before_copy"] and res["landed"] and res["equal_cuda_branch"], res
+        # 4. (3 micro-batches x at least 2 buckets)
+        for stage in (1, 2):
+            assert res[f"flat{stage}_equal"] and res[f"flat{stage}_works"] >= 6, res
+            assert res[f"flat{stage}_waited_on_d2h"], res
