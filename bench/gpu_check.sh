@@ -10,8 +10,8 @@
 #   env        GPU, driver, torch and CUDA versions; `zeroinf report`
 #   build      pip install -e . (no deps, nothing compiled), then JIT-build the cuda, adam and aio
 #              ops in parallel (TORCH_CUDA_ARCH_LIST is honoured; unset = the visible GPU's arch)
-#   tests      python -m pytest tests/test_cuda.py tests/test_stage3_cuda.py (fused gradient kernel vs
-#              the torch reference; stage 3's side-stream copies, sync debug mode, 3 steps vs AdamW)
+#   tests      python -m pytest tests/test_cuda.py tests/test_stage3_cuda.py tests/test_flat_cuda.py (fused kernel vs
+#              the torch reference; stages 3 and 2 side-stream copies, sync debug mode, steps vs AdamW)
 #   transfers  H2D / D2H GB/s from pinned and pageable memory, both directions at once on two side
 #              streams, and the fused gradient kernel vs the three torch ops it replaces
 #   nvme       zeroinf.io.AsyncIOHandle: write then read 2 GiB under NVME_DIR, bytes compared
@@ -99,7 +99,7 @@ stage_build() {
 }
 
 stage_tests() {
-  "$PY" -m pytest -q -rs tests/test_cuda.py tests/test_stage3_cuda.py -p no:cacheprovider 2>&1 | tail -n 25
+  "$PY" -m pytest -q -rs tests/test_cuda.py tests/test_stage3_cuda.py tests/test_flat_cuda.py -p no:cacheprovider 2>&1 | tail -n 25
 }
 
 stage_transfers() {

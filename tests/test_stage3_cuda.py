@@ -169,9 +169,9 @@ class _RecordingTransfers(CudaTransfers):
                                    srcs=[src.data_ptr() for _, src in copies]))
         return ready
 
-    def d2h(self, dst, src):
+    def d2h(self, dst, src, **kw):
         assert dst.dtype == torch.float32 and dst.device.type == "cpu"
-        ready = super().d2h(dst, src)
+        ready = super().d2h(dst, src, **kw)
         self.d2h_calls.append(ready)
         return ready
 

@@ -17,19 +17,45 @@ holds this rank's slice: each micro-batch is added exactly once, and ``.grad`` i
 
 After the optimizer step the updated slices are all-gathered into the flat buffers (stages 1, 2),
 so every rank holds the whole model again.
+
+[Note: stage 1/2 transfers] Each bucket's collective is launched with ``async_op=True`` before the
+previous bucket is landed, so the reduction of bucket k+1 runs while bucket k is averaged and
+copied. Landing goes through ``self.transfers`` (``zeroinf/runtime/streams.py``):
+
+* CPU (``HostTransfers``): the previous bucket's work is waited for, divided and copied/added into
+  ``grad_acc`` on the calling thread: the same operations in the same order as a synchronous
+  reduction, so the numbers are the same bit for bit. One rank adds each gradient in place.
+* CUDA (``CudaTransfers``, also with one rank, in buckets): the D2H stream waits for the compute
+  stream and for the bucket's collective, divides, and copies ``non_blocking`` as fp32 into
+  pinned memory: straight into the pinned ``grad_acc`` slice for the first micro-batch after a
+  step, else into one of two pinned staging buffers (pieces of at most ``STAGING_NUMEL``
+  elements) that the host adds into ``grad_acc`` after the copy's event; a staging buffer is
+  reused only after that add. The copies land (host waits on their events; the device never
+  stalls) before anything reads ``grad_acc`` (``grad``, ``local_grad_norm_parts``) and before
+  the next ``reduce_gradients`` or ``zero_grad_acc``.
+* CUDA parameters: the optimizer writes each sub-group's new values into a pinned host copy of
+  this rank's slice (``param_target``), after waiting (host) for the previous H2D copy out of it;
+  ``gather_params`` copies it ``non_blocking`` on the H2D stream, after the compute stream's work
+  so far (kernels still reading the old values), and the compute stream waits for it before the
+  all-gather and the next forward.
 """
 from __future__ import annotations
 
 import bisect
+import collections
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Any, Deque, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
 
 from .optimizer import SubGroupSpec
+from .streams import transfers_for
 
-__all__ = ["FlatGroup", "FlatParamManager"]
+__all__ = ["FlatGroup", "FlatParamManager", "STAGING_NUMEL"]
+
+#: fp32 elements per pinned staging buffer for gradient accumulation on CUDA (16 MiB; two are kept)
+STAGING_NUMEL = 1 << 22
 
 
 @dataclass
@@ -45,6 +71,7 @@ class FlatGroup:
     part_numel: int
     grad_acc: torch.Tensor      #: fp32 CPU, part_numel
     sub_ranges: List[Tuple[int, int]]   #: (start, numel) of each sub-group, relative to part_start
+    host_part: Optional[torch.Tensor] = None  #: CUDA: pinned host copy of this rank's slice (model dtype)
 
 
 class FlatParamManager:
@@ -58,6 +85,8 @@ class FlatParamManager:
             DeepSpeed's ``reduce_scatter: false``).
         rank, world_size: data-parallel coordinates (world size 1 needs no process group).
         group: the torch.distributed process group (None: default).
+        transfers: device<->host copies (default ``transfers_for(device)``: CUDA side streams, or
+            plain copies on the CPU); see [Note: stage 1/2 transfers].
 
     Raises:
         ValueError: no trainable parameter, mixed devices/dtypes, a parameter in two groups.
@@ -65,7 +94,7 @@ class FlatParamManager:
 
     def __init__(self, param_groups: Sequence[Sequence[torch.nn.Parameter]], *, stage: int, sub_group_size: int,
                  reduce_bucket_size: int, allgather_bucket_size: int = 500_000_000, reduce_scatter: bool = True,
-                 rank: int = 0, world_size: int = 1, group=None):
+                 rank: int = 0, world_size: int = 1, group=None, transfers=None):
         if stage not in (0, 1, 2):
             raise ValueError(f"FlatParamManager handles stages 0-2, got {stage}")
         self.stage, self.rank, self.world_size, self.pg = stage, rank, world_size, group
@@ -88,6 +117,11 @@ class FlatParamManager:
         self.bucket = max(1, int(reduce_bucket_size) // self.nparts)
         self.gather_bucket = max(1, int(allgather_bucket_size) // self.nparts)
         self.reduce_scatter = bool(reduce_scatter)
+        self.transfers = transfers if transfers is not None else transfers_for(self.device)
+        self._landing: Deque[Tuple[Any, Optional[torch.Tensor], Optional[torch.Tensor]]] = collections.deque()
+        self._staging: List[torch.Tensor] = []  # two pinned fp32 buffers, used in turn
+        self._staged = 0  # staging buffers handed out so far (the next is _staging[_staged % 2])
+        self._param_ready: Any = None  # event of the last H2D copy out of the host_part buffers
         pin = torch.cuda.is_available()
         self.groups: List[FlatGroup] = []
         self._fresh = False  # True: grad_acc holds stale values that count as zero
@@ -140,10 +174,18 @@ class FlatParamManager:
         return g.grad_acc[s:s + n]
 
     def param_target(self, i: int) -> torch.Tensor:
-        """The flat slice of the model's parameters that sub-group ``i`` updates (device, model dtype)."""
+        """Where sub-group ``i``'s updated parameters go (model dtype, ``numel`` of the sub-group):
+        the flat slice of the model's parameters on the CPU; on CUDA its pinned host copy, moved
+        to the device by :meth:`gather_params` ([Note: stage 1/2 transfers])."""
         g, s, n = self._sub_index()[i]
         a = g.part_start + s
-        return g.flat[a:a + n]
+        if not self.transfers.side_streams:
+            return g.flat[a:a + n]
+        if g.host_part is None:
+            g.host_part = torch.empty(g.part_numel, dtype=g.flat.dtype, pin_memory=torch.cuda.is_available())
+            g.host_part.copy_(g.flat[g.part_start:g.part_start + g.part_numel])  # once; the sub-group's padding too
+        self.transfers.host_wait(self._param_ready)  # the last H2D copy out of it is done
+        return g.host_part[s:s + n]
 
     def _overlaps(self, g: FlatGroup, a: int, b: int):
         """Params of ``g`` overlapping flat range [a, b), with their offsets."""
@@ -159,18 +201,21 @@ class FlatParamManager:
     @torch.no_grad()
     def reduce_gradients(self) -> int:
         """Average this micro-batch's ``.grad`` over ranks, add this rank's slice into the fp32 CPU
-        accumulation buffer, and release ``.grad``. Returns the elements communicated.
+        accumulation buffer, and release ``.grad``. Returns the elements communicated. On CUDA the
+        copies may still be in flight on return ([Note: stage 1/2 transfers]).
 
         Raises:
             RuntimeError: a trainable parameter's gradient has the wrong shape or dtype.
         """
+        self._land()
+        side = self.transfers.side_streams
         comm = 0
         for g in self.groups:
             for p in g.params:
                 if p.grad is not None and p.grad.shape != p.shape:
                     raise RuntimeError(f"gradient of shape {tuple(p.grad.shape)} for a parameter of shape {tuple(p.shape)}")
             first = self._fresh  # first micro-batch since the last step: copy, no zeroing pass
-            if self.world_size == 1:  # nothing to communicate: add each gradient in place
+            if self.world_size == 1 and not side:  # nothing to communicate: add each gradient in place
                 for p, off in zip(g.params, g.offsets):
                     dst = g.grad_acc[off:off + p.numel()]
                     if p.grad is not None:
@@ -180,41 +225,103 @@ class FlatParamManager:
                         dst.zero_()
                     p.grad = None
                 continue
-            P = g.part_numel
-            for start in range(0, P, self.bucket):
-                b = min(self.bucket, P - start)
-                buf = torch.zeros(self.nparts, b, dtype=torch.float32, device=self.device)
-                for r in range(self.nparts):
-                    a = r * P + start
-                    for p, off in self._overlaps(g, a, a + b):
-                        if p.grad is None:
-                            continue
-                        lo, hi = max(a, off), min(a + b, off + p.numel())
-                        buf[r, lo - a:hi - a].copy_(p.grad.reshape(-1)[lo - off:hi - off])
-                mine = buf[self.rank] if self.stage != 0 else buf[0]
+            prev = None
+            for start in range(0, g.part_numel, self.bucket):
+                b = min(self.bucket, g.part_numel - start)
+                buf = self._fill_bucket(g, start, b)
+                mine, work = self._launch_bucket(buf, b)
                 if self.world_size > 1:
-                    if self.stage == 2 and self.reduce_scatter:
-                        out = torch.empty(b, dtype=torch.float32, device=self.device)
-                        dist.reduce_scatter_tensor(out, buf.reshape(-1), group=self.pg)
-                        mine = out
-                    else:
-                        dist.all_reduce(buf, group=self.pg)
                     comm += buf.numel()
-                    mine.div_(self.world_size)
-                dst = g.grad_acc[start:start + b]
-                src = mine.to("cpu", non_blocking=False)
-                dst.copy_(src) if first else dst.add_(src)
+                if prev is not None:  # this bucket's collective runs while the previous one lands
+                    self._land_bucket(g, first, *prev)
+                prev = (start, b, buf, mine, work)
+            self._land_bucket(g, first, *prev)
             for p in g.params:
                 p.grad = None
         self._fresh = False
         return comm
 
+    def _fill_bucket(self, g: FlatGroup, start: int, b: int) -> torch.Tensor:
+        """Bucket ``start`` of ``g``: ``[nparts, b]`` fp32 on the device, row ``r`` holding the
+        gradients of rank ``r``'s slice elements ``[start, start + b)`` (zero where none)."""
+        P = g.part_numel
+        buf = torch.zeros(self.nparts, b, dtype=torch.float32, device=self.device)
+        for r in range(self.nparts):
+            a = r * P + start
+            for p, off in self._overlaps(g, a, a + b):
+                if p.grad is None:
+                    continue
+                lo, hi = max(a, off), min(a + b, off + p.numel())
+                buf[r, lo - a:hi - a].copy_(p.grad.reshape(-1)[lo - off:hi - off])
+        return buf
+
+    def _launch_bucket(self, buf: torch.Tensor, b: int) -> Tuple[torch.Tensor, Any]:
+        """Start summing ``buf`` over ranks (``async_op=True``). Returns (the tensor that holds
+        this rank's ``b`` summed elements once the work is done, the work; None with one rank)."""
+        mine = buf[self.rank] if self.stage != 0 else buf[0]
+        if self.world_size == 1:
+            return mine, None
+        if self.stage == 2 and self.reduce_scatter:
+            out = torch.empty(b, dtype=torch.float32, device=self.device)
+            return out, dist.reduce_scatter_tensor(out, buf.reshape(-1), group=self.pg, async_op=True)
+        return mine, dist.all_reduce(buf, group=self.pg, async_op=True)
+
+    def _land_bucket(self, g: FlatGroup, first: bool, start: int, b: int, buf: torch.Tensor,
+                     mine: torch.Tensor, work: Any) -> None:
+        """Average ``mine`` (once ``work`` is done) into ``g.grad_acc[start:start + b]``: copied
+        for the first micro-batch, else added; see [Note: stage 1/2 transfers]."""
+        dst = g.grad_acc[start:start + b]
+        if not self.transfers.side_streams:
+            if work is not None:
+                work.wait()
+                mine.div_(self.world_size)
+            src = mine.to("cpu", non_blocking=False)
+            dst.copy_(src) if first else dst.add_(src)
+            return
+        t = self.transfers
+        if first:
+            self._landing.append((t.d2h(dst, mine, work=work, divisor=self.world_size, keep=(buf,)), None, None))
+            return
+        for a in range(0, b, STAGING_NUMEL):  # pieces through the rotating staging buffers
+            n = min(STAGING_NUMEL, b - a)
+            stage = self._staging_buffer()[:n]
+            ready = t.d2h(stage, mine[a:a + n], work=work if a == 0 else None, divisor=self.world_size, keep=(buf,))
+            self._landing.append((ready, stage, dst[a:a + n]))
+
+    def _staging_buffer(self) -> torch.Tensor:
+        """The next of the two pinned fp32 staging buffers (``STAGING_NUMEL`` elements at most),
+        after the bucket piece that used it last has been added into ``grad_acc``."""
+        if len(self._staging) < 2:
+            n = min(STAGING_NUMEL, max(g.part_numel for g in self.groups))
+            self._staging.append(torch.empty(n, dtype=torch.float32, pin_memory=torch.cuda.is_available()))
+            buf = self._staging[-1]
+        else:
+            buf = self._staging[self._staged % 2]
+            while any(stage is not None and stage.data_ptr() == buf.data_ptr() for _, stage, _ in self._landing):
+                self._land_one()
+        self._staged += 1
+        return buf
+
+    def _land_one(self) -> None:
+        """Land the oldest gradient copy in flight: host wait for its event, then the add."""
+        ready, stage, dst = self._landing.popleft()
+        self.transfers.host_wait(ready)
+        if stage is not None:
+            dst.add_(stage)
+
+    def _land(self) -> None:
+        """Wait (host) for every gradient copy in flight and add the staged ones, in order."""
+        while self._landing:
+            self._land_one()
+
     def zero_grad_acc(self) -> None:
         """Clear the accumulation buffers (after a step or a skipped step). Lazy: the next
         micro-batch copies instead of adding, and a read before that sees zeros."""
+        self._land()
         self._fresh = True
 
     def _materialize(self) -> None:
+        self._land()
         if self._fresh:  # read with no micro-batch since the last clear: really zero
             for g in self.groups:
                 g.grad_acc.zero_()
@@ -222,8 +329,15 @@ class FlatParamManager:
 
     @torch.no_grad()
     def gather_params(self) -> int:
-        """All-gather the updated slices so every rank holds the whole flat buffer (stages 1, 2).
-        Returns the elements received."""
+        """After the optimizer step: on CUDA copy the updated slice from its pinned host copy to
+        the device ([Note: stage 1/2 transfers]); then all-gather the updated slices so every rank
+        holds the whole flat buffer (stages 1, 2). Returns the elements received."""
+        if self.transfers.side_streams:
+            copies = [(g.flat[g.part_start:g.part_start + g.part_numel], g.host_part)
+                      for g in self.groups if g.host_part is not None]
+            if copies:
+                self._param_ready = self.transfers.h2d(copies, self.transfers.mark())
+                self.transfers.stream_wait(self._param_ready)
         if self.world_size == 1 or self.stage == 0:
             return 0
         n = 0

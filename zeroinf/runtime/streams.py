@@ -19,6 +19,11 @@ The hand-off protocol (``ev`` is a CUDA event, or ``None`` on the CPU):
 * ``ready = t.d2h(dst, src)`` on the compute thread: the D2H stream waits for the compute stream's
   work so far, copies ``non_blocking`` into the pinned ``dst``, records ``ready``; ``src``'s device
   memory is kept from reuse until that copy is done (``Tensor.record_stream``).
+* ``ready = t.d2h(dst, src, work=w, divisor=n, keep=(inp,))`` on the compute thread, right after
+  launching a collective ``w`` (``async_op=True``) that writes ``src`` from ``inp``: as above, and
+  before the copy the D2H stream waits for the collective (``w.wait()`` issued with the D2H stream
+  current: a stream wait, the host is not blocked) and divides ``src`` by ``n`` in place; ``inp``
+  is kept from reuse like ``src``. The compute stream never waits for the collective.
 """
 from __future__ import annotations
 
@@ -53,8 +58,14 @@ class HostTransfers:
             dst.copy_(src)
         return None
 
-    def d2h(self, dst: torch.Tensor, src: torch.Tensor) -> None:
-        """``dst.copy_(src)`` now, on the calling thread."""
+    def d2h(self, dst: torch.Tensor, src: torch.Tensor, work: Optional[Any] = None, divisor: int = 1,
+            keep: Sequence[torch.Tensor] = ()) -> None:
+        """Now, on the calling thread: ``work.wait()`` (blocks until the collective is done),
+        ``src.div_(divisor)`` (unless 1), ``dst.copy_(src)``. ``keep`` needs no care here."""
+        if work is not None:
+            work.wait()
+        if divisor != 1:
+            src.div_(divisor)
         dst.copy_(src)
         return None
 
@@ -128,15 +139,31 @@ class CudaTransfers:
                 self._keep_alive(dst, s)
             return self._event(s)
 
-    def d2h(self, dst: torch.Tensor, src: torch.Tensor) -> Any:
+    def d2h(self, dst: torch.Tensor, src: torch.Tensor, work: Optional[Any] = None, divisor: int = 1,
+            keep: Sequence[torch.Tensor] = ()) -> Any:
         """Enqueue ``dst.copy_(src)`` (dtype converted on the device) on :attr:`d2h_stream` after
         the compute stream's work so far; return its ``ready`` event. ``dst`` is pinned host
-        memory, valid only after :meth:`host_wait` on the returned event."""
+        memory, valid only after :meth:`host_wait` on the returned event.
+
+        Args:
+            work: a ``torch.distributed`` work handle (``async_op=True``) of the collective that
+                writes ``src``: the D2H stream waits for it first (``work.wait()`` with the D2H
+                stream current makes that stream wait on NCCL's; no host block).
+            divisor: ``src`` is divided by it in place on the D2H stream before the copy (the
+                average over ranks; 1: no division).
+            keep: further device tensors (the collective's input) whose blocks must not be
+                reused until this stream's work so far is done, like ``src``.
+        """
         s = self.d2h_stream
         s.wait_stream(self._cuda.current_stream(self.device))
         with self._cuda.stream(s):
+            if work is not None:
+                work.wait()
+            if divisor != 1:
+                src.div_(divisor)
             dst.copy_(src, non_blocking=True)
-            self._keep_alive(src, s)
+            for t in (src, *keep):
+                self._keep_alive(t, s)
             return self._event(s)
 
     def stream_wait(self, ready: Optional[Any]) -> None:

@@ -10,9 +10,10 @@ How one iteration runs (one rank's view):
   backward, release the unit unless it is used again within ``stage3_max_reuse_distance``.
 * Backward: a multi-grad hook on each unit call's outputs requests the unit before its backward
   runs. Each parameter's post-accumulate-grad hook copies its gradient into the unit's flat
-  gradient; when all of a unit's trainable parameters have their gradient, the flat gradient
-  is reduced over ranks, the rank's shard is added to its fp32 CPU gradient buffer (accumulated
-  over micro-batches), and the unit is released. A callback at the end of the backward reduces
+  gradient; when all of a unit's trainable parameters have their gradient, the reduction of
+  the flat gradient over ranks is launched (see [Note: asynchronous reductions]), the rank's
+  shard is added to its fp32 CPU gradient buffer (accumulated over micro-batches) once it has
+  completed, and the unit is released. A callback at the end of the backward reduces
   whatever is left (parameters that got no gradient) and releases everything.
 
 [Note: saved tensors] Autograd saves parameters (and views such as ``weight.t()``) for the
@@ -34,11 +35,14 @@ placeholder inside a forward; outside it, compute on one raises an error that na
 [Note: I/O thread] With NVMe partitions, reads run on one background thread (the CPU stand-in
 for a side stream), so the NVMe reads of the next units overlap the current unit's compute.
 All swap-file traffic (reads, and write-backs after the optimizer step) goes through that one
-thread, so the swapper is never used from two threads at once. Collectives run on the caller's
-thread only, in the same order on every rank (the trace is the same on every rank).
-From issue() until _complete() a unit is FETCHING: ``g.full`` exists but a read may still be
-filling it, so everything that touches ``g.full`` outside _complete (saved-tensor unpacking,
-gather_group_copy, write_group_values, release) waits for the unit's read first.
+thread, so the swapper is never used from two threads at once. Collectives are issued from the
+caller's thread only, in the same order on every rank (the trace is the same on every rank, and
+no launch depends on timing: see [Note: all-gather ahead]); they run asynchronously in the
+backend (gloo's threads, NCCL's stream) and are waited for by their work handles.
+From issue() until _complete() a unit is FETCHING: ``g.full`` exists but a read, or an
+all-gather launched ahead, may still be filling it, so everything that touches ``g.full``
+outside _complete (saved-tensor unpacking, write_group_values, release) waits for both first;
+gather_group_copy reads a FETCHING unit's partitions afresh.
 
 [Note: CUDA streams] On a CUDA device, host<->device copies run on two side streams of
 ``self.transfers`` (``zeroinf/runtime/streams.py``), named ``h2d_stream`` and ``d2h_stream``, and
@@ -51,14 +55,17 @@ path synchronises the device:
   then the H2D stream waits for ``after``, copies ``non_blocking`` into ``g.full`` and records
   ``ready``, which the read returns through ``unit.future``. The I/O thread waits for ``ready``
   (``Event.synchronize``: it blocks the I/O thread only) before the staging buffers go back to
-  the pool. ``_complete`` makes the compute stream wait for ``ready`` (``wait_event``), then runs
-  the all-gather. ``g.full`` is ``record_stream``-ed on the H2D stream, so freeing it early (a
-  prefetch dropped) is safe. The device tier (``offload_param.device: none``) copies device to
-  device on the compute stream as before.
-* gradients: ``_reduce`` hands each reduced shard to ``_grad_to_host_cuda``: the D2H stream waits
-  for the compute stream, copies (converting to fp32 on the device) ``non_blocking`` into a
-  pinned host tensor and records ``ready``; ``grad_full`` is ``record_stream``-ed on the D2H
-  stream. With ``grads_on_nvme`` the I/O thread waits for ``ready`` before adding the shard into
+  the pool. ``_complete`` (or the all-gather launched ahead, [Note: all-gather ahead]) makes the
+  compute stream wait for ``ready`` (``wait_event``), then launches the all-gather, which NCCL
+  runs on its own stream after the compute stream's work so far; ``work.wait()`` at use makes
+  the compute stream wait for it. ``g.full`` is ``record_stream``-ed on the H2D stream, so
+  freeing it early (a prefetch dropped) is safe. The device tier (``offload_param.device:
+  none``) copies device to device on the compute stream as before.
+* gradients: ``_reduce`` launches each unit's reduce-scatter (``async_op=True``; NCCL's stream
+  waits for the compute stream) and hands it to ``_grad_to_host_cuda``: the D2H stream waits
+  for the compute stream and for the collective's work, divides the shard by the world size,
+  copies it (converting to fp32 on the device) ``non_blocking`` into a pinned host tensor and
+  records ``ready``; the shard and ``grad_full`` are ``record_stream``-ed on the D2H stream. With ``grads_on_nvme`` the I/O thread waits for ``ready`` before adding the shard into
   its swap file; otherwise the compute thread adds landed shards into ``grad_shard`` as their
   events complete, and waits for the rest at the end of the backward (the host needs them for
   the optimizer step; the device does not stall).
@@ -70,13 +77,14 @@ On the CPU ``self.transfers`` is a no-op (``HostTransfers``) and these paths are
 """
 from __future__ import annotations
 
+import collections
 import contextlib
 import math
 import os
 import time
 import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Deque, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -143,6 +151,23 @@ class _SavedRef:
 
     def __init__(self, group: FlatGroup, offset: int, size, stride):
         self.group, self.offset, self.size, self.stride = group, offset, size, stride
+
+
+class _Reduction(NamedTuple):
+    """A gradient reduction launched by :meth:`Stage3ParameterManager._reduce`.
+
+    ``shard`` (this rank's ``shard_numel`` elements, training dtype, compute device) holds the
+    sum over ranks once ``work`` has completed (``work`` is None with one rank: already there);
+    ``full`` is the unit's flat gradient the collective reads (``shard`` may be a view of it)."""
+
+    group: FlatGroup
+    full: torch.Tensor
+    shard: torch.Tensor
+    work: Any
+
+
+# [Note: asynchronous reductions] in Stage3ParameterManager: CPU reductions in flight, at most:
+_REDUCTIONS_IN_FLIGHT = 2
 
 
 class _Staged:
@@ -256,6 +281,10 @@ class Stage3ParameterManager:
         # [Note: CUDA streams]: side streams and events on CUDA, plain copies on the CPU
         self.transfers = transfers_for(self.device)
         self._grads_in_flight: List[Tuple[FlatGroup, torch.Tensor, Any]] = []  # (group, pinned shard, ready)
+        self._reductions: Deque[_Reduction] = collections.deque()  # [Note: asynchronous reductions], CPU
+        # NCCL reduce-scatters gradients and all-gathers in place; gloo (CPU) all-reduces and all-gathers
+        # into chunks (no reduce-scatter in every supported torch); see _launch_reduce and _allgather
+        self._nccl = self.world_size > 1 and self.device.type == "cuda" and "nccl" in str(dist.get_backend(self.group))
         self._h2d_last: Any = None  # ready event of the last H2D copy from a CPU-tier partition
         self.step_gate = StepGate()  # [Note: overlapped step] in overlap.py
         self.scratch = BufferRecycler()  # unit-sized CPU scratch tensors, reused (no page faults)
@@ -570,7 +599,7 @@ class Stage3ParameterManager:
 
     def is_pinned(self, unit: Unit) -> bool:
         """True while the unit is in use (running forward, or awaiting its gradients)."""
-        return unit.persistent or unit in self._active or unit in self._foreign or (
+        return unit.persistent or unit in self._active or unit in self._foreign or unit.gather_works is not None or (
             self._in_backward and unit.state is UnitState.GATHERED and 0 < unit.grads_seen < unit.trainable)
 
     def issue(self, unit: Unit) -> None:
@@ -648,27 +677,22 @@ class Stage3ParameterManager:
             raise errors[0]
 
     def _complete(self, unit: Unit) -> None:
+        """Finish gathering ``unit`` (issuing it first if released): wait for its tier read and
+        all-gather it, or wait for the all-gather launched ahead; then point its parameters
+        into the full buffers. Collective when ``world_size > 1`` and nothing was launched ahead."""
         if unit.state is UnitState.GATHERED:
             return
         if unit.state is UnitState.RELEASED:
             self.issue(unit)
-        if unit.future is not None:
-            t0 = self.tracer.now()
-            done = unit.future.done()
-            self.transfers.stream_wait(unit.future.result())  # [Note: CUDA streams]
-            unit.future = None
-            t1 = self.tracer.now()
-            if not done:
-                self.stats.add("wait_io_s", t1 - t0)
-                self.tracer.span(f"wait {unit.name}", "wait", t0, t1)
-        if self.world_size > 1:
-            for g in unit.groups:
-                t0 = self.tracer.now()
-                lo, hi = self._shard_range(g)
-                mine = g.full[lo:hi].clone()
-                dist.all_gather(list(g.full.chunk(self.world_size)), mine, group=self.group)
-                self.stats.add("bytes_allgather", g.full.numel() * g.full.element_size())
-                self.tracer.span(f"all_gather {g.key}", "comm", t0, self.tracer.now())
+        if unit.gather_works is not None:
+            self._wait_allgather(unit, used=True)
+        else:
+            self._read_done(unit)
+            if self.world_size > 1:
+                for g in unit.groups:
+                    t0 = self.tracer.now()
+                    self._allgather(g, async_op=False)
+                    self.tracer.span(f"all_gather {g.key}", "comm", t0, self.tracer.now())
         for g in unit.groups:
             self._storage_of[g.full.untyped_storage().data_ptr()] = g
             for s in g.slots:
@@ -676,10 +700,97 @@ class Stage3ParameterManager:
                 s.param.data = g.full[s.offset:s.offset + s.numel].view(s.shape)
         unit.state = UnitState.GATHERED
 
+    def _read_done(self, unit: Unit) -> None:
+        """Wait until ``unit``'s tier read has filled its shard of ``g.full`` (on CUDA: the
+        compute stream waits for the H2D copy's event; the host waits only for the read to be
+        enqueued); counts and traces the time the compute thread blocked."""
+        if unit.future is None:
+            return
+        t0 = self.tracer.now()
+        done = unit.future.done()
+        self.transfers.stream_wait(unit.future.result())  # [Note: CUDA streams]
+        unit.future = None
+        t1 = self.tracer.now()
+        if not done:
+            self.stats.add("wait_io_s", t1 - t0)
+            self.tracer.span(f"wait {unit.name}", "wait", t0, t1)
+
+    def _allgather(self, g: FlatGroup, async_op: bool):
+        """All-gather ``g.full`` from every rank's shard (this rank's is in place). Returns the
+        work handle with ``async_op`` (``g.full`` is valid after ``work.wait()``), else None.
+
+        NCCL: in place with ``all_gather_into_tensor`` (the input is this rank's chunk of the
+        output, as FSDP2 does). gloo (and any other backend): into the chunks of ``g.full`` from
+        a copy of the shard; the work keeps both alive until it completes."""
+        lo, hi = self._shard_range(g)
+        self.stats.add("bytes_allgather", g.full.numel() * g.full.element_size())
+        if self._nccl:
+            return dist.all_gather_into_tensor(g.full, g.full[lo:hi], group=self.group, async_op=async_op)
+        mine = g.full[lo:hi].clone()
+        return dist.all_gather(list(g.full.chunk(self.world_size)), mine, group=self.group, async_op=async_op)
+
+    # [Note: all-gather ahead] When a unit is requested while the recorded trace is followed,
+    # the all-gather of the unit requested next in the trace is launched (``async_op=True``)
+    # right away, so it runs while the current unit computes, and waited for (``work.wait()``)
+    # when that unit is requested: on CUDA the compute stream waits for NCCL's stream; on the
+    # CPU the compute thread blocks only if gloo has not finished.
+    # Every rank must issue the same collectives in the same order (reductions are issued from
+    # backward hooks in between), so the launch point must not depend on timing. Which units
+    # were issued (prefetch stops at a unit whose background step update is pending) and
+    # whether a read has finished differ between ranks; so the decision reads only what is the
+    # same on every rank: the trace position, which units are GATHERED or have an all-gather in
+    # flight, and the bounds (the next unit fits in ``stage3_prefetch_bucket_size``, and with
+    # those units in ``stage3_max_live_parameters``). If the next unit was not issued here, it
+    # is issued now (dropping read-only prefetches to make room), and its tier read is waited
+    # for on the host before the launch. A unit with an all-gather in flight is pinned
+    # (``is_pinned``), so prefetch drops, which depend on timing, never release it; it is
+    # released only by what every rank does alike (the end of the iteration, a divergence that
+    # leaves no room otherwise), and then waits for the work first, since gloo/NCCL still
+    # write into ``g.full``.
+    def _settled_live(self) -> int:
+        """Elements of non-persistent units gathered or with an all-gather in flight: the part
+        of ``live_numel`` that is the same on every rank (no read-only prefetches)."""
+        return sum(u.numel for u in self.units
+                   if not u.persistent and (u.state is UnitState.GATHERED or u.gather_works is not None))
+
+    def _allgather_ahead(self) -> None:
+        """Launch the all-gather of the next unit of the trace; see [Note: all-gather ahead]."""
+        sch, opts = self.scheduler, self.options
+        if self.world_size == 1 or opts.prefetch_bucket_size <= 0 or not sch.following or sch.pos >= len(sch.trace):
+            return
+        unit = self.units[sch.trace[sch.pos][0]]
+        if (unit.persistent or not unit.groups or unit.state is UnitState.GATHERED or unit.gather_works is not None
+                or unit.numel > opts.prefetch_bucket_size
+                or self._settled_live() + unit.numel > opts.max_live_parameters):
+            return
+        if unit.state is UnitState.RELEASED:
+            self._make_room(unit)
+            self.issue(unit)
+            self.stats.live(self._live)
+            sch.prefetched.add(unit.index)
+        self._read_done(unit)
+        unit.gather_t0 = self.tracer.now()
+        unit.gather_works = [self._allgather(g, async_op=True) for g in unit.groups]
+        self.stats.add("allgathers_ahead")
+
+    def _wait_allgather(self, unit: Unit, used: bool) -> None:
+        """Wait for ``unit``'s all-gathers launched ahead (on CUDA: the current stream waits);
+        ``used``: for its request (False: it is being released unused). Traced on the "comm"
+        row from launch to the end of the wait."""
+        works, unit.gather_works = unit.gather_works, None
+        t0 = self.tracer.now()
+        for w in works:
+            w.wait()
+        t1 = self.tracer.now()
+        self.tracer.span(f"all_gather {unit.name}", "comm", unit.gather_t0, t1, thread="comm",
+                         args={"ahead": True, "used": used, "wait_s": t1 - t0})
+
     def release(self, unit: Unit) -> None:
         """Drop the unit's full buffers; parameters become empty placeholders."""
         if unit.state is UnitState.RELEASED:
             return
+        if unit.gather_works is not None:  # gloo/NCCL still write into g.full
+            self._wait_allgather(unit, used=False)
         if unit.future is not None:  # a read still writes into the buffer
             unit.future.result()
             unit.future = None
@@ -710,6 +821,11 @@ class Stage3ParameterManager:
                 break
             if u.state is not UnitState.RELEASED and not self.is_pinned(u):
                 self.release(u)
+        for u in self.units:  # last resort, alike on every rank: all-gathers launched ahead
+            if self._live + unit.numel <= limit:
+                break
+            if u.gather_works is not None and u not in self._active and u not in self._foreign:
+                self.release(u)
         if self._live + unit.numel > limit:
             live = [u.name for u in self.units if u.state is not UnitState.RELEASED and not u.persistent]
             raise RuntimeError(f"zeroinf stage 3: gathering unit '{unit.name}' ({unit.numel} elements) would exceed "
@@ -732,6 +848,8 @@ class Stage3ParameterManager:
         self._complete(unit)
         self.stats.live(self._live)  # also units gathered before this iteration began
         self.scheduler.schedule()
+        if record:
+            self._allgather_ahead()
 
     def _gather_foreign(self, unit: Unit) -> None:
         self._busy += 1
@@ -894,42 +1012,81 @@ class Stage3ParameterManager:
                 self.tracer.span(f"bwd {unit.name}", "unit", getattr(unit, "_t0", self.tracer.now()), self.tracer.now())
                 self.release(unit)
 
+    # [Note: asynchronous reductions] A unit's flat gradient is reduced with ``async_op=True`` as
+    # soon as its last parameter's gradient arrives, so the collective runs while the backward of
+    # the units before it computes. NCCL reduce-scatters into a shard-sized buffer (half the bytes
+    # of an all-reduce); gloo all-reduces (no reduce-scatter in every torch we support) and this
+    # rank's shard is a view of the result. Either way the sum is divided by the world size
+    # afterwards, on the shard only.
+    # * CUDA: the D2H stream waits for the work (``CudaTransfers.d2h(work=...)``), divides and
+    #   copies into pinned memory; the compute stream and the host never wait for it. From there
+    #   on the hand-off is that of [Note: CUDA streams].
+    # * CPU: up to ``_REDUCTIONS_IN_FLIGHT`` reductions stay in flight in a FIFO; launching one
+    #   more completes the oldest (``work.wait()``, divide, add into ``grad_shard`` or hand to
+    #   the I/O thread), and the end of the backward (and anything reading gradients,
+    #   ``_land_grads(wait=True)``) completes the rest. Completion in launch order keeps the fp32
+    #   accumulation order, hence the numbers, bit for bit those of a synchronous reduction.
+    # Launches happen in the backward hooks' order, the same on every rank.
     def _reduce(self, unit: Unit) -> None:
-        """Average the unit's flat gradients over ranks; add the rank's shard to ``grad_shard``."""
+        """Launch the average of the unit's flat gradients over ranks, whose shard is then added
+        into ``grad_shard`` (or the swap file); see [Note: asynchronous reductions]."""
         did = False
         for g in unit.groups:
             if g.grad_full is None:
                 continue
             t0 = self.tracer.now()
             self._zero_unwritten(g)
-            if self.world_size > 1:
-                # gloo has no reduce-scatter: all-reduce, then keep this rank's shard
-                dist.all_reduce(g.grad_full, group=self.group)
-                g.grad_full.div_(self.world_size)
-                self.stats.add("bytes_reduce", g.grad_full.numel() * g.grad_full.element_size())
-                self.stats.add("elements_reduce", g.grad_full.numel())
-            lo, hi = self._shard_range(g)
-            if self.transfers.side_streams:  # CUDA: D2H on a side stream, landed by its event
-                self._grad_to_host_cuda(g, lo, hi)
-                g.grad_full, g.grad_written = None, None
-                did = True
-                self.tracer.span(f"reduce {g.key}", "comm", t0, self.tracer.now())
-                continue
-            part = g.grad_full[lo:hi]  # training dtype; summed in fp32 below (exact: fp32 holds it)
-            if part.device.type != "cpu":
-                part = part.to(device="cpu", dtype=torch.float32)
-            if self.options.grads_on_nvme:
-                # accumulate in the swap file on the I/O thread; the next unit's backward overlaps it
-                self._grad_io.append(self._io.submit(self._accumulate_grad_on_nvme, g, part, g.grad_full))
-            else:
-                self._add_to_grad_shard(g, part)
-                self.scratch.give(g.grad_full)
+            red = self._launch_reduce(g)
             g.grad_full, g.grad_written = None, None
+            if self.transfers.side_streams:  # CUDA: D2H on a side stream, after the collective
+                self._grad_to_host_cuda(red)
+            else:
+                self._reductions.append(red)
+                while len(self._reductions) > (_REDUCTIONS_IN_FLIGHT if self.world_size > 1 else 0):
+                    self._finish_reduce(self._reductions.popleft())
             did = True
             self.tracer.span(f"reduce {g.key}", "comm", t0, self.tracer.now())
         if did:
             unit.reduces_this_backward += 1
             self.stats.add("reduces")
+
+    def _launch_reduce(self, g: FlatGroup) -> _Reduction:
+        """Start summing ``g.grad_full`` (``padded_numel``, training dtype) over ranks."""
+        full = g.grad_full
+        lo, hi = self._shard_range(g)
+        if self.world_size == 1:
+            return _Reduction(g, full, full[lo:hi], None)
+        self.stats.add("bytes_reduce", full.numel() * full.element_size())
+        self.stats.add("elements_reduce", full.numel())
+        if self._nccl:
+            shard = torch.empty(g.shard_numel, dtype=full.dtype, device=full.device)
+            return _Reduction(g, full, shard, dist.reduce_scatter_tensor(shard, full, group=self.group, async_op=True))
+        return _Reduction(g, full, full[lo:hi], dist.all_reduce(full, group=self.group, async_op=True))
+
+    def _finish_reduce(self, red: _Reduction) -> None:
+        """CPU: wait for ``red``'s collective, average, and add the shard into ``grad_shard``
+        (or hand it to the I/O thread for the swap file); the flat gradient goes back to
+        ``self.scratch`` once nothing reads it."""
+        g = red.group
+        if red.work is not None:
+            t0 = self.tracer.now()
+            red.work.wait()
+            self.tracer.span(f"wait reduce {g.key}", "wait", t0, self.tracer.now())
+            red.shard.div_(self.world_size)
+        part = red.shard  # training dtype; summed in fp32 below (exact: fp32 holds it)
+        if part.device.type != "cpu":
+            part = part.to(device="cpu", dtype=torch.float32)
+        if self.options.grads_on_nvme:
+            # accumulate in the swap file on the I/O thread; the next unit's backward overlaps it
+            self._grad_io.append(self._io.submit(self._accumulate_grad_on_nvme, g, part, red.full))
+        else:
+            self._add_to_grad_shard(g, part)
+            self.scratch.give(red.full)
+
+    def _finish_reductions(self) -> None:
+        """CPU: complete every reduction in flight, in launch order."""
+        while self._reductions:
+            self._finish_reduce(self._reductions.popleft())
 
     # [Note: first gradient copied] A unit's flat gradient is allocated without zeroing; each
     # parameter's first gradient is copied into its slot and a repeated one added, and before
@@ -957,18 +1114,20 @@ class Stage3ParameterManager:
         else:
             g.grad_shard.add_(part)
 
-    def _grad_to_host_cuda(self, g: FlatGroup, lo: int, hi: int) -> None:
-        """CUDA: copy ``g.grad_full[lo:hi]`` as fp32 into a pinned host tensor on the D2H stream,
-        then hand it on by its event (see [Note: CUDA streams]): to the I/O thread, which adds it
-        into the swap file (``grads_on_nvme``), or to :meth:`_land_grads`, which adds it into
-        ``grad_shard``.
+    def _grad_to_host_cuda(self, red: _Reduction) -> None:
+        """CUDA: on the D2H stream, wait for ``red``'s collective, divide its shard by the world
+        size and copy it as fp32 into a pinned host tensor; then hand that on by the copy's event
+        (see [Note: CUDA streams]): to the I/O thread, which adds it into the swap file
+        (``grads_on_nvme``), or to :meth:`_land_grads`, which adds it into ``grad_shard``.
 
         A plain ``non_blocking`` copy, not ``zeroinf.ops.cuda_grad.grad_bucket_pass``: the norm
         recorded for clipping is that of the accumulated gradient ([Note: norm while reducing]),
         which the per-micro-batch statistics of the fused pass do not give, and reading those
         device tensors would need another hand-off."""
-        part = host_empty(hi - lo, torch.float32, pin=True)
-        ready = self.transfers.d2h(part, g.grad_full[lo:hi])
+        g = red.group
+        part = host_empty(g.shard_numel, torch.float32, pin=True)
+        keep = (red.full,) if self._nccl else ()  # else the shard is a view of it
+        ready = self.transfers.d2h(part, red.shard, work=red.work, divisor=self.world_size, keep=keep)
         if self.options.grads_on_nvme:
             # accumulate in the swap file on the I/O thread; the next unit's backward overlaps it
             self._grad_io.append(self._io.submit(self._accumulate_landed_grad_on_nvme, g, part, ready))
@@ -983,7 +1142,10 @@ class Stage3ParameterManager:
 
     def _land_grads(self, wait: bool) -> None:
         """Add gradient shards whose D2H copy has completed into ``grad_shard``, in the order they
-        were reduced (so the fp32 sums round as on the CPU path); with ``wait``, wait for all."""
+        were reduced (so the fp32 sums round as on the CPU path); with ``wait``, wait for all,
+        and on the CPU complete the reductions in flight."""
+        if wait:
+            self._finish_reductions()
         while self._grads_in_flight:
             g, part, ready = self._grads_in_flight[0]
             if not wait and not self.transfers.done(ready):

@@ -23,6 +23,7 @@ _COUNTERS = (
     "bytes_nvme_read", "bytes_nvme_written",
     "bytes_host_read",      # from host memory: the cpu tier, or the NVMe tier's max_in_cpu cache
     "bytes_host_written",
+    "allgathers_ahead",     # units whose all-gather was launched ahead of use ([Note: all-gather ahead])
     "bytes_allgather", "bytes_reduce", "elements_reduce",
 )
 

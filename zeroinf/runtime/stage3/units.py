@@ -100,7 +100,9 @@ class Unit:
     groups: List[FlatGroup]
     persistent: bool = False
     state: UnitState = UnitState.RELEASED
-    future: object = None
+    future: object = None  # the tier read in flight (FETCHING), see manager.issue
+    gather_works: Optional[list] = None  # all-gather works launched ahead of use (FETCHING), [Note: all-gather ahead]
+    gather_t0: float = 0.0  # when they were launched (TraceRecorder time)
     trainable: int = 0  # parameters with requires_grad
     grads_seen: int = 0  # post-accumulate hooks fired this backward
     reduces_this_backward: int = 0
