@@ -111,6 +111,11 @@ def test_flat_cuda_branch_with_stand_in_streams(monkeypatch):
     assert torch.equal(g.flat[:g.part_numel], g.host_part)
     fm.param_target(0)  # the next step's write waits (host) for that copy first
     assert call["ready"].synced
+    fm.gather_params()  # a checkpoint load writes the host copies (the masters) too: it settles first
+    (_, call) = rec.h2d_calls
+    assert not call["ready"].synced
+    fm.settle_host_copies()
+    assert call["ready"].synced
 
 
 def _engine_vs_adamw(tmp_path, sync_check: bool):

@@ -190,6 +190,8 @@ def load(engine, load_dir: str, tag: Optional[str] = None) -> Tuple[str, dict]:
         if not os.path.isfile(f):
             raise CheckpointError(f"{f}: missing from the checkpoint")
     engine.module.load_state_dict(meta["module"])
+    if hasattr(engine.params, "settle_host_copies"):  # CUDA stages 1/2: a copy may still read the masters
+        engine.params.settle_host_copies()
     for i, (spec, f) in enumerate(zip(engine.sub_optimizer.specs, files)):
         sd = torch.load(f, map_location="cpu", weights_only=True)
         if sd["key"] != spec.key or sd["numel"] != spec.numel:

@@ -314,6 +314,14 @@ class FlatParamManager:
         while self._landing:
             self._land_one()
 
+    def settle_host_copies(self) -> None:
+        """Wait (host) until no copy still reads or writes this manager's host buffers: the
+        gradient copies in flight are landed and the last H2D copy out of the pinned parameter
+        copies (which may hold the optimizer's master weights) is done. Call it before writing
+        those buffers outside the step (a checkpoint load). A no-op on the CPU."""
+        self._land()
+        self.transfers.host_wait(self._param_ready)
+
     def zero_grad_acc(self) -> None:
         """Clear the accumulation buffers (after a step or a skipped step). Lazy: the next
         micro-batch copies instead of adding, and a read before that sees zeros."""
