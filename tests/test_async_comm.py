@@ -32,7 +32,6 @@ from stage3_models import TinyLM, batch, loss_fn
 from test_stage3_cuda import _FakeCuda, _RecordingTransfers
 from zeroinf.runtime.engine import destroy_process_group
 from zeroinf.runtime.stage3 import Stage3Options, Stage3ParameterManager
-from zeroinf.runtime.streams import CudaTransfers
 
 WORLD = 2
 

@@ -1,7 +1,6 @@
 """zeroinf.initialize / ZeroEngine, one process: stages 0-2 x offload none/cpu/nvme against plain
 PyTorch + torch.optim.AdamW (foreach=False), fp32, 1e-6 per parameter unless said."""
 import math
-import os
 import warnings
 
 import psutil

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import copy
 
-import pytest
 import torch
 import torch.nn.functional as F
 

@@ -3,7 +3,6 @@ accumulation (issue 5b), and reads served by the ``max_in_cpu`` host cache."""
 import copy
 
 import pytest
-import torch
 
 import zeroinf
 from stage3_models import TinyLM, batch, loss_fn

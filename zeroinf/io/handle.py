@@ -139,7 +139,7 @@ def locked_cpu_tensor(num_elem: int, dtype: torch.dtype = torch.uint8, huge_page
     try:
         _mlock(addr, total)
     except PinnedMemoryError as exc:
-        del whole
+        whole = None  # the mapping cannot close while a tensor still exports its buffer
         m.close()
         raise PinnedMemoryError(f"locked tensor of {num_elem} x {dtype} ({total} bytes): {exc}") from None
     with _LOCKED_MU:

@@ -43,8 +43,8 @@ from __future__ import annotations
 
 import contextlib
 import time
-from dataclasses import dataclass, field
-from typing import Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
+from dataclasses import dataclass
+from typing import Callable, Iterator, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
