@@ -368,3 +368,29 @@ def test_units_mixing_frozen_and_trainable_parameters_and_two_param_groups(tmp_p
     for name, p in frozen.items():
         assert torch.equal(sd[name], p), name
     engine.close()
+
+
+@pytest.mark.parametrize("stage,param_tier,freeze_first", [(3, "nvme", False), (3, "none", True), (2, None, False)])
+def test_requires_grad_changed_after_initialize_raises(tmp_path, stage, param_tier, freeze_first):
+    """Freezing a weight after initialize used to keep moving it (Adam's momentum and weight
+    decay on zero gradients), and unfreezing one never trained it, both silently: the layout is
+    made for the flags at initialize. The next training forward (or backward, or step)
+    raises, naming the parameter."""
+    model = TinyLM(tied=True)
+    w = model.blocks[1].ff[0].weight
+    if freeze_first:
+        w.requires_grad_(False)
+    if stage == 3:
+        cfg = _config(param_tier, "cpu", tmp_path)
+    else:
+        cfg = _config("none", "cpu", tmp_path)
+        cfg["zero_optimization"] = {"stage": 2, "offload_optimizer": {"device": "cpu"}}
+    engine, *_ = zeroinf.initialize(model=model, config=cfg)
+    _run(engine, 1)
+    w.requires_grad_(freeze_first)
+    x, y = batch(2)
+    with pytest.raises(RuntimeError, match=r"'blocks\.1\.ff\.0\.weight' had requires_grad="):
+        engine(x)
+    w.requires_grad_(not freeze_first)  # back as it was: training goes on
+    _run(engine, 1, start=3)
+    engine.close()

@@ -118,6 +118,8 @@ class ZeroEngine:
 
         # trainable params per group, and fp32 copies before any cast (master weights start exact)
         groups = [[p for p in g["params"] if p.requires_grad] for g in optimizer.param_groups]
+        # the layout below (flat buffers, sub-groups, optimizer state) is made for these flags
+        self._requires_grad = [(n, p, p.requires_grad) for n, p in model.named_parameters()]
         dtype = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}[cfg.precision]
         fp32_copies = None
         if dtype != torch.float32:
@@ -230,7 +232,14 @@ class ZeroEngine:
         return self.forward(*args, **kwargs)
 
     def forward(self, *args, **kwargs):
-        """Run the wrapped module."""
+        """Run the wrapped module.
+
+        Raises:
+            RuntimeError: a parameter's ``requires_grad`` changed since :func:`initialize`
+                (checked with grad enabled; a forward under ``torch.no_grad`` is not checked).
+        """
+        if torch.is_grad_enabled():
+            self._check_requires_grad()
         return self.module(*args, **kwargs)
 
     def train(self, mode: bool = True) -> "ZeroEngine":
@@ -256,9 +265,11 @@ class ZeroEngine:
 
         Raises:
             ValueError: ``loss`` is not a scalar tensor requiring grad.
+            RuntimeError: a parameter's ``requires_grad`` changed since :func:`initialize`.
         """
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or not loss.requires_grad:
             raise ValueError("engine.backward(loss): loss must be a scalar tensor that requires grad")
+        self._check_requires_grad()
         t0 = time.perf_counter()
         self.synchronize()  # a background step has finished by now (the forward needed its updates)
         if self.is_gradient_accumulation_boundary():
@@ -275,8 +286,29 @@ class ZeroEngine:
         self._step_stats["reduce_s"] += time.perf_counter() - t1
         return loss
 
+    def _check_requires_grad(self) -> None:
+        """Raise if a parameter was frozen or unfrozen after :func:`initialize`.
+
+        Raises:
+            RuntimeError: naming the first such parameter. The flat buffers, sub-groups and
+                optimizer state were laid out for the old flag: a weight frozen later would keep
+                moving (momentum, weight decay), one unfrozen later would never train.
+        """
+        for name, p, flag in self._requires_grad:
+            if p.requires_grad != flag:
+                raise RuntimeError(
+                    f"zeroinf: parameter '{name}' had requires_grad={flag} at zeroinf.initialize and now has "
+                    f"{p.requires_grad}; the engine's partitions and optimizer state are laid out for the first "
+                    "setting and would train it wrongly. Set requires_grad before zeroinf.initialize "
+                    "(or build a new engine).")
+
     def step(self) -> None:
-        """Count a micro-batch; at the accumulation boundary run the optimizer step."""
+        """Count a micro-batch; at the accumulation boundary run the optimizer step.
+
+        Raises:
+            RuntimeError: a parameter's ``requires_grad`` changed since :func:`initialize`.
+        """
+        self._check_requires_grad()
         if self.is_gradient_accumulation_boundary():
             self._optimizer_step()
             self._stats = dict(self._step_stats)

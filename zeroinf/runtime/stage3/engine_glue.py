@@ -103,8 +103,7 @@ class Stage3EngineParams:
 
     Raises:
         RuntimeError: a flat group mixes param groups or frozen and trainable parameters after
-            all: ``requires_grad`` was changed between building the model and ``initialize``
-            in a way the layout did not see (it is fixed at construction).
+            all (``requires_grad`` changed while the manager was being built).
     """
 
     def __init__(self, model: torch.nn.Module, options: Stage3Options,
