@@ -394,3 +394,40 @@ def test_requires_grad_changed_after_initialize_raises(tmp_path, stage, param_ti
     w.requires_grad_(not freeze_first)  # back as it was: training goes on
     _run(engine, 1, start=3)
     engine.close()
+
+
+class _CheckpointedLM(TinyLM):
+    """TinyLM with each block under torch.utils.checkpoint (activations recomputed in backward)."""
+
+    def __init__(self, reentrant: bool, **kw):
+        super().__init__(**kw)
+        self.reentrant = reentrant
+
+    def forward(self, idx):
+        from torch.utils.checkpoint import checkpoint
+
+        x = self.emb(idx)
+        for i in self.order:
+            x = checkpoint(self.blocks[i], x, use_reentrant=self.reentrant)
+        return self.head(self.norm(x))
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+@pytest.mark.parametrize("param_tier", ["none", "nvme"])
+def test_activation_checkpointing_equals_adamw(tmp_path, param_tier, reentrant):
+    """Activation checkpointing recomputes a block's forward inside the backward; the unit must
+    stay gathered for that block's backward. Non-reentrant checkpointing used to release it after
+    the recompute, and the backward then read empty placeholders (a size-0 mismatch error)."""
+    ref = _CheckpointedLM(reentrant, tied=True)
+    model = copy.deepcopy(ref)
+    engine, *_ = zeroinf.initialize(model=model, config=_config(param_tier, "cpu", tmp_path,
+                                                               stage3_param_persistence_threshold=0))
+    got = _run(engine, 3)
+    want = _reference(ref, 3)
+    assert max(abs(a - b) for a, b in zip(got, want)) <= 1e-6, (got, want)
+    sd = _state(engine)
+    for name, p in ref.named_parameters():
+        err = (sd[name] - p.detach()).abs().max().item()
+        assert err <= 1e-6, f"{name}: {err}"
+    assert engine.params.manager.live_numel == 0
+    engine.close()

@@ -956,7 +956,10 @@ class Stage3ParameterManager:
             if torch.is_grad_enabled():
                 self._hook_outputs(unit, output)
             self._release_foreign()
-            if not self.scheduler.keep_after_use(unit) and unit not in self._active:
+            # in the backward this forward is activation checkpointing's recompute: the unit's own
+            # backward comes next and reads the parameters it saved, so it stays gathered until its
+            # gradients are reduced (_post_accumulate) or the backward ends
+            if not self._in_backward and not self.scheduler.keep_after_use(unit) and unit not in self._active:
                 self.release(unit)
         finally:
             self._busy -= 1
