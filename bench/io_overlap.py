@@ -72,21 +72,20 @@ def main() -> int:
                 hw.sync_pwrite(wbuf, f)
             stop = threading.Event()
 
-            def writes(loop=False):
+            def transfers(handle, submit, buf, files, loop=False):
+                """Write or read ``files`` one after the other; with ``loop``, until ``stop``."""
                 while True:
-                    for f in wfiles:
-                        hw.async_pwrite(wbuf, f)
-                        hw.wait()
+                    for f in files:
+                        submit(buf, f)
+                        handle.wait()
                     if not loop or stop.is_set():
                         return
 
+            def writes(loop=False):
+                transfers(hw, hw.async_pwrite, wbuf, wfiles, loop)
+
             def reads(loop=False):
-                while True:
-                    for f in rfiles:
-                        hr.async_pread(rbuf, f)
-                        hr.wait()
-                    if not loop or stop.is_set():
-                        return
+                transfers(hr, hr.async_pread, rbuf, rfiles, loop)
 
             def timed(fns) -> float:
                 threads = [threading.Thread(target=fn) for fn in fns]

@@ -97,13 +97,18 @@ def test_unknown_op():
         load_op("no_such_op")
 
 
-def test_build_key_tracks_flags_and_sources(monkeypatch):
+def _adam_build_key():
+    """(spec, cflags, ldflags, compiler, build key) of the adam op; skips without a compiler."""
     spec = OPS["adam"]
     cxx = loader._compiler()
     if cxx is None:
         pytest.skip("no C++ compiler")
     c, l, _ = spec.flags()
-    k1 = loader._build_key(spec, c, l, cxx)
+    return spec, c, l, cxx, loader._build_key(spec, c, l, cxx)
+
+
+def test_build_key_tracks_flags_and_sources(monkeypatch):
+    spec, c, l, cxx, k1 = _adam_build_key()
     assert k1 == loader._build_key(spec, c, l, cxx)
     monkeypatch.setenv("ZEROINF_EXTRA_CFLAGS", "-DZEROINF_SOMETHING=1")
     c2, l2, _ = spec.flags()
@@ -118,12 +123,7 @@ def test_build_key_differs_between_checkouts_of_the_same_sources(monkeypatch, tm
 
     import zeroinf.ops.specs as specs
 
-    spec = OPS["adam"]
-    cxx = loader._compiler()
-    if cxx is None:
-        pytest.skip("no C++ compiler")
-    c, l, _ = spec.flags()
-    k1 = loader._build_key(spec, c, l, cxx)
+    spec, c, l, cxx, k1 = _adam_build_key()
     original = [p.read_bytes() for p in spec.source_paths()]
     copy = tmp_path / "csrc"
     shutil.copytree(loader.csrc_root(), copy)

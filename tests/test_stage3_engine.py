@@ -25,8 +25,11 @@ def _config(param_tier, opt_tier, nvme, **zero):
             "zero_optimization": z}
 
 
-def _reference(ref, steps):
-    opt = torch.optim.AdamW(ref.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, foreach=False)
+def _reference(ref, steps, params=None):
+    """Losses of ``steps`` steps of plain PyTorch + AdamW on ``ref`` (``params``: its param
+    groups, default all parameters in one)."""
+    params = ref.parameters() if params is None else params
+    opt = torch.optim.AdamW(params, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, foreach=False)
     losses = []
     for step in range(1, steps + 1):
         x, y = batch(step)
@@ -53,6 +56,17 @@ def _state(engine):
     return {k: v.clone() for k, v in engine.module.state_dict().items()}
 
 
+def _assert_like_reference(engine, ref, got, want):
+    """Losses ``got`` within 1e-6 of ``want``, and every parameter of the engine's model within
+    1e-6 of ``ref``'s; returns the engine's state dict."""
+    assert max(abs(a - b) for a, b in zip(got, want)) <= 1e-6, (got, want)
+    sd = _state(engine)
+    for name, p in ref.named_parameters():
+        err = (sd[name] - p.detach()).abs().max().item()
+        assert err <= 1e-6, f"{name}: {err}"
+    return sd
+
+
 TIERS = ["none", "cpu", "nvme"]
 
 
@@ -62,13 +76,7 @@ def test_three_steps_equal_adamw(tmp_path, param_tier, opt_tier):
     ref = TinyLM(tied=True)
     model = copy.deepcopy(ref)
     engine, *_ = zeroinf.initialize(model=model, config=_config(param_tier, opt_tier, tmp_path))
-    got = _run(engine, 3)
-    want = _reference(ref, 3)
-    assert max(abs(a - b) for a, b in zip(got, want)) <= 1e-6
-    sd = _state(engine)
-    for name, p in ref.named_parameters():
-        err = (sd[name] - p.detach()).abs().max().item()
-        assert err <= 1e-6, f"{name}: {err}"
+    _assert_like_reference(engine, ref, _run(engine, 3), _reference(ref, 3))
     if param_tier == "nvme":
         st = engine.params.stats()
         assert st["bytes_nvme_read"] > 0
@@ -350,21 +358,7 @@ def test_units_mixing_frozen_and_trainable_parameters_and_two_param_groups(tmp_p
     engine, *_ = zeroinf.initialize(model=model, model_parameters=_groups(model), config=cfg)
     keys = [g.key for g in engine.params.manager.groups()]
     assert any(k.endswith("/frozen") for k in keys) and any(k.endswith("/pg1") for k in keys), keys
-    got = _run(engine, 3)
-    opt = torch.optim.AdamW(_groups(ref), lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, foreach=False)
-    want = []
-    for step in range(1, 4):
-        x, y = batch(step)
-        loss = loss_fn(ref(x), y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        want.append(loss.item())
-    assert max(abs(a - b) for a, b in zip(got, want)) <= 1e-6, (got, want)
-    sd = _state(engine)
-    for name, p in ref.named_parameters():
-        err = (sd[name] - p.detach()).abs().max().item()
-        assert err <= 1e-6, f"{name}: {err}"
+    sd = _assert_like_reference(engine, ref, _run(engine, 3), _reference(ref, 3, _groups(ref)))
     for name, p in frozen.items():
         assert torch.equal(sd[name], p), name
     engine.close()
@@ -374,7 +368,7 @@ def test_units_mixing_frozen_and_trainable_parameters_and_two_param_groups(tmp_p
 def test_requires_grad_changed_after_initialize_raises(tmp_path, stage, param_tier, freeze_first):
     """Freezing a weight after initialize used to keep moving it (Adam's momentum and weight
     decay on zero gradients), and unfreezing one never trained it, both silently: the layout is
-    made for the flags at initialize. The next training forward (or backward, or step)
+    made for the flags at initialize. The next training forward (or step)
     raises, naming the parameter."""
     model = TinyLM(tied=True)
     w = model.blocks[1].ff[0].weight
@@ -422,12 +416,6 @@ def test_activation_checkpointing_equals_adamw(tmp_path, param_tier, reentrant):
     model = copy.deepcopy(ref)
     engine, *_ = zeroinf.initialize(model=model, config=_config(param_tier, "cpu", tmp_path,
                                                                stage3_param_persistence_threshold=0))
-    got = _run(engine, 3)
-    want = _reference(ref, 3)
-    assert max(abs(a - b) for a, b in zip(got, want)) <= 1e-6, (got, want)
-    sd = _state(engine)
-    for name, p in ref.named_parameters():
-        err = (sd[name] - p.detach()).abs().max().item()
-        assert err <= 1e-6, f"{name}: {err}"
+    _assert_like_reference(engine, ref, _run(engine, 3), _reference(ref, 3))
     assert engine.params.manager.live_numel == 0
     engine.close()

@@ -265,11 +265,9 @@ class ZeroEngine:
 
         Raises:
             ValueError: ``loss`` is not a scalar tensor requiring grad.
-            RuntimeError: a parameter's ``requires_grad`` changed since :func:`initialize`.
         """
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or not loss.requires_grad:
             raise ValueError("engine.backward(loss): loss must be a scalar tensor that requires grad")
-        self._check_requires_grad()
         t0 = time.perf_counter()
         self.synchronize()  # a background step has finished by now (the forward needed its updates)
         if self.is_gradient_accumulation_boundary():

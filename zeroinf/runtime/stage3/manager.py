@@ -513,10 +513,11 @@ class Stage3ParameterManager:
         ``ready`` event of the H2D copies on CUDA (see [Note: CUDA streams]; ``after`` is the
         event recorded when ``g.full`` was allocated), None otherwise."""
         _io_delay()
-        if staged is not None and staged.future.exception() is not None:
+        failed = staged.future.exception() if staged is not None else None
+        if failed is not None:
             # the read-ahead failed: its buffers hold partial data; raise its error, never copy them
             self._free_staged(staged)
-            raise staged.future.exception()
+            raise failed
         if self.transfers.side_streams and self.options.offload_param_device != "none":
             return self._h2d_partitions(unit, staged, after)
         t0 = self.tracer.now()
@@ -670,8 +671,9 @@ class Stage3ParameterManager:
         for idx in list(self._staged):
             if units is None or any(u.index == idx for u in units):
                 st = self._staged.pop(idx)
-                if st.future.exception() is not None:
-                    errors.append(st.future.exception())
+                failed = st.future.exception()
+                if failed is not None:
+                    errors.append(failed)
                 self._free_staged(st)
         if errors:
             raise errors[0]

@@ -13,6 +13,7 @@ those parameters, padded to a multiple of the world size and partitioned into eq
 """
 from __future__ import annotations
 
+import collections
 import enum
 import math
 from dataclasses import dataclass
@@ -195,9 +196,7 @@ def _groups_for(index: int, named: List[Tuple[str, nn.Parameter]], world_size: i
     parts: Dict[Tuple[torch.dtype, Hashable], List[Tuple[str, nn.Parameter]]] = {}
     for n, p in named:
         parts.setdefault((p.dtype, split(p)), []).append((n, p))
-    per_dtype: Dict[torch.dtype, int] = {}
-    for dtype, _ in parts:
-        per_dtype[dtype] = per_dtype.get(dtype, 0) + 1
+    per_dtype = collections.Counter(dtype for dtype, _ in parts)
     groups = []
     for (dtype, key), items in parts.items():
         slots, off = [], 0
