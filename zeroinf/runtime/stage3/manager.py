@@ -1376,7 +1376,7 @@ class Stage3ParameterManager:
         """The swap-file read of :meth:`read_grad_shard` alone, for the I/O thread (see
         :meth:`submit_io`): no waits; the caller has completed the gradient writes first."""
         if g.grad_on_nvme:
-            self._read_grad_file(g, dst)
+            self.stats.add("bytes_nvme_read", self._read_grad_file(g, dst))
         else:
             dst.zero_()
 
@@ -1390,8 +1390,10 @@ class Stage3ParameterManager:
 
         def write():
             g.grad_norm_part = None
-            self._swapper.swap_out([(self._grad_key(g), src.to(torch.float32).contiguous())], async_op=False)
+            t = src.to(torch.float32).contiguous()
+            self._swapper.swap_out([(self._grad_key(g), t)], async_op=False)
             g.grad_on_nvme, g.grad_nvme_dtype = True, torch.float32
+            self.stats.add("bytes_nvme_written", t.numel() * t.element_size())
         self._run_io(write)
 
     def gather_group_copy(self, g: FlatGroup) -> torch.Tensor:
