@@ -1,19 +1,33 @@
-"""Stage 3 training step with parameters and optimizer on NVMe, next to its floors, same run.
+"""Stage 3 training step with parameters and optimizer on NVMe, next to its floors and DeepSpeed, same run.
 
 A transformer of ``--blocks`` blocks of width ``--width`` (default 12 x 1024: ~101M parameters),
-one process, fp32, micro-batch 2 x ``--seq`` tokens. Rows (median wall seconds of a whole step:
-forward, backward, optimizer step):
+one process, fp32, micro-batch 2 x ``--seq`` tokens, AdamW (lr 1e-4, weight decay 0.01). Rows
+(median wall seconds of a whole step: forward, backward, optimizer step, over ``--steps`` steps
+after the first):
 
 * ``resident``: stage 3 with offload_param and offload_optimizer ``none``;
 * ``nvme``: offload_param and offload_optimizer ``nvme`` (read-ahead, pipelined optimizer swaps);
 * ``io-floor``: the NVMe bytes the nvme step moved (parameter partitions read and written, the
   optimizer's 12 bytes/param in and out) divided by the sequential read/write bandwidth of an
-  ``AsyncIOHandle`` on the same directory (bench/step.py's measurement).
+  ``AsyncIOHandle`` on the same directory (bench/step.py's measurement);
+* ``serial``: resident + io-floor, the step with its compute and its I/O one after the other;
+* ``deepspeed-resident`` / ``deepspeed-nvme``: the same model, data and optimizer under DeepSpeed
+  ZeRO-3 (CPU accelerator, gloo, one process), without offload and with parameters and optimizer
+  on NVMe, each in a subprocess; skipped when ``deepspeed`` is not importable. DeepSpeed 0.19.8
+  runs this model's NVMe case only with ``stage3_prefetch_bucket_size`` 0 (any prefetch fails
+  with "param ... already assigned swap buffer id": ``nn.MultiheadAttention`` reads
+  ``out_proj.weight`` outside ``out_proj``'s forward), ``offload_param.buffer_size`` 5e6 (the
+  largest parameter has 4.2M elements) and ``offload_optimizer.buffer_count`` 12 (4 fails in
+  its swapper, see ../shared/peers/README.md).
+
+Every row prints its loss after the last step (same seed and batch: the rows must agree) and the
+bytes the process read from and wrote to disk meanwhile (``psutil``, all engines counted alike).
 
 Goal: nvme within 1.25x of max(resident, io-floor). Also printed: the share of the parameter
-reads' I/O time that compute did not wait for (``engine.stats()["stage3"]["io_hidden_fraction"]``).
+reads' I/O time that compute did not wait for (``engine.stats()["stage3"]["io_hidden_fraction"]``),
+and each engine's nvme / resident ratio.
 
-    python bench/stage3_step.py [--blocks 12] [--width 1024] [--nvme-path DIR] [--steps 3]
+    python bench/stage3_step.py [--blocks 12] [--width 1024] [--nvme-path DIR] [--steps 3] [--no-peers]
 """
 from __future__ import annotations
 
@@ -50,66 +64,165 @@ class LM(nn.Module):
         return self.head(x)
 
 
+ADAMW = {"lr": 1e-4, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.01}
+
+
+def _timed_steps(engine, args) -> dict:
+    """``args.steps + 1`` training steps on one fixed batch; the first is not timed (it records
+    the trace and pays page faults). Returns the median step seconds, the last loss, and the
+    disk bytes this process read and wrote during the timed steps (psutil)."""
+    import psutil
+
+    proc = psutil.Process()
+    torch.manual_seed(1)
+    x = torch.randint(0, 256, (2, args.seq))
+    times, loss = [], None
+    for i in range(args.steps + 1):
+        if i == 1:
+            io0 = proc.io_counters()
+        t0 = time.perf_counter()
+        logits = engine(x)
+        loss = nn.functional.cross_entropy(logits.flatten(0, 1).float(), x.flatten())
+        engine.backward(loss)
+        engine.step()
+        if i:
+            times.append(time.perf_counter() - t0)
+    io1 = proc.io_counters()
+    return {"step_s": statistics.median(times), "loss": loss.item(),
+            "disk_read": (io1.read_bytes - io0.read_bytes) / args.steps,
+            "disk_written": (io1.write_bytes - io0.write_bytes) / args.steps}
+
+
 def run(args, tier: str, nvme: str) -> dict:
+    """zeroinf stage 3, parameters and optimizer on ``tier`` ("none" or "nvme")."""
     z = {"stage": 3, "sub_group_size": 20_000_000, "stage3_max_reuse_distance": 0,
          "stage3_prefetch_bucket_size": 3 * args.width * args.width * 8,
          "offload_param": {"device": tier}, "offload_optimizer": {"device": tier}}
     if tier == "nvme":
         z["offload_param"].update(nvme_path=nvme, buffer_count=6, buffer_size=9 * args.width * args.width, max_in_cpu=0)
         z["offload_optimizer"].update(nvme_path=nvme, buffer_count=3, pipeline_read=True, pipeline_write=True)
-    cfg = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
+    cfg = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": ADAMW},
            "zero_optimization": z}
     torch.manual_seed(0)
     with zeroinf.Init(config=cfg, enabled=tier == "nvme"):
         model = LM(args.blocks, args.width)
     engine, *_ = zeroinf.initialize(model=model, config=cfg)
-    x = torch.randint(0, 256, (2, args.seq))
-    times, stats = [], []
-    for i in range(args.steps + 1):
-        t0 = time.perf_counter()
-        logits = engine(x)
-        loss = nn.functional.cross_entropy(logits.flatten(0, 1), x.flatten())
-        engine.backward(loss)
-        engine.step()
-        if i:  # the first step records the trace and pays page faults
-            times.append(time.perf_counter() - t0)
-            stats.append(engine.stats())
+    out = _timed_steps(engine, args)
+    st = engine.stats()  # the last step's counters
     engine.close()
-    st = stats[-1]
     s3 = st.get("stage3", {})
-    return {"step_s": statistics.median(times),
-            "read_bytes": st.get("nvme_read_bytes", 0) + s3.get("bytes_nvme_read", 0),
-            "write_bytes": st.get("nvme_write_bytes", 0) + s3.get("bytes_nvme_written", 0),
-            "hidden": s3.get("io_hidden_fraction"), "param_wait_s": s3.get("wait_io_s"),
-            "optimizer_io_wait_s": st.get("io_wait_s"), "live_high_water": s3.get("live_high_water")}
+    out.update(read_bytes=st.get("nvme_read_bytes", 0) + s3.get("bytes_nvme_read", 0),
+               write_bytes=st.get("nvme_write_bytes", 0) + s3.get("bytes_nvme_written", 0),
+               hidden=s3.get("io_hidden_fraction"), optimizer_io_wait_s=st.get("io_wait_s"))
+    return out
+
+
+def deepspeed_row(args, tier: str, nvme: str) -> dict:
+    """DeepSpeed ZeRO-3 on the same model, batch and optimizer (run in a subprocess by
+    :func:`run_peer`: DeepSpeed wants its own process group and accelerator set-up)."""
+    import deepspeed
+
+    deepspeed.init_distributed(dist_backend="gloo")
+    z = {"stage": 3, "sub_group_size": 20_000_000, "stage3_max_reuse_distance": 0, "overlap_comm": False,
+         "stage3_prefetch_bucket_size": 3 * args.width * args.width * 8, "stage3_max_live_parameters": 3e7}
+    if tier == "nvme":  # the settings it runs with: see the module docstring
+        z["stage3_prefetch_bucket_size"] = 0
+        z["offload_param"] = {"device": "nvme", "nvme_path": nvme, "buffer_count": 32, "buffer_size": 5e6,
+                              "max_in_cpu": 0}
+        z["offload_optimizer"] = {"device": "nvme", "nvme_path": nvme, "buffer_count": 12,
+                                  "pipeline_read": True, "pipeline_write": True}
+    cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "steps_per_print": 10**9,
+           "gradient_clipping": 0.0, "optimizer": {"type": "AdamW", "params": ADAMW}, "zero_optimization": z,
+           "aio": {"block_size": 1 << 20, "queue_depth": 8, "intra_op_parallelism": 1, "single_submit": False,
+                   "overlap_events": True}}
+    torch.manual_seed(0)
+    with deepspeed.zero.Init(config_dict_or_path=cfg):
+        model = LM(args.blocks, args.width)
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+    return _timed_steps(engine, args)
+
+
+def run_peer(args, tier: str, nvme: str) -> dict:
+    """:func:`deepspeed_row` in a subprocess of this script (CPU accelerator, one rank);
+    returns its result, or ``{"error": last lines of its output}`` when it fails."""
+    import json
+    import socket
+    import subprocess
+
+    with socket.socket() as sk:
+        sk.bind(("127.0.0.1", 0))
+        port = sk.getsockname()[1]
+    env = dict(os.environ, DS_ACCELERATOR="cpu", RANK="0", WORLD_SIZE="1", LOCAL_RANK="0",
+               MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    cmd = [sys.executable, os.path.abspath(__file__), "--blocks", str(args.blocks), "--width", str(args.width),
+           "--seq", str(args.seq), "--steps", str(args.steps), "--peer-row", tier, "--nvme-path", nvme]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    for line in reversed(proc.stdout.splitlines()):
+        if line.startswith("PEER-ROW "):
+            return json.loads(line[len("PEER-ROW "):])
+    tail = (proc.stdout + proc.stderr).strip().splitlines()[-3:]
+    return {"error": f"exit {proc.returncode}: " + " | ".join(tail)}
 
 
 def main() -> int:
+    import importlib.util
+    import json
+
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--blocks", type=int, default=12)
     p.add_argument("--width", type=int, default=1024)
     p.add_argument("--seq", type=int, default=64)
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--nvme-path", default=None)
+    p.add_argument("--no-peers", action="store_true", help="skip the DeepSpeed rows")
+    p.add_argument("--peer-row", choices=["none", "nvme"], help=argparse.SUPPRESS)  # run_peer's subprocess
     args = p.parse_args()
+    if args.peer_row:
+        print("PEER-ROW " + json.dumps(deepspeed_row(args, args.peer_row, args.nvme_path)), flush=True)
+        return 0
+    peers = not args.no_peers and importlib.util.find_spec("deepspeed") is not None
     nvme = tempfile.mkdtemp(prefix="zeroinf_bench_s3_", dir=args.nvme_path)
     try:
         res = run(args, "none", nvme)
         off = run(args, "nvme", nvme)
+        ds_res = run_peer(args, "none", nvme) if peers else None
+        ds_off = run_peer(args, "nvme", os.path.join(nvme, "deepspeed")) if peers else None
         w_bw, r_bw = io_bandwidth(nvme, 1 << 30, {})  # the default aio block, as the runs above
     finally:
         shutil.rmtree(nvme, ignore_errors=True)
     floor = off["read_bytes"] / (r_bw * 1e9) + off["write_bytes"] / (w_bw * 1e9)
     params = sum(p.numel() for p in LM(args.blocks, args.width).parameters())
     print(f"model {params / 1e6:.1f}M params, fp32, 2x{args.seq} tokens; disk write {w_bw:.2f} GB/s, read {r_bw:.2f} GB/s")
-    print(f"{'row':<10} {'seconds':>9}  note")
-    print(f"{'resident':<10} {res['step_s']:9.3f}")
-    print(f"{'nvme':<10} {off['step_s']:9.3f}  read {off['read_bytes'] / 1e9:.2f} GB, write {off['write_bytes'] / 1e9:.2f} GB; "
-          f"param reads hidden {off['hidden'] if off['hidden'] is None else round(off['hidden'], 2)}, "
-          f"optimizer I/O wait {off['optimizer_io_wait_s']:.3f} s")
-    print(f"{'io-floor':<10} {floor:9.3f}")
+    print(f"{'row':<19} {'seconds':>8} {'loss':>9} {'disk r/w GB':>12}  note")
+
+    def row(name: str, r: dict, note: str = "") -> None:
+        if "error" in r:
+            print(f"{name:<19} {'failed':>8}  {r['error']}")
+            return
+        io = f"{r['disk_read'] / 1e9:.2f}/{r['disk_written'] / 1e9:.2f}"
+        print(f"{name:<19} {r['step_s']:8.3f} {r['loss']:9.5f} {io:>12}  {note}")
+
+    row("resident", res)
+    row("nvme", off, f"engine stats: read {off['read_bytes'] / 1e9:.2f} GB, write {off['write_bytes'] / 1e9:.2f} GB; "
+        f"param reads hidden {off['hidden'] if off['hidden'] is None else round(off['hidden'], 2)}, "
+        f"optimizer I/O wait {off['optimizer_io_wait_s']:.3f} s")
+    print(f"{'io-floor':<19} {floor:8.3f}")
+    serial = res["step_s"] + floor
+    print(f"{'serial':<19} {serial:8.3f}  resident + io-floor: no overlap at all; nvme saves "
+          f"{100 * (1 - off['step_s'] / serial):.0f}% of it (bench/io_overlap.py: what this machine allows)")
+    if peers:
+        row("deepspeed-resident", ds_res)
+        row("deepspeed-nvme", ds_off)
+    else:
+        print("deepspeed rows skipped (" + ("--no-peers" if args.no_peers else "deepspeed not importable") + ")")
     goal = max(res["step_s"], floor)
     print(f"nvme / max(resident, io-floor) = {off['step_s'] / goal:.2f}  (goal <= 1.25)")
+    print(f"nvme / resident: zeroinf {off['step_s'] / res['step_s']:.2f}", end="")
+    if peers and "error" not in ds_res and "error" not in ds_off:
+        print(f", deepspeed {ds_off['step_s'] / ds_res['step_s']:.2f}; "
+              f"deepspeed-nvme / zeroinf-nvme = {ds_off['step_s'] / off['step_s']:.2f}")
+    else:
+        print()
     return 0
 
 
