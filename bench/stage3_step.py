@@ -25,7 +25,9 @@ bytes the process read from and wrote to disk meanwhile (``psutil``, all engines
 
 Goal: nvme within 1.25x of max(resident, io-floor). Also printed: the share of the parameter
 reads' I/O time that compute did not wait for (``engine.stats()["stage3"]["io_hidden_fraction"]``),
-and each engine's nvme / resident ratio.
+the share of the whole step's I/O time hidden (1 - (nvme - resident) / io-floor: 1 when the
+nvme step costs no more than the resident one, 0 when it costs the whole floor on top), and
+each engine's nvme / resident ratio.
 
     python bench/stage3_step.py [--blocks 12] [--width 1024] [--nvme-path DIR] [--steps 3] [--no-peers]
 """
@@ -215,6 +217,8 @@ def main() -> int:
         row("deepspeed-nvme", ds_off)
     else:
         print("deepspeed rows skipped (" + ("--no-peers" if args.no_peers else "deepspeed not importable") + ")")
+    print(f"I/O hidden behind compute, whole step: 1 - (nvme - resident) / io-floor = "
+          f"{1 - (off['step_s'] - res['step_s']) / floor:.2f}")
     goal = max(res["step_s"], floor)
     print(f"nvme / max(resident, io-floor) = {off['step_s'] / goal:.2f}  (goal <= 1.25)")
     print(f"nvme / resident: zeroinf {off['step_s'] / res['step_s']:.2f}", end="")
