@@ -458,12 +458,19 @@ class ZeroEngine:
         return checkpoint.load(self, load_dir, tag)
 
     def close(self) -> None:
-        """Wait for a background step, then release swap buffers and file handles (idempotent).
-        Raises the background step's failure after releasing them."""
+        """Wait for a background step, then release swap buffers, pinned memory, I/O threads and
+        file handles, the optimizer's and (stage 3) the parameter manager's (idempotent). A stage-3
+        model cannot run a forward afterwards (RuntimeError). Raises the background step's
+        failure after releasing them."""
         try:
             self.synchronize()
         finally:
-            self.sub_optimizer.close()
+            try:
+                self.sub_optimizer.close()
+            finally:
+                manager = getattr(self.params, "manager", None)
+                if manager is not None:
+                    manager.close()
 
     def destroy(self) -> None:
         """Alias of :meth:`close` (DeepSpeed's name)."""

@@ -437,14 +437,14 @@ class SubGroupOptimizer:
         return sum(b.numel() * b.element_size() for b in self._buffers)
 
     def close(self) -> None:
-        """Release the swap buffers and close the swapper (files stay for inspection). Idempotent."""
+        """Release the swap buffers (their pinned, locked memory too) and close the swapper
+        (files stay for inspection). Idempotent."""
         if self._swapper is not None:
             try:
                 self._settle()
                 self._swapper.wait()
             finally:
-                for b in self._buffers:
-                    self._pool.release(b)
                 self._buffers = []
+                self._pool.close()
                 self._swapper.close()
                 self._swapper = None

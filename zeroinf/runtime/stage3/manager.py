@@ -310,6 +310,7 @@ class Stage3ParameterManager:
         self.scheduler = PrefetchScheduler(self, opts.prefetch_bucket_size, opts.max_live_parameters,
                                            opts.max_reuse_distance)
         self._install_hooks()
+        self._closed = False
         _MANAGERS.add(self)
 
     @property
@@ -894,6 +895,10 @@ class Stage3ParameterManager:
 
     # ------------------------------------------------------------------------ forward hooks
     def _root_pre_forward(self, module, args):
+        if self._closed:
+            raise RuntimeError("zeroinf stage 3: the engine of this model was closed (engine.close()); its "
+                               "parameters are partitioned and can no longer be gathered. Build a new engine "
+                               "(zeroinf.initialize), or save a checkpoint before closing.")
         self._busy += 1
         try:
             if self._in_iteration:  # a grad-enabled forward that had no backward
@@ -1456,16 +1461,31 @@ class Stage3ParameterManager:
         return self.tracer.write(path)
 
     def close(self) -> None:
-        """Release everything, stop the I/O thread, close the swapper. Raises a background
-        step's failure (:class:`~zeroinf.runtime.stage3.overlap.StepFailedError`) after that."""
+        """Release everything: gathered units, the I/O thread, the swapper, the pinned (locked)
+        staging buffers and the host cache; the manager leaves :func:`managers`, and a later
+        forward of the model raises RuntimeError. Idempotent. Raises a background step's failure
+        (:class:`~zeroinf.runtime.stage3.overlap.StepFailedError`) after releasing."""
+        if self._closed:
+            return
+        self._closed = True
+        _MANAGERS.discard(self)
         try:
             self.step_gate.wait()
         finally:
-            for u in self.units:
-                self.release(u)
-            if self._io is not None:
-                self.drop_staged()
-                self._io.shutdown(wait=True)
-                self._io = None
-            if self._swapper is not None and hasattr(self._swapper, "close"):
-                self._swapper.close()
+            try:
+                for u in self.units:
+                    self.release(u)
+                if self._io is not None:
+                    self.drop_staged()
+            finally:
+                if self._io is not None:
+                    self._io.shutdown(wait=True)
+                    self._io = None
+                try:
+                    if self._swapper is not None and hasattr(self._swapper, "close"):
+                        self._swapper.close()
+                finally:
+                    self._cache = None
+                    if self._pool is not None:
+                        self._pool.close()
+                        self._pool = None
