@@ -197,3 +197,89 @@ def test_stage3_two_ranks_save_and_load_without_hanging(tmp_path):
     assert res["losses"] == res["ref"], res
     ck = tmp_path / "ck" / "s2"
     assert {"model_states.pt", "rng_rank0.pt", "rng_rank1.pt"} <= set(os.listdir(ck))
+
+
+def _stage3_nvme_engine(nvme):
+    import copy
+
+    from stage3_models import TinyLM
+    from test_stage3_engine import _config
+    engine, *_ = zeroinf.initialize(model=copy.deepcopy(TinyLM()), config=_config("nvme", "nvme", nvme))
+    return engine
+
+
+def _train(engine, steps, seed=0):
+    from stage3_models import batch, loss_fn
+    for k in range(steps):
+        x, y = batch(seed + k)
+        engine.backward(loss_fn(engine(x), y))
+        engine.step()
+    engine.synchronize()
+
+
+def _engine_state(engine):
+    """Everything a load changes: module state (gathered), every sub-group's optimizer state, counters."""
+    opt = engine.sub_optimizer
+    module = {k: v.detach().clone() for k, v in engine.module.state_dict().items()}
+    optim = []
+    for i in range(len(opt.specs)):
+        with opt.state(i) as tensors:
+            optim.append([t.clone() for t in tensors])
+    return module, optim, (engine.global_steps, engine.optimizer_steps)
+
+
+@pytest.mark.parametrize("victim", ["optim_last", "rng", "model_states", "module_key"])
+def test_truncated_checkpoint_file_is_named_and_nothing_is_loaded(tmp_path, victim):
+    """A truncated file fails the load before anything changes (the tester's case: the last of 14
+    optimizer files truncated left the weights and 13 sub-groups at the saved step, the 14th half
+    loaded, and torch's error named no file)."""
+    (tmp_path / "nv").mkdir()
+    engine = _stage3_nvme_engine(tmp_path / "nv")
+    _train(engine, 2)
+    ckpt = engine.save_checkpoint(str(tmp_path / "ck"), "a")
+    _train(engine, 2, seed=10)
+    before = _engine_state(engine)
+    files = {"optim_last": sorted(f for f in os.listdir(ckpt) if f.startswith("optim_rank0_"))[-1],
+             "rng": "rng_rank0.pt", "model_states": "model_states.pt", "module_key": "model_states.pt"}
+    path = os.path.join(ckpt, files[victim])
+    if victim == "module_key":  # readable, but one weight missing: load_state_dict would stop half-way
+        meta = torch.load(path, weights_only=True)
+        meta["module"].pop(sorted(meta["module"])[-1])
+        torch.save(meta, path)
+        problem = "the module state does not match this model"
+    else:
+        with open(path, "r+b") as f:
+            f.truncate(os.path.getsize(path) // 2)
+        problem = "unreadable"
+    with pytest.raises(CheckpointError, match=files[victim] + ": " + problem):
+        engine.load_checkpoint(str(tmp_path / "ck"), "a")
+    after = _engine_state(engine)
+    assert after[2] == before[2]
+    assert after[0].keys() == before[0].keys()
+    for k in before[0]:
+        assert torch.equal(after[0][k], before[0][k]), k
+    for a, b in zip(after[1], before[1]):
+        assert all(torch.equal(x, y) for x, y in zip(a, b))
+    _train(engine, 1, seed=20)  # and the engine trains on
+    engine.close()
+
+
+def test_checkpoint_write_failure_is_an_oserror_naming_the_file(tmp_path):
+    """A write that fails part-way (here the file-size limit; the tester's case was a full disk)
+    raises OSError naming the file, leaves no temporary file and no 'latest'; torch's own error
+    says only 'unexpected pos 704 vs 598'."""
+    import resource
+    import signal
+
+    engine, _ = _small_engine()
+    old_sig = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # EFBIG from write(), not a killed process
+    old = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (600, old[1]))
+    try:
+        with pytest.raises(OSError, match=r"optim_rank0_.*\.pt: writing the checkpoint file failed"):
+            engine.save_checkpoint(str(tmp_path), "full")
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, old)
+        signal.signal(signal.SIGXFSZ, old_sig)
+    assert not [f for f in os.listdir(tmp_path / "full") if ".tmp" in f]
+    assert not (tmp_path / "latest").exists()

@@ -17,8 +17,10 @@ barrier, so a folder without it is an incomplete save and is refused at load.
 """
 from __future__ import annotations
 
+import errno
 import os
 import random
+import shutil
 from typing import Any, Dict, Optional, Tuple
 
 import numpy as np
@@ -35,14 +37,33 @@ class CheckpointError(ValueError):
 
 
 def _atomic_save(obj: Any, path: str) -> None:
+    """``torch.save`` to a temporary file renamed onto ``path``; on failure the temporary file
+    is removed and nothing is at ``path``. Raises OSError naming ``path`` when the write fails
+    (torch's own writer reports a full disk or a file-size limit as a RuntimeError about stream
+    positions or iostreams, without the path)."""
     tmp = f"{path}.tmp{os.getpid()}"
     try:
         torch.save(obj, tmp)
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as exc:
         if os.path.exists(tmp):
             os.unlink(tmp)
+        if isinstance(exc, RuntimeError):  # torch's writer: "unexpected pos", "iostream error", ...
+            free = shutil.disk_usage(os.path.dirname(path) or ".").free
+            raise OSError(errno.EIO, f"{path}: writing the checkpoint file failed ({free} bytes free on its file "
+                                     f"system; torch: {str(exc).strip()})") from exc
         raise
+
+
+def _read(path: str, mmap: bool = False) -> Any:
+    """``torch.load(path, weights_only=True)`` on the CPU (``mmap``: tensors mapped, read on
+    use). Raises CheckpointError naming ``path`` when the file cannot be read or unpickled
+    (truncated, not a torch file)."""
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+    except Exception as exc:
+        raise CheckpointError(f"{path}: unreadable ({type(exc).__name__}: {str(exc).strip()[:300]}); "
+                              "nothing was loaded") from exc
 
 
 def _optim_file(ckpt: str, rank: int, key: str) -> str:
@@ -158,10 +179,35 @@ def _load_meta(load_dir: str, tag: Optional[str]) -> Tuple[str, Dict[str, Any]]:
     path = os.path.join(ckpt, "model_states.pt")
     if not os.path.isfile(path):
         raise CheckpointError(f"{path}: missing (no checkpoint with tag {tag!r}, or an incomplete save)")
-    meta = torch.load(path, map_location="cpu", weights_only=True)
-    if meta.get("format") != _FORMAT:
-        raise CheckpointError(f"{path}: checkpoint format {meta.get('format')!r}, this zeroinf reads {_FORMAT}")
+    meta = _read(path)
+    if not isinstance(meta, dict) or meta.get("format") != _FORMAT:
+        fmt = meta.get("format") if isinstance(meta, dict) else type(meta).__name__
+        raise CheckpointError(f"{path}: checkpoint format {fmt!r}, this zeroinf reads {_FORMAT}")
     return ckpt, meta
+
+
+def _check_module_state(module: torch.nn.Module, sd: Any, path: str) -> None:
+    """Raise CheckpointError naming ``path`` unless ``sd`` has exactly ``module``'s state-dict
+    keys with its shapes (a stage-3 partitioned parameter's full shape is ``ds_shape``), so that
+    ``load_state_dict`` cannot fail half-way."""
+    if not isinstance(sd, dict):
+        raise CheckpointError(f"{path}: holds no module state dict")
+    want = {}  # as Module.state_dict names them: tied parameters and shared modules under every name
+    for prefix, m in module.named_modules(remove_duplicate=False):
+        pre = f"{prefix}." if prefix else ""
+        for name, p in m._parameters.items():
+            if p is not None:
+                want[pre + name] = tuple(getattr(p, "ds_shape", p.shape))
+        for name, b in m._buffers.items():
+            if b is not None and name not in m._non_persistent_buffers_set:
+                want[pre + name] = tuple(b.shape)
+    missing = sorted(set(want) - set(sd))
+    unexpected = sorted(k for k in set(sd) - set(want) if not k.endswith("_extra_state"))
+    wrong = sorted(k for k in set(want) & set(sd)
+                   if not isinstance(sd[k], torch.Tensor) or tuple(sd[k].shape) != want[k])
+    if missing or unexpected or wrong:
+        raise CheckpointError(f"{path}: the module state does not match this model (missing {missing[:3]}, "
+                              f"unexpected {unexpected[:3]}, other shapes {wrong[:3]})")
 
 
 def load(engine, load_dir: str, tag: Optional[str] = None) -> Tuple[str, dict]:
@@ -169,9 +215,14 @@ def load(engine, load_dir: str, tag: Optional[str] = None) -> Tuple[str, dict]:
 
     Returns ``(folder, client_state)``.
 
+    Every file is opened and checked (readable, keys and sizes) before anything is changed, so a
+    truncated or missing file leaves the engine as it was. The optimizer files are opened
+    memory-mapped for the check (their data is read once, when loaded).
+
     Raises:
-        CheckpointError: missing/incomplete files, or a checkpoint from another world size, stage
-            or sub-group layout (the message names what differs); nothing is loaded then.
+        CheckpointError: missing, unreadable (truncated) or mismatched files, or a checkpoint from
+            another world size, stage or sub-group layout (the message names the file or what
+            differs); nothing is loaded then.
     """
     engine.synchronize()
     ckpt, meta = _load_meta(load_dir, tag)
@@ -186,17 +237,30 @@ def load(engine, load_dir: str, tag: Optional[str] = None) -> Tuple[str, dict]:
         raise CheckpointError(f"{ckpt}: saved with sub-groups {meta['sub_groups'][:4]}..., this engine has "
                               f"{mine[:4]}... (another model, param groups or sub_group_size)")
     files = [_optim_file(ckpt, engine.rank, s.key) for s in engine.sub_optimizer.specs]
-    for f in files + [os.path.join(ckpt, f"rng_rank{engine.rank}.pt")]:
+    rng_file = os.path.join(ckpt, f"rng_rank{engine.rank}.pt")
+    for f in files + [rng_file]:
         if not os.path.isfile(f):
             raise CheckpointError(f"{f}: missing from the checkpoint")
+    rng = _read(rng_file)
+    states = []  # memory-mapped: checked now, read when loaded below
+    for spec, f in zip(engine.sub_optimizer.specs, files):
+        sd = _read(f, mmap=True)
+        if not isinstance(sd, dict) or sd.get("key") != spec.key or sd.get("numel") != spec.numel:
+            got = (sd.get("key"), sd.get("numel")) if isinstance(sd, dict) else type(sd).__name__
+            raise CheckpointError(f"{f}: holds {got}, expected {spec.key!r} ({spec.numel} elements)")
+        for name in ("master", "exp_avg", "exp_avg_sq"):
+            t = sd.get(name)
+            if not isinstance(t, torch.Tensor) or t.numel() != spec.numel:
+                raise CheckpointError(f"{f}: {name} is {getattr(t, 'shape', type(t).__name__)}, expected "
+                                      f"{spec.numel} elements")
+        states.append(sd)
+    _check_module_state(engine.module, meta.get("module"), os.path.join(ckpt, "model_states.pt"))
     engine.module.load_state_dict(meta["module"])
     if hasattr(engine.params, "settle_host_copies"):  # CUDA stages 1/2: a copy may still read the masters
         engine.params.settle_host_copies()
-    for i, (spec, f) in enumerate(zip(engine.sub_optimizer.specs, files)):
-        sd = torch.load(f, map_location="cpu", weights_only=True)
-        if sd["key"] != spec.key or sd["numel"] != spec.numel:
-            raise CheckpointError(f"{f}: holds {sd['key']!r} ({sd['numel']} elements), expected {spec.key!r} ({spec.numel})")
+    for i, sd in enumerate(states):
         engine.sub_optimizer.load_state(i, sd["master"], sd["exp_avg"], sd["exp_avg_sq"])
+    del states
     for g, h in zip(engine.optimizer.param_groups, meta["param_groups"]):
         for k, v in h.items():
             g[k] = tuple(v) if k == "betas" else v
@@ -207,7 +271,7 @@ def load(engine, load_dir: str, tag: Optional[str] = None) -> Tuple[str, dict]:
     if engine.lr_scheduler is not None and meta["lr_scheduler"] is not None:
         engine.lr_scheduler.load_state_dict(meta["lr_scheduler"])
     engine.params.zero_grad_acc()
-    _set_rng_state(torch.load(os.path.join(ckpt, f"rng_rank{engine.rank}.pt"), map_location="cpu", weights_only=True))
+    _set_rng_state(rng)
     _barrier(engine)
     return ckpt, meta["client_state"]
 
@@ -235,7 +299,7 @@ def consolidate(load_dir: str, tag: Optional[str], out: str) -> Dict[str, torch.
                 f = _optim_file(ckpt, r, key)
                 if not os.path.isfile(f):
                     raise CheckpointError(f"{f}: missing; consolidate needs every rank's optimizer files")
-                flat[pos:pos + numel].copy_(torch.load(f, map_location="cpu", weights_only=True)["master"])
+                flat[pos:pos + numel].copy_(_read(f, mmap=True)["master"])
                 pos += numel
         for p in lay["params"]:
             n = 1
