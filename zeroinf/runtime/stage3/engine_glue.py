@@ -127,6 +127,7 @@ class Stage3EngineParams:
                 self._subs.append((g, lo, min(g.shard_numel, lo + sub_group_size), gi))
                 self._keys.append(f"{g.key}/s{k}")
         self._staged: Optional[Tuple[FlatGroup, torch.Tensor]] = None
+        self._init_read: Optional[Tuple[FlatGroup, torch.Tensor]] = None  # master_init's partition
         self._worker = None  # the background optimizer step's thread ([Note: overlapped step])
         # [Note: gradient cache] With gradient partitions on NVMe, grad(i) reads its flat group's
         # partition into one host tensor. The engine may change it in place (clipping) and
@@ -149,7 +150,12 @@ class Stage3EngineParams:
         out = self.manager.take_init_master(g, lo, hi)  # zeroinf.Init values before a bf16/fp16 cast
         if out is not None:
             return out
-        out = self.manager.param_shard(g)[lo:hi].to(device="cpu", dtype=torch.float32, copy=True)
+        c = self._init_read  # a group's partition is read once for all its sub-groups
+        if c is None or c[0] is not g:
+            c = self._init_read = (g, self.manager.param_shard(g))
+        out = c[1][lo:hi].to(device="cpu", dtype=torch.float32, copy=True)
+        if i + 1 == len(self._subs) or self._subs[i + 1][0] is not g:
+            self._init_read = None
         if fp32_params:
             base = self.manager.rank * g.shard_numel + lo  # flat offset of out[0]
             for s in g.slots:
@@ -353,6 +359,8 @@ class Stage3EngineParams:
         """Keep ``sub_optimizer``'s fp32 master weights in step with partitions written outside
         the step (``zeroinf.gathered_parameters(..., modifier_rank=r)``); moments are kept."""
         self.manager.drop_init_masters()  # the engine made every master already
+        self._init_read = None
+        self.manager.stats.clear()  # the set-up's reads (the masters) belong to no training step
         by_group: Dict[str, List[int]] = {}
         for i, (g, _lo, _hi, _gi) in enumerate(self._subs):
             by_group.setdefault(g.key, []).append(i)

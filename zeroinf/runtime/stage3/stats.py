@@ -78,6 +78,16 @@ class Stage3Stats:
             self.current[key] = self.current.get(key, 0) + value
             self.totals[key] = self.totals.get(key, 0) + value
 
+    def clear(self) -> None:
+        """Forget everything counted so far (totals and high-water marks included): the engine
+        calls it once set-up is done, so the first step counts only its own transfers."""
+        with self._lock:
+            self.reset()
+            self.last, self.totals, self.last_step = {}, {}, {}
+            self._step = _zeros()
+            self.iterations_this_step = 0
+            self.live_high_water_all = 0
+
     def live(self, live_now: int) -> None:
         if live_now > self.current["live_high_water"]:
             self.current["live_high_water"] = live_now
