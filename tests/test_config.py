@@ -117,6 +117,7 @@ def test_disabled_feature_block_is_accepted():
     ({"aio": {"block_size": 1000}}, "aio.block_size", "multiple of 512"),
     ({"zeroinf": {"grad_norm_type": 0.5}}, "zeroinf.grad_norm_type", ">= 1"),
     ({"optimizer": {"type": "AdamW", "params": {"adam_w_mode": False}}}, "optimizer.params.adam_w_mode", "AdamW"),
+    ({"fp16": {"enabled": True, "initial_scale_power": 2000}}, "fp16.initial_scale_power", "<= 127"),  # was OverflowError
 ])
 def test_wrong_values_name_their_key_path(cfg, path, text):
     e = err({**BASE, **cfg})

@@ -52,7 +52,8 @@ def _path(prefix: str, key: str) -> str:
     return f"{prefix}.{key}" if prefix else key
 
 
-def _int(block: Mapping, key: str, prefix: str, default: Any, *, min_value: Optional[int] = None) -> Any:
+def _int(block: Mapping, key: str, prefix: str, default: Any, *, min_value: Optional[int] = None,
+         max_value: Optional[int] = None) -> Any:
     v = block.get(key, _MISSING)
     if v is _MISSING or v is None:
         return default
@@ -62,6 +63,8 @@ def _int(block: Mapping, key: str, prefix: str, default: Any, *, min_value: Opti
     v = int(v)
     if min_value is not None and v < min_value:
         raise ConfigError(_path(prefix, key), f"must be >= {min_value}, got {v}")
+    if max_value is not None and v > max_value:
+        raise ConfigError(_path(prefix, key), f"must be <= {max_value}, got {v}")
     return v
 
 
@@ -469,7 +472,8 @@ def _parse_fp16(config: Mapping) -> FP16Config:
     _check_keys(p, "fp16", _FP16_ALLOWED, _FP16_UNSUPPORTED)
     return FP16Config(enabled=_bool(p, "enabled", "fp16", False),
                       loss_scale=_float(p, "loss_scale", "fp16", 0.0, min_value=0.0),
-                      initial_scale_power=_int(p, "initial_scale_power", "fp16", 16, min_value=0),
+                      initial_scale_power=_int(p, "initial_scale_power", "fp16", 16, min_value=0,
+                                               max_value=127),  # 2**128 is inf in fp32
                       loss_scale_window=_int(p, "loss_scale_window", "fp16", 1000, min_value=1),
                       hysteresis=_int(p, "hysteresis", "fp16", 2, min_value=1),
                       consecutive_hysteresis=_bool(p, "consecutive_hysteresis", "fp16", False),
