@@ -453,6 +453,8 @@ def test_close_releases_the_parameter_side(tmp_path):
         assert mgr not in managers() and io_threads() == threads0 and mgr.pinned_bytes() == 0
         with pytest.raises(RuntimeError, match="closed"):
             model(x)
+        with pytest.raises(RuntimeError, match="closed"):  # gathers read the (gone) tiers too
+            model.state_dict()
         del engine, model, mgr
         gc.collect()
     assert len(managers()) == managers0

@@ -304,13 +304,13 @@ class Stage3ParameterManager:
         self._io: Optional[ThreadPoolExecutor] = None
         self._swapper = None
         self._pool = None
+        self._closed = False
         self._init_masters: Dict[str, torch.Tensor] = {}  # [Note: Init masters]
         self._make_stores(swapper)
         self._partition_initial(shapes)
         self.scheduler = PrefetchScheduler(self, opts.prefetch_bucket_size, opts.max_live_parameters,
                                            opts.max_reuse_distance)
         self._install_hooks()
-        self._closed = False
         _MANAGERS.add(self)
 
     @property
@@ -493,6 +493,7 @@ class Stage3ParameterManager:
     # ------------------------------------------------------------------------ I/O plumbing
     def _run_io(self, fn, *args):
         """Run a tier transfer on the I/O thread (NVMe) or inline, and wait for it."""
+        self._check_open()
         if self._io is None:
             return fn(*args)
         return self._io.submit(fn, *args).result()
@@ -839,6 +840,7 @@ class Stage3ParameterManager:
         """A unit is needed now: count, gather (on demand if not prefetched), prefetch ahead.
         ``record=False`` for requests that depend on what happens to be live (saved-tensor
         unpacking), which would make the trace differ between identical iterations."""
+        self._check_open()
         was_live = unit.state is UnitState.GATHERED
         hit = self.scheduler.on_request(unit, phase) if record else False
         if was_live:
@@ -894,11 +896,15 @@ class Stage3ParameterManager:
         return self.units[int(g.key.split("/")[0][4:])]
 
     # ------------------------------------------------------------------------ forward hooks
-    def _root_pre_forward(self, module, args):
+    def _check_open(self) -> None:
+        """Raise RuntimeError if :meth:`close` ran: the tiers are gone."""
         if self._closed:
             raise RuntimeError("zeroinf stage 3: the engine of this model was closed (engine.close()); its "
-                               "parameters are partitioned and can no longer be gathered. Build a new engine "
-                               "(zeroinf.initialize), or save a checkpoint before closing.")
+                               "parameters are partitioned and can no longer be gathered, read or written. "
+                               "Build a new engine (zeroinf.initialize), or save a checkpoint before closing.")
+
+    def _root_pre_forward(self, module, args):
+        self._check_open()
         self._busy += 1
         try:
             if self._in_iteration:  # a grad-enabled forward that had no backward
