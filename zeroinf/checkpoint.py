@@ -9,14 +9,16 @@ Layout of ``<dir>/<tag>/`` (every file loads with ``torch.load(weights_only=True
                                      flat layout (for consolidate) and the caller's client_state
     <dir>/latest                     the tag of the last complete save
 
-Each rank writes only files carrying its rank in the name, through a temporary file renamed into
-place, so ranks saving at once never collide and saving the same tag twice replaces it. The
+Each rank writes only files carrying its rank in the name, into ``<dir>/<tag>.saving``, which is
+renamed onto ``<dir>/<tag>`` once complete: ranks saving at once never collide, and saving the
+same tag twice replaces it whole, or (if the second save fails) not at all. The
 optimizer state is streamed: one sub-group at a time is read from its tier (NVMe swap files
 included) and written, never the whole partition at once. ``model_states.pt`` is written after a
 barrier, so a folder without it is an incomplete save and is refused at load.
 """
 from __future__ import annotations
 
+import copy
 import errno
 import os
 import random
@@ -120,18 +122,59 @@ def _layout(engine) -> list:
     return out
 
 
+def _replace_dir(work: str, final: str) -> None:
+    """Move the finished folder ``work`` onto ``final``: an older ``final`` is renamed aside
+    first and removed after, so no reader ever sees a mix of two saves."""
+    old = final + ".old"
+    if os.path.isdir(old):
+        shutil.rmtree(old)
+    if os.path.isdir(final):
+        os.rename(final, old)
+    os.rename(work, final)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def _write_latest(save_dir: str, tag: str) -> None:
+    latest = os.path.join(save_dir, "latest")
+    tmp = latest + ".tmp"
+    try:
+        with open(tmp, "w") as f:
+            f.write(tag)
+        os.replace(tmp, latest)
+    except OSError as exc:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise OSError(exc.errno, f"{latest}: cannot record the tag {tag!r} ({exc.strerror or exc}); the "
+                                 f"checkpoint itself is complete in {os.path.join(save_dir, tag)}") from exc
+
+
+def _module_state(module: torch.nn.Module) -> Dict[str, Any]:
+    """A detached copy of the module's state dict (extra states, which may be any object, deep-copied)."""
+    return {k: v.detach().clone() if isinstance(v, torch.Tensor) else copy.deepcopy(v)
+            for k, v in module.state_dict().items()}
+
+
 def save(engine, save_dir: str, tag: Optional[str] = None, client_state: Optional[dict] = None) -> str:
     """Save ``engine`` to ``save_dir/tag`` (collective: every rank calls it). Returns the folder.
 
+    The files are written into ``save_dir/tag.saving`` and the folder is renamed onto
+    ``save_dir/tag`` once every rank has written its part, so a save that fails leaves an
+    earlier save of the same tag whole (never a mix of the two); ``latest`` is written last.
+
     Raises:
-        OSError: a file cannot be written (nothing is renamed into place for it).
+        OSError: a file cannot be written (the message names it; nothing of this save is
+            renamed into place).
     """
     tag = f"global_step{engine.global_steps}" if tag is None else str(tag)
-    if not tag or "/" in tag or tag in (".", ".."):
-        raise ValueError(f"checkpoint tag must be a plain folder name, got {tag!r}")
-    ckpt = os.path.join(save_dir, tag)
-    os.makedirs(ckpt, exist_ok=True)
+    if not tag or "/" in tag or tag in (".", "..") or tag.endswith((".saving", ".old")):
+        raise ValueError(f"checkpoint tag must be a plain folder name not ending in .saving or .old, got {tag!r}")
+    final = os.path.join(save_dir, tag)
+    ckpt = final + ".saving"
     engine.synchronize()  # a background optimizer step (stage 3) finishes before its state is read
+    if engine.rank == 0 and os.path.isdir(ckpt):
+        shutil.rmtree(ckpt)  # left by a save that failed
+    _barrier(engine)
+    os.makedirs(ckpt, exist_ok=True)
     opt = engine.sub_optimizer
     for i, spec in enumerate(opt.specs):
         with opt.state(i) as (master, m, v):
@@ -141,7 +184,7 @@ def save(engine, save_dir: str, tag: Optional[str] = None, client_state: Optiona
     _barrier(engine)
     # every rank builds the module state dict: under stage 3 it all-gathers each partition (a
     # collective), so rank 0 alone would wait forever for the others
-    module_sd = {k: v.detach().clone() for k, v in engine.module.state_dict().items()}
+    module_sd = _module_state(engine.module)
     if engine.rank != 0:
         module_sd = None
     if engine.rank == 0:
@@ -160,12 +203,14 @@ def save(engine, save_dir: str, tag: Optional[str] = None, client_state: Optiona
             "client_state": client_state or {},
         }
         _atomic_save(meta, os.path.join(ckpt, "model_states.pt"))
-        latest = os.path.join(save_dir, "latest")
-        with open(latest + ".tmp", "w") as f:
-            f.write(tag)
-        os.replace(latest + ".tmp", latest)
+        _replace_dir(ckpt, final)
     _barrier(engine)
-    return ckpt
+    if engine.rank != 0 and os.path.isdir(ckpt):  # a folder rank 0 does not see (no shared file system)
+        _replace_dir(ckpt, final)
+    if engine.rank == 0:
+        _write_latest(save_dir, tag)
+    _barrier(engine)
+    return final
 
 
 def _load_meta(load_dir: str, tag: Optional[str]) -> Tuple[str, Dict[str, Any]]:
