@@ -168,6 +168,20 @@ def _stage3_worker(rank, world, tmp):
         engine.load_checkpoint(os.path.join(tmp, "ck"))
         losses = steps(engine, 2, 4)
         sd = engine.module.state_dict()
+        # one rank's file is bad: every rank refuses the load and nothing changes on any of them
+        if rank == 1:
+            rng = os.path.join(tmp, "ck", "s2", "rng_rank1.pt")
+            os.truncate(rng, os.path.getsize(rng) // 2)
+        dist.barrier()
+        try:
+            engine.load_checkpoint(os.path.join(tmp, "ck"))
+            err = None
+        except CheckpointError as exc:
+            err = str(exc)
+        after = engine.module.state_dict()
+        with open(os.path.join(tmp, f"refused_rank{rank}.json"), "w") as f:
+            json.dump({"err": err, "steps": engine.global_steps,
+                       "unchanged": all(torch.equal(after[k], sd[k]) for k in sd)}, f)
         engine.close()
         if rank == 0:
             with open(os.path.join(tmp, "result.json"), "w") as f:
@@ -197,6 +211,11 @@ def test_stage3_two_ranks_save_and_load_without_hanging(tmp_path):
     assert res["losses"] == res["ref"], res
     ck = tmp_path / "ck" / "s2"
     assert {"model_states.pt", "rng_rank0.pt", "rng_rank1.pt"} <= set(os.listdir(ck))
+    # rank 1's truncated file: rank 1 names it, rank 0 (whose files are fine) refuses as well
+    # (it used to load everything and then fail in the barrier)
+    refused = [json.loads((tmp_path / f"refused_rank{r}.json").read_text()) for r in (0, 1)]
+    assert "rank(s) [1]" in refused[0]["err"] and "rng_rank1.pt: unreadable" in refused[1]["err"], refused
+    assert all(r["unchanged"] and r["steps"] == 4 for r in refused), refused
 
 
 def _stage3_nvme_engine(nvme):
@@ -228,7 +247,7 @@ def _engine_state(engine):
     return module, optim, (engine.global_steps, engine.optimizer_steps)
 
 
-@pytest.mark.parametrize("victim", ["optim_last", "rng", "model_states", "module_key"])
+@pytest.mark.parametrize("victim", ["optim_last", "rng", "model_states", "module_key", "extra_state", "rng_keys"])
 def test_truncated_checkpoint_file_is_named_and_nothing_is_loaded(tmp_path, victim):
     """A truncated file fails the load before anything changes (the tester's case: the last of 14
     optimizer files truncated left the weights and 13 sub-groups at the saved step, the 14th half
@@ -240,13 +259,20 @@ def test_truncated_checkpoint_file_is_named_and_nothing_is_loaded(tmp_path, vict
     _train(engine, 2, seed=10)
     before = _engine_state(engine)
     files = {"optim_last": sorted(f for f in os.listdir(ckpt) if f.startswith("optim_rank0_"))[-1],
-             "rng": "rng_rank0.pt", "model_states": "model_states.pt", "module_key": "model_states.pt"}
+             "rng": "rng_rank0.pt", "model_states": "model_states.pt", "module_key": "model_states.pt",
+             "extra_state": "model_states.pt", "rng_keys": "rng_rank0.pt"}
     path = os.path.join(ckpt, files[victim])
-    if victim == "module_key":  # readable, but one weight missing: load_state_dict would stop half-way
+    if victim in ("module_key", "extra_state"):  # readable, but load_state_dict would stop half-way
         meta = torch.load(path, weights_only=True)
-        meta["module"].pop(sorted(meta["module"])[-1])
+        if victim == "module_key":  # a weight missing
+            meta["module"].pop(sorted(meta["module"])[-1])
+        else:  # extra state of a module that has none here
+            meta["module"]["head._extra_state"] = {"v": 1}
         torch.save(meta, path)
         problem = "the module state does not match this model"
+    elif victim == "rng_keys":  # a torch file, but not RNG states
+        torch.save({"torch": torch.get_rng_state()}, path)
+        problem = "holds no RNG states"
     else:
         with open(path, "r+b") as f:
             f.truncate(os.path.getsize(path) // 2)
@@ -325,3 +351,31 @@ def test_a_failed_resave_of_a_tag_leaves_the_earlier_save_whole(tmp_path, monkey
     train(2)
     engine.save_checkpoint(str(tmp_path), "last")  # and saving again works, over the earlier one
     assert sorted(os.listdir(tmp_path)) == ["last", "latest"]
+
+
+def test_a_scheduler_state_that_does_not_fit_is_refused_before_anything_loads(tmp_path):
+    """A WarmupLR checkpoint loaded into a WarmupCosineLR engine raised KeyError 'org_lrs' after
+    the weights had changed (found by the tester); now CheckpointError, nothing changed."""
+    def build(scheduler):
+        torch.manual_seed(1)
+        model = torch.nn.Sequential(torch.nn.Linear(7, 13), torch.nn.Tanh(), torch.nn.Linear(13, 5))
+        cfg = {"train_micro_batch_size_per_gpu": 4, "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+               "scheduler": scheduler, "zero_optimization": {"stage": 1, "sub_group_size": 50}}
+        return zeroinf.initialize(model, config=cfg)[0]
+
+    x = torch.randn(4, 7)
+    a = build({"type": "WarmupLR", "params": {"warmup_num_steps": 5}})
+    for _ in range(3):
+        a.backward(a(x).square().mean())
+        a.step()
+    a.save_checkpoint(str(tmp_path), "w")
+    b = build({"type": "WarmupCosineLR", "params": {"total_num_steps": 20, "warmup_num_steps": 5}})
+    b.backward(b(x).square().mean())
+    b.step()
+    weights = [p.detach().clone() for p in b.module.parameters()]
+    sched, lrs = b.lr_scheduler.state_dict(), [g["lr"] for g in b.optimizer.param_groups]
+    with pytest.raises(CheckpointError, match="model_states.pt: the LR scheduler state does not fit"):
+        b.load_checkpoint(str(tmp_path))
+    assert all(torch.equal(p, w) for p, w in zip(b.module.parameters(), weights))
+    assert b.lr_scheduler.state_dict() == sched and [g["lr"] for g in b.optimizer.param_groups] == lrs
+    assert b.global_steps == 1

@@ -246,30 +246,20 @@ def _check_module_state(module: torch.nn.Module, sd: Any, path: str) -> None:
         for name, b in m._buffers.items():
             if b is not None and name not in m._non_persistent_buffers_set:
                 want[pre + name] = tuple(b.shape)
+        if type(m).get_extra_state is not torch.nn.Module.get_extra_state:
+            want[pre + "_extra_state"] = None  # any object
     missing = sorted(set(want) - set(sd))
-    unexpected = sorted(k for k in set(sd) - set(want) if not k.endswith("_extra_state"))
-    wrong = sorted(k for k in set(want) & set(sd)
-                   if not isinstance(sd[k], torch.Tensor) or tuple(sd[k].shape) != want[k])
+    unexpected = sorted(set(sd) - set(want))
+    wrong = sorted(k for k in set(want) & set(sd) if want[k] is not None
+                   and (not isinstance(sd[k], torch.Tensor) or tuple(sd[k].shape) != want[k]))
     if missing or unexpected or wrong:
         raise CheckpointError(f"{path}: the module state does not match this model (missing {missing[:3]}, "
                               f"unexpected {unexpected[:3]}, other shapes {wrong[:3]})")
 
 
-def load(engine, load_dir: str, tag: Optional[str] = None) -> Tuple[str, dict]:
-    """Restore ``engine`` from ``load_dir/tag`` (tag None: the ``latest`` file). Collective.
-
-    Returns ``(folder, client_state)``.
-
-    Every file is opened and checked (readable, keys and sizes) before anything is changed, so a
-    truncated or missing file leaves the engine as it was. The optimizer files are opened
-    memory-mapped for the check (their data is read once, when loaded).
-
-    Raises:
-        CheckpointError: missing, unreadable (truncated) or mismatched files, or a checkpoint from
-            another world size, stage or sub-group layout (the message names the file or what
-            differs); nothing is loaded then.
-    """
-    engine.synchronize()
+def _check_files(engine, load_dir: str, tag: Optional[str]):
+    """Open and check everything :func:`load` will apply on this rank; returns (folder, meta,
+    rng state, memory-mapped optimizer states). Raises CheckpointError naming the file."""
     ckpt, meta = _load_meta(load_dir, tag)
     mine = [[s.key, s.numel, s.param_group] for s in engine.sub_optimizer.specs]
     if meta["world_size"] != engine.world_size:
@@ -287,7 +277,9 @@ def load(engine, load_dir: str, tag: Optional[str] = None) -> Tuple[str, dict]:
         if not os.path.isfile(f):
             raise CheckpointError(f"{f}: missing from the checkpoint")
     rng = _read(rng_file)
-    states = []  # memory-mapped: checked now, read when loaded below
+    if not isinstance(rng, dict) or not {"python", "torch", "numpy"} <= set(rng):
+        raise CheckpointError(f"{rng_file}: holds no RNG states (python, torch, numpy)")
+    states = []  # memory-mapped: checked now, read when loaded
     for spec, f in zip(engine.sub_optimizer.specs, files):
         sd = _read(f, mmap=True)
         if not isinstance(sd, dict) or sd.get("key") != spec.key or sd.get("numel") != spec.numel:
@@ -300,6 +292,74 @@ def load(engine, load_dir: str, tag: Optional[str] = None) -> Tuple[str, dict]:
                                       f"{spec.numel} elements")
         states.append(sd)
     _check_module_state(engine.module, meta.get("module"), os.path.join(ckpt, "model_states.pt"))
+    return ckpt, meta, rng, states
+
+
+def _agree(engine, problem: Optional[CheckpointError]) -> None:
+    """Collective: raise on every rank if any rank's check failed (this rank's own error, or one
+    saying which ranks failed), so that no rank loads while another does not."""
+    failed = problem is not None
+    if engine.world_size > 1:
+        flags = torch.zeros(engine.world_size, dtype=torch.float32, device=getattr(engine.params, "device", "cpu"))
+        flags[engine.rank] = float(failed)
+        dist.all_reduce(flags)
+        bad = [r for r, f in enumerate(flags.tolist()) if f]
+        if bad and not failed:
+            raise CheckpointError(f"rank(s) {bad} could not use their checkpoint files (their errors name them); "
+                                  "nothing was loaded on any rank")
+    if problem is not None:
+        raise problem
+
+
+def _load_stateful(obj, state, what: str, path: str) -> None:
+    """``obj.load_state_dict(state)``, restoring ``obj``'s own state when that fails part-way."""
+    before = obj.state_dict()
+    try:
+        obj.load_state_dict(state)
+    except Exception as exc:
+        obj.load_state_dict(before)
+        raise CheckpointError(f"{path}: the {what} state does not fit this engine's {type(obj).__name__} "
+                              f"({type(exc).__name__}: {exc}); nothing was loaded") from exc
+
+
+def load(engine, load_dir: str, tag: Optional[str] = None) -> Tuple[str, dict]:
+    """Restore ``engine`` from ``load_dir/tag`` (tag None: the ``latest`` file). Collective.
+
+    Returns ``(folder, client_state)``.
+
+    Every file is opened and checked (readable, keys and sizes, the module's state-dict keys and
+    shapes, the RNG states) on every rank, and the ranks agree, before anything is changed; the
+    LR scheduler and loss scaler states are applied first and undone if they do not fit. So a
+    truncated, missing or mismatched file on any rank leaves every engine as it was. The
+    optimizer files are opened memory-mapped for the check (their data is read once, when
+    loaded). Bit flips inside tensor data are not detected (torch files carry no checksums).
+
+    Raises:
+        CheckpointError: missing, unreadable (truncated) or mismatched files on this or another
+            rank, or a checkpoint from another world size, stage or sub-group layout (the message
+            names the file or what differs); nothing is loaded then.
+    """
+    engine.synchronize()
+    problem, found = None, None
+    try:
+        found = _check_files(engine, load_dir, tag)
+    except CheckpointError as exc:
+        problem = exc
+    _agree(engine, problem)
+    ckpt, meta, rng, states = found
+    meta_file = os.path.join(ckpt, "model_states.pt")
+    scheduler = engine.lr_scheduler if meta["lr_scheduler"] is not None else None
+    scaler = engine.loss_scaler if meta["loss_scaler"] is not None else None
+    if scheduler is not None:
+        scheduler_before = scheduler.state_dict()
+        _load_stateful(scheduler, meta["lr_scheduler"], "LR scheduler", meta_file)
+    if scaler is not None:
+        try:
+            _load_stateful(scaler, meta["loss_scaler"], "loss scaler", meta_file)
+        except CheckpointError:
+            if scheduler is not None:
+                scheduler.load_state_dict(scheduler_before)
+            raise
     engine.module.load_state_dict(meta["module"])
     if hasattr(engine.params, "settle_host_copies"):  # CUDA stages 1/2: a copy may still read the masters
         engine.params.settle_host_copies()
@@ -311,10 +371,6 @@ def load(engine, load_dir: str, tag: Optional[str] = None) -> Tuple[str, dict]:
             g[k] = tuple(v) if k == "betas" else v
     engine.global_steps, engine.micro_steps = meta["global_steps"], meta["micro_steps"]
     engine.skipped_steps, engine.optimizer_steps = meta["skipped_steps"], meta["optimizer_steps"]
-    if engine.loss_scaler is not None and meta["loss_scaler"] is not None:
-        engine.loss_scaler.load_state_dict(meta["loss_scaler"])
-    if engine.lr_scheduler is not None and meta["lr_scheduler"] is not None:
-        engine.lr_scheduler.load_state_dict(meta["lr_scheduler"])
     engine.params.zero_grad_acc()
     _set_rng_state(rng)
     _barrier(engine)
