@@ -217,8 +217,12 @@ def main() -> int:
         row("deepspeed-nvme", ds_off)
     else:
         print("deepspeed rows skipped (" + ("--no-peers" if args.no_peers else "deepspeed not importable") + ")")
-    print(f"I/O hidden behind compute, whole step: 1 - (nvme - resident) / io-floor = "
-          f"{1 - (off['step_s'] - res['step_s']) / floor:.2f}")
+    if off["step_s"] >= res["step_s"]:
+        print(f"I/O hidden behind compute, whole step: 1 - (nvme - resident) / io-floor = "
+              f"{max(0.0, 1 - (off['step_s'] - res['step_s']) / floor):.2f}")
+    else:  # a share above 1 means only that the two timings are within noise of each other
+        print("I/O hidden behind compute, whole step: n/a (the nvme step timed faster than the resident one: "
+              "noise larger than the I/O; use a larger model)")
     goal = max(res["step_s"], floor)
     print(f"nvme / max(resident, io-floor) = {off['step_s'] / goal:.2f}  (goal <= 1.25)")
     print(f"nvme / resident: zeroinf {off['step_s'] / res['step_s']:.2f}", end="")

@@ -455,6 +455,14 @@ def test_close_releases_the_parameter_side(tmp_path):
             model(x)
         with pytest.raises(RuntimeError, match="closed"):  # gathers read the (gone) tiers too
             model.state_dict()
+        with pytest.raises(RuntimeError, match="closed"):  # it yielded empty tensors
+            with zeroinf.gathered_parameters(model.parameters()):
+                pass
+        for call in (lambda: engine(x), engine.step, lambda: engine.save_checkpoint(str(tmp_path / "ck")),
+                     lambda: engine.load_checkpoint(str(tmp_path / "ck"))):
+            with pytest.raises(RuntimeError, match="engine was closed"):
+                call()
+        assert not (tmp_path / "ck").exists()
         del engine, model, mgr
         gc.collect()
     assert len(managers()) == managers0

@@ -238,6 +238,7 @@ class ZeroEngine:
             RuntimeError: a parameter's ``requires_grad`` changed since :func:`initialize`
                 (checked with grad enabled; a forward under ``torch.no_grad`` is not checked).
         """
+        self._check_open()
         if torch.is_grad_enabled():
             self._check_requires_grad()
         return self.module(*args, **kwargs)
@@ -266,6 +267,7 @@ class ZeroEngine:
         Raises:
             ValueError: ``loss`` is not a scalar tensor requiring grad.
         """
+        self._check_open()
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or not loss.requires_grad:
             raise ValueError("engine.backward(loss): loss must be a scalar tensor that requires grad")
         t0 = time.perf_counter()
@@ -306,6 +308,7 @@ class ZeroEngine:
         Raises:
             RuntimeError: a parameter's ``requires_grad`` changed since :func:`initialize`.
         """
+        self._check_open()
         self._check_requires_grad()
         if self.is_gradient_accumulation_boundary():
             self._optimizer_step()
@@ -449,12 +452,14 @@ class ZeroEngine:
         """Save to ``save_dir/tag`` (tag default ``global_step{N}``); see :mod:`zeroinf.checkpoint`.
         Returns the checkpoint folder."""
         from zeroinf import checkpoint
+        self._check_open()
         return checkpoint.save(self, save_dir, tag, client_state)
 
     def load_checkpoint(self, load_dir: str, tag: Optional[str] = None):
         """Load from ``load_dir/tag`` (tag default: the ``latest`` file). Returns
         ``(path, client_state)`` like DeepSpeed."""
         from zeroinf import checkpoint
+        self._check_open()
         return checkpoint.load(self, load_dir, tag)
 
     def close(self) -> None:
@@ -462,6 +467,7 @@ class ZeroEngine:
         file handles, the optimizer's and (stage 3) the parameter manager's (idempotent). A stage-3
         model cannot run a forward afterwards (RuntimeError). Raises the background step's
         failure after releasing them."""
+        self._closed = True
         try:
             self.synchronize()
         finally:
@@ -471,6 +477,12 @@ class ZeroEngine:
                 manager = getattr(self.params, "manager", None)
                 if manager is not None:
                     manager.close()
+
+    def _check_open(self) -> None:
+        if getattr(self, "_closed", False):
+            raise RuntimeError("zeroinf: this engine was closed (engine.close()); its optimizer state and swap "
+                               "buffers are released. Build a new engine with zeroinf.initialize, and save a "
+                               "checkpoint before closing to carry the state over.")
 
     def destroy(self) -> None:
         """Alias of :meth:`close` (DeepSpeed's name)."""

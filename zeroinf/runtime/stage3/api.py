@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .manager import managers
+from .manager import closed_owner, managers
 from .units import UnitState
 
 __all__ = ["gathered_parameters", "load_safetensors"]
@@ -32,11 +32,16 @@ def gathered_parameters(params, modifier_rank: Optional[int] = None) -> Iterator
     Gathers whole units, so memory grows with the units touched.
 
     Raises:
-        RuntimeError: called while the model's forward or backward is running.
+        RuntimeError: called while the model's forward or backward is running, or for
+            parameters whose engine was closed.
     """
     if isinstance(params, torch.Tensor):
         params = [params]
     wanted = list(params)
+    for p in wanted:
+        owner = closed_owner(p)
+        if owner is not None:
+            owner._check_open()  # raises: its engine was closed, the partitions are gone
     plan = []  # (manager, unit, was_gathered)
     for m in managers():
         units = []

@@ -104,6 +104,7 @@ from ..streams import transfers_for
 __all__ = ["Stage3ParameterManager", "managers"]
 
 _MANAGERS: "weakref.WeakSet[Stage3ParameterManager]" = weakref.WeakSet()
+_CLOSED: "weakref.WeakSet[Stage3ParameterManager]" = weakref.WeakSet()  # closed, their models still alive
 
 
 def _io_delay() -> None:
@@ -141,6 +142,11 @@ def _sole_owner(t: torch.Tensor) -> bool:
 def managers() -> List["Stage3ParameterManager"]:
     """The live managers of this process (for ``gathered_parameters``)."""
     return list(_MANAGERS)
+
+
+def closed_owner(param: torch.Tensor) -> Optional["Stage3ParameterManager"]:
+    """The closed manager (``engine.close()``) that partitioned ``param``, or None."""
+    return next((m for m in list(_CLOSED) if param in m._slot_of), None)
 
 
 class _SavedRef:
@@ -1475,6 +1481,7 @@ class Stage3ParameterManager:
             return
         self._closed = True
         _MANAGERS.discard(self)
+        _CLOSED.add(self)
         try:
             self.step_gate.wait()
         finally:
