@@ -29,6 +29,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from zeroinf.io.swapper import tensor_crc32
+
 __all__ = ["save", "load", "consolidate", "CheckpointError"]
 
 _FORMAT = 1
@@ -179,7 +181,8 @@ def save(engine, save_dir: str, tag: Optional[str] = None, client_state: Optiona
     for i, spec in enumerate(opt.specs):
         with opt.state(i) as (master, m, v):
             _atomic_save({"key": spec.key, "numel": spec.numel, "master": master.clone(), "exp_avg": m.clone(),
-                          "exp_avg_sq": v.clone()}, _optim_file(ckpt, engine.rank, spec.key))
+                          "exp_avg_sq": v.clone(), "crc32": [tensor_crc32(t) for t in (master, m, v)]},
+                         _optim_file(ckpt, engine.rank, spec.key))
     _atomic_save(_rng_state(), os.path.join(ckpt, f"rng_rank{engine.rank}.pt"))
     _barrier(engine)
     # every rank builds the module state dict: under stage 3 it all-gathers each partition (a
@@ -200,6 +203,7 @@ def save(engine, save_dir: str, tag: Optional[str] = None, client_state: Optiona
             "lr_scheduler": engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None,
             "param_groups": hyper, "layout": _layout(engine),
             "module": module_sd,
+            "module_crc32": {k: tensor_crc32(v.contiguous()) for k, v in module_sd.items() if isinstance(v, torch.Tensor)},
             "client_state": client_state or {},
         }
         _atomic_save(meta, os.path.join(ckpt, "model_states.pt"))
@@ -285,13 +289,19 @@ def _check_files(engine, load_dir: str, tag: Optional[str]):
         if not isinstance(sd, dict) or sd.get("key") != spec.key or sd.get("numel") != spec.numel:
             got = (sd.get("key"), sd.get("numel")) if isinstance(sd, dict) else type(sd).__name__
             raise CheckpointError(f"{f}: holds {got}, expected {spec.key!r} ({spec.numel} elements)")
-        for name in ("master", "exp_avg", "exp_avg_sq"):
+        for k, name in enumerate(("master", "exp_avg", "exp_avg_sq")):
             t = sd.get(name)
             if not isinstance(t, torch.Tensor) or t.numel() != spec.numel:
                 raise CheckpointError(f"{f}: {name} is {getattr(t, 'shape', type(t).__name__)}, expected "
                                       f"{spec.numel} elements")
+            if "crc32" in sd and tensor_crc32(t) != sd["crc32"][k]:  # files saved before checksums have none
+                raise CheckpointError(f"{f}: {name} does not match its CRC-32 (the file is corrupt)")
         states.append(sd)
-    _check_module_state(engine.module, meta.get("module"), os.path.join(ckpt, "model_states.pt"))
+    meta_file = os.path.join(ckpt, "model_states.pt")
+    _check_module_state(engine.module, meta.get("module"), meta_file)
+    for k, crc in (meta.get("module_crc32") or {}).items():
+        if tensor_crc32(meta["module"][k].contiguous()) != crc:
+            raise CheckpointError(f"{meta_file}: module state {k!r} does not match its CRC-32 (the file is corrupt)")
     return ckpt, meta, rng, states
 
 
@@ -330,9 +340,11 @@ def load(engine, load_dir: str, tag: Optional[str] = None) -> Tuple[str, dict]:
     Every file is opened and checked (readable, keys and sizes, the module's state-dict keys and
     shapes, the RNG states) on every rank, and the ranks agree, before anything is changed; the
     LR scheduler and loss scaler states are applied first and undone if they do not fit. So a
-    truncated, missing or mismatched file on any rank leaves every engine as it was. The
-    optimizer files are opened memory-mapped for the check (their data is read once, when
-    loaded). Bit flips inside tensor data are not detected (torch files carry no checksums).
+    truncated, missing, mismatched or corrupt file on any rank leaves every engine as it was.
+    Tensor data is checked against the CRC-32s written at save (corruption inside a file that
+    still unpickles, such as a flipped bit; checkpoints saved before checksums are not checked).
+    The optimizer files are memory-mapped, so the check reads their data from disk once and
+    the load from the page cache.
 
     Raises:
         CheckpointError: missing, unreadable (truncated) or mismatched files on this or another

@@ -54,7 +54,8 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).replace("torch.", "")
 
 
-def _crc32(t: torch.Tensor) -> int:
+def tensor_crc32(t: torch.Tensor) -> int:
+    """CRC-32 (zlib) of a contiguous CPU tensor's bytes, any dtype."""
     return zlib.crc32(memoryview(t.reshape(-1).view(torch.uint8).numpy()))
 
 
@@ -250,7 +251,7 @@ class TensorSwapper:
             if e.written:  # the file is about to change: never leave it marked valid meanwhile
                 e.written = False
                 self._save_entry(e)
-            crc = _crc32(tensor) if self.checksum else None
+            crc = tensor_crc32(tensor) if self.checksum else None
             self.handle.async_pwrite(tensor, self.path_for(key))
             self._pending.append(("out", key, tensor, crc))
         if not async_op and items:
@@ -308,7 +309,7 @@ class TensorSwapper:
                 e.written, e.crc32 = True, crc
                 self._save_entry(e)
             elif self.checksum and e.crc32 is not None:
-                got = _crc32(tensor)
+                got = tensor_crc32(tensor)
                 if got != e.crc32:
                     raise ChecksumMismatchError(errno.EIO, f"swap file of key {key!r}: CRC32 {got:#010x} read back, "
                                                 f"{e.crc32:#010x} written", str(self.path_for(key)), 0, e.nbytes,
