@@ -432,3 +432,61 @@ def test_extra_state_that_is_not_a_tensor_is_saved_and_loaded(tmp_path):
     model[0].calls["seen"] = 9
     engine.load_checkpoint(str(tmp_path))
     assert model[0].calls == {"seen": 3}
+
+
+def _failing_write_worker(rank, world, tmp):
+    """Save tag 'a', then save it again with rank 1's writes failing (its file-size limit)."""
+    import resource
+    import signal
+
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{tmp}/rdzv", rank=rank, world_size=world)
+    try:
+        engine, _ = _small_engine()
+        x = torch.randn(4, 7)
+        engine.backward(engine(x).square().mean())
+        engine.step()
+        engine.save_checkpoint(os.path.join(tmp, "ck"), "a")
+        saved = [p.detach().clone() for p in engine.module.parameters()]
+        engine.backward(engine(x).square().mean())
+        engine.step()
+        if rank == 1:
+            signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+            resource.setrlimit(resource.RLIMIT_FSIZE, (600, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+        try:
+            engine.save_checkpoint(os.path.join(tmp, "ck"), "a")
+            err = None
+        except OSError as exc:
+            err = str(exc)
+        if rank == 1:
+            resource.setrlimit(resource.RLIMIT_FSIZE, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
+        engine.load_checkpoint(os.path.join(tmp, "ck"))  # the earlier save, whole
+        with open(os.path.join(tmp, f"write_rank{rank}.json"), "w") as f:
+            json.dump({"err": err, "steps": engine.global_steps,
+                       "equal": all(torch.equal(p, s) for p, s in zip(engine.module.parameters(), saved))}, f)
+        destroy_process_group()
+    finally:
+        destroy_process_group(barrier=False)
+
+
+def test_two_ranks_one_failing_write_stops_both_without_hanging(tmp_path):
+    """Rank 1's failed write used to leave rank 0 waiting in the save's barrier until the
+    process-group timeout; now both raise, and the earlier save of the tag stays whole."""
+    import torch.multiprocessing as mp
+
+    ctx = mp.start_processes(_failing_write_worker, args=(2, str(tmp_path)), nprocs=2, join=False,
+                             start_method="spawn")
+    deadline = time.monotonic() + 90
+    try:
+        while not ctx.join(timeout=1):
+            if time.monotonic() > deadline:
+                pytest.fail("a save with one rank's write failing did not finish in 90 s (hang)")
+    finally:
+        for p in ctx.processes:
+            if p.is_alive():
+                p.kill()
+    res = [json.loads((tmp_path / f"write_rank{r}.json").read_text()) for r in (0, 1)]
+    assert "rank(s) [1]" in res[0]["err"] and "writing the checkpoint file failed" in res[1]["err"], res
+    assert all(r["steps"] == 1 and r["equal"] for r in res), res

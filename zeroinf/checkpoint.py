@@ -176,15 +176,19 @@ def save(engine, save_dir: str, tag: Optional[str] = None, client_state: Optiona
     if engine.rank == 0 and os.path.isdir(ckpt):
         shutil.rmtree(ckpt)  # left by a save that failed
     _barrier(engine)
-    os.makedirs(ckpt, exist_ok=True)
     opt = engine.sub_optimizer
-    for i, spec in enumerate(opt.specs):
-        with opt.state(i) as (master, m, v):
-            _atomic_save({"key": spec.key, "numel": spec.numel, "master": master.clone(), "exp_avg": m.clone(),
-                          "exp_avg_sq": v.clone(), "crc32": [tensor_crc32(t) for t in (master, m, v)]},
-                         _optim_file(ckpt, engine.rank, spec.key))
-    _atomic_save(_rng_state(), os.path.join(ckpt, f"rng_rank{engine.rank}.pt"))
-    _barrier(engine)
+    problem = None
+    try:
+        os.makedirs(ckpt, exist_ok=True)
+        for i, spec in enumerate(opt.specs):
+            with opt.state(i) as (master, m, v):
+                _atomic_save({"key": spec.key, "numel": spec.numel, "master": master.clone(), "exp_avg": m.clone(),
+                              "exp_avg_sq": v.clone(), "crc32": [tensor_crc32(t) for t in (master, m, v)]},
+                             _optim_file(ckpt, engine.rank, spec.key))
+        _atomic_save(_rng_state(), os.path.join(ckpt, f"rng_rank{engine.rank}.pt"))
+    except Exception as exc:
+        problem = exc
+    _agree(engine, problem, _write_failed)
     # every rank builds the module state dict: under stage 3 it all-gathers each partition (a
     # collective), so rank 0 alone would wait forever for the others
     module_sd = _module_state(engine.module)
@@ -206,14 +210,21 @@ def save(engine, save_dir: str, tag: Optional[str] = None, client_state: Optiona
             "module_crc32": {k: tensor_crc32(v.contiguous()) for k, v in module_sd.items() if isinstance(v, torch.Tensor)},
             "client_state": client_state or {},
         }
-        _atomic_save(meta, os.path.join(ckpt, "model_states.pt"))
-        _replace_dir(ckpt, final)
-    _barrier(engine)
+        try:
+            _atomic_save(meta, os.path.join(ckpt, "model_states.pt"))
+            _replace_dir(ckpt, final)
+        except Exception as exc:
+            problem = exc
+    _agree(engine, problem, _write_failed)
     if engine.rank != 0 and os.path.isdir(ckpt):  # a folder rank 0 does not see (no shared file system)
         _replace_dir(ckpt, final)
     if engine.rank == 0:
-        _write_latest(save_dir, tag)
-    _barrier(engine)
+        try:
+            _write_latest(save_dir, tag)
+        except OSError as exc:
+            problem = exc
+    _agree(engine, problem, lambda bad: OSError(errno.EIO, f"rank 0 could not write {save_dir}/latest (its "
+                                                          f"error names why); the checkpoint itself is in {final}"))
     return final
 
 
@@ -305,9 +316,10 @@ def _check_files(engine, load_dir: str, tag: Optional[str]):
     return ckpt, meta, rng, states
 
 
-def _agree(engine, problem: Optional[CheckpointError]) -> None:
-    """Collective: raise on every rank if any rank's check failed (this rank's own error, or one
-    saying which ranks failed), so that no rank loads while another does not."""
+def _agree(engine, problem: Optional[BaseException], others) -> None:
+    """Collective (in place of a barrier): raise on every rank if any rank failed: ``problem``
+    on the rank that had it, ``others(failed_ranks)`` on the rest. So no rank goes on (loads,
+    renames a save into place) while another stopped, and none waits for it forever."""
     failed = problem is not None
     if engine.world_size > 1:
         flags = torch.zeros(engine.world_size, dtype=torch.float32, device=getattr(engine.params, "device", "cpu"))
@@ -315,10 +327,14 @@ def _agree(engine, problem: Optional[CheckpointError]) -> None:
         dist.all_reduce(flags)
         bad = [r for r, f in enumerate(flags.tolist()) if f]
         if bad and not failed:
-            raise CheckpointError(f"rank(s) {bad} could not use their checkpoint files (their errors name them); "
-                                  "nothing was loaded on any rank")
+            raise others(bad)
     if problem is not None:
         raise problem
+
+
+def _write_failed(bad) -> OSError:
+    return OSError(errno.EIO, f"rank(s) {bad} could not write their checkpoint files (their errors name them); "
+                              "nothing of this save was put in place")
 
 
 def _load_stateful(obj, state, what: str, path: str) -> None:
@@ -357,7 +373,8 @@ def load(engine, load_dir: str, tag: Optional[str] = None) -> Tuple[str, dict]:
         found = _check_files(engine, load_dir, tag)
     except CheckpointError as exc:
         problem = exc
-    _agree(engine, problem)
+    _agree(engine, problem, lambda bad: CheckpointError(
+        f"rank(s) {bad} could not use their checkpoint files (their errors name them); nothing was loaded on any rank"))
     ckpt, meta, rng, states = found
     meta_file = os.path.join(ckpt, "model_states.pt")
     scheduler = engine.lr_scheduler if meta["lr_scheduler"] is not None else None
