@@ -2,6 +2,7 @@
 files load with weights_only=True; consolidate gives one fp32 state dict plain PyTorch loads."""
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -247,7 +248,8 @@ def _engine_state(engine):
     return module, optim, (engine.global_steps, engine.optimizer_steps)
 
 
-@pytest.mark.parametrize("victim", ["optim_last", "rng", "model_states", "module_key", "extra_state", "rng_keys"])
+@pytest.mark.parametrize("victim", ["optim_last", "rng", "model_states", "module_key", "extra_state", "rng_keys",
+                                    "rng_numpy", "meta_counter", "hyper_key"])
 def test_truncated_checkpoint_file_is_named_and_nothing_is_loaded(tmp_path, victim):
     """A truncated file fails the load before anything changes (the tester's case: the last of 14
     optimizer files truncated left the weights and 13 sub-groups at the saved step, the 14th half
@@ -260,7 +262,8 @@ def test_truncated_checkpoint_file_is_named_and_nothing_is_loaded(tmp_path, vict
     before = _engine_state(engine)
     files = {"optim_last": sorted(f for f in os.listdir(ckpt) if f.startswith("optim_rank0_"))[-1],
              "rng": "rng_rank0.pt", "model_states": "model_states.pt", "module_key": "model_states.pt",
-             "extra_state": "model_states.pt", "rng_keys": "rng_rank0.pt"}
+             "extra_state": "model_states.pt", "rng_keys": "rng_rank0.pt", "rng_numpy": "rng_rank0.pt",
+             "meta_counter": "model_states.pt", "hyper_key": "model_states.pt"}
     path = os.path.join(ckpt, files[victim])
     if victim in ("module_key", "extra_state"):  # readable, but load_state_dict would stop half-way
         meta = torch.load(path, weights_only=True)
@@ -272,12 +275,26 @@ def test_truncated_checkpoint_file_is_named_and_nothing_is_loaded(tmp_path, vict
         problem = "the module state does not match this model"
     elif victim == "rng_keys":  # a torch file, but not RNG states
         torch.save({"torch": torch.get_rng_state()}, path)
-        problem = "holds no RNG states"
+        problem = "holds no usable RNG states"
+    elif victim == "rng_numpy":  # RNG states that numpy refuses (the tester: applied after the weights)
+        rng = torch.load(path, weights_only=True)
+        rng["numpy"]["keys"] = rng["numpy"]["keys"][:623]
+        torch.save(rng, path)
+        problem = "holds no usable RNG states"
+    elif victim in ("meta_counter", "hyper_key"):  # entries read after the weights were loaded
+        meta = torch.load(path, weights_only=True)
+        if victim == "meta_counter":
+            del meta["global_steps"]
+            problem = "global_steps is None"
+        else:
+            meta["param_groups"][0]["bias_correstion"] = True
+            problem = "param group 0 has hyper-parameters this optimizer does not"
+        torch.save(meta, path)
     else:
         with open(path, "r+b") as f:
             f.truncate(os.path.getsize(path) // 2)
         problem = "unreadable"
-    with pytest.raises(CheckpointError, match=files[victim] + ": " + problem):
+    with pytest.raises(CheckpointError, match=re.escape(files[victim] + ": " + problem)):
         engine.load_checkpoint(str(tmp_path / "ck"), "a")
     after = _engine_state(engine)
     assert after[2] == before[2]
@@ -490,3 +507,13 @@ def test_two_ranks_one_failing_write_stops_both_without_hanging(tmp_path):
     res = [json.loads((tmp_path / f"write_rank{r}.json").read_text()) for r in (0, 1)]
     assert "rank(s) [1]" in res[0]["err"] and "writing the checkpoint file failed" in res[1]["err"], res
     assert all(r["steps"] == 1 and r["equal"] for r in res), res
+
+
+@pytest.mark.parametrize("tag", ["latest", "latest.tmp", "x.saving", "x.old", "a/b", ".."])
+def test_tags_that_would_break_the_folder_are_refused(tmp_path, tag):
+    """A checkpoint tagged 'latest' became a folder where the 'latest' file goes, and every later
+    save failed (found by the tester)."""
+    engine, _ = _small_engine()
+    with pytest.raises(ValueError, match="checkpoint tag"):
+        engine.save_checkpoint(str(tmp_path), tag)
+    assert os.listdir(tmp_path) == []

@@ -89,6 +89,20 @@ def _rng_state() -> Dict[str, Any]:
     return out
 
 
+def _check_rng_state(s: Any, path: str) -> None:
+    """Raise CheckpointError naming ``path`` unless ``s`` is a set of RNG states that
+    :func:`_set_rng_state` can apply (each is tried on a fresh generator, not the process's)."""
+    try:
+        random.Random().setstate(_tuplify(s["python"]))
+        torch.Generator().set_state(s["torch"])
+        n = s["numpy"]
+        np.random.RandomState().set_state((n["name"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"],
+                                           n["cached_gaussian"]))
+    except Exception as exc:
+        raise CheckpointError(f"{path}: holds no usable RNG states ({type(exc).__name__}: {exc}); "
+                              "nothing was loaded") from exc
+
+
 def _set_rng_state(s: Dict[str, Any]) -> None:
     random.setstate(_tuplify(s["python"]))
     torch.set_rng_state(s["torch"])
@@ -168,8 +182,10 @@ def save(engine, save_dir: str, tag: Optional[str] = None, client_state: Optiona
             renamed into place).
     """
     tag = f"global_step{engine.global_steps}" if tag is None else str(tag)
-    if not tag or "/" in tag or tag in (".", "..") or tag.endswith((".saving", ".old")):
-        raise ValueError(f"checkpoint tag must be a plain folder name not ending in .saving or .old, got {tag!r}")
+    if (not tag or "/" in tag or tag in (".", "..") or tag.endswith((".saving", ".old"))
+            or tag == "latest" or tag.startswith("latest.")):
+        raise ValueError(f"checkpoint tag must be a plain folder name, not 'latest' or 'latest.*', and not ending "
+                         f"in .saving or .old; got {tag!r}")
     final = os.path.join(save_dir, tag)
     ckpt = final + ".saving"
     engine.synchronize()  # a background optimizer step (stage 3) finishes before its state is read
@@ -238,12 +254,36 @@ def _load_meta(load_dir: str, tag: Optional[str]) -> Tuple[str, Dict[str, Any]]:
     ckpt = os.path.join(load_dir, tag)
     path = os.path.join(ckpt, "model_states.pt")
     if not os.path.isfile(path):
-        raise CheckpointError(f"{path}: missing (no checkpoint with tag {tag!r}, or an incomplete save)")
+        hint = ""
+        if os.path.isfile(os.path.join(ckpt + ".old", "model_states.pt")):
+            hint = (f"; {ckpt}.old holds the previous complete save of this tag (a re-save was interrupted "
+                    f"between its renames): rename it to {ckpt} to load it")
+        raise CheckpointError(f"{path}: missing (no checkpoint with tag {tag!r}, or an incomplete save){hint}")
     meta = _read(path)
     if not isinstance(meta, dict) or meta.get("format") != _FORMAT:
         fmt = meta.get("format") if isinstance(meta, dict) else type(meta).__name__
         raise CheckpointError(f"{path}: checkpoint format {fmt!r}, this zeroinf reads {_FORMAT}")
     return ckpt, meta
+
+
+def _check_meta(engine, meta: Dict[str, Any], path: str) -> None:
+    """Raise CheckpointError naming ``path`` unless the counters, the param groups'
+    hyper-parameters (keys this engine's groups have) and the other entries load applies are
+    there and of the right kind."""
+    for k in ("global_steps", "micro_steps", "skipped_steps", "optimizer_steps"):
+        if not isinstance(meta.get(k), int) or isinstance(meta.get(k), bool) or meta[k] < 0:
+            raise CheckpointError(f"{path}: {k} is {meta.get(k)!r}, expected a count")
+    for k in ("loss_scaler", "lr_scheduler", "client_state"):
+        if k not in meta or (meta[k] is not None and not isinstance(meta[k], dict)):
+            raise CheckpointError(f"{path}: entry {k!r} is missing or not a dict")
+    groups = meta.get("param_groups")
+    mine = engine.optimizer.param_groups
+    if not isinstance(groups, list) or len(groups) != len(mine) or not all(isinstance(h, dict) for h in groups):
+        raise CheckpointError(f"{path}: param_groups do not match this engine's {len(mine)} groups")
+    for i, (g, h) in enumerate(zip(mine, groups)):
+        unknown = sorted(set(h) - set(g))
+        if unknown:
+            raise CheckpointError(f"{path}: param group {i} has hyper-parameters this optimizer does not: {unknown}")
 
 
 def _check_module_state(module: torch.nn.Module, sd: Any, path: str) -> None:
@@ -292,8 +332,7 @@ def _check_files(engine, load_dir: str, tag: Optional[str]):
         if not os.path.isfile(f):
             raise CheckpointError(f"{f}: missing from the checkpoint")
     rng = _read(rng_file)
-    if not isinstance(rng, dict) or not {"python", "torch", "numpy"} <= set(rng):
-        raise CheckpointError(f"{rng_file}: holds no RNG states (python, torch, numpy)")
+    _check_rng_state(rng, rng_file)
     states = []  # memory-mapped: checked now, read when loaded
     for spec, f in zip(engine.sub_optimizer.specs, files):
         sd = _read(f, mmap=True)
@@ -305,10 +344,12 @@ def _check_files(engine, load_dir: str, tag: Optional[str]):
             if not isinstance(t, torch.Tensor) or t.numel() != spec.numel:
                 raise CheckpointError(f"{f}: {name} is {getattr(t, 'shape', type(t).__name__)}, expected "
                                       f"{spec.numel} elements")
-            if "crc32" in sd and tensor_crc32(t) != sd["crc32"][k]:  # files saved before checksums have none
+            crcs = sd.get("crc32")  # files saved before checksums have none
+            if crcs is not None and (not isinstance(crcs, list) or len(crcs) != 3 or tensor_crc32(t) != crcs[k]):
                 raise CheckpointError(f"{f}: {name} does not match its CRC-32 (the file is corrupt)")
         states.append(sd)
     meta_file = os.path.join(ckpt, "model_states.pt")
+    _check_meta(engine, meta, meta_file)
     _check_module_state(engine.module, meta.get("module"), meta_file)
     for k, crc in (meta.get("module_crc32") or {}).items():
         if tensor_crc32(meta["module"][k].contiguous()) != crc:
@@ -371,7 +412,7 @@ def load(engine, load_dir: str, tag: Optional[str] = None) -> Tuple[str, dict]:
     problem, found = None, None
     try:
         found = _check_files(engine, load_dir, tag)
-    except CheckpointError as exc:
+    except Exception as exc:  # not only CheckpointError: every rank must reach the agreement
         problem = exc
     _agree(engine, problem, lambda bad: CheckpointError(
         f"rank(s) {bad} could not use their checkpoint files (their errors name them); nothing was loaded on any rank"))
