@@ -2,6 +2,7 @@
 ([Note: overlapped step] in zeroinf/runtime/stage3/overlap.py): same numbers as the synchronous
 step even when the forward outruns the step, and a failure in the background reaches the caller."""
 import copy
+import os
 import threading
 import time
 
@@ -120,3 +121,44 @@ def test_writes_right_after_the_step_wait_for_its_optimizer_state(tmp_path, tier
         engine.close()
     assert runs[False][0] == runs[True][0]
     assert all(torch.equal(runs[False][1][k], runs[True][1][k]) for k in runs[False][1])
+
+
+def test_a_script_ending_right_after_step_exits_cleanly(tmp_path):
+    """The overlapped step ran on a daemon thread: a script that ended right after engine.step()
+    without engine.close() was killed inside the C++ Adam op at interpreter exit ("terminate called
+    without an active exception", exit code 134, in 4 of 6 runs; found by the tester)."""
+    import subprocess
+    import sys
+    import textwrap
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    script = tmp_path / "ends_after_step.py"
+    script.write_text(textwrap.dedent(f"""
+        import sys
+        sys.path[:0] = [{os.path.dirname(here)!r}, {here!r}]
+        import torch, zeroinf
+        from stage3_models import Block
+
+        class Model(torch.nn.Module):  # 12M parameters: the last step's Adam is still running at exit
+            def __init__(self):
+                super().__init__()
+                self.blocks = torch.nn.ModuleList(Block(512) for _ in range(4))
+
+            def forward(self, x):
+                for b in self.blocks:
+                    x = b(x)
+                return x
+
+        cfg = {{"train_micro_batch_size_per_gpu": 2, "optimizer": {{"type": "AdamW", "params": {{"lr": 1e-3}}}},
+               "zero_optimization": {{"stage": 3, "offload_param": {{"device": "cpu"}},
+                                     "offload_optimizer": {{"device": "cpu"}}}}}}
+        torch.manual_seed(0)
+        engine, *_ = zeroinf.initialize(model=Model(), config=cfg)
+        for k in range(2):
+            engine.backward(engine(torch.randn(2, 8, 512)).square().mean())
+            engine.step()
+        print("done", flush=True)
+    """))
+    for _ in range(4):  # the abort depended on timing
+        proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 0 and "done" in proc.stdout, (proc.returncode, proc.stderr[-500:])

@@ -312,7 +312,10 @@ class Stage3EngineParams:
             m.step_gate.finish()
 
         m.step_gate.begin(last.keys())
-        self._worker = threading.Thread(target=run, name="zeroinf-optimizer-step", daemon=True)
+        # not a daemon: the interpreter joins it before tearing down. A daemon thread still in the
+        # C++ Adam op at exit was killed mid-frame ("terminate called without an active exception",
+        # exit code 134, when a script ends right after engine.step() without engine.close())
+        self._worker = threading.Thread(target=run, name="zeroinf-optimizer-step")
         self._worker.start()
 
     def finish_step(self) -> None:
