@@ -249,7 +249,7 @@ def _engine_state(engine):
 
 
 @pytest.mark.parametrize("victim", ["optim_last", "rng", "model_states", "module_key", "extra_state", "rng_keys",
-                                    "rng_numpy", "meta_counter", "hyper_key"])
+                                    "rng_numpy", "rng_value", "meta_counter", "hyper_key"])
 def test_truncated_checkpoint_file_is_named_and_nothing_is_loaded(tmp_path, victim):
     """A truncated file fails the load before anything changes (the tester's case: the last of 14
     optimizer files truncated left the weights and 13 sub-groups at the saved step, the 14th half
@@ -262,7 +262,7 @@ def test_truncated_checkpoint_file_is_named_and_nothing_is_loaded(tmp_path, vict
     before = _engine_state(engine)
     files = {"optim_last": sorted(f for f in os.listdir(ckpt) if f.startswith("optim_rank0_"))[-1],
              "rng": "rng_rank0.pt", "model_states": "model_states.pt", "module_key": "model_states.pt",
-             "extra_state": "model_states.pt", "rng_keys": "rng_rank0.pt", "rng_numpy": "rng_rank0.pt",
+             "extra_state": "model_states.pt", "rng_keys": "rng_rank0.pt", "rng_numpy": "rng_rank0.pt", "rng_value": "rng_rank0.pt",
              "meta_counter": "model_states.pt", "hyper_key": "model_states.pt"}
     path = os.path.join(ckpt, files[victim])
     if victim in ("module_key", "extra_state"):  # readable, but load_state_dict would stop half-way
@@ -281,6 +281,12 @@ def test_truncated_checkpoint_file_is_named_and_nothing_is_loaded(tmp_path, vict
         rng["numpy"]["keys"] = rng["numpy"]["keys"][:623]
         torch.save(rng, path)
         problem = "holds no usable RNG states"
+    elif victim == "rng_value":  # a valid but different Python RNG state: only the CRC tells
+        rng = torch.load(path, weights_only=True)
+        version, state, gauss = rng["python"]
+        rng["python"] = (version, (state[0] ^ 1,) + tuple(state[1:]), gauss)
+        torch.save(rng, path)
+        problem = "holds no usable RNG states (ValueError: the states do not match their CRC-32"
     elif victim in ("meta_counter", "hyper_key"):  # entries read after the weights were loaded
         meta = torch.load(path, weights_only=True)
         if victim == "meta_counter":

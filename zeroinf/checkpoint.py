@@ -23,6 +23,7 @@ import errno
 import os
 import random
 import shutil
+import zlib
 from typing import Any, Dict, Optional, Tuple
 
 import numpy as np
@@ -86,13 +87,26 @@ def _rng_state() -> Dict[str, Any]:
                      "pos": int(np_state[2]), "has_gauss": int(np_state[3]), "cached_gaussian": float(np_state[4])}}
     if torch.cuda.is_available():
         out["cuda"] = torch.cuda.get_rng_state_all()
+    out["crc32"] = _rng_crc32(out)
     return out
+
+
+def _rng_crc32(s: Dict[str, Any]) -> int:
+    """CRC-32 over the RNG states of :func:`_rng_state` (tensors' bytes, the Python and numpy
+    scalars' text), so a corrupt value that still unpickles is caught at load."""
+    n = s["numpy"]
+    crc = zlib.crc32(repr((_tuplify(s["python"]), n["name"], n["pos"], n["has_gauss"], n["cached_gaussian"])).encode())
+    for t in [s["torch"], n["keys"]] + list(s.get("cuda", [])):
+        crc = zlib.crc32(memoryview(t.contiguous().reshape(-1).view(torch.uint8).numpy()), crc)
+    return crc
 
 
 def _check_rng_state(s: Any, path: str) -> None:
     """Raise CheckpointError naming ``path`` unless ``s`` is a set of RNG states that
     :func:`_set_rng_state` can apply (each is tried on a fresh generator, not the process's)."""
     try:
+        if "crc32" in s and _rng_crc32(s) != s["crc32"]:  # files saved before checksums have none
+            raise ValueError("the states do not match their CRC-32 (the file is corrupt)")
         random.Random().setstate(_tuplify(s["python"]))
         torch.Generator().set_state(s["torch"])
         n = s["numpy"]
