@@ -431,6 +431,7 @@ def test_close_releases_the_parameter_side(tmp_path):
     """engine.close() releases stage 3's own resources too: the locked staging buffers, the I/O
     thread and the manager (it once closed only the optimizer's, so every engine built in a
     process kept ~90 KB locked and a thread alive; found by the tester)."""
+    import functools
     import gc
     import threading
 
@@ -458,12 +459,13 @@ def test_close_releases_the_parameter_side(tmp_path):
         with pytest.raises(RuntimeError, match="closed"):  # it yielded empty tensors
             with zeroinf.gathered_parameters(model.parameters()):
                 pass
-        for call in (lambda: engine(x), engine.step, lambda: engine.save_checkpoint(str(tmp_path / "ck")),
-                     lambda: engine.load_checkpoint(str(tmp_path / "ck"))):
+        calls = [functools.partial(engine, x), engine.step, functools.partial(engine.save_checkpoint, str(tmp_path / "ck")),
+                 functools.partial(engine.load_checkpoint, str(tmp_path / "ck"))]
+        for call in calls:
             with pytest.raises(RuntimeError, match="engine was closed"):
                 call()
         assert not (tmp_path / "ck").exists()
-        del engine, model, mgr
+        del engine, model, mgr, calls, call
         gc.collect()
     assert len(managers()) == managers0
     assert _locked_bytes() <= locked0
