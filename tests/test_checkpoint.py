@@ -193,20 +193,26 @@ def _stage3_worker(rank, world, tmp):
         destroy_process_group(barrier=False)
 
 
-def test_stage3_two_ranks_save_and_load_without_hanging(tmp_path):
-    """Under stage 3 the module state dict is a collective; rank 0 building it alone deadlocked."""
+def _run_two_ranks(worker, tmp_path, what: str, timeout_s: float = 90) -> None:
+    """``worker(rank, 2, str(tmp_path))`` in 2 spawned processes; fails the test on a hang (past
+    ``timeout_s``) or a worker's error, and kills what is left."""
     import torch.multiprocessing as mp
 
-    ctx = mp.start_processes(_stage3_worker, args=(2, str(tmp_path)), nprocs=2, join=False, start_method="spawn")
-    deadline = time.monotonic() + 90
+    ctx = mp.start_processes(worker, args=(2, str(tmp_path)), nprocs=2, join=False, start_method="spawn")
+    deadline = time.monotonic() + timeout_s
     try:
         while not ctx.join(timeout=1):
             if time.monotonic() > deadline:
-                pytest.fail("stage-3 save/load on 2 ranks did not finish in 90 s (hang)")
+                pytest.fail(f"{what} did not finish in {timeout_s:.0f} s (hang)")
     finally:
         for p in ctx.processes:
             if p.is_alive():
                 p.kill()
+
+
+def test_stage3_two_ranks_save_and_load_without_hanging(tmp_path):
+    """Under stage 3 the module state dict is a collective; rank 0 building it alone deadlocked."""
+    _run_two_ranks(_stage3_worker, tmp_path, "stage-3 save/load on 2 ranks")
     res = json.loads((tmp_path / "result.json").read_text())
     assert res["keys"] and res["equal"], res
     assert res["losses"] == res["ref"], res
@@ -497,19 +503,7 @@ def _failing_write_worker(rank, world, tmp):
 def test_two_ranks_one_failing_write_stops_both_without_hanging(tmp_path):
     """Rank 1's failed write used to leave rank 0 waiting in the save's barrier until the
     process-group timeout; now both raise, and the earlier save of the tag stays whole."""
-    import torch.multiprocessing as mp
-
-    ctx = mp.start_processes(_failing_write_worker, args=(2, str(tmp_path)), nprocs=2, join=False,
-                             start_method="spawn")
-    deadline = time.monotonic() + 90
-    try:
-        while not ctx.join(timeout=1):
-            if time.monotonic() > deadline:
-                pytest.fail("a save with one rank's write failing did not finish in 90 s (hang)")
-    finally:
-        for p in ctx.processes:
-            if p.is_alive():
-                p.kill()
+    _run_two_ranks(_failing_write_worker, tmp_path, "a save with one rank's write failing")
     res = [json.loads((tmp_path / f"write_rank{r}.json").read_text()) for r in (0, 1)]
     assert "rank(s) [1]" in res[0]["err"] and "writing the checkpoint file failed" in res[1]["err"], res
     assert all(r["steps"] == 1 and r["equal"] for r in res), res

@@ -97,7 +97,7 @@ def _rng_crc32(s: Dict[str, Any]) -> int:
     n = s["numpy"]
     crc = zlib.crc32(repr((_tuplify(s["python"]), n["name"], n["pos"], n["has_gauss"], n["cached_gaussian"])).encode())
     for t in [s["torch"], n["keys"]] + list(s.get("cuda", [])):
-        crc = zlib.crc32(memoryview(t.contiguous().reshape(-1).view(torch.uint8).numpy()), crc)
+        crc = tensor_crc32(t, crc)
     return crc
 
 
@@ -237,7 +237,7 @@ def save(engine, save_dir: str, tag: Optional[str] = None, client_state: Optiona
             "lr_scheduler": engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None,
             "param_groups": hyper, "layout": _layout(engine),
             "module": module_sd,
-            "module_crc32": {k: tensor_crc32(v.contiguous()) for k, v in module_sd.items() if isinstance(v, torch.Tensor)},
+            "module_crc32": {k: tensor_crc32(v) for k, v in module_sd.items() if isinstance(v, torch.Tensor)},
             "client_state": client_state or {},
         }
         try:
@@ -366,7 +366,7 @@ def _check_files(engine, load_dir: str, tag: Optional[str]):
     _check_meta(engine, meta, meta_file)
     _check_module_state(engine.module, meta.get("module"), meta_file)
     for k, crc in (meta.get("module_crc32") or {}).items():
-        if tensor_crc32(meta["module"][k].contiguous()) != crc:
+        if tensor_crc32(meta["module"][k]) != crc:
             raise CheckpointError(f"{meta_file}: module state {k!r} does not match its CRC-32 (the file is corrupt)")
     return ckpt, meta, rng, states
 
@@ -392,8 +392,9 @@ def _write_failed(bad) -> OSError:
                               "nothing of this save was put in place")
 
 
-def _load_stateful(obj, state, what: str, path: str) -> None:
-    """``obj.load_state_dict(state)``, restoring ``obj``'s own state when that fails part-way."""
+def _load_stateful(obj, state, what: str, path: str) -> Dict[str, Any]:
+    """``obj.load_state_dict(state)``; returns ``obj``'s state from before. When that fails
+    part-way, ``obj``'s own state is restored and CheckpointError (naming ``path``) raised."""
     before = obj.state_dict()
     try:
         obj.load_state_dict(state)
@@ -401,6 +402,7 @@ def _load_stateful(obj, state, what: str, path: str) -> None:
         obj.load_state_dict(before)
         raise CheckpointError(f"{path}: the {what} state does not fit this engine's {type(obj).__name__} "
                               f"({type(exc).__name__}: {exc}); nothing was loaded") from exc
+    return before
 
 
 def load(engine, load_dir: str, tag: Optional[str] = None) -> Tuple[str, dict]:
@@ -432,18 +434,16 @@ def load(engine, load_dir: str, tag: Optional[str] = None) -> Tuple[str, dict]:
         f"rank(s) {bad} could not use their checkpoint files (their errors name them); nothing was loaded on any rank"))
     ckpt, meta, rng, states = found
     meta_file = os.path.join(ckpt, "model_states.pt")
-    scheduler = engine.lr_scheduler if meta["lr_scheduler"] is not None else None
-    scaler = engine.loss_scaler if meta["loss_scaler"] is not None else None
-    if scheduler is not None:
-        scheduler_before = scheduler.state_dict()
-        _load_stateful(scheduler, meta["lr_scheduler"], "LR scheduler", meta_file)
-    if scaler is not None:
-        try:
-            _load_stateful(scaler, meta["loss_scaler"], "loss scaler", meta_file)
-        except CheckpointError:
-            if scheduler is not None:
-                scheduler.load_state_dict(scheduler_before)
-            raise
+    undo = []  # (object, its state before) of those already loaded
+    try:
+        for obj, state, what in ((engine.lr_scheduler, meta["lr_scheduler"], "LR scheduler"),
+                                 (engine.loss_scaler, meta["loss_scaler"], "loss scaler")):
+            if obj is not None and state is not None:
+                undo.append((obj, _load_stateful(obj, state, what, meta_file)))
+    except CheckpointError:
+        for obj, before in undo:
+            obj.load_state_dict(before)
+        raise
     engine.module.load_state_dict(meta["module"])
     if hasattr(engine.params, "settle_host_copies"):  # CUDA stages 1/2: a copy may still read the masters
         engine.params.settle_host_copies()

@@ -54,9 +54,15 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).replace("torch.", "")
 
 
-def tensor_crc32(t: torch.Tensor) -> int:
-    """CRC-32 (zlib) of a contiguous CPU tensor's bytes, any dtype."""
-    return zlib.crc32(memoryview(t.reshape(-1).view(torch.uint8).numpy()))
+def tensor_crc32(t: torch.Tensor, value: int = 0) -> int:
+    """CRC-32 (zlib, unsigned 32-bit int) of a tensor's bytes in row-major order, any dtype and
+    shape; ``value`` continues a running CRC (as ``zlib.crc32``'s second argument), so several
+    tensors can be checksummed as one stream. A non-contiguous tensor is copied first, one on an
+    accelerator is copied to the host first."""
+    flat = t.detach().reshape(-1)
+    if flat.device.type != "cpu":
+        flat = flat.cpu()
+    return zlib.crc32(memoryview(flat.view(torch.uint8).numpy()), value)
 
 
 class TensorSwapper:

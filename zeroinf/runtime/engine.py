@@ -112,6 +112,7 @@ class ZeroEngine:
         self._stats: Dict[str, Any] = {}
         self._step_stats = self._new_step_stats()
         self._step_running = False  # a background optimizer step is in flight (stage 3)
+        self._closed = False  # close() ran: every entry point raises (_check_open)
         self.loss_scaler = LossScaler.from_config(cfg.fp16) if cfg.fp16.enabled else None
         zc = cfg.zero_optimization
         off = zc.offload_optimizer
@@ -479,7 +480,8 @@ class ZeroEngine:
                     manager.close()
 
     def _check_open(self) -> None:
-        if getattr(self, "_closed", False):
+        """Raise RuntimeError once :meth:`close` ran."""
+        if self._closed:
             raise RuntimeError("zeroinf: this engine was closed (engine.close()); its optimizer state and swap "
                                "buffers are released. Build a new engine with zeroinf.initialize, and save a "
                                "checkpoint before closing to carry the state over.")

@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .manager import closed_owner, managers
+from .manager import managers
 from .units import UnitState
 
 __all__ = ["gathered_parameters", "load_safetensors"]
@@ -38,18 +38,15 @@ def gathered_parameters(params, modifier_rank: Optional[int] = None) -> Iterator
     if isinstance(params, torch.Tensor):
         params = [params]
     wanted = list(params)
-    for p in wanted:
-        owner = closed_owner(p)
-        if owner is not None:
-            owner._check_open()  # raises: its engine was closed, the partitions are gone
     plan = []  # (manager, unit, was_gathered)
-    for m in managers():
+    for m in managers(include_closed=True):
         units = []
         for p in wanted:
             rec = m._slot_of.get(p)
             if rec is not None and rec[0] not in units:
                 units.append(rec[0])
         if units:
+            m._check_open()  # its engine was closed: the partitions are gone
             if m._in_iteration:
                 raise RuntimeError("zeroinf.gathered_parameters: not available while the model's forward or "
                                    "backward is running")
@@ -117,7 +114,7 @@ def load_safetensors(model: nn.Module, path, *, strict: bool = True) -> List[str
     """
     from safetensors import safe_open
 
-    mgr = next((m for m in managers() if m.module is model), None)
+    mgr = next((m for m in managers(include_closed=True) if m.module is model), None)
     if mgr is None:
         raise ValueError("load_safetensors: this model has no stage-3 manager (run zeroinf.initialize with stage 3)")
     files = _safetensors_files(path)

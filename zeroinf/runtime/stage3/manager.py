@@ -104,7 +104,6 @@ from ..streams import transfers_for
 __all__ = ["Stage3ParameterManager", "managers"]
 
 _MANAGERS: "weakref.WeakSet[Stage3ParameterManager]" = weakref.WeakSet()
-_CLOSED: "weakref.WeakSet[Stage3ParameterManager]" = weakref.WeakSet()  # closed, their models still alive
 
 
 def _io_delay() -> None:
@@ -139,14 +138,11 @@ def _sole_owner(t: torch.Tensor) -> bool:
     return use_count(t.untyped_storage()._cdata) <= 2  # t, and the temporary storage object here
 
 
-def managers() -> List["Stage3ParameterManager"]:
-    """The live managers of this process (for ``gathered_parameters``)."""
-    return list(_MANAGERS)
-
-
-def closed_owner(param: torch.Tensor) -> Optional["Stage3ParameterManager"]:
-    """The closed manager (``engine.close()``) that partitioned ``param``, or None."""
-    return next((m for m in list(_CLOSED) if param in m._slot_of), None)
+def managers(include_closed: bool = False) -> List["Stage3ParameterManager"]:
+    """The managers of this process whose models are still alive (for ``gathered_parameters``);
+    with ``include_closed``, also those closed by ``engine.close()``, so that a caller handed
+    their parameters can say so instead of ignoring them."""
+    return [m for m in list(_MANAGERS) if include_closed or not m._closed]
 
 
 class _SavedRef:
@@ -1474,14 +1470,12 @@ class Stage3ParameterManager:
 
     def close(self) -> None:
         """Release everything: gathered units, the I/O thread, the swapper, the pinned (locked)
-        staging buffers and the host cache; the manager leaves :func:`managers`, and a later
-        forward of the model raises RuntimeError. Idempotent. Raises a background step's failure
+        staging buffers and the host cache; :func:`managers` no longer lists it (but with
+        ``include_closed``), and a later forward or gather raises RuntimeError. Idempotent. Raises a background step's failure
         (:class:`~zeroinf.runtime.stage3.overlap.StepFailedError`) after releasing."""
         if self._closed:
             return
         self._closed = True
-        _MANAGERS.discard(self)
-        _CLOSED.add(self)
         try:
             self.step_gate.wait()
         finally:

@@ -39,7 +39,7 @@ _CLASSES: Dict[type, type] = {}
 def _describe(p: torch.Tensor) -> Tuple[str, Optional[torch.Size]]:
     """(qualified name, full shape) of a released parameter, from the manager that owns it."""
     from .manager import managers
-    for m in managers():
+    for m in managers(include_closed=True):
         rec = m._slot_of.get(p)
         if rec is not None:
             return rec[2].name, rec[2].shape
