@@ -430,7 +430,7 @@ def _locked_bytes() -> int:
 def test_close_releases_the_parameter_side(tmp_path):
     """engine.close() releases stage 3's own resources too: the locked staging buffers, the I/O
     thread and the manager (it once closed only the optimizer's, so every engine built in a
-    process kept ~90 KB locked and a thread alive; found by the tester)."""
+    process kept ~45 KB locked and a thread alive; found by the tester)."""
     import functools
     import gc
     import threading
