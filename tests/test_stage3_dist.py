@@ -15,7 +15,7 @@ from zeroinf.runtime.engine import destroy_process_group
 LR, BETAS, EPS, WD = 1e-2, (0.9, 0.999), 1e-8, 0.01
 
 
-def _worker(rank, world, tmp, param_tier):
+def _worker(rank, world, tmp, param_tier, in_backward=False):
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{tmp}/rdzv", rank=rank, world_size=world)
     try:
@@ -31,7 +31,8 @@ def _worker(rank, world, tmp, param_tier):
                "optimizer": {"type": "AdamW", "params": {"lr": LR, "betas": list(BETAS), "eps": EPS, "weight_decay": WD}},
                "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 20, "sub_group_size": 700,
                                      "stage3_prefetch_bucket_size": 2200, "stage3_max_reuse_distance": 0,
-                                     "offload_param": off, "offload_optimizer": {"device": "cpu"}}}
+                                     "offload_param": off, "offload_optimizer": {"device": "cpu"}},
+               "zeroinf": {"optimizer_in_backward": in_backward}}
         engine, *_ = zeroinf.initialize(model=model, config=cfg)
         ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, foreach=False)
         loss_err, norm_err = 0.0, 0.0
@@ -63,9 +64,11 @@ def _worker(rank, world, tmp, param_tier):
         destroy_process_group(barrier=False)
 
 
-@pytest.mark.parametrize("param_tier", ["nvme"])
-def test_two_ranks_equal_plain_pytorch(tmp_path, param_tier):
-    mp.spawn(_worker, args=(2, str(tmp_path), param_tier), nprocs=2, join=True)
+@pytest.mark.parametrize("param_tier,in_backward", [("nvme", False), ("nvme", True)])
+def test_two_ranks_equal_plain_pytorch(tmp_path, param_tier, in_backward):
+    """``in_backward``: zeroinf.optimizer_in_backward (each rank steps its partitions as the
+    reductions land; the global norm is all-reduced at engine.step())."""
+    mp.spawn(_worker, args=(2, str(tmp_path), param_tier, in_backward), nprocs=2, join=True)
     res = json.loads((tmp_path / "result.json").read_text())
     # the mean of two half-batch means vs one mean of the batch: a few float32 ulps of a loss of ~3.6
     assert res["loss"] <= 4e-6 and res["norm"] <= 1e-5, res

@@ -83,10 +83,14 @@ def test_three_steps_equal_adamw(tmp_path, param_tier, opt_tier):
     engine.close()
 
 
-def test_save_load_resume_bit_exact_with_params_on_nvme(tmp_path):
+@pytest.mark.parametrize("in_backward", [False, True])
+def test_save_load_resume_bit_exact_with_params_on_nvme(tmp_path, in_backward):
+    """``in_backward``: zeroinf.optimizer_in_backward (the save waits for the update that runs
+    on after engine.step())."""
     torch.manual_seed(0)
     base = TinyLM()
     cfg = _config("nvme", "nvme", tmp_path / "swap_a")
+    cfg["zeroinf"] = {"optimizer_in_backward": in_backward}
     (tmp_path / "swap_a").mkdir()
     straight, *_ = zeroinf.initialize(model=copy.deepcopy(base), config=cfg)
     _run(straight, 5)
@@ -99,7 +103,9 @@ def test_save_load_resume_bit_exact_with_params_on_nvme(tmp_path):
     first.close()
     (tmp_path / "swap_b").mkdir()
     torch.manual_seed(123)
-    resumed, *_ = zeroinf.initialize(model=TinyLM(), config=_config("nvme", "nvme", tmp_path / "swap_b"))
+    cfg_b = _config("nvme", "nvme", tmp_path / "swap_b")
+    cfg_b["zeroinf"] = {"optimizer_in_backward": in_backward}
+    resumed, *_ = zeroinf.initialize(model=TinyLM(), config=cfg_b)
     resumed.load_checkpoint(str(tmp_path / "ckpt"), tag="s3")
     assert resumed.optimizer_steps == 3
     _run(resumed, 2, start=4)

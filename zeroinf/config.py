@@ -281,6 +281,10 @@ class ZeroInfExtraConfig:
     #: stage 3: run the optimizer step on a background thread, unit by unit in forward order,
     #: overlapped with the next forward (a unit's gather waits for its own update only)
     overlap_step: bool = True
+    #: stage 3: step each flat group's parameters during the backward, as soon as its gradient is
+    #: reduced, so gradients are never stored (requires gradient_accumulation_steps 1, no
+    #: gradient_clipping, no fp16; see [Note: optimizer in backward] in stage3/in_backward.py)
+    optimizer_in_backward: bool = False
 
 
 @dataclass(frozen=True)
@@ -640,16 +644,30 @@ def parse_config(config: "Mapping[str, Any] | str | os.PathLike", world_size: in
     if fp16.enabled and bf16.enabled:
         raise ConfigError("fp16.enabled", "fp16 and bf16 cannot both be enabled")
     extra = _block(config, "zeroinf", "")
-    _check_keys(extra, "zeroinf", ("grad_norm_type", "overlap_step"))
+    _check_keys(extra, "zeroinf", ("grad_norm_type", "overlap_step", "optimizer_in_backward"))
     norm_type = _float(extra, "grad_norm_type", "zeroinf", 2.0, allow_inf=True)
     if not (norm_type == math.inf or norm_type >= 1.0):
         raise ConfigError("zeroinf.grad_norm_type", f"expected a number >= 1 or \"inf\", got {norm_type!r}")
+    zero = _parse_zero(config)
+    clipping = _float(config, "gradient_clipping", "", 0.0, min_value=0.0)
+    in_bwd = _bool(extra, "optimizer_in_backward", "zeroinf", False)
+    if in_bwd:
+        # the step of a flat group runs before the other gradients exist: nothing that needs all
+        # of them (accumulation, the clipping norm, an overflow check) can come first
+        for bad, why in ((zero.stage != 3, f"needs zero_optimization.stage 3, got {zero.stage}"),
+                         (gas != 1, f"needs gradient_accumulation_steps 1, got {gas}"),
+                         (clipping > 0, f"cannot clip: gradient_clipping is {clipping} (the global norm "
+                                        "is known only after every group was stepped); set it to 0"),
+                         (fp16.enabled, "cannot skip overflowed steps: fp16 is enabled; use bf16 or fp32")):
+            if bad:
+                raise ConfigError("zeroinf.optimizer_in_backward", why)
     return ZeroInfConfig(
         train_batch_size=tbs, train_micro_batch_size_per_gpu=mbs, gradient_accumulation_steps=gas,
         world_size=world_size, optimizer=_parse_optimizer(config), scheduler=_parse_scheduler(config),
-        fp16=fp16, bf16=bf16, gradient_clipping=_float(config, "gradient_clipping", "", 0.0, min_value=0.0),
-        zero_optimization=_parse_zero(config), aio=_parse_aio(config),
+        fp16=fp16, bf16=bf16, gradient_clipping=clipping,
+        zero_optimization=zero, aio=_parse_aio(config),
         steps_per_print=_int(config, "steps_per_print", "", 10, min_value=1),
         wall_clock_breakdown=_bool(config, "wall_clock_breakdown", "", False),
         zeroinf=ZeroInfExtraConfig(grad_norm_type=norm_type,
-                                   overlap_step=_bool(extra, "overlap_step", "zeroinf", True)))
+                                   overlap_step=_bool(extra, "overlap_step", "zeroinf", True),
+                                   optimizer_in_backward=in_bwd))

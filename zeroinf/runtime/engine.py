@@ -30,6 +30,7 @@ import math
 import os
 import shutil
 import time
+import warnings
 from typing import Any, Dict, List, Optional
 
 import psutil
@@ -173,6 +174,9 @@ class ZeroEngine:
             self.params.track_grad_norm(cfg.zeroinf.grad_norm_type)
         # [Note: overlapped step] (stage3/overlap.py): the step runs behind the next forward
         self._overlap = zc.stage == 3 and cfg.zeroinf.overlap_step and hasattr(self.params, "start_step")
+        # [Note: optimizer in backward] (stage3/in_backward.py): the config allows it with stage 3 only
+        self._in_bwd = cfg.zeroinf.optimizer_in_backward
+        self._bwd_pending = False  # a backward started the update; engine.step() closes it
         if hasattr(self.params, "attach_optimizer"):  # stage 3: masters follow gathered_parameters writes
             self.params.attach_optimizer(self.sub_optimizer)
         del fp32_copies
@@ -273,19 +277,47 @@ class ZeroEngine:
             raise ValueError("engine.backward(loss): loss must be a scalar tensor that requires grad")
         t0 = time.perf_counter()
         self.synchronize()  # a background step has finished by now (the forward needed its updates)
-        if self.is_gradient_accumulation_boundary():
+        if self._in_bwd:
+            self._start_backward_step()
+        elif self.is_gradient_accumulation_boundary():
             self.sub_optimizer.prefetch()  # the first sub-group's NVMe read hides behind this backward
         scaled = loss.float()
         if self.gas > 1:
             scaled = scaled / self.gas
         if self.loss_scaler is not None:
             scaled = scaled * self.loss_scaler.scale
-        scaled.backward()
+        try:
+            scaled.backward()
+        except BaseException as exc:
+            if self._in_bwd:  # some groups may be stepped already: the step fails, see synchronize()
+                self.params.abort_backward_step(exc)
+            raise
+        if self._in_bwd:
+            self.params.end_backward_step()
         t1 = time.perf_counter()
         self._step_stats["backward_s"] += t1 - t0
         self._step_stats["comm_elements"] += self.params.reduce_gradients()
         self._step_stats["reduce_s"] += time.perf_counter() - t1
         return loss
+
+    def _start_backward_step(self) -> None:
+        """``zeroinf.optimizer_in_backward``: start this step's optimizer update, which runs
+        while the backward reduces each group's gradient ([Note: optimizer in backward]).
+
+        Raises:
+            RuntimeError: the previous backward's update was never closed by :meth:`step`.
+        """
+        if self._bwd_pending:
+            raise RuntimeError("zeroinf.optimizer_in_backward: engine.backward() was called twice without "
+                               "engine.step() between; the first backward already updated the weights, so call "
+                               "engine.step() after every engine.backward()")
+        self._check_requires_grad()
+        # the step number and hyper-parameters engine.step() would use (the LR schedule moves in step())
+        hyper = [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
+        self.params.start_backward_step(self.sub_optimizer, step=self.optimizer_steps + 1, hyper=hyper,
+                                        norm_type=self.config.zeroinf.grad_norm_type)
+        self._step_running = True
+        self._bwd_pending = True
 
     def _check_requires_grad(self) -> None:
         """Raise if a parameter was frozen or unfrozen after :func:`initialize`.
@@ -356,6 +388,9 @@ class ZeroEngine:
 
     @torch.no_grad()
     def _optimizer_step(self) -> None:
+        if self._in_bwd:
+            self._close_backward_step()
+            return
         self.synchronize()
         t0 = time.perf_counter()
         cfg = self.config
@@ -400,6 +435,42 @@ class ZeroEngine:
             s["nvme_write_bytes"] += st.bytes_written
         if self.lr_scheduler is not None:
             # the engine stepped on the optimizer's behalf: tell torch schedulers so (they warn otherwise)
+            self.optimizer._opt_called = True
+            self.lr_scheduler.step()
+        s["optimizer_s"] += time.perf_counter() - t0
+
+    def _close_backward_step(self) -> None:
+        """engine.step() with ``zeroinf.optimizer_in_backward``: the update already runs (since
+        engine.backward); count the step, record the global norm, move the LR schedule.
+
+        Raises:
+            RuntimeError: no engine.backward() since the last step.
+            StepFailedError: the background update failed.
+        """
+        if not self._bwd_pending:
+            raise RuntimeError("zeroinf.optimizer_in_backward: engine.step() needs an engine.backward() first "
+                               "(the update runs inside the backward)")
+        self._bwd_pending = False
+        t0 = time.perf_counter()
+        norm_type = self.config.zeroinf.grad_norm_type
+        value = self.params.backward_step_norm(norm_type)
+        if self.world_size > 1:
+            t = torch.tensor([value], dtype=torch.float64, device=getattr(self.params, "device", "cpu"))
+            dist.all_reduce(t, op=dist.ReduceOp.MAX if norm_type == math.inf else dist.ReduceOp.SUM)
+            value = float(t[0])
+        self._grad_norm = norm = value if norm_type == math.inf else value ** (1.0 / norm_type)
+        if not math.isfinite(norm):
+            warnings.warn(f"zeroinf.optimizer_in_backward: step {self.optimizer_steps + 1} applied gradients whose "
+                          f"global norm is {norm} (the update runs during the backward, before the norm is known, "
+                          "so it cannot be skipped); the weights may now hold inf/nan", RuntimeWarning, stacklevel=3)
+        self.global_steps += 1
+        self.optimizer_steps += 1
+        self.params.backward_step_done()
+        s = self._step_stats
+        s["io_wait_s"] += self.params.manager.step_gate.take_wait_s()
+        if not self.config.zeroinf.overlap_step:
+            self.synchronize()
+        if self.lr_scheduler is not None:
             self.optimizer._opt_called = True
             self.lr_scheduler.step()
         s["optimizer_s"] += time.perf_counter() - t0

@@ -50,10 +50,17 @@ def engine_manager(model: torch.nn.Module, cfg, groups: Sequence[Sequence[torch.
         groups: trainable parameters of each optimizer param group.
     """
     opts = Stage3Options.from_zero_config(cfg.zero_optimization, cfg.aio.as_dict())
-    zc = cfg.zero_optimization
-    if zc.offload_param.device == "nvme" and zc.offload_optimizer.device == "nvme":
+    if _grads_on_nvme(cfg):
         opts = dataclasses.replace(opts, grads_on_nvme=True)  # ZeRO-Infinity: host memory flat in model size
     return Stage3EngineParams(model, opts, groups, sub_group_size=cfg.zero_optimization.sub_group_size)
+
+
+def _grads_on_nvme(cfg) -> bool:
+    """Gradient partitions go to swap files with both offloads on NVMe (ZeRO-Infinity), unless
+    the optimizer runs in the backward and consumes them as they are reduced."""
+    zc = cfg.zero_optimization
+    return (zc.offload_param.device == "nvme" and zc.offload_optimizer.device == "nvme"
+            and not cfg.zeroinf.optimizer_in_backward)
 
 
 def swap_file_bytes(model: torch.nn.Module, cfg, groups: Sequence[Sequence[torch.nn.Parameter]], *,
@@ -63,7 +70,8 @@ def swap_file_bytes(model: torch.nn.Module, cfg, groups: Sequence[Sequence[torch
 
     Returns ``(config key, nvme_path, swap folder, bytes, what)`` per kind of file: parameter
     partitions in the training dtype (``offload_param.device: nvme``), gradient partitions in fp32
-    and in the training dtype (both offloads on NVMe, ZeRO-Infinity; [Note: gradients on NVMe]), optimizer state at 12 bytes per trainable partition
+    and in the training dtype (both offloads on NVMe, ZeRO-Infinity, unless
+    ``zeroinf.optimizer_in_backward``; [Note: gradients on NVMe]), optimizer state at 12 bytes per trainable partition
     element (fp32 master, exp_avg, exp_avg_sq; ``offload_optimizer.device: nvme``).
     """
     from .init import init_shapes
@@ -81,7 +89,7 @@ def swap_file_bytes(model: torch.nn.Module, cfg, groups: Sequence[Sequence[torch
         folder = os.path.join(path, f"zeroinf_params_rank{rank}")
         out.append((key, path, folder, sum(g.shard_numel * torch.empty(0, dtype=g.dtype).element_size()
                                            for g in parts), "parameter partitions"))
-        if zc.offload_optimizer.device == "nvme":
+        if _grads_on_nvme(cfg):
             # fp32 (accumulated) and, for bf16/fp16 training, one micro-batch's in the training dtype
             out.append((key, path, folder, sum((4 + (0 if g.dtype == torch.float32 else g.dtype.itemsize))
                                                * g.shard_numel for g in parts), "gradient partitions"))
@@ -129,6 +137,9 @@ class Stage3EngineParams:
         self._staged: Optional[Tuple[FlatGroup, torch.Tensor]] = None
         self._init_read: Optional[Tuple[FlatGroup, torch.Tensor]] = None  # master_init's partition
         self._worker = None  # the background optimizer step's thread ([Note: overlapped step])
+        self._bwd_step = None  # the step run inside the backward ([Note: optimizer in backward])
+        self._bwd_order: List[str] = []  # flat-group keys in the order the last backward reduced them
+        self.group_by_key = {g.key: g for g in m.groups()}
         # [Note: gradient cache] With gradient partitions on NVMe, grad(i) reads its flat group's
         # partition into one host tensor. The engine may change it in place (clipping) and
         # calls grad(i) again inside the optimizer step, so the tensor is written back when
@@ -270,9 +281,7 @@ class Stage3EngineParams:
                     ahead[nxt.key] = read_grad(nxt)
             else:
                 t = g.grad_shard if g.grad_shard is not None else torch.zeros(g.shard_numel, dtype=torch.float32)
-            local = g.store.local()
-            # every element of the partition is written by its sub-groups: no read of the old values
-            cur.update(g=g, grad=t, target=local if local is not None else m.scratch.take(g.shard_numel, g.dtype))
+            cur.update(g=g, grad=t, target=self.step_target(g))
 
         def grad(i: int) -> torch.Tensor:
             g, lo, hi, _ = self._subs[i]
@@ -288,9 +297,7 @@ class Stage3EngineParams:
             g = self._subs[i][0]
             if last[g.key] != i:
                 return
-            if g.store.local() is None:
-                m.write_param_shard_and_stage(g, cur["target"])  # the next gather reads no NVMe
-                m.scratch.give(cur["target"])  # written (synchronously) or copied: free again
+            self.store_stepped(g, cur["target"])
             if on_nvme:
                 m.scratch.give(cur["grad"])
                 g.grad_on_nvme = False
@@ -317,6 +324,76 @@ class Stage3EngineParams:
         # exit code 134, when a script ends right after engine.step() without engine.close())
         self._worker = threading.Thread(target=run, name="zeroinf-optimizer-step")
         self._worker.start()
+
+    def step_target(self, g: FlatGroup) -> torch.Tensor:
+        """Where a background step writes group ``g``'s new partition: the partition itself on
+        the device/CPU tiers, else a scratch tensor for :meth:`store_stepped`. Every element is
+        written by the group's sub-groups: the old values are not read."""
+        local = g.store.local()
+        if local is not None:
+            # CUDA: no H2D copy from a CPU-tier partition still reads the old values (waited on
+            # without clearing it: the compute thread owns _h2d_last)
+            self.manager.transfers.host_wait(self.manager._h2d_last)
+            return local
+        return self.manager.scratch.take(g.shard_numel, g.dtype)
+
+    def store_stepped(self, g: FlatGroup, target: torch.Tensor) -> None:
+        """Store a background step's new partition of ``g`` from :meth:`step_target`'s tensor
+        (NVMe: written, and kept staged when a buffer is spare, so the next gather reads no
+        NVMe)."""
+        if g.store.local() is None:
+            self.manager.write_param_shard_and_stage(g, target)
+            self.manager.scratch.give(target)  # written (synchronously) or copied: free again
+
+    # --- the optimizer in backward ([Note: optimizer in backward] in in_backward.py) -------
+    def start_backward_step(self, sub_optimizer, *, step: int, hyper, norm_type: float) -> None:
+        """Arm the optimizer step for the backward about to run: each flat group is stepped on
+        a background thread as soon as its gradient is reduced. ``hyper``: a snapshot.
+
+        Raises:
+            OSError: a gradient write of an earlier backward failed.
+        """
+        from .in_backward import BackwardStep
+
+        m = self.manager
+        self._flush()
+        self._flush_grad(write=False)
+        m.check_grad_io(wait=True)
+        keys = list(dict.fromkeys(g.key for g, _lo, _hi, _gi in self._subs))
+        order = [k for k in self._bwd_order if k in keys] if self._bwd_order else []
+        order += [k for k in reversed(keys) if k not in order]  # first step: reverse forward order
+        self._bwd_step = BackwardStep(self, sub_optimizer, step=step, hyper=hyper, norm_type=norm_type, order=order)
+        self._bwd_step.start()
+        self._worker = self._bwd_step.thread
+
+    def end_backward_step(self) -> None:
+        """After autograd returned: hand the groups without a gradient over (zeros) and keep
+        this backward's arrival order for the next step."""
+        b = self._bwd_step
+        b.end_backward()
+        self._bwd_order = list(b.arrival)
+
+    def abort_backward_step(self, exc: BaseException) -> None:
+        """The backward raised ``exc``: the background step fails with it (see
+        :meth:`finish_step`)."""
+        if self._bwd_step is not None:
+            self._bwd_step.abort(exc)
+
+    def backward_step_norm(self, norm_type: float) -> float:
+        """This rank's gradient norm part of the step run in the backward: ``sum |g|^p`` over
+        its partitions, or ``max |g|`` for inf (``local_grad_norm_parts``' formula).
+
+        Raises:
+            StepFailedError: the background step failed before every norm was known.
+        """
+        parts = self._bwd_step.norm_parts()
+        return max(parts, default=0.0) if norm_type == math.inf else sum(parts)
+
+    def backward_step_done(self) -> None:
+        """At engine.step(): close the stage-3 counters of the step (its write-backs that run
+        after this count in the next one, as for the overlapped step)."""
+        self._bwd_step = None
+        self.manager.stats.begin_step()
 
     def finish_step(self) -> None:
         """Join the background step started by :meth:`start_step`; zero the remaining gradient

@@ -289,6 +289,9 @@ class Stage3ParameterManager:
         self._nccl = self.world_size > 1 and self.device.type == "cuda" and "nccl" in str(dist.get_backend(self.group))
         self._h2d_last: Any = None  # ready event of the last H2D copy from a CPU-tier partition
         self.step_gate = StepGate()  # [Note: overlapped step] in overlap.py
+        # [Note: optimizer in backward] (in_backward.py): while set, reduced gradient partitions
+        # go to this callable (group, part, ready, recycle) instead of grad_shard / the swap file
+        self.grad_sink: Optional[Callable[..., None]] = None
         self.scratch = BufferRecycler()  # unit-sized CPU scratch tensors, reused (no page faults)
 
         from .init import init_shapes  # parameters partitioned at construction (zeroinf.Init)
@@ -843,6 +846,14 @@ class Stage3ParameterManager:
         ``record=False`` for requests that depend on what happens to be live (saved-tensor
         unpacking), which would make the trace differ between identical iterations."""
         self._check_open()
+        sink = self.grad_sink
+        if sink is not None and any(g.key in sink.handed for g in unit.groups):
+            from .in_backward import OptimizerInBackwardError
+            raise OptimizerInBackwardError(
+                f"zeroinf stage 3: unit '{unit.name}' is needed again in the backward after its gradient was reduced and "
+                "its update began (zeroinf.optimizer_in_backward): the rest of the backward would see the new weights. "
+                "A module whose backward runs later reads this unit's parameters; turn "
+                "zeroinf.optimizer_in_backward off for this model.")
         was_live = unit.state is UnitState.GATHERED
         hit = self.scheduler.on_request(unit, phase) if record else False
         if was_live:
@@ -1094,7 +1105,9 @@ class Stage3ParameterManager:
         part = red.shard  # training dtype; summed in fp32 below (exact: fp32 holds it)
         if part.device.type != "cpu":
             part = part.to(device="cpu", dtype=torch.float32)
-        if self.options.grads_on_nvme:
+        if self.grad_sink is not None:  # [Note: optimizer in backward]: stepped, never stored
+            self.grad_sink(g, part, None, red.full)
+        elif self.options.grads_on_nvme:
             # accumulate in the swap file on the I/O thread; the next unit's backward overlaps it
             self._grad_io.append(self._io.submit(self._accumulate_grad_on_nvme, g, part, red.full))
         else:
@@ -1146,7 +1159,9 @@ class Stage3ParameterManager:
         part = host_empty(g.shard_numel, torch.float32, pin=True)
         keep = (red.full,) if self._nccl else ()  # else the shard is a view of it
         ready = self.transfers.d2h(part, red.shard, work=red.work, divisor=self.world_size, keep=keep)
-        if self.options.grads_on_nvme:
+        if self.grad_sink is not None:  # [Note: optimizer in backward]: stepped once it lands
+            self.grad_sink(g, part, ready, None)
+        elif self.options.grads_on_nvme:
             # accumulate in the swap file on the I/O thread; the next unit's backward overlaps it
             self._grad_io.append(self._io.submit(self._accumulate_landed_grad_on_nvme, g, part, ready))
         else:
@@ -1272,6 +1287,14 @@ class Stage3ParameterManager:
         afresh before the next forward."""
         self._persistent_stale = True
         self.drop_staged()
+        if self.units[0].state is not UnitState.RELEASED:
+            self.release(self.units[0])
+
+    def persistent_updated(self) -> None:
+        """The persistent unit's partitions are being updated outside a forward (the optimizer
+        in backward): release its gathered copy; the next forward gathers it afresh, after its
+        groups' updates (the step gate)."""
+        self._persistent_stale = True
         if self.units[0].state is not UnitState.RELEASED:
             self.release(self.units[0])
 

@@ -54,6 +54,13 @@ class StepGate:
             self._pending = set(keys) | {_WHOLE_STEP}
             self._worker = worker
 
+    def add(self, key: str) -> None:
+        """Mark group ``key`` pending within a step already begun (the optimizer in backward hands
+        groups over one by one, as their gradients are reduced). Raises a previous step's error."""
+        with self._cv:
+            self._raise()
+            self._pending.add(key)
+
     def set_worker(self, ident: int) -> None:
         with self._cv:
             self._worker = ident

@@ -1,0 +1,228 @@
+"""Stage 3's optimizer step run inside the backward (``"zeroinf": {"optimizer_in_backward": true}``,
+[Note: optimizer in backward] in zeroinf/runtime/stage3/in_backward.py): the same numbers as the
+synchronous step and as torch.optim.AdamW, gradients never stored, and the cases it cannot follow
+refused with errors that say why."""
+import copy
+import time
+
+import pytest
+import torch
+
+import zeroinf
+from stage3_models import TinyLM, batch, loss_fn
+from test_stage3_engine import _assert_like_reference, _config, _run, _state
+from zeroinf.config import ConfigError, parse_config
+from zeroinf.runtime.stage3.in_backward import OptimizerInBackwardError
+from zeroinf.runtime.stage3.overlap import StepFailedError
+
+
+def _engine(path, model, in_backward, tiers=("nvme", "nvme"), **extra):
+    path.mkdir(exist_ok=True)
+    cfg = _config(*tiers, path, sub_group_size=700)  # several sub-groups per flat group
+    cfg["zeroinf"] = {"optimizer_in_backward": in_backward, "overlap_step": in_backward}
+    cfg.update(extra)
+    engine, *_ = zeroinf.initialize(model=model, config=cfg)
+    return engine
+
+
+@pytest.mark.parametrize("key,value,says", [
+    ("stage", 2, "needs zero_optimization.stage 3, got 2"),
+    ("gradient_accumulation_steps", 2, "needs gradient_accumulation_steps 1, got 2"),
+    ("gradient_clipping", 1.0, "cannot clip"),
+    ("fp16", {"enabled": True}, "fp16 is enabled"),
+])
+def test_config_refuses_what_needs_every_gradient_first(key, value, says):
+    cfg = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 3},
+           "zeroinf": {"optimizer_in_backward": True}}
+    if key == "stage":
+        cfg["zero_optimization"]["stage"] = value
+    else:
+        cfg[key] = value
+    with pytest.raises(ConfigError) as info:
+        parse_config(cfg)
+    assert info.value.key_path == "zeroinf.optimizer_in_backward" and says in str(info.value)
+    cfg["zeroinf"]["optimizer_in_backward"] = False
+    parse_config(cfg)  # the same config is fine without it
+    assert parse_config({"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 3}, "bf16": {"enabled": True},
+                         "zeroinf": {"optimizer_in_backward": True}}).zeroinf.optimizer_in_backward
+
+
+@pytest.mark.parametrize("tiers", [("nvme", "nvme"), ("cpu", "nvme"), ("nvme", "cpu"), ("none", "none")])
+def test_equals_the_synchronous_step_and_adamw(tmp_path, tiers):
+    """Four steps with a warm-up LR schedule (the step number and LR are read when the backward
+    starts) and a head tied to the embedding, against the synchronous step (bit for bit: the
+    same Adam on the same gradients) and torch.optim.AdamW (1e-6). Each partition write of the
+    background step sleeps, so the next forward reaches groups whose update is not stored yet
+    and must wait for them."""
+    sched = {"scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 1e-2,
+                                                          "warmup_num_steps": 3, "warmup_type": "linear"}}}
+    ref = TinyLM(tied=True)
+    sync = _engine(tmp_path / "a", copy.deepcopy(ref), False, tiers, **sched)
+    ib = _engine(tmp_path / "b", copy.deepcopy(ref), True, tiers, **sched)
+    m = ib.params.manager
+    write, stepped_during_backward = ib.params.store_stepped, []
+
+    def slow_store(g, target):
+        stepped_during_backward.append(m._in_backward)
+        time.sleep(0.01)
+        write(g, target)
+    ib.params.store_stepped = slow_store
+    a, b = _run(sync, 4), _run(ib, 4)
+    assert a == b, (a, b)
+    assert sync.get_global_grad_norm() == ib.get_global_grad_norm() > 0
+    assert sync.get_lr() == ib.get_lr()
+    sa, sb = _state(sync), _state(ib)
+    assert all(torch.equal(sa[k], sb[k]) for k in sa)
+    assert any(stepped_during_backward)  # groups were updated while the backward still ran
+    # the reference with the same schedule: lr = 1e-2 * min(1, step / 3) before each step, linear warm-up
+    plain = copy.deepcopy(ref)
+    opt = torch.optim.AdamW(plain.parameters(), lr=0.0, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01, foreach=False)
+    want = []
+    for step in range(1, 5):
+        for grp in opt.param_groups:
+            grp["lr"] = 1e-2 * min(1.0, (step - 1) / 3)
+        x, y = batch(step)
+        loss = loss_fn(plain(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        want.append(loss.item())
+    _assert_like_reference(ib, plain, b, want)
+    sync.close()
+    ib.close()
+
+
+def test_gradients_never_reach_nvme_and_the_counters_equal_the_bytes_moved(tmp_path, monkeypatch):
+    """Parameters and optimizer state on NVMe (where gradients would go to swap files too): no
+    gradient partition is stored, in a swap file or in memory, and the engine's counters over
+    the run equal what the swappers were handed."""
+    from zeroinf.io import TensorSwapper
+
+    moved = {"read": 0, "write": 0, "grad": 0}
+    swap_in, swap_out = TensorSwapper.swap_in, TensorSwapper.swap_out
+
+    def spy(kind, fn):
+        def wrapped(self, items, *a, **k):
+            items = list(items)
+            moved[kind] += sum(t.numel() * t.element_size() for _key, t in items)
+            moved["grad"] += sum(1 for key, _t in items if key.startswith("grad/"))
+            return fn(self, items, *a, **k)
+        return wrapped
+
+    monkeypatch.setattr(TensorSwapper, "swap_in", spy("read", swap_in))
+    monkeypatch.setattr(TensorSwapper, "swap_out", spy("write", swap_out))
+    engine = _engine(tmp_path, copy.deepcopy(TinyLM()), True)
+    mgr = engine.params.manager
+    assert not mgr.options.grads_on_nvme
+    assert not [f for *_, f in zeroinf.runtime.stage3.engine_glue.swap_file_bytes(
+        engine.module, engine.config, [list(engine.module.parameters())]) if "gradient" in f]
+    base = dict(moved)
+    opt_bytes = [0, 0]
+    for step in range(4):
+        x, y = batch(step)
+        engine.backward(loss_fn(engine(x), y))
+        assert all(g.grad_shard is None and not g.grad_on_nvme for g in mgr.groups())
+        engine.step()
+        engine.synchronize()
+        st = engine.stats()
+        opt_bytes[0] += st["nvme_read_bytes"]
+        opt_bytes[1] += st["nvme_write_bytes"]
+    opt_bytes[0] += engine._step_stats["nvme_read_bytes"]  # the last step's, added by its synchronize()
+    opt_bytes[1] += engine._step_stats["nvme_write_bytes"]
+    totals = mgr.stats.totals
+    assert moved["grad"] == 0
+    assert totals["bytes_nvme_read"] + opt_bytes[0] == moved["read"] - base["read"] > 0
+    assert totals["bytes_nvme_written"] + opt_bytes[1] == moved["write"] - base["write"] > 0
+    # every step wrote each trainable partition and its optimizer state (12 bytes/element) once
+    part = sum(g.shard_numel for g in {g.key: g for g, *_ in engine.params._subs}.values())
+    assert opt_bytes[1] == 4 * 12 * part
+    engine.close()
+
+
+def test_an_unused_block_is_stepped_with_zeros_as_in_the_synchronous_step(tmp_path):
+    """Block 1 runs in no forward of steps 2 and 3: its groups get no gradient and are
+    stepped with zeros (weight decay and the moments move them), as the synchronous step does."""
+    ref = TinyLM()
+    engines = [_engine(tmp_path / n, copy.deepcopy(ref), ib) for n, ib in (("a", False), ("b", True))]
+    for e in engines:
+        _run(e, 1)
+        e.module.order = [0, 2, 3]
+        with pytest.warns(RuntimeWarning, match="differs from the recorded trace"):
+            _run(e, 2, start=2)
+    sa, sb = (_state(e) for e in engines)
+    assert all(torch.equal(sa[k], sb[k]) for k in sa)
+    assert not torch.equal(sb["blocks.1.ff.0.weight"], _state_of(ref)["blocks.1.ff.0.weight"])
+    for e in engines:
+        e.close()
+
+
+def _state_of(model):
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def test_backward_and_step_must_alternate(tmp_path):
+    engine = _engine(tmp_path, TinyLM(), True, ("none", "cpu"))
+    with pytest.raises(RuntimeError, match="needs an engine.backward"):
+        engine.step()
+    x, y = batch(1)
+    engine.backward(loss_fn(engine(x), y))
+    with pytest.raises(RuntimeError, match="called twice without"):
+        engine.backward(loss_fn(engine(x), y))
+    engine.step()  # the first backward's step is whole
+    _run(engine, 1, start=2)
+    assert engine.global_steps == 2
+    engine.close()
+
+
+class _FailBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        raise ValueError("injected backward failure")
+
+
+def test_a_failed_backward_fails_the_step_and_every_later_call(tmp_path):
+    """The backward raises after the later blocks' groups were handed over (some may be
+    stepped): the error reaches the caller, and the engine refuses to go on from weights that
+    are part old, part new."""
+    model = TinyLM()
+    model.blocks[0].register_forward_hook(lambda mod, args, out: _FailBackward.apply(out))
+    engine = _engine(tmp_path, model, True)
+    x, y = batch(1)
+    with pytest.raises(ValueError, match="injected backward failure"):
+        engine.backward(loss_fn(engine(x), y))
+    with pytest.raises(StepFailedError) as info:
+        engine.backward(loss_fn(engine(x), y))
+    assert "the backward failed" in str(info.value.__cause__)
+    with pytest.raises(StepFailedError):
+        engine.close()  # releases everything, then reports the failure
+    assert engine._closed and engine.sub_optimizer._swapper is None
+
+
+class _DetachedRead(torch.nn.Module):
+    """Reads block 3's first linear weight without a gradient, before block 3 runs: its
+    backward needs that weight after block 3's backward completed the weight's gradient."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, idx):
+        x = self.model.emb(idx)
+        w = self.model.blocks[3].ff[0].weight
+        x = x + 0.1 * torch.nn.functional.linear(x, w.detach())[..., :x.shape[-1]]
+        for b in self.model.blocks:
+            x = b(x)
+        return self.model.head(self.model.norm(x))
+
+
+def test_a_unit_needed_after_its_update_began_is_an_error(tmp_path):
+    engine = _engine(tmp_path, _DetachedRead(TinyLM()), True, ("none", "cpu"))
+    x, y = batch(1)
+    with pytest.raises(OptimizerInBackwardError, match="needed again in the backward"):
+        engine.backward(loss_fn(engine(x), y))
+    with pytest.raises(StepFailedError):
+        engine.close()

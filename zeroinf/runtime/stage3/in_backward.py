@@ -1,0 +1,202 @@
+"""The optimizer step of stage 3 run inside the backward (``"zeroinf": {"optimizer_in_backward": true}``).
+
+[Note: optimizer in backward] With parameters, gradients and optimizer state on NVMe, the
+overlapped step ([Note: overlapped step] in overlap.py) still writes every reduced gradient
+partition to its swap file during the backward and reads it back in the step: 8 bytes per fp32
+parameter on top of the optimizer state's 24, and all of the step's I/O lands in the next
+forward while the backward leaves the disk mostly idle. Here each flat group is stepped as soon
+as its gradient is reduced, on one background thread, while the backward goes on with the units
+before it: gradients never leave host memory (and at most the partitions waiting for the thread
+are held), and the optimizer state's I/O overlaps the backward. This is torchtune's
+``optimizer_in_bwd`` (and ``torch.distributed.optim._apply_optimizer_in_backward``) for ZeRO-3
+partitions.
+
+What it costs: a group's update runs before the other gradients exist, so nothing that needs
+all of them can come first. The config refuses gradient accumulation, gradient clipping and fp16
+(its overflow check skips whole steps); a non-finite gradient is applied (as ``torch.optim.AdamW``
+does) and the engine warns. The hyper-parameters (learning rate) are read when the backward
+starts. A unit needed again in the same backward after its update began (a weight read by a
+module whose backward runs later without a gradient for it) raises instead of seeing new
+weights. The numbers are those of the synchronous step: the same Adam on the same gradients.
+
+Flow: :meth:`BackwardStep.start` (engine.backward, before autograd runs) starts the worker, which
+runs one ``SubGroupOptimizer.step`` over every sub-group in the order the gradients arrived in the
+previous backward (reverse forward order at first), so its NVMe pipeline reads ahead; the
+manager's reductions call :meth:`hand_over` (compute thread) with each reduced partition, and
+``grad(i)`` in the worker waits for its group's. Groups that got no gradient are handed over
+with zeros by :meth:`end_backward`. The step gate marks each group pending from its hand-over
+until its new partition is stored, so the next forward's gathers wait for their own groups only.
+"""
+from __future__ import annotations
+
+import threading
+from typing import Any, Dict, List, Optional, Set, Tuple
+
+import torch
+
+from .manager import _norm_part
+
+__all__ = ["BackwardStep", "OptimizerInBackwardError"]
+
+
+class OptimizerInBackwardError(RuntimeError):
+    """The model does something the optimizer in backward cannot follow (names the unit or
+    group); turn ``zeroinf.optimizer_in_backward`` off for it."""
+
+
+class BackwardStep:
+    """One optimizer step run during one backward; see [Note: optimizer in backward].
+
+    Args:
+        glue: the :class:`~zeroinf.runtime.stage3.engine_glue.Stage3EngineParams` (sub-groups,
+            manager).
+        sub_optimizer: the engine's ``SubGroupOptimizer``.
+        step: 1-based Adam step number; ``hyper``: a snapshot of the param groups'
+            hyper-parameters; ``norm_type``: the engine's global-norm type (2.0 or inf).
+        order: flat-group keys in the order their gradients are expected.
+    """
+
+    def __init__(self, glue, sub_optimizer, *, step: int, hyper, norm_type: float, order: List[str]):
+        self.glue, self.m, self.opt = glue, glue.manager, sub_optimizer
+        self.step, self.hyper, self.norm_type = step, hyper, float(norm_type)
+        self.order = order
+        self.handed: Set[str] = set()   # read by the manager's _request (compute thread)
+        self.arrival: List[str] = []    # keys in hand-over order: the next step's expected order
+        self.norms: Dict[str, float] = {}
+        self._cv = threading.Condition()
+        self._arrived: Dict[str, Tuple[Optional[torch.Tensor], Any, Optional[torch.Tensor]]] = {}
+        self._abort: Optional[BaseException] = None
+        self._keys = set(order)
+        self.thread: Optional[threading.Thread] = None
+
+    # --- compute thread -------------------------------------------------------------------
+    def start(self) -> None:
+        """Start reading the first sub-groups' optimizer state and the worker thread."""
+        subs = self.glue._subs
+        by_key: Dict[str, List[int]] = {}
+        for i, (g, _lo, _hi, _gi) in enumerate(subs):
+            by_key.setdefault(g.key, []).append(i)
+        indices = [i for k in self.order for i in by_key[k]]
+        last = {subs[i][0].key: i for i in indices}
+        self.opt.prefetch(indices)
+        self.m.step_gate.begin(())
+        self.m.grad_sink = self
+        self.thread = threading.Thread(target=self._run, args=(indices, last), name="zeroinf-optimizer-in-backward")
+        self.thread.start()
+
+    def __call__(self, g, part: Optional[torch.Tensor], ready: Any = None,
+                 recycle: Optional[torch.Tensor] = None) -> None:
+        """The manager's reduction hands over group ``g``'s reduced gradient partition ``part``
+        (``shard_numel`` CPU elements, training dtype or fp32; on CUDA still being copied until
+        ``ready``); ``recycle``: the scratch tensor ``part`` lies in, given back once stepped.
+
+        Raises:
+            OptimizerInBackwardError: ``g``'s gradient was reduced twice in this backward.
+        """
+        if g.key not in self._keys:  # frozen: no optimizer state
+            if recycle is not None:
+                self.m.scratch.give(recycle)
+            return
+        if g.key in self.handed:
+            raise OptimizerInBackwardError(
+                f"zeroinf.optimizer_in_backward: the gradient of flat group {g.key} was reduced twice in one backward "
+                "(a parameter's gradient was accumulated again after its unit's reduction, e.g. by reentrant "
+                "activation checkpointing); its update had already started. Turn zeroinf.optimizer_in_backward off.")
+        norm = None
+        if ready is None:  # on the host already: its norm part now, so engine.step() need not wait
+            norm = 0.0 if part is None else _norm_part(part, self.norm_type)
+        self.handed.add(g.key)
+        self.arrival.append(g.key)
+        self.m.step_gate.add(g.key)
+        with self._cv:
+            if norm is not None:
+                self.norms[g.key] = norm
+            self._arrived[g.key] = (part, ready, recycle)
+            self._cv.notify_all()
+
+    def end_backward(self) -> None:
+        """After autograd returned: hand over every group that got no gradient (stepped with
+        zeros, as the synchronous step does), detach from the manager, and release the persistent
+        unit (the next forward gathers it after its update)."""
+        for k in self.order:
+            if k not in self.handed:
+                self(self.glue.group_by_key[k], None)
+        self.m.grad_sink = None
+        self.m.persistent_updated()
+
+    def abort(self, exc: BaseException) -> None:
+        """The backward failed: stop the worker (the step fails with ``exc``; groups already
+        stepped keep their new values, the others their old ones)."""
+        self.m.grad_sink = None
+        with self._cv:
+            self._abort = exc
+            self._cv.notify_all()
+
+    def norm_parts(self) -> List[float]:
+        """Each group's gradient norm part (``sum |g|^p``, or ``max |g|``), waiting for those
+        the worker computes (CUDA: after the copy to the host). Raises StepFailedError."""
+        with self._cv:
+            while len(self.norms) < len(self._keys) and self._abort is None and self.thread.is_alive():
+                self._cv.wait(0.1)
+        missing = self._keys - set(self.norms)
+        if missing:
+            self.m.step_gate.wait()  # the worker failed: raises StepFailedError
+            raise RuntimeError(f"zeroinf.optimizer_in_backward: no gradient norm for {sorted(missing)[:3]}")
+        return [self.norms[k] for k in self.order]
+
+    # --- the worker -----------------------------------------------------------------------
+    def _run(self, indices: List[int], last: Dict[str, int]) -> None:
+        m, subs = self.m, self.glue._subs
+        m.step_gate.set_worker(threading.get_ident())
+        cur: Dict[str, Any] = {}
+
+        def enter(g) -> None:
+            with self._cv:
+                while g.key not in self._arrived and self._abort is None:
+                    self._cv.wait()
+                if self._abort is not None:
+                    raise RuntimeError("the backward failed before every gradient was reduced") from self._abort
+                part, ready, recycle = self._arrived.pop(g.key)
+            if part is None:
+                part = m.scratch.take(g.shard_numel, torch.float32)
+                part.zero_()
+                recycle = part
+            elif ready is not None:
+                m.transfers.host_wait(ready)
+            if g.key not in self.norms:  # CUDA: landed on the host just now
+                norm = _norm_part(part, self.norm_type)
+                with self._cv:
+                    self.norms[g.key] = norm
+                    self._cv.notify_all()
+            cur.update(g=g, grad=part, recycle=recycle, target=self.glue.step_target(g))
+
+        def grad(i: int) -> torch.Tensor:
+            g, lo, hi, _ = subs[i]
+            if cur.get("g") is not g:
+                enter(g)
+            return cur["grad"][lo:hi]
+
+        def out(i: int) -> torch.Tensor:
+            _g, lo, hi, _ = subs[i]
+            return cur["target"][lo:hi]
+
+        def done(i: int) -> None:
+            g = subs[i][0]
+            if last[g.key] != i:
+                return
+            self.glue.store_stepped(g, cur["target"])
+            if cur["recycle"] is not None:
+                m.scratch.give(cur["recycle"])
+            cur.clear()
+            m.step_gate.done(g.key)
+
+        try:
+            self.opt.step(step=self.step, hyper=self.hyper, grad=grad, out=out, indices=indices, on_done=done)
+        except BaseException as exc:  # re-raised in the caller's thread by the gate
+            m.step_gate.fail(exc)
+            with self._cv:
+                self._cv.notify_all()
+            return
+        m.step_gate.finish()
+
+
