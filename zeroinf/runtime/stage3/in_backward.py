@@ -24,7 +24,10 @@ runs one ``SubGroupOptimizer.step`` over every sub-group in the order the gradie
 previous backward (reverse forward order at first), so its NVMe pipeline reads ahead; the
 manager's reductions call :meth:`hand_over` (compute thread) with each reduced partition, and
 ``grad(i)`` in the worker waits for its group's. Groups that got no gradient are handed over
-with zeros by :meth:`end_backward`. The step gate marks each group pending from its hand-over
+with zeros by :meth:`end_backward`. Each partition's share of the global gradient norm is
+taken where it first lies on the host: at the hand-over on the CPU, so ``engine.step()`` has the
+norm at once; on CUDA on the worker after the copy lands, so ``engine.step()`` waits until the
+worker has reached the last group (untested here: no GPU). The step gate marks each group pending from its hand-over
 until its new partition is stored, so the next forward's gathers wait for their own groups only.
 """
 from __future__ import annotations
