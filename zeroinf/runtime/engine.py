@@ -353,8 +353,13 @@ class ZeroEngine:
         return {"backward_s": 0.0, "reduce_s": 0.0, "comm_elements": 0, "optimizer_s": 0.0, "adam_s": 0.0,
                 "io_wait_s": 0.0, "nvme_read_bytes": 0, "nvme_write_bytes": 0, "gather_s": 0.0}
 
-    def _global_norm(self, norm_type: float) -> float:
-        value, partitioned = self.params.local_grad_norm_parts(norm_type)
+    def _global_norm(self, norm_type: float, local: Optional[float] = None) -> float:
+        """The global gradient norm from this rank's ``local`` part (``sum |g|^p`` or ``max |g|``
+        of its partitions; default: asked of the parameter manager), summed over ranks."""
+        if local is None:
+            value, partitioned = self.params.local_grad_norm_parts(norm_type)
+        else:
+            value, partitioned = local, True
         if self.world_size > 1 and partitioned:
             # on the compute device: NCCL reduces only CUDA tensors (gloo takes either)
             t = torch.tensor([value], dtype=torch.float64, device=getattr(self.params, "device", "cpu"))
@@ -367,7 +372,7 @@ class ZeroEngine:
 
     def synchronize(self) -> None:
         """Wait for the optimizer step running in the background (stage 3 with
-        ``zeroinf.overlap_step``); a no-op otherwise. Its Adam time and NVMe bytes are counted
+        ``zeroinf.overlap_step`` or ``zeroinf.optimizer_in_backward``); a no-op otherwise. Its Adam time and NVMe bytes are counted
         in the current step's :meth:`stats`, the time waited in ``io_wait_s``.
 
         Raises:
@@ -453,12 +458,7 @@ class ZeroEngine:
         self._bwd_pending = False
         t0 = time.perf_counter()
         norm_type = self.config.zeroinf.grad_norm_type
-        value = self.params.backward_step_norm(norm_type)
-        if self.world_size > 1:
-            t = torch.tensor([value], dtype=torch.float64, device=getattr(self.params, "device", "cpu"))
-            dist.all_reduce(t, op=dist.ReduceOp.MAX if norm_type == math.inf else dist.ReduceOp.SUM)
-            value = float(t[0])
-        self._grad_norm = norm = value if norm_type == math.inf else value ** (1.0 / norm_type)
+        self._grad_norm = norm = self._global_norm(norm_type, self.params.backward_step_norm(norm_type))
         if not math.isfinite(norm):
             warnings.warn(f"zeroinf.optimizer_in_backward: step {self.optimizer_steps + 1} applied gradients whose "
                           f"global norm is {norm} (the update runs during the backward, before the norm is known, "
@@ -495,8 +495,9 @@ class ZeroEngine:
         NVMe bytes read/written; pinned bytes (optimizer swap buffers plus stage 3's parameter
         staging pool); plus step counters and the loss scale.
 
-        With a background step (stage 3, ``zeroinf.overlap_step``) a step's Adam time and NVMe
-        bytes land in the counters of the step during which it ran (the next one), and
+        With a background step (stage 3, ``zeroinf.overlap_step`` or
+        ``zeroinf.optimizer_in_backward``) a step's Adam time and optimizer NVMe bytes land in the
+        counters of the next step (they are added when the next backward joins the step), and
         ``io_wait_s`` counts the time the forward waited for its updates."""
         out = dict(self._stats)
         out.update(global_steps=self.global_steps, skipped_steps=self.skipped_steps, loss_scale=self.loss_scale,
