@@ -129,3 +129,25 @@ def test_nvme_byte_counters_equal_the_bytes_handed_to_the_swappers(tmp_path, mon
     # step's transfers count in the step during which they run, so its first step differs
     first = 1 if overlap else 0
     assert counted[first:] == spied[first:] and spied[first][0] > 0 and spied[first][1] > 0
+
+
+@pytest.mark.parametrize("bucket", [2200, 10**6])
+def test_units_gathered_ahead_for_the_backward_are_read_once(tmp_path, bucket):
+    """A prefetch bucket that reaches past the end of the forward gathers the backward's first
+    units ahead; the end of the forward used to release them with everything else, and the
+    backward read them again (TinyLM: 14 gathers per iteration instead of 11, 32% more NVMe
+    bytes). Each iteration must gather and read exactly what the same run without prefetch does."""
+    got = {}
+    for b in (0, bucket):
+        d = tmp_path / f"b{b}"
+        d.mkdir()
+        cfg = _config("nvme", "cpu", d, stage3_prefetch_bucket_size=b, stage3_max_reuse_distance=0)
+        engine, *_ = zeroinf.initialize(model=copy.deepcopy(TinyLM()), config=cfg)
+        _, per_iter = _steps(engine, 4, 1)
+        got[b] = [{k: it[0][k] for k in ("gathers", "releases", "bytes_nvme_read", "prefetch_hits")}
+                  for it in per_iter]
+        engine.close()
+    for plain, ahead in zip(got[0][1:], got[bucket][1:]):  # from the second step: the trace is followed
+        assert ahead["prefetch_hits"] > plain["prefetch_hits"] == 0
+        assert (ahead["gathers"], ahead["releases"], ahead["bytes_nvme_read"]) == \
+            (plain["gathers"], plain["releases"], plain["bytes_nvme_read"]), (plain, ahead)

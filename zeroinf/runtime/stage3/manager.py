@@ -950,10 +950,15 @@ class Stage3ParameterManager:
                 self._active.remove(self.units[1])
             self._release_foreign()
             self.tracer.span("forward", "unit", self._t_iter, self.tracer.now())
+            backward_follows = torch.is_grad_enabled() and self._hook_outputs(self.units[1], output)
+            # units gathered ahead for the backward's first requests stay (they count as live
+            # parameters, within the prefetch bounds); releasing them here threw their reads away
+            # and the backward read them again
+            ahead = self.scheduler.prefetched if backward_follows else ()
             for u in self.units[1:]:
-                if u.state is not UnitState.RELEASED and not self.is_pinned(u):
+                if u.state is not UnitState.RELEASED and not self.is_pinned(u) and u.index not in ahead:
                     self.release(u)
-            if torch.is_grad_enabled() and self._hook_outputs(self.units[1], output):
+            if backward_follows:
                 return output
             self._end_iteration()
         finally:
