@@ -25,13 +25,17 @@ def _config(param_tier, opt_tier, nvme, **zero):
             "zero_optimization": z}
 
 
-def _reference(ref, steps, params=None):
+def _reference(ref, steps, params=None, lr_at=None):
     """Losses of ``steps`` steps of plain PyTorch + AdamW on ``ref`` (``params``: its param
-    groups, default all parameters in one)."""
+    groups, default all parameters in one; ``lr_at(step)``: the lr of each 1-based step, default
+    LR)."""
     params = ref.parameters() if params is None else params
     opt = torch.optim.AdamW(params, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, foreach=False)
     losses = []
     for step in range(1, steps + 1):
+        if lr_at is not None:
+            for grp in opt.param_groups:
+                grp["lr"] = lr_at(step)
         x, y = batch(step)
         loss = loss_fn(ref(x), y)
         loss.backward()

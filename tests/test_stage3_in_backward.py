@@ -10,7 +10,7 @@ import torch
 
 import zeroinf
 from stage3_models import TinyLM, batch, loss_fn
-from test_stage3_engine import _assert_like_reference, _config, _run, _state
+from test_stage3_engine import _assert_like_reference, _config, _reference, _run, _state
 from zeroinf.config import ConfigError, parse_config
 from zeroinf.runtime.stage3.in_backward import OptimizerInBackwardError
 from zeroinf.runtime.stage3.overlap import StepFailedError
@@ -76,17 +76,7 @@ def test_equals_the_synchronous_step_and_adamw(tmp_path, tiers):
     assert any(stepped_during_backward)  # groups were updated while the backward still ran
     # the reference with the same schedule: lr = 1e-2 * min(1, step / 3) before each step, linear warm-up
     plain = copy.deepcopy(ref)
-    opt = torch.optim.AdamW(plain.parameters(), lr=0.0, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01, foreach=False)
-    want = []
-    for step in range(1, 5):
-        for grp in opt.param_groups:
-            grp["lr"] = 1e-2 * min(1.0, (step - 1) / 3)
-        x, y = batch(step)
-        loss = loss_fn(plain(x), y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        want.append(loss.item())
+    want = _reference(plain, 4, lr_at=lambda step: 1e-2 * min(1.0, (step - 1) / 3))
     _assert_like_reference(ib, plain, b, want)
     sync.close()
     ib.close()
