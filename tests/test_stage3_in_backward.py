@@ -3,7 +3,11 @@
 synchronous step and as torch.optim.AdamW, gradients never stored, and the cases it cannot follow
 refused with errors that say why."""
 import copy
+import subprocess
+import sys
+import textwrap
 import time
+import warnings
 
 import pytest
 import torch
@@ -187,6 +191,11 @@ def test_a_failed_backward_fails_the_step_and_every_later_call(tmp_path):
     with pytest.raises(StepFailedError) as info:
         engine.backward(loss_fn(engine(x), y))
     assert "the backward failed" in str(info.value.__cause__)
+    for _ in range(2):  # every later wait raises it again, the step that would close it too
+        with pytest.raises(StepFailedError):
+            engine.synchronize()
+    with pytest.raises(StepFailedError):
+        engine.step()
     with pytest.raises(StepFailedError):
         engine.close()  # releases everything, then reports the failure
     assert engine._closed and engine.sub_optimizer._swapper is None
@@ -216,3 +225,193 @@ def test_a_unit_needed_after_its_update_began_is_an_error(tmp_path):
         engine.backward(loss_fn(engine(x), y))
     with pytest.raises(StepFailedError):
         engine.close()
+
+
+def test_a_checkpoint_between_backward_and_step_is_refused(tmp_path):
+    """The backward has already applied the update while the step counter has not moved: such a
+    checkpoint resumed to a run that applied that step twice (1.8e-2 off after one more step)."""
+    engine = _engine(tmp_path / "swap", TinyLM(), True)
+    _run(engine, 2)
+    engine.save_checkpoint(str(tmp_path / "ck"), tag="two")
+    x, y = batch(3)
+    engine.backward(loss_fn(engine(x), y))
+    for call in (lambda: engine.save_checkpoint(str(tmp_path / "ck"), tag="mid"),
+                 lambda: engine.load_checkpoint(str(tmp_path / "ck"), tag="two")):
+        with pytest.raises(RuntimeError, match="between engine.backward.. and engine.step"):
+            call()
+    assert not (tmp_path / "ck" / "mid").exists()
+    engine.step()
+    engine.save_checkpoint(str(tmp_path / "ck"), tag="three")
+    assert engine.global_steps == 3
+    engine.close()
+
+
+def _script(tmp_path, body: str, timeout: int = 240) -> str:
+    """Run ``body`` (after the imports every script here needs) in a fresh interpreter with a
+    time limit, so that a hang fails the test instead of stopping the suite; returns stdout."""
+    head = f"""
+        import copy, sys, torch
+        sys.path.insert(0, {str(__import__("pathlib").Path(__file__).parent)!r})
+        import zeroinf
+        from stage3_models import TinyLM, batch, loss_fn
+        from test_stage3_engine import _config, _run, _state
+        from zeroinf.runtime.stage3.overlap import StepFailedError
+        def engine(path, model, in_backward=True):
+            import os
+            os.makedirs(path, exist_ok=True)
+            cfg = _config("nvme", "nvme", path, sub_group_size=700)
+            cfg["zeroinf"] = {{"optimizer_in_backward": in_backward}}
+            return zeroinf.initialize(model=model, config=cfg)[0]
+    """
+    path = tmp_path / "script.py"
+    path.write_text(textwrap.dedent(head) + textwrap.dedent(body))
+    try:
+        proc = subprocess.run([sys.executable, str(path)], capture_output=True, text=True, timeout=timeout,
+                              cwd=str(tmp_path))
+    except subprocess.TimeoutExpired as e:
+        raise AssertionError(f"the script hung ({timeout} s): {(e.stdout or '')[-2000:]}") from None
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    return proc.stdout
+
+
+def test_waiting_for_the_update_inside_the_backward_raises_instead_of_hanging(tmp_path):
+    """A signal handler or hook on the backward's thread that waits for the update (a save on
+    preemption, engine.close()) waited forever: the update needs the rest of that backward."""
+    out = _script(tmp_path, f"""
+        e = engine({str(tmp_path / "a")!r}, TinyLM())
+        _run(e, 1)
+        seen = []
+        def wait_inside(grad):
+            try:
+                e.synchronize()
+                seen.append("waited")
+            except RuntimeError as err:
+                seen.append("inside engine.backward" in str(err))
+            return grad
+        x, y = batch(2)
+        logits = e(x)
+        logits.register_hook(wait_inside)
+        e.backward(loss_fn(logits, y))
+        e.step()
+        _run(e, 1, start=3)  # the step went on
+        print("SYNC", seen, e.global_steps)
+        e2 = engine({str(tmp_path / "b")!r}, TinyLM())
+        _run(e2, 1)
+        def close_inside(grad):
+            try:
+                e2.close()
+            except StepFailedError:
+                seen.append("close reported the failed step")
+            return grad
+        logits = e2(x)
+        logits.register_hook(close_inside)
+        try:
+            e2.backward(loss_fn(logits, y))
+        except Exception as err:  # the backward goes on after the hook with everything released
+            seen.append(type(err).__name__)
+        print("CLOSE", seen[1:], e2._closed, e2.sub_optimizer._swapper is None)
+    """)
+    assert "SYNC [True] 3" in out, out
+    # close released everything (nothing had been handed over yet: no failed step to report), and
+    # the rest of the backward then met the closed engine
+    assert "CLOSE ['RuntimeError'] True True" in out, out
+
+
+@pytest.mark.parametrize("where", ["loss.float", "first backward node"])
+def test_a_failure_before_any_gradient_leaves_the_engine_usable(tmp_path, where):
+    """The common skip-the-batch-on-OOM loop: a backward that fails before any gradient was
+    reduced updated nothing, so the engine goes on, equal to a run that never saw that batch.
+    (It used to fail every later call; failing between the update's start and autograd, it hung.)"""
+    out = _script(tmp_path, f"""
+        class BadFloat(torch.Tensor):
+            def float(self):
+                raise KeyboardInterrupt("interrupted before autograd")
+        def oom(grad):
+            raise RuntimeError("out of memory (injected)")
+        ref = TinyLM()
+        a, b = engine({str(tmp_path / "a")!r}, copy.deepcopy(ref)), engine({str(tmp_path / "b")!r}, copy.deepcopy(ref))
+        _run(a, 2); _run(b, 2)
+        x, y = batch(99)
+        try:
+            if {where!r} == "loss.float":
+                b.backward(loss_fn(b(x), y).as_subclass(BadFloat))
+            else:
+                logits = b(x)
+                logits.register_hook(oom)
+                b.backward(loss_fn(logits, y))
+        except BaseException as err:
+            print("FAILED", type(err).__name__)
+        la, lb = _run(a, 2, start=3), _run(b, 2, start=3)
+        sa, sb = _state(a), _state(b)
+        print("EQUAL", la == lb, all(torch.equal(sa[k], sb[k]) for k in sa), a.global_steps, b.global_steps)
+        a.close(); b.close()
+    """)
+    assert "FAILED" in out and "EQUAL True True 4 4" in out, out
+
+
+def test_backpressure_bounds_the_gradients_waiting_in_host_memory(tmp_path):
+    """With the update slower than the backward (NVMe-bound Adam, here a slowed store), at
+    most MAX_WAITING reduced partitions wait for the worker; the backward waits beyond that.
+    (Unbounded, 13 of 14 waited at once: host memory held nearly the whole gradient.)"""
+    from zeroinf.runtime.stage3 import in_backward
+
+    model = TinyLM(n=8)
+    engine = _engine(tmp_path, model, True)
+    store, peak = engine.params.store_stepped, []
+
+    def slow_store(g, target):
+        time.sleep(0.02)
+        store(g, target)
+    engine.params.store_stepped = slow_store
+    hand_over = in_backward.BackwardStep.__call__
+
+    def spy(self, *a, **k):
+        hand_over(self, *a, **k)
+        peak.append(self._waiting)
+    in_backward.BackwardStep.__call__ = spy
+    try:
+        _run(engine, 3)
+    finally:
+        in_backward.BackwardStep.__call__ = hand_over
+    assert len(engine.params._bwd_order) > in_backward.MAX_WAITING + 3
+    assert max(peak) == in_backward.MAX_WAITING
+    engine.close()
+
+
+def test_global_norm_with_param_groups_equals_the_synchronous_step(tmp_path):
+    """The norm parts are summed in the synchronous step's order (they were summed in arrival
+    order: with two param groups the last bit differed at steps 3 and 8; the tester's case)."""
+    torch.manual_seed(0)
+    ref = TinyLM()
+    norms = []
+    for name, ib in (("a", False), ("b", True)):
+        model = copy.deepcopy(ref)
+        groups = [{"params": [p for p in model.parameters() if p.dim() >= 2], "weight_decay": 0.1, "lr": 3e-3},
+                  {"params": [p for p in model.parameters() if p.dim() < 2], "weight_decay": 0.0, "lr": 2e-2}]
+        path = tmp_path / name
+        path.mkdir()
+        cfg = _config("none", "cpu", path)
+        cfg["zeroinf"] = {"optimizer_in_backward": ib}
+        engine, *_ = zeroinf.initialize(model=model, model_parameters=groups, config=cfg)
+        got = []
+        for step in range(1, 9):
+            _run(engine, 1, start=step)
+            got.append(engine.get_global_grad_norm())
+        norms.append((got, _state(engine)))
+        engine.close()
+    (na, sa), (nb, sb) = norms
+    assert na == nb
+    assert all(torch.equal(sa[k], sb[k]) for k in sa)
+
+
+def test_a_non_finite_gradient_warns_at_the_callers_line(tmp_path):
+    engine = _engine(tmp_path, TinyLM(), True, ("none", "cpu"))
+    x, y = batch(1)
+    engine.backward(loss_fn(engine(x), y) * float("nan"))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        engine.step()
+    hits = [w for w in caught if "non" in str(w.message) or "nan" in str(w.message)]
+    assert hits and hits[0].filename == __file__, [(w.filename, str(w.message)) for w in caught]
+    assert engine.get_global_grad_norm() != engine.get_global_grad_norm()  # nan
+    engine.close()

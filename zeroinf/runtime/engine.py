@@ -278,40 +278,46 @@ class ZeroEngine:
         t0 = time.perf_counter()
         self.synchronize()  # a background step has finished by now (the forward needed its updates)
         if self._in_bwd:
-            self._start_backward_step()
+            self._check_backward_step()
         elif self.is_gradient_accumulation_boundary():
             self.sub_optimizer.prefetch()  # the first sub-group's NVMe read hides behind this backward
-        scaled = loss.float()
-        if self.gas > 1:
-            scaled = scaled / self.gas
-        if self.loss_scaler is not None:
-            scaled = scaled * self.loss_scaler.scale
         try:
+            if self._in_bwd:
+                self._start_backward_step()
+            scaled = loss.float()
+            if self.gas > 1:
+                scaled = scaled / self.gas
+            if self.loss_scaler is not None:
+                scaled = scaled * self.loss_scaler.scale
             scaled.backward()
+            if self._in_bwd:
+                self.params.end_backward_step()
         except BaseException as exc:
-            if self._in_bwd:  # some groups may be stepped already: the step fails, see synchronize()
+            # optimizer in backward: with no gradient handed over yet nothing was updated and the
+            # engine goes on (an OOM skipped by the caller); else some groups may be stepped
+            # already and the step fails (StepFailedError from every later wait)
+            if self._bwd_pending:
+                self._bwd_pending = False
                 self.params.abort_backward_step(exc)
             raise
-        if self._in_bwd:
-            self.params.end_backward_step()
         t1 = time.perf_counter()
         self._step_stats["backward_s"] += t1 - t0
         self._step_stats["comm_elements"] += self.params.reduce_gradients()
         self._step_stats["reduce_s"] += time.perf_counter() - t1
         return loss
 
-    def _start_backward_step(self) -> None:
-        """``zeroinf.optimizer_in_backward``: start this step's optimizer update, which runs
-        while the backward reduces each group's gradient ([Note: optimizer in backward]).
-
-        Raises:
-            RuntimeError: the previous backward's update was never closed by :meth:`step`.
-        """
+    def _check_backward_step(self) -> None:
+        """``zeroinf.optimizer_in_backward``: raise RuntimeError if the previous backward's
+        update was never closed by :meth:`step`, or a parameter's ``requires_grad`` changed."""
         if self._bwd_pending:
             raise RuntimeError("zeroinf.optimizer_in_backward: engine.backward() was called twice without "
                                "engine.step() between; the first backward already updated the weights, so call "
                                "engine.step() after every engine.backward()")
         self._check_requires_grad()
+
+    def _start_backward_step(self) -> None:
+        """``zeroinf.optimizer_in_backward``: start this step's optimizer update, which runs
+        while the backward reduces each group's gradient ([Note: optimizer in backward])."""
         # the step number and hyper-parameters engine.step() would use (the LR schedule moves in step())
         hyper = [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
         self.params.start_backward_step(self.sub_optimizer, step=self.optimizer_steps + 1, hyper=hyper,
@@ -381,9 +387,13 @@ class ZeroEngine:
         """
         if not self._step_running:
             return
+        if self._in_bwd and self.params.in_backward_step():
+            raise RuntimeError("zeroinf.optimizer_in_backward: cannot wait for the optimizer update from inside "
+                               "engine.backward (a signal handler or hook on the backward's thread): the update "
+                               "needs the rest of this backward's gradients. Wait after engine.backward returns.")
         t0 = time.perf_counter()
+        self.params.finish_step()  # raises a failed step's error, again at every later call
         self._step_running = False
-        self.params.finish_step()
         st = self.sub_optimizer.stats
         s = self._step_stats
         s["io_wait_s"] += time.perf_counter() - t0
@@ -453,6 +463,7 @@ class ZeroEngine:
             StepFailedError: the background update failed.
         """
         if not self._bwd_pending:
+            self.synchronize()  # a failed update: its StepFailedError says more than the line below
             raise RuntimeError("zeroinf.optimizer_in_backward: engine.step() needs an engine.backward() first "
                                "(the update runs inside the backward)")
         self._bwd_pending = False
@@ -462,7 +473,8 @@ class ZeroEngine:
         if not math.isfinite(norm):
             warnings.warn(f"zeroinf.optimizer_in_backward: step {self.optimizer_steps + 1} applied gradients whose "
                           f"global norm is {norm} (the update runs during the backward, before the norm is known, "
-                          "so it cannot be skipped); the weights may now hold inf/nan", RuntimeWarning, stacklevel=3)
+                          "so it cannot be skipped); the weights may now hold inf/nan", RuntimeWarning,
+                          stacklevel=5)  # the caller of engine.step(), through torch.no_grad's wrapper
         self.global_steps += 1
         self.optimizer_steps += 1
         self.params.backward_step_done()
@@ -523,17 +535,34 @@ class ZeroEngine:
 
     def save_checkpoint(self, save_dir: str, tag: Optional[str] = None, client_state: Optional[dict] = None) -> str:
         """Save to ``save_dir/tag`` (tag default ``global_step{N}``); see :mod:`zeroinf.checkpoint`.
-        Returns the checkpoint folder."""
+        Returns the checkpoint folder.
+
+        Raises:
+            RuntimeError: between engine.backward and engine.step with
+                ``zeroinf.optimizer_in_backward`` (see :meth:`_check_step_closed`).
+        """
         from zeroinf import checkpoint
         self._check_open()
+        self._check_step_closed("save_checkpoint")
         return checkpoint.save(self, save_dir, tag, client_state)
 
     def load_checkpoint(self, load_dir: str, tag: Optional[str] = None):
         """Load from ``load_dir/tag`` (tag default: the ``latest`` file). Returns
-        ``(path, client_state)`` like DeepSpeed."""
+        ``(path, client_state)`` like DeepSpeed. Raises RuntimeError between engine.backward
+        and engine.step with ``zeroinf.optimizer_in_backward``."""
         from zeroinf import checkpoint
         self._check_open()
+        self._check_step_closed("load_checkpoint")
         return checkpoint.load(self, load_dir, tag)
+
+    def _check_step_closed(self, what: str) -> None:
+        """Raise RuntimeError between engine.backward and engine.step with
+        ``zeroinf.optimizer_in_backward``: the weights and Adam moments are already those of the
+        next step while the step counter is not, so a checkpoint would be neither step."""
+        if self._bwd_pending:
+            raise RuntimeError(f"zeroinf.optimizer_in_backward: {what} between engine.backward() and engine.step(): "
+                               "the backward already applied the update but the step is not counted yet; call "
+                               "engine.step() first")
 
     def close(self) -> None:
         """Wait for a background step, then release swap buffers, pinned memory, I/O threads and
@@ -541,6 +570,8 @@ class ZeroEngine:
         model cannot run a forward afterwards (RuntimeError). Raises the background step's
         failure after releasing them."""
         self._closed = True
+        if self._in_bwd and self.params.in_backward_step():  # inside engine.backward (a signal handler)
+            self.params.abort_backward_step(RuntimeError("engine.close() was called inside engine.backward"))
         try:
             self.synchronize()
         finally:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import threading
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
@@ -248,8 +249,6 @@ class Stage3EngineParams:
         Raises:
             OSError: a gradient write of the last backward failed (raised here, before starting).
         """
-        import threading
-
         m = self.manager
         self._flush()
         self._flush_grad(write=False)
@@ -362,9 +361,9 @@ class Stage3EngineParams:
         keys = list(dict.fromkeys(g.key for g, _lo, _hi, _gi in self._subs))
         order = [k for k in self._bwd_order if k in keys] if self._bwd_order else []
         order += [k for k in reversed(keys) if k not in order]  # first step: reverse forward order
-        self._bwd_step = BackwardStep(self, sub_optimizer, step=step, hyper=hyper, norm_type=norm_type, order=order)
-        self._bwd_step.start()
-        self._worker = self._bwd_step.thread
+        b = BackwardStep(self, sub_optimizer, step=step, hyper=hyper, norm_type=norm_type, order=order)
+        b.start()  # raises with nothing left running
+        self._bwd_step, self._worker = b, b.thread
 
     def end_backward_step(self) -> None:
         """After autograd returned: hand the groups without a gradient over (zeros) and keep
@@ -373,11 +372,18 @@ class Stage3EngineParams:
         b.end_backward()
         self._bwd_order = list(b.arrival)
 
-    def abort_backward_step(self, exc: BaseException) -> None:
-        """The backward raised ``exc``: the background step fails with it (see
-        :meth:`finish_step`)."""
-        if self._bwd_step is not None:
-            self._bwd_step.abort(exc)
+    def abort_backward_step(self, exc: BaseException) -> bool:
+        """The backward raised ``exc``: stop the background step. Returns True when no gradient
+        had been handed over (nothing was updated; the step ends without error and a new one
+        may start); otherwise the step fails with ``exc`` (see :meth:`finish_step`)."""
+        b, self._bwd_step = self._bwd_step, None
+        return True if b is None else b.abort(exc)
+
+    def in_backward_step(self) -> bool:
+        """Whether the calling thread is inside the backward of a step run in the backward
+        (a signal handler, a hook): waiting for that step there would never end."""
+        b = self._bwd_step
+        return b is not None and not b.ended and b.owner == threading.get_ident()
 
     def backward_step_norm(self, norm_type: float) -> float:
         """This rank's gradient norm part of the step run in the backward: ``sum |g|^p`` over
@@ -386,7 +392,7 @@ class Stage3EngineParams:
         Raises:
             StepFailedError: the background step failed before every norm was known.
         """
-        parts = self._bwd_step.norm_parts()
+        parts = self._bwd_step.norm_parts()  # manager.groups() order: the synchronous step's sums
         return max(parts, default=0.0) if norm_type == math.inf else sum(parts)
 
     def backward_step_done(self) -> None:

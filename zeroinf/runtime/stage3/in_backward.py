@@ -47,6 +47,15 @@ class OptimizerInBackwardError(RuntimeError):
     group); turn ``zeroinf.optimizer_in_backward`` off for it."""
 
 
+class _Cancelled(Exception):
+    """The backward failed before any gradient was handed over: the step ends with nothing done."""
+
+
+#: reduced gradient partitions that may wait in host memory for the worker; beyond it the
+#: backward waits (host memory stays flat in model size, as with gradients on NVMe)
+MAX_WAITING = 2
+
+
 class BackwardStep:
     """One optimizer step run during one backward; see [Note: optimizer in backward].
 
@@ -66,15 +75,21 @@ class BackwardStep:
         self.handed: Set[str] = set()   # read by the manager's _request (compute thread)
         self.arrival: List[str] = []    # keys in hand-over order: the next step's expected order
         self.norms: Dict[str, float] = {}
+        self.ended = False              # end_backward or abort ran: nothing more is handed over
+        self.owner = threading.get_ident()  # the thread running the backward
         self._cv = threading.Condition()
         self._arrived: Dict[str, Tuple[Optional[torch.Tensor], Any, Optional[torch.Tensor]]] = {}
+        self._waiting = 0               # entries of _arrived that hold a gradient partition
+        self._wanted: Optional[str] = None  # the key the worker waits for
+        self._over = False              # the worker returned
         self._abort: Optional[BaseException] = None
         self._keys = set(order)
         self.thread: Optional[threading.Thread] = None
 
     # --- compute thread -------------------------------------------------------------------
     def start(self) -> None:
-        """Start reading the first sub-groups' optimizer state and the worker thread."""
+        """Start reading the first sub-groups' optimizer state and the worker thread; from
+        here on the manager hands reduced gradients to this object."""
         subs = self.glue._subs
         by_key: Dict[str, List[int]] = {}
         for i, (g, _lo, _hi, _gi) in enumerate(subs):
@@ -83,15 +98,22 @@ class BackwardStep:
         last = {subs[i][0].key: i for i in indices}
         self.opt.prefetch(indices)
         self.m.step_gate.begin(())
+        try:
+            self.thread = threading.Thread(target=self._run, args=(indices, last),
+                                           name="zeroinf-optimizer-in-backward")
+            self.thread.start()
+        except BaseException:
+            self.m.step_gate.finish()  # no worker: nothing is pending
+            raise
         self.m.grad_sink = self
-        self.thread = threading.Thread(target=self._run, args=(indices, last), name="zeroinf-optimizer-in-backward")
-        self.thread.start()
 
     def __call__(self, g, part: Optional[torch.Tensor], ready: Any = None,
                  recycle: Optional[torch.Tensor] = None) -> None:
         """The manager's reduction hands over group ``g``'s reduced gradient partition ``part``
         (``shard_numel`` CPU elements, training dtype or fp32; on CUDA still being copied until
         ``ready``); ``recycle``: the scratch tensor ``part`` lies in, given back once stepped.
+        Waits while :data:`MAX_WAITING` partitions already wait for the worker (unless the
+        worker waits for a group not handed over yet).
 
         Raises:
             OptimizerInBackwardError: ``g``'s gradient was reduced twice in this backward.
@@ -115,7 +137,12 @@ class BackwardStep:
             if norm is not None:
                 self.norms[g.key] = norm
             self._arrived[g.key] = (part, ready, recycle)
+            self._waiting += part is not None
             self._cv.notify_all()
+            # back-pressure; never while the worker waits for a group still to come (deadlock)
+            while (self._waiting > MAX_WAITING and not self._over and self._abort is None
+                   and (self._wanted is None or self._wanted in self._arrived)):
+                self._cv.wait()
 
     def end_backward(self) -> None:
         """After autograd returned: hand over every group that got no gradient (stepped with
@@ -124,28 +151,33 @@ class BackwardStep:
         for k in self.order:
             if k not in self.handed:
                 self(self.glue.group_by_key[k], None)
+        self.ended = True
         self.m.grad_sink = None
         self.m.persistent_updated()
 
-    def abort(self, exc: BaseException) -> None:
-        """The backward failed: stop the worker (the step fails with ``exc``; groups already
-        stepped keep their new values, the others their old ones)."""
+    def abort(self, exc: BaseException) -> bool:
+        """The backward failed with ``exc``: stop the worker. Returns True when no gradient had
+        been handed over: then nothing was updated and the step ends without error; otherwise
+        it fails (groups already stepped keep their new values, the others their old ones)."""
+        self.ended = True
         self.m.grad_sink = None
         with self._cv:
             self._abort = exc
             self._cv.notify_all()
+        return not self.handed
 
     def norm_parts(self) -> List[float]:
-        """Each group's gradient norm part (``sum |g|^p``, or ``max |g|``), waiting for those
-        the worker computes (CUDA: after the copy to the host). Raises StepFailedError."""
+        """Each group's gradient norm part (``sum |g|^p``, or ``max |g|``) in ``manager.groups()``
+        order (the synchronous step's: the same float sums), waiting for those the worker
+        computes (CUDA: after the copy to the host). Raises StepFailedError."""
         with self._cv:
-            while len(self.norms) < len(self._keys) and self._abort is None and self.thread.is_alive():
-                self._cv.wait(0.1)
+            while len(self.norms) < len(self._keys) and self._abort is None and not self._over:
+                self._cv.wait()
         missing = self._keys - set(self.norms)
         if missing:
             self.m.step_gate.wait()  # the worker failed: raises StepFailedError
             raise RuntimeError(f"zeroinf.optimizer_in_backward: no gradient norm for {sorted(missing)[:3]}")
-        return [self.norms[k] for k in self.order]
+        return [self.norms[g.key] for g in self.m.groups() if g.key in self.norms]
 
     # --- the worker -----------------------------------------------------------------------
     def _run(self, indices: List[int], last: Dict[str, int]) -> None:
@@ -155,11 +187,18 @@ class BackwardStep:
 
         def enter(g) -> None:
             with self._cv:
+                self._wanted = g.key
+                self._cv.notify_all()  # a hand-over held back may go on now
                 while g.key not in self._arrived and self._abort is None:
                     self._cv.wait()
+                self._wanted = None
                 if self._abort is not None:
+                    if not self.handed:
+                        raise _Cancelled()
                     raise RuntimeError("the backward failed before every gradient was reduced") from self._abort
                 part, ready, recycle = self._arrived.pop(g.key)
+                self._waiting -= part is not None
+                self._cv.notify_all()
             if part is None:
                 part = m.scratch.take(g.shard_numel, torch.float32)
                 part.zero_()
@@ -195,11 +234,13 @@ class BackwardStep:
 
         try:
             self.opt.step(step=self.step, hyper=self.hyper, grad=grad, out=out, indices=indices, on_done=done)
+        except _Cancelled:  # nothing was handed over, so nothing was stepped: the state is whole
+            m.step_gate.finish()
         except BaseException as exc:  # re-raised in the caller's thread by the gate
             m.step_gate.fail(exc)
+        else:
+            m.step_gate.finish()
+        finally:
             with self._cv:
+                self._over = True
                 self._cv.notify_all()
-            return
-        m.step_gate.finish()
-
-

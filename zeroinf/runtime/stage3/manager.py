@@ -852,8 +852,9 @@ class Stage3ParameterManager:
             raise OptimizerInBackwardError(
                 f"zeroinf stage 3: unit '{unit.name}' is needed again in the backward after its gradient was reduced and "
                 "its update began (zeroinf.optimizer_in_backward): the rest of the backward would see the new weights. "
-                "A module whose backward runs later reads this unit's parameters; turn "
-                "zeroinf.optimizer_in_backward off for this model.")
+                "Something whose backward runs later uses this unit's parameters: a weight read without a gradient "
+                "(.detach()) by an earlier module, or the unit called again under reentrant activation checkpointing "
+                "(use_reentrant=False avoids that). Turn zeroinf.optimizer_in_backward off for this model.")
         was_live = unit.state is UnitState.GATHERED
         hit = self.scheduler.on_request(unit, phase) if record else False
         if was_live:
