@@ -505,8 +505,11 @@ class Stage3EngineParams:
 
     def _load_pre_hook(self, module, state_dict, prefix, local_metadata, strict, missing_keys,
                        unexpected_keys, error_msgs):
-        """Write the loaded values into the partitions; the (copied) dict then holds empty
-        placeholders so ``load_state_dict`` has nothing left to copy for managed parameters."""
+        """Write the loaded values into the partitions; the (copied) dict then holds each
+        parameter's own current data (an empty placeholder while released, the refreshed values
+        while gathered) so ``load_state_dict``'s shape check passes and its copy changes nothing.
+        (An empty placeholder for a gathered parameter, such as the persistent unit's after any
+        forward, failed that check after every value had been written.)"""
         names = {}
         for name, p in module.named_parameters(remove_duplicate=False):
             names.setdefault(p, []).append(prefix + name)
@@ -520,6 +523,9 @@ class Stage3EngineParams:
                             raise RuntimeError(f"load_state_dict: {n} has shape {tuple(v.shape)}, the model's "
                                                f"parameter has {tuple(s.shape)}")
                         updates[s.offset] = (s, v)
-                        state_dict[n] = torch.empty(0, dtype=g.dtype)
             if updates:
                 self.manager.write_group_values(g, [(s, v) for s, v in updates.values()])
+                for s, _v in updates.values():
+                    for n in names.get(s.param, []):
+                        if n in state_dict:
+                            state_dict[n] = s.param.data
