@@ -246,7 +246,8 @@ def main() -> int:
     print(f"nvme / resident: zeroinf {off['step_s'] / res['step_s']:.2f}", end="")
     if peers and "error" not in ds_res and "error" not in ds_off:
         print(f", deepspeed {ds_off['step_s'] / ds_res['step_s']:.2f}; "
-              f"deepspeed-nvme / zeroinf-nvme = {ds_off['step_s'] / off['step_s']:.2f}")
+              f"deepspeed-nvme / zeroinf-nvme = {ds_off['step_s'] / off['step_s']:.2f}, "
+              f"/ zeroinf-nvme-in-bwd = {ds_off['step_s'] / off_ib['step_s']:.2f}")
     else:
         print()
     return 0
