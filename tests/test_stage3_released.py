@@ -68,3 +68,15 @@ def test_load_state_dict_after_a_forward(tmp_path, tier):
     with torch.no_grad():
         assert torch.equal(engine(batch(2)[0]), other(batch(2)[0]))
     engine.close()
+
+
+def test_load_state_dict_with_assign_is_refused(tmp_path):
+    """assign=True replaced the partitioned parameters by new ones around the empty
+    placeholders: the model was broken ("'weight' must be 2-D") with no error from the load."""
+    engine, *_ = zeroinf.initialize(model=TinyLM(), config=_config("nvme", "cpu", tmp_path))
+    before = {k: v.clone() for k, v in engine.module.state_dict().items()}
+    with pytest.raises(RuntimeError, match="assign=True"):
+        engine.module.load_state_dict(TinyLM().state_dict(), assign=True)
+    after = engine.module.state_dict()
+    assert all(torch.equal(after[k], before[k]) for k in before)
+    engine.close()

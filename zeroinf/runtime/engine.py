@@ -320,10 +320,10 @@ class ZeroEngine:
         while the backward reduces each group's gradient ([Note: optimizer in backward])."""
         # the step number and hyper-parameters engine.step() would use (the LR schedule moves in step())
         hyper = [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
+        # set first: an interrupt anywhere below reaches backward()'s abort, which stops the worker
+        self._step_running = self._bwd_pending = True
         self.params.start_backward_step(self.sub_optimizer, step=self.optimizer_steps + 1, hyper=hyper,
                                         norm_type=self.config.zeroinf.grad_norm_type)
-        self._step_running = True
-        self._bwd_pending = True
 
     def _check_requires_grad(self) -> None:
         """Raise if a parameter was frozen or unfrozen after :func:`initialize`.
@@ -462,6 +462,9 @@ class ZeroEngine:
             RuntimeError: no engine.backward() since the last step.
             StepFailedError: the background update failed.
         """
+        if self.params.in_backward_step():
+            raise RuntimeError("zeroinf.optimizer_in_backward: engine.step() inside engine.backward (a signal "
+                               "handler or backward hook); call it after engine.backward returns")
         if not self._bwd_pending:
             self.synchronize()  # a failed update: its StepFailedError says more than the line below
             raise RuntimeError("zeroinf.optimizer_in_backward: engine.step() needs an engine.backward() first "

@@ -361,9 +361,11 @@ class Stage3EngineParams:
         keys = list(dict.fromkeys(g.key for g, _lo, _hi, _gi in self._subs))
         order = [k for k in self._bwd_order if k in keys] if self._bwd_order else []
         order += [k for k in reversed(keys) if k not in order]  # first step: reverse forward order
-        b = BackwardStep(self, sub_optimizer, step=step, hyper=hyper, norm_type=norm_type, order=order)
-        b.start()  # raises with nothing left running
-        self._bwd_step, self._worker = b, b.thread
+        # kept before it starts: an interrupt anywhere in start() finds it for abort_backward_step
+        self._bwd_step = b = BackwardStep(self, sub_optimizer, step=step, hyper=hyper, norm_type=norm_type,
+                                          order=order)
+        b.start()
+        self._worker = b.thread
 
     def end_backward_step(self) -> None:
         """After autograd returned: hand the groups without a gradient over (zeros) and keep
@@ -383,7 +385,7 @@ class Stage3EngineParams:
         """Whether the calling thread is inside the backward of a step run in the backward
         (a signal handler, a hook): waiting for that step there would never end."""
         b = self._bwd_step
-        return b is not None and not b.ended and b.owner == threading.get_ident()
+        return b is not None and b.inside_backward()
 
     def backward_step_norm(self, norm_type: float) -> float:
         """This rank's gradient norm part of the step run in the backward: ``sum |g|^p`` over
@@ -505,6 +507,10 @@ class Stage3EngineParams:
 
     def _load_pre_hook(self, module, state_dict, prefix, local_metadata, strict, missing_keys,
                        unexpected_keys, error_msgs):
+        if local_metadata.get("assign_to_params_buffers"):
+            raise RuntimeError("zeroinf stage 3: load_state_dict(..., assign=True) would replace the partitioned "
+                               "parameters by plain tensors (the model then holds empty placeholders); load with "
+                               "assign=False (the default): the values are written into the partitions")
         """Write the loaded values into the partitions; the (copied) dict then holds each
         parameter's own current data (an empty placeholder while released, the refreshed values
         while gathered) so ``load_state_dict``'s shape check passes and its copy changes nothing.

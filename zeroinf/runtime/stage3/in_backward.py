@@ -98,6 +98,7 @@ class BackwardStep:
         last = {subs[i][0].key: i for i in indices}
         self.opt.prefetch(indices)
         self.m.step_gate.begin(())
+        self.m.step_gate.would_deadlock = self.inside_backward
         try:
             self.thread = threading.Thread(target=self._run, args=(indices, last),
                                            name="zeroinf-optimizer-in-backward")
@@ -106,6 +107,15 @@ class BackwardStep:
             self.m.step_gate.finish()  # no worker: nothing is pending
             raise
         self.m.grad_sink = self
+
+    def inside_backward(self) -> bool:
+        """Whether the calling thread is inside the backward that feeds this step (its own
+        thread, or autograd's device thread running a hook): waiting for the step there would
+        never end."""
+        if self.ended:
+            return False
+        graph_task = getattr(torch._C, "_current_graph_task_id", lambda: -1)()
+        return threading.get_ident() == self.owner or graph_task != -1
 
     def __call__(self, g, part: Optional[torch.Tensor], ready: Any = None,
                  recycle: Optional[torch.Tensor] = None) -> None:
@@ -153,6 +163,7 @@ class BackwardStep:
                 self(self.glue.group_by_key[k], None)
         self.ended = True
         self.m.grad_sink = None
+        self.m.step_gate.would_deadlock = None
         self.m.persistent_updated()
 
     def abort(self, exc: BaseException) -> bool:
@@ -161,9 +172,18 @@ class BackwardStep:
         it fails (groups already stepped keep their new values, the others their old ones)."""
         self.ended = True
         self.m.grad_sink = None
+        self.m.step_gate.would_deadlock = None
         with self._cv:
             self._abort = exc
             self._cv.notify_all()
+        if self.handed:
+            # the step fails even if the worker finishes every group it got (an interrupt right
+            # after autograd returned): it is not counted, and the persistent unit is not refreshed
+            failure = RuntimeError("the backward failed (raised or was interrupted) after its optimizer update began")
+            failure.__cause__ = exc
+            self.m.step_gate.fail(failure)
+        elif self.thread is None or self.thread.ident is None:  # stopped inside start(): no worker ran
+            self.m.step_gate.finish()
         return not self.handed
 
     def norm_parts(self) -> List[float]:

@@ -1210,6 +1210,10 @@ class Stage3ParameterManager:
             self._busy -= 1
 
     def _end_iteration(self) -> None:
+        for g in self.groups():  # a backward that raised midway: its unreduced gradients must not
+            if g.grad_full is not None:  # be added into the next backward's
+                full, g.grad_full, g.grad_written = g.grad_full, None, None
+                self.scratch.give(full)
         self.scheduler.end()
         self._active.clear()
         self._foreign.clear()

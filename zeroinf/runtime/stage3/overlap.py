@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Iterable, Optional, Set
+from typing import Callable, Iterable, Optional, Set
 
 __all__ = ["StepGate", "StepFailedError"]
 
@@ -44,6 +44,9 @@ class StepGate:
         self._pending: Set[str] = set()
         self._error: Optional[BaseException] = None
         self._worker: Optional[int] = None  # thread ident of the step's worker: it never waits on itself
+        #: optimizer in backward: True when the caller is inside the backward that feeds the step
+        #: (waiting there would never end); set by in_backward.BackwardStep while it runs
+        self.would_deadlock: Optional[Callable[[], bool]] = None
         self.wait_s = 0.0
 
     def begin(self, keys: Iterable[str], worker: Optional[int] = None) -> None:
@@ -107,6 +110,13 @@ class StepGate:
             while self._error is None and (self._pending if keys is None else
                                            any(k in self._pending for k in keys)):
                 if t0 is None:
+                    check = self.would_deadlock
+                    if check is not None and check():
+                        raise RuntimeError(
+                            "zeroinf.optimizer_in_backward: cannot wait for the optimizer update from inside "
+                            "engine.backward (a signal handler or backward hook calling state_dict, "
+                            "load_state_dict, step, ...): the update needs the rest of this backward's gradients. "
+                            "Do it after engine.backward returns.")
                     t0 = time.perf_counter()
                 self._cv.wait()
             if t0 is not None:
