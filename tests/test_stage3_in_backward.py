@@ -138,14 +138,18 @@ def test_an_unused_block_is_stepped_with_zeros_as_in_the_synchronous_step(tmp_pa
     stepped with zeros (weight decay and the moments move them), as the synchronous step does."""
     ref = TinyLM()
     engines = [_engine(tmp_path / n, copy.deepcopy(ref), ib) for n, ib in (("a", False), ("b", True))]
+    after_one = []
     for e in engines:
         _run(e, 1)
+        after_one.append(_state(e)["blocks.1.ff.0.weight"])
         e.module.order = [0, 2, 3]
         with pytest.warns(RuntimeWarning, match="differs from the recorded trace"):
             _run(e, 2, start=2)
     sa, sb = (_state(e) for e in engines)
     assert all(torch.equal(sa[k], sb[k]) for k in sa)
     assert not torch.equal(sb["blocks.1.ff.0.weight"], _state_of(ref)["blocks.1.ff.0.weight"])
+    # and it was stepped in steps 2-3, though it ran in neither (zeros: decay and moments move it)
+    assert not torch.equal(sb["blocks.1.ff.0.weight"], after_one[1])
     for e in engines:
         e.close()
 

@@ -308,12 +308,12 @@ class ZeroEngine:
 
     def _check_backward_step(self) -> None:
         """``zeroinf.optimizer_in_backward``: raise RuntimeError if the previous backward's
-        update was never closed by :meth:`step`, or a parameter's ``requires_grad`` changed."""
+        update was never closed by :meth:`step`. (``requires_grad`` flips were checked by the
+        grad-enabled forward that made the loss.)"""
         if self._bwd_pending:
             raise RuntimeError("zeroinf.optimizer_in_backward: engine.backward() was called twice without "
                                "engine.step() between; the first backward already updated the weights, so call "
                                "engine.step() after every engine.backward()")
-        self._check_requires_grad()
 
     def _start_backward_step(self) -> None:
         """``zeroinf.optimizer_in_backward``: start this step's optimizer update, which runs
@@ -378,21 +378,22 @@ class ZeroEngine:
 
     def synchronize(self) -> None:
         """Wait for the optimizer step running in the background (stage 3 with
-        ``zeroinf.overlap_step`` or ``zeroinf.optimizer_in_backward``); a no-op otherwise. Its Adam time and NVMe bytes are counted
-        in the current step's :meth:`stats`, the time waited in ``io_wait_s``.
+        ``zeroinf.overlap_step`` or ``zeroinf.optimizer_in_backward``); a no-op otherwise. Its Adam
+        time and NVMe bytes are counted in the current step's :meth:`stats`, the time waited in
+        ``io_wait_s``.
 
         Raises:
             StepFailedError: the background step failed (``__cause__`` is the original error);
                 raised again by every later wait until :meth:`close`.
+            RuntimeError: called inside the backward that feeds a step run in the backward
+                (``zeroinf.optimizer_in_backward``: a hook or signal handler).
         """
         if not self._step_running:
             return
-        if self._in_bwd and self.params.in_backward_step():
-            raise RuntimeError("zeroinf.optimizer_in_backward: cannot wait for the optimizer update from inside "
-                               "engine.backward (a signal handler or hook on the backward's thread): the update "
-                               "needs the rest of this backward's gradients. Wait after engine.backward returns.")
         t0 = time.perf_counter()
-        self.params.finish_step()  # raises a failed step's error, again at every later call
+        # raises a failed step's error, again at every later call; and RuntimeError inside the
+        # backward that feeds a step run in the backward (waiting there would never end)
+        self.params.finish_step()
         self._step_running = False
         st = self.sub_optimizer.stats
         s = self._step_stats
@@ -459,20 +460,19 @@ class ZeroEngine:
         engine.backward); count the step, record the global norm, move the LR schedule.
 
         Raises:
-            RuntimeError: no engine.backward() since the last step.
+            RuntimeError: no engine.backward() since the last step, or called inside the backward
+                (a hook or signal handler).
             StepFailedError: the background update failed.
         """
-        if self.params.in_backward_step():
-            raise RuntimeError("zeroinf.optimizer_in_backward: engine.step() inside engine.backward (a signal "
-                               "handler or backward hook); call it after engine.backward returns")
         if not self._bwd_pending:
             self.synchronize()  # a failed update: its StepFailedError says more than the line below
             raise RuntimeError("zeroinf.optimizer_in_backward: engine.step() needs an engine.backward() first "
                                "(the update runs inside the backward)")
-        self._bwd_pending = False
         t0 = time.perf_counter()
         norm_type = self.config.zeroinf.grad_norm_type
+        # may raise (inside the backward, or the update failed): the step stays open until then
         self._grad_norm = norm = self._global_norm(norm_type, self.params.backward_step_norm(norm_type))
+        self._bwd_pending = False
         if not math.isfinite(norm):
             warnings.warn(f"zeroinf.optimizer_in_backward: step {self.optimizer_steps + 1} applied gradients whose "
                           f"global norm is {norm} (the update runs during the backward, before the norm is known, "

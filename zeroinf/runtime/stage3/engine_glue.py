@@ -393,6 +393,7 @@ class Stage3EngineParams:
 
         Raises:
             StepFailedError: the background step failed before every norm was known.
+            RuntimeError: called inside the backward that feeds the step.
         """
         parts = self._bwd_step.norm_parts()  # manager.groups() order: the synchronous step's sums
         return max(parts, default=0.0) if norm_type == math.inf else sum(parts)
@@ -409,7 +410,10 @@ class Stage3EngineParams:
 
         Raises:
             StepFailedError: the step failed (``__cause__`` is the original exception).
+            RuntimeError: called inside the backward that feeds a step run in the backward.
         """
+        if self._bwd_step is not None:
+            self._bwd_step.check_can_wait()  # inside the backward feeding it: the join never ends
         w, self._worker = getattr(self, "_worker", None), None
         if w is not None:
             w.join()
@@ -507,15 +511,20 @@ class Stage3EngineParams:
 
     def _load_pre_hook(self, module, state_dict, prefix, local_metadata, strict, missing_keys,
                        unexpected_keys, error_msgs):
-        if local_metadata.get("assign_to_params_buffers"):
-            raise RuntimeError("zeroinf stage 3: load_state_dict(..., assign=True) would replace the partitioned "
-                               "parameters by plain tensors (the model then holds empty placeholders); load with "
-                               "assign=False (the default): the values are written into the partitions")
         """Write the loaded values into the partitions; the (copied) dict then holds each
         parameter's own current data (an empty placeholder while released, the refreshed values
         while gathered) so ``load_state_dict``'s shape check passes and its copy changes nothing.
         (An empty placeholder for a gathered parameter, such as the persistent unit's after any
-        forward, failed that check after every value had been written.)"""
+        forward, failed that check after every value had been written.)
+
+        Raises:
+            RuntimeError: ``assign=True`` (it would put plain tensors in place of the partitioned
+                parameters), or a value whose shape differs from its parameter's.
+        """
+        if local_metadata.get("assign_to_params_buffers"):
+            raise RuntimeError("zeroinf stage 3: load_state_dict(..., assign=True) would replace the partitioned "
+                               "parameters by plain tensors (the model then holds empty placeholders); load with "
+                               "assign=False (the default): the values are written into the partitions")
         names = {}
         for name, p in module.named_parameters(remove_duplicate=False):
             names.setdefault(p, []).append(prefix + name)

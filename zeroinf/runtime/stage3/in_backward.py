@@ -22,7 +22,7 @@ weights. The numbers are those of the synchronous step: the same Adam on the sam
 Flow: :meth:`BackwardStep.start` (engine.backward, before autograd runs) starts the worker, which
 runs one ``SubGroupOptimizer.step`` over every sub-group in the order the gradients arrived in the
 previous backward (reverse forward order at first), so its NVMe pipeline reads ahead; the
-manager's reductions call :meth:`hand_over` (compute thread) with each reduced partition, and
+manager's reductions call the object (``grad_sink``, compute thread) with each reduced partition, and
 ``grad(i)`` in the worker waits for its group's. Groups that got no gradient are handed over
 with zeros by :meth:`end_backward`. Each partition's share of the global gradient norm is
 taken where it first lies on the host: at the hand-over on the CPU, so ``engine.step()`` has the
@@ -98,7 +98,7 @@ class BackwardStep:
         last = {subs[i][0].key: i for i in indices}
         self.opt.prefetch(indices)
         self.m.step_gate.begin(())
-        self.m.step_gate.would_deadlock = self.inside_backward
+        self.m.step_gate.before_block = self.check_can_wait
         try:
             self.thread = threading.Thread(target=self._run, args=(indices, last),
                                            name="zeroinf-optimizer-in-backward")
@@ -116,6 +116,15 @@ class BackwardStep:
             return False
         graph_task = getattr(torch._C, "_current_graph_task_id", lambda: -1)()
         return threading.get_ident() == self.owner or graph_task != -1
+
+    def check_can_wait(self) -> None:
+        """Raise RuntimeError when :meth:`inside_backward`: every wait for this step (the step
+        gate, the worker's join, the norm parts) calls it before blocking."""
+        if self.inside_backward():
+            raise RuntimeError(
+                "zeroinf.optimizer_in_backward: cannot wait for the optimizer update from inside engine.backward "
+                "(a signal handler or backward hook calling synchronize, state_dict, step, a checkpoint, ...): the "
+                "update needs the rest of this backward's gradients. Do it after engine.backward returns.")
 
     def __call__(self, g, part: Optional[torch.Tensor], ready: Any = None,
                  recycle: Optional[torch.Tensor] = None) -> None:
@@ -163,7 +172,7 @@ class BackwardStep:
                 self(self.glue.group_by_key[k], None)
         self.ended = True
         self.m.grad_sink = None
-        self.m.step_gate.would_deadlock = None
+        self.m.step_gate.before_block = None
         self.m.persistent_updated()
 
     def abort(self, exc: BaseException) -> bool:
@@ -172,7 +181,7 @@ class BackwardStep:
         it fails (groups already stepped keep their new values, the others their old ones)."""
         self.ended = True
         self.m.grad_sink = None
-        self.m.step_gate.would_deadlock = None
+        self.m.step_gate.before_block = None
         with self._cv:
             self._abort = exc
             self._cv.notify_all()
@@ -189,7 +198,9 @@ class BackwardStep:
     def norm_parts(self) -> List[float]:
         """Each group's gradient norm part (``sum |g|^p``, or ``max |g|``) in ``manager.groups()``
         order (the synchronous step's: the same float sums), waiting for those the worker
-        computes (CUDA: after the copy to the host). Raises StepFailedError."""
+        computes (CUDA: after the copy to the host). Raises StepFailedError, or RuntimeError
+        when called inside the backward that feeds the step (:meth:`check_can_wait`)."""
+        self.check_can_wait()
         with self._cv:
             while len(self.norms) < len(self._keys) and self._abort is None and not self._over:
                 self._cv.wait()

@@ -1294,16 +1294,15 @@ class Stage3ParameterManager:
 
     def params_updated(self, groups: Optional[List[FlatGroup]] = None) -> None:
         """Partitions changed outside a forward (optimizer step): gather the persistent unit
-        afresh before the next forward."""
-        self._persistent_stale = True
+        afresh before the next forward; staged reads are stale."""
         self.drop_staged()
-        if self.units[0].state is not UnitState.RELEASED:
-            self.release(self.units[0])
+        self.persistent_updated()
 
     def persistent_updated(self) -> None:
-        """The persistent unit's partitions are being updated outside a forward (the optimizer
-        in backward): release its gathered copy; the next forward gathers it afresh, after its
-        groups' updates (the step gate)."""
+        """The persistent unit's partitions are being updated outside a forward: release its
+        gathered copy; the next forward gathers it afresh, after its groups' updates (the step
+        gate). The optimizer in backward calls it alone: its staged reads are fresh (it stages
+        the new values itself)."""
         self._persistent_stale = True
         if self.units[0].state is not UnitState.RELEASED:
             self.release(self.units[0])

@@ -44,9 +44,9 @@ class StepGate:
         self._pending: Set[str] = set()
         self._error: Optional[BaseException] = None
         self._worker: Optional[int] = None  # thread ident of the step's worker: it never waits on itself
-        #: optimizer in backward: True when the caller is inside the backward that feeds the step
-        #: (waiting there would never end); set by in_backward.BackwardStep while it runs
-        self.would_deadlock: Optional[Callable[[], bool]] = None
+        #: called before a wait blocks; raises when blocking could never end (the optimizer in
+        #: backward sets it while the backward that feeds its step runs: BackwardStep.check_can_wait)
+        self.before_block: Optional[Callable[[], None]] = None
         self.wait_s = 0.0
 
     def begin(self, keys: Iterable[str], worker: Optional[int] = None) -> None:
@@ -101,6 +101,7 @@ class StepGate:
 
         Raises:
             StepFailedError: the background step failed (chained to its exception).
+            RuntimeError: from :attr:`before_block`, when blocking here could never end.
         """
         if threading.get_ident() == self._worker:
             return
@@ -110,13 +111,9 @@ class StepGate:
             while self._error is None and (self._pending if keys is None else
                                            any(k in self._pending for k in keys)):
                 if t0 is None:
-                    check = self.would_deadlock
-                    if check is not None and check():
-                        raise RuntimeError(
-                            "zeroinf.optimizer_in_backward: cannot wait for the optimizer update from inside "
-                            "engine.backward (a signal handler or backward hook calling state_dict, "
-                            "load_state_dict, step, ...): the update needs the rest of this backward's gradients. "
-                            "Do it after engine.backward returns.")
+                    check = self.before_block
+                    if check is not None:
+                        check()
                     t0 = time.perf_counter()
                 self._cv.wait()
             if t0 is not None:
