@@ -102,3 +102,72 @@ def test_prefetch_and_in_flight_tail_write_keep_the_bits(sizes, tmp_path):
     with opt.state(len(sizes) - 1) as (master, _, _):  # completes the tail write and the prefetch
         assert torch.equal(master, outs[id(ref)][-1])
     opt.close()
+
+
+class _DictMaster:
+    """A MasterIO over plain tensors the caller owns (as stage 3's partitions), counting calls."""
+
+    def __init__(self, n):
+        self.t = [torch.zeros(k) for k in n]
+        self.reads = self.writes = 0
+
+    def read(self, i):
+        self.reads += 1
+        return self.t[i].clone()
+
+    def write(self, i, values):
+        self.writes += 1
+        self.t[i].copy_(values)
+
+
+@pytest.mark.parametrize("pr,pw", [(False, False), (True, True)])
+def test_master_io_swaps_only_the_moments_and_keeps_the_bits(pr, pw, tmp_path):
+    """With master_io the caller's fp32 tensors are the masters: out(i) is stepped in place, the
+    swap files hold 8 bytes per element, and the numbers are CPU-resident state's bit for bit."""
+    _, want = run(SubGroupOptimizer(specs(), device="cpu"))
+    io = _DictMaster(SIZES)
+    opt = SubGroupOptimizer(specs(), device="nvme", swap_dir=str(tmp_path), buffer_count=1 + pr + pw,
+                            pipeline_read=pr, pipeline_write=pw, master_io=io)
+    g = torch.Generator().manual_seed(0)
+    for i, n in enumerate(SIZES):
+        opt.init_master(i, torch.randn(n, generator=g))  # written through master_io
+    assert io.writes == len(SIZES)
+    for t in range(1, 4):
+        grads = [torch.randn(n, generator=g) for n in SIZES]
+        opt.step(step=t, hyper=HYPER, grad=lambda i: grads[i], out=lambda i: io.t[i])
+    assert all(torch.equal(a, b) for a, b in zip(want, io.t))
+    assert opt.stats.bytes_read == opt.stats.bytes_written == 8 * sum(SIZES)
+    assert opt._pool.buffer_size == 8 * max(SIZES)  # a swap buffer holds the moments only
+    files = sorted(tmp_path.rglob("*adam_moments*.swp"))
+    assert len(files) == len(SIZES) and sum(f.stat().st_size for f in files) == 8 * sum(SIZES)
+    assert not list(tmp_path.rglob("*adam_state*"))
+    with opt.state(2) as (master, m, v):
+        assert torch.equal(master, want[2]) and io.reads == 1 and m.abs().sum() > 0 and (v > 0).all()
+        m2, v2 = m.clone(), v.clone()
+    # load_state writes the master through master_io and the moments to the file; None keeps the master
+    opt.load_state(2, torch.full((SIZES[2],), 0.25), m2 * 2, v2)
+    assert torch.equal(io.t[2], torch.full((SIZES[2],), 0.25))
+    opt.load_state(2, None, m2, v2)
+    assert torch.equal(io.t[2], torch.full((SIZES[2],), 0.25))
+    with opt.state(2) as (master, m, v):
+        assert torch.equal(m, m2) and torch.equal(v, v2)
+    opt.init_master(0, None)  # moments only: the master stays the caller's
+    assert torch.equal(io.t[0], want[0])
+    opt.close()
+
+
+def test_master_io_errors(tmp_path):
+    io = _DictMaster(SIZES)
+    with pytest.raises(ValueError, match="master_io needs device 'nvme'"):
+        SubGroupOptimizer(specs(), device="cpu", master_io=io)
+    with pytest.raises(ValueError, match="only an optimizer with master_io"):
+        SubGroupOptimizer(specs(), device="cpu").init_master(0, None)
+    opt = SubGroupOptimizer(specs(), device="nvme", swap_dir=str(tmp_path), buffer_count=2, master_io=io)
+    for i in range(len(SIZES)):
+        opt.init_master(i, None)
+    for bad in (lambda i: None, lambda i: torch.zeros(SIZES[i], dtype=torch.bfloat16),
+                lambda i: torch.zeros(2 * SIZES[i])[::2]):
+        with pytest.raises(ValueError, match=r"out\(1\) must be the fp32 master of sub-group 'g1/s1'"):
+            opt.step(step=1, hyper=HYPER, grad=lambda i: torch.ones(SIZES[i]), out=bad, indices=[1])
+        assert len(opt._free) == len(opt._buffers)
+    opt.close()

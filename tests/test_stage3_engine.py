@@ -87,6 +87,53 @@ def test_three_steps_equal_adamw(tmp_path, param_tier, opt_tier):
     engine.close()
 
 
+@pytest.mark.parametrize("mode", ["sync", "overlap", "in_backward"])
+@pytest.mark.parametrize("param_tier", ["cpu", "nvme"])
+def test_fp32_partitions_are_the_optimizer_masters(tmp_path, param_tier, mode):
+    """fp32 with the optimizer state on NVMe: the optimizer keeps no fp32 copy of its own
+    ([Note: master in the partitions]): its swap files hold the two moments (8 bytes per
+    partition element), the optimizer in backward reads no partition for its step (it copies
+    them from the gathered units), and training equals AdamW over several sub-groups per
+    partition in all three step modes."""
+    ref = TinyLM(tied=True)
+    cfg = _config(param_tier, "nvme", tmp_path)
+    cfg["zeroinf"] = {"overlap_step": mode == "overlap", "optimizer_in_backward": mode == "in_backward"}
+    engine, *_ = zeroinf.initialize(model=copy.deepcopy(ref), config=cfg)
+    assert engine.sub_optimizer.master_io is not None
+    subs = engine.params._subs
+    part = sum(g.shard_numel for g in {g.key: g for g, *_ in subs}.values())
+    assert len(subs) > len({g.key for g, *_ in subs})  # some partition holds several sub-groups
+    moments = list((tmp_path / "zeroinf_optimizer").rglob("*.swp"))
+    assert moments and sum(f.stat().st_size for f in moments) == 8 * part
+    assert not list((tmp_path / "zeroinf_optimizer").rglob("*adam_state*"))
+    mgr, raw_reads = engine.params.manager, []
+    read_param_raw = mgr.read_param_raw
+    mgr.read_param_raw = lambda g, t: (raw_reads.append(g.key), read_param_raw(g, t))[1]
+    got = _run(engine, 3)
+    engine.synchronize()
+    if param_tier == "nvme":  # the overlapped step reads each partition ahead of its update
+        assert (raw_reads == []) == (mode != "overlap"), raw_reads
+    _assert_like_reference(engine, ref, got, _reference(ref, 3))
+    # the checkpoint's masters are the partitions: the consolidated fp32 state dict is the model's
+    engine.save_checkpoint(str(tmp_path / "ckpt"), tag="t")
+    sd = zeroinf.checkpoint.consolidate(str(tmp_path / "ckpt"), "t", str(tmp_path / "fp32.pt"))
+    for name, p in ref.named_parameters():
+        assert (sd[name] - p.detach()).abs().max().item() <= 1e-6, name
+    engine.close()
+
+
+def test_a_model_left_in_bf16_under_fp32_precision_keeps_its_own_masters(tmp_path):
+    """The partitions can be the masters only when they are fp32: a bf16 model under
+    ``"precision": "fp32"`` (not cast) keeps the optimizer's fp32 copy (12 bytes per element)."""
+    model = TinyLM().to(torch.bfloat16)
+    engine, *_ = zeroinf.initialize(model=model, config=_config("nvme", "nvme", tmp_path))
+    assert engine.sub_optimizer.master_io is None
+    part = sum(g.shard_numel for g in {g.key: g for g, *_ in engine.params._subs}.values())
+    state = list((tmp_path / "zeroinf_optimizer").rglob("*.swp"))
+    assert sum(f.stat().st_size for f in state) == 12 * part
+    engine.close()
+
+
 @pytest.mark.parametrize("in_backward", [False, True])
 def test_save_load_resume_bit_exact_with_params_on_nvme(tmp_path, in_backward):
     """``in_backward``: zeroinf.optimizer_in_backward (the save waits for the update that runs
@@ -124,10 +171,14 @@ def test_save_load_resume_bit_exact_with_params_on_nvme(tmp_path, in_backward):
     resumed.close()
 
 
-def test_gathered_parameters_reads_and_writes_persist(tmp_path):
+@pytest.mark.parametrize("tiers", [("nvme", "cpu"), ("nvme", "nvme"), ("cpu", "nvme")])
+def test_gathered_parameters_reads_and_writes_persist(tmp_path, tiers):
+    """``tiers``: with the optimizer on NVMe the partitions are the masters ([Note: master in the
+    partitions]); with it on the CPU the masters follow the partition writes."""
     ref = TinyLM()
     model = copy.deepcopy(ref)
-    engine, *_ = zeroinf.initialize(model=model, config=_config("nvme", "cpu", tmp_path))
+    engine, *_ = zeroinf.initialize(model=model, config=_config(*tiers, tmp_path))
+    assert (engine.sub_optimizer.master_io is not None) == (tiers[1] == "nvme")
     w = model.blocks[1].ff[0].weight
     assert w.numel() == 0  # partitioned: an empty placeholder outside the forward
     with zeroinf.gathered_parameters([w, model.emb.weight]):
@@ -273,8 +324,9 @@ def test_default_buffer_size_pins_only_the_largest_partition(tmp_path):
 
 
 def test_disk_check_counts_parameter_gradient_and_optimizer_swap_files(tmp_path, monkeypatch):
-    """Stage 3 fp32 with both offloads on NVMe writes 4 (parameters) + 4 (fp32 gradients) + 12
-    (optimizer state) bytes per partition element; initialize must refuse a disk one byte short."""
+    """Stage 3 fp32 with both offloads on NVMe writes 4 (parameters, also the optimizer's
+    masters) + 4 (fp32 gradients) + 8 (Adam moments) bytes per partition element; initialize
+    must refuse a disk one byte short."""
     import collections
 
     import zeroinf.runtime.engine as eng_mod
@@ -285,7 +337,9 @@ def test_disk_check_counts_parameter_gradient_and_optimizer_swap_files(tmp_path,
     parts = sum(g.shard_numel for g in engine.params.manager.groups())
     assert parts == sum(p.numel() for p in TinyLM().parameters())  # one rank: the whole model, unpadded
     engine.close()
-    need = (4 + 4 + 12) * parts
+    need = (4 + 4 + 8) * parts
+    on_disk = sum(f.stat().st_size for f in (tmp_path / "a").rglob("*") if f.is_file() and not f.name.endswith(".json"))
+    assert on_disk == need, (on_disk, need)
     Usage = collections.namedtuple("Usage", "total used free")
     for free, ok in ((need - 1, False), (need, True)):
         d = tmp_path / f"free{free}"

@@ -201,8 +201,8 @@ class OffloadOptimizerConfig:
     """``zero_optimization.offload_optimizer``: where master weights and Adam moments live.
 
     ``buffer_count``: pinned buffers used to swap the optimizer state with NVMe; each holds one
-    sub-group's swapped state (fp32 master, exp_avg, exp_avg_sq: ``12 * sub-group numel`` bytes);
-    at least :func:`min_optimizer_buffer_count` (the sub-groups in flight).
+    sub-group's swapped state (fp32 master, exp_avg, exp_avg_sq: ``12 * sub-group numel`` bytes;
+    8 in fp32 stage 3, where the parameter partitions are the masters); at least :func:`min_optimizer_buffer_count` (the sub-groups in flight).
     """
 
     device: str = "none"         #: "none" | "cpu" | "nvme"

@@ -146,11 +146,14 @@ class ZeroEngine:
                                            allgather_bucket_size=zc.allgather_bucket_size,
                                            reduce_scatter=zc.reduce_scatter, rank=rank, world_size=world_size)
         specs = self.params.sub_group_specs()
+        # [Note: master in the partitions] (stage3/engine_glue.py): fp32 stage 3 with the optimizer
+        # state on NVMe keeps no second fp32 copy of the parameters
+        master_io = self.params.master_io() if zc.stage == 3 else None
         if zc.stage != 3 and off.device == "nvme":
             self._check_disk([("zero_optimization.offload_optimizer.nvme_path", off.nvme_path,
                                os.path.join(off.nvme_path, "zeroinf_optimizer", f"rank{rank}"),
                                12 * sum(s.numel for s in specs), "optimizer state (12 bytes per element)")])
-        self._check_machine(specs)
+        self._check_machine(specs, 8 if master_io is not None else 12)
         swap_dir = None
         if off.device == "nvme":
             swap_dir = os.path.join(off.nvme_path, "zeroinf_optimizer", f"rank{rank}")
@@ -159,7 +162,7 @@ class ZeroEngine:
             self.sub_optimizer = SubGroupOptimizer(
                 specs, device=off.device, swap_dir=swap_dir, buffer_count=off.buffer_count,
                 pipeline_read=off.pipeline_read, pipeline_write=off.pipeline_write, pin_memory=off.pin_memory,
-                aio=cfg.aio)
+                aio=cfg.aio, master_io=master_io)
         except MemoryError as e:  # zeroinf.io.PinnedMemoryError: over RAM or ulimit -l
             raise ConfigError("zero_optimization.offload_optimizer.buffer_count",
                               f"{e}; lower sub_group_size or buffer_count") from e
@@ -169,7 +172,8 @@ class ZeroEngine:
             target = self.params.param_target(i) if alias else None
             if target is not None and (target.device.type != "cpu" or not target.is_contiguous()):
                 target = None
-            self.sub_optimizer.init_master(i, self.params.master_init(i, fp32_copies), storage=target)
+            values = None if master_io is not None else self.params.master_init(i, fp32_copies)  # None: the partition
+            self.sub_optimizer.init_master(i, values, storage=target)
         if hasattr(self.params, "track_grad_norm"):  # stage 3, gradients on NVMe: no re-read for the norm
             self.params.track_grad_norm(cfg.zeroinf.grad_norm_type)
         # [Note: overlapped step] (stage3/overlap.py): the step runs behind the next forward
@@ -213,7 +217,9 @@ class ZeroEngine:
                 raise ConfigError(e["key"], f"{e['path']!r} has {have / 1e9:.3f} GB free; this rank's swap files need "
                                   f"{e['need'] / 1e9:.3f} GB ({e['need']} bytes; {'; '.join(e['what'])})")
 
-    def _check_machine(self, specs) -> None:
+    def _check_machine(self, specs, bytes_per_element: int = 12) -> None:
+        """Raise :class:`ConfigError` when the optimizer's pinned NVMe swap buffers
+        (``bytes_per_element`` per element of the largest sub-group, each) exceed available memory."""
         off = self.config.zero_optimization.offload_optimizer
         if off.device != "nvme":
             return
@@ -221,11 +227,12 @@ class ZeroEngine:
 
         from .optimizer import optimizer_buffer_count
         count = optimizer_buffer_count(off.buffer_count, off.pipeline_read, off.pipeline_write, len(specs))
-        pinned = pinned_pool_bytes(count, 12 * max(s.numel for s in specs))
+        nbytes = bytes_per_element * max(s.numel for s in specs)
+        pinned = pinned_pool_bytes(count, nbytes)
         avail = psutil.virtual_memory().available
         if pinned > avail:
             raise ConfigError("zero_optimization.offload_optimizer.buffer_count",
-                              f"{count} swap buffers of {12 * max(s.numel for s in specs)} bytes pin {pinned} bytes, "
+                              f"{count} swap buffers of {nbytes} bytes pin {pinned} bytes, "
                               f"more than the {avail} bytes of available memory; lower sub_group_size or buffer_count")
         # the memlock limit (ulimit -l) is checked by PinnedBufferPool before it allocates; its
         # error is re-raised under the buffer_count key where the optimizer is built

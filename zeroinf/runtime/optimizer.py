@@ -25,6 +25,13 @@ Interface (kept small; stage 3 uses the same one for its unit shards)::
     opt.stats                                  # OptimizerStats of the last step (s, bytes)
     opt.close()
 
+With ``master_io`` (NVMe only), the fp32 master weights are not the optimizer's: they are the
+caller's fp32 parameter partitions, which hold exactly the same values in fp32 training (stage 3,
+[Note: master in the partitions] in ``zeroinf/runtime/stage3/engine_glue.py``). The swap files
+then hold only ``[exp_avg | exp_avg_sq]`` (8 bytes per element instead of 12), ``out(i)`` must
+be the fp32 master itself (its current values, updated in place), and ``state``/``load_state``
+read and write the master through ``master_io``.
+
 Numerics are those of :func:`zeroinf.optim.adam_step` (bit-compatible with ``torch.optim.AdamW``
 up to float rounding); ``step`` is the 1-based step number used for bias correction, identical
 for all sub-groups of a step.
@@ -44,11 +51,11 @@ from __future__ import annotations
 import contextlib
 import time
 from dataclasses import dataclass
-from typing import Callable, Iterator, List, Mapping, Optional, Sequence, Tuple
+from typing import Callable, Iterator, List, Mapping, Optional, Protocol, Sequence, Tuple
 
 import torch
 
-__all__ = ["SubGroupSpec", "SubGroupOptimizer", "optimizer_buffer_count"]
+__all__ = ["MasterIO", "SubGroupSpec", "SubGroupOptimizer", "optimizer_buffer_count"]
 
 
 def optimizer_buffer_count(buffer_count: int, pipeline_read: bool, pipeline_write: bool, n_sub_groups: int) -> int:
@@ -58,6 +65,18 @@ def optimizer_buffer_count(buffer_count: int, pipeline_read: bool, pipeline_writ
     fills them all during the last backward, so the step starts with that many sub-groups read."""
     cap = n_sub_groups if pipeline_read else 1 + bool(pipeline_write)
     return max(1, min(buffer_count, cap))
+
+
+class MasterIO(Protocol):
+    """Access to fp32 master weights held by the caller (see ``master_io`` of
+    :class:`SubGroupOptimizer`)."""
+
+    def read(self, index: int) -> torch.Tensor:
+        """A copy of sub-group ``index``'s master weights: fp32, CPU, ``numel`` elements."""
+
+    def write(self, index: int, values: torch.Tensor) -> None:
+        """Store ``values`` (``numel`` elements, any float dtype) as sub-group ``index``'s master
+        weights, durably (written to the tier before it returns)."""
 
 
 @dataclass(frozen=True)
@@ -99,21 +118,26 @@ class SubGroupOptimizer:
         specs: the sub-groups, keys unique.
         device: "none" or "cpu" (state in CPU memory) or "nvme" (swap files).
         swap_dir: directory for the swap files (required for "nvme"); a private subfolder is used.
-        buffer_count: pinned swap buffers for "nvme", each holding one sub-group's three fp32
-            tensors (``12 * max numel`` bytes); at least ``1 + pipeline_read + pipeline_write``.
+        buffer_count: pinned swap buffers for "nvme", each holding one sub-group's swapped fp32
+            tensors (``12 * max numel`` bytes, 8 with ``master_io``); at least
+            ``1 + pipeline_read + pipeline_write``.
         pipeline_read / pipeline_write: overlap the next sub-group's swap-in / the previous one's
             swap-out with the current Adam compute.
         pin_memory: pin the CPU-resident state (only with CUDA present; ignored on CPU-only
             machines where page-locking buys nothing for CPU compute).
         aio: the ``aio`` config (dict or :class:`zeroinf.config.AioConfig`) for the I/O handle.
+        master_io: with device "nvme", a :class:`MasterIO` over the caller's fp32 parameters,
+            which are the master weights: only the moments are swapped, and ``step``'s ``out(i)``
+            must return the master (fp32, contiguous, CPU), holding its current values.
 
     Raises:
-        ValueError: duplicate keys, a non-positive numel, an unknown device, too few buffers.
+        ValueError: duplicate keys, a non-positive numel, an unknown device, too few buffers,
+            ``master_io`` with a device other than "nvme".
     """
 
     def __init__(self, specs: Sequence[SubGroupSpec], *, device: str = "cpu", swap_dir: Optional[str] = None,
                  buffer_count: int = 4, pipeline_read: bool = False, pipeline_write: bool = False,
-                 pin_memory: bool = False, aio=None):
+                 pin_memory: bool = False, aio=None, master_io: Optional[MasterIO] = None):
         keys = [s.key for s in specs]
         if len(set(keys)) != len(keys):
             raise ValueError(f"SubGroupOptimizer: duplicate sub-group keys in {keys}")
@@ -122,6 +146,11 @@ class SubGroupOptimizer:
                 raise ValueError(f"SubGroupOptimizer: sub-group {s.key!r} has numel {s.numel}; must be > 0")
         if device not in ("none", "cpu", "nvme"):
             raise ValueError(f"SubGroupOptimizer: device must be none, cpu or nvme, got {device!r}")
+        if master_io is not None and device != "nvme":
+            raise ValueError(f"SubGroupOptimizer: master_io needs device 'nvme' (got {device!r}); CPU-resident "
+                             "state takes the parameters as init_master(..., storage=...)")
+        self.master_io = master_io
+        self._swapped = 2 if master_io is not None else 3  # fp32 tensors per element in the swap files
         self.specs: List[SubGroupSpec] = list(specs)
         self.device = device
         self.pipeline_read, self.pipeline_write = bool(pipeline_read), bool(pipeline_write)
@@ -155,30 +184,36 @@ class SubGroupOptimizer:
             aio = aio.as_dict()
         handle = AsyncIOHandle.from_config(dict(aio or {}))
         self._swapper = TensorSwapper(swap_dir, handle)
-        for s in self.specs:  # one file per sub-group: [master | exp_avg | exp_avg_sq], fp32
-            self._swapper.register(f"{s.key}/adam_state", 3 * s.numel, torch.float32)
+        for s in self.specs:  # one file per sub-group: [master | exp_avg | exp_avg_sq] or [exp_avg | exp_avg_sq]
+            self._swapper.register(self._file_key(s), self._swapped * s.numel, torch.float32)
         max_numel = max((s.numel for s in self.specs), default=1)
         count = optimizer_buffer_count(buffer_count, self.pipeline_read, self.pipeline_write, len(self.specs))
-        self._pool = PinnedBufferPool(count, 3 * 4 * max_numel)
+        self._pool = PinnedBufferPool(count, self._swapped * 4 * max_numel)
         self._buffers = [self._pool.acquire() for _ in range(count)]
         self._free = list(range(count))
 
-    def _views(self, buf_index: int, numel: int) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _file_key(self, spec: SubGroupSpec) -> str:
+        return f"{spec.key}/adam_state" if self.master_io is None else f"{spec.key}/adam_moments"
+
+    def _views(self, buf_index: int, numel: int) -> Tuple[Optional[torch.Tensor], torch.Tensor, torch.Tensor]:
+        """(master, exp_avg, exp_avg_sq) in swap buffer ``buf_index``; master None with ``master_io``."""
         buf = self._buffers[buf_index]
         flat = buf.view(torch.uint8).view(torch.float32) if buf.dtype != torch.float32 else buf
-        return flat[:numel], flat[numel:2 * numel], flat[2 * numel:3 * numel]
+        views = [flat[k * numel:(k + 1) * numel] for k in range(self._swapped)]
+        return tuple(views) if self.master_io is None else (None, *views)
 
     def _items(self, rec: _Record):
         buf = self._buffers[rec.buffer]
         flat = buf.view(torch.uint8).view(torch.float32) if buf.dtype != torch.float32 else buf
-        return [(f"{rec.spec.key}/adam_state", flat[:3 * rec.spec.numel])]
+        return [(self._file_key(rec.spec), flat[:self._swapped * rec.spec.numel])]
 
     def _new_cpu_state(self, numel: int) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         return tuple(torch.zeros(numel, dtype=torch.float32, pin_memory=self._pin) for _ in range(3))
 
-    def init_master(self, index: int, values: torch.Tensor, storage: Optional[torch.Tensor] = None) -> None:
+    def init_master(self, index: int, values: Optional[torch.Tensor], storage: Optional[torch.Tensor] = None) -> None:
         """Set sub-group ``index``'s master weights to ``values`` (any float dtype, numel as the
-        spec) and its moments to zero.
+        spec) and its moments to zero. With ``master_io``, ``values`` None leaves the master as
+        the caller holds it (zeroes the moments only).
 
         ``storage``: for CPU-resident state only, a contiguous fp32 CPU tensor to hold the master
         weights in place of a copy — e.g. the model's own flat fp32 parameters, which the step then
@@ -189,6 +224,12 @@ class SubGroupOptimizer:
                 that numel (or given with device "nvme").
         """
         rec = self._records[index]
+        if values is None:
+            if self.master_io is None:
+                raise ValueError(f"init_master: values for sub-group {rec.spec.key!r} are None; only an optimizer "
+                                 "with master_io may leave the master weights to the caller")
+            self.load_state(index, None, None, None)
+            return
         if values.numel() != rec.spec.numel:
             raise ValueError(f"init_master: sub-group {rec.spec.key!r} has numel {rec.spec.numel}, "
                              f"values have {values.numel()}")
@@ -200,10 +241,14 @@ class SubGroupOptimizer:
             rec.state = (storage.view(-1),) + self._new_cpu_state(rec.spec.numel)[1:]
         self.load_state(index, values, None, None)
 
-    def load_state(self, index: int, master: torch.Tensor, exp_avg: Optional[torch.Tensor],
+    def load_state(self, index: int, master: Optional[torch.Tensor], exp_avg: Optional[torch.Tensor],
                    exp_avg_sq: Optional[torch.Tensor]) -> None:
         """Overwrite sub-group ``index``'s state (moments None → zeros). For NVMe the data is
-        written to the swap files before this returns. Raises ValueError on a numel mismatch."""
+        written to the swap files before this returns (the master through ``master_io.write``
+        with ``master_io``, where None keeps the caller's master). Raises ValueError on a numel
+        mismatch, or a None master without ``master_io``."""
+        if master is None and self.master_io is None:
+            raise ValueError(f"load_state: master of sub-group {self._records[index].spec.key!r} is None")
         rec = self._records[index]
         for name, t in (("master", master), ("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)):
             if t is not None and t.numel() != rec.spec.numel:
@@ -217,16 +262,23 @@ class SubGroupOptimizer:
             if rec.state is None:
                 rec.state = self._new_cpu_state(rec.spec.numel)
             dst = rec.state
-        for d, src in zip(dst, (master, exp_avg, exp_avg_sq)):
-            if src is None:
-                d.zero_()
-            else:
-                d.copy_(src.detach().reshape(-1))
-        if self.device == "nvme":
-            self._swapper.swap_out(self._items(rec), async_op=False)
-            self._swapper.wait()
-            self._free.append(rec.buffer)
-            rec.buffer = None
+        try:
+            for d, src in zip(dst, (master, exp_avg, exp_avg_sq)):
+                if d is None:
+                    continue  # master_io: written below, after the moments
+                if src is None:
+                    d.zero_()
+                else:
+                    d.copy_(src.detach().reshape(-1))
+            if self.device == "nvme":
+                self._swapper.swap_out(self._items(rec), async_op=False)
+                self._swapper.wait()
+        finally:
+            if self.device == "nvme":
+                self._free.append(rec.buffer)
+                rec.buffer = None
+        if self.master_io is not None and master is not None:
+            self.master_io.write(index, master.detach().reshape(-1))
         rec.initialised = True
 
     @contextlib.contextmanager
@@ -234,7 +286,8 @@ class SubGroupOptimizer:
         """Yield sub-group ``index``'s (master, exp_avg, exp_avg_sq) fp32 tensors for reading.
 
         For NVMe they live in a swap buffer only inside the ``with`` block (one sub-group at a
-        time, so a checkpoint streams the state); do not keep references past the block.
+        time, so a checkpoint streams the state); do not keep references past the block. With
+        ``master_io`` the master is ``master_io.read(index)``.
         """
         rec = self._records[index]
         self._check_initialised(rec)
@@ -246,7 +299,10 @@ class SubGroupOptimizer:
         try:
             self._swapper.swap_in(self._items(rec), async_op=False)
             self._swapper.wait()
-            yield self._views(rec.buffer, rec.spec.numel)
+            master, m, v = self._views(rec.buffer, rec.spec.numel)
+            if master is None:
+                master = self.master_io.read(index)
+            yield master, m, v
         finally:
             self._free.append(rec.buffer)
             rec.buffer = None
@@ -304,7 +360,8 @@ class SubGroupOptimizer:
                 optionally ``adamw_mode`` (default True) and ``bias_correction`` (default True).
             grad: ``grad(i)`` → the fp32 (or bf16/fp16) contiguous CPU gradient of sub-group i.
             out: ``out(i)`` → a flat tensor receiving the updated parameters (fp32, bf16 or fp16,
-                any device), or None.
+                any device), or None. With ``master_io``: the fp32 master itself (contiguous,
+                CPU, holding the current values), updated in place.
             grad_scale: gradients are divided by it (loss scale, or loss scale / clip coefficient).
             on_done: ``on_done(i)`` runs once sub-group i's new parameters are in ``out(i)`` (its
                 state's swap-out may still be in flight); the stage-3 overlapped step stores and
@@ -324,6 +381,13 @@ class SubGroupOptimizer:
             h = hyper[rec.spec.param_group]
             b1, b2 = h["betas"]
             dst = out(i)
+            if master is None:  # master_io: the caller's fp32 partition is the master
+                if (dst is None or dst.dtype != torch.float32 or dst.device.type != "cpu"
+                        or not dst.is_contiguous() or dst.numel() != rec.spec.numel):
+                    raise ValueError(f"step: with master_io, out({i}) must be the fp32 master of sub-group "
+                                     f"{rec.spec.key!r} (contiguous CPU fp32, {rec.spec.numel} elements), got "
+                                     + ("None" if dst is None else f"{dst.dtype} {tuple(dst.shape)} on {dst.device}"))
+                master = dst
             low = None
             if dst is not None and dst.dtype in (torch.bfloat16, torch.float16):
                 low = dst if dst.device.type == "cpu" and dst.is_contiguous() else torch.empty(
@@ -351,7 +415,7 @@ class SubGroupOptimizer:
             return
 
         swapper = self._swapper
-        nbytes = lambda i: 12 * self._records[i].spec.numel
+        nbytes = lambda i: 4 * self._swapped * self._records[i].spec.numel
         t0 = time.perf_counter()
         # prefetched sub-groups are used if they are this step's first ones (the loop below
         # needs a free buffer for any other read); the others are dropped

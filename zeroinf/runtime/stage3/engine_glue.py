@@ -21,7 +21,7 @@ from .manager import Stage3ParameterManager
 from .options import Stage3Options
 from .units import FlatGroup
 
-__all__ = ["engine_manager", "swap_file_bytes", "Stage3EngineParams"]
+__all__ = ["engine_manager", "master_in_partitions", "swap_file_bytes", "Stage3EngineParams"]
 
 
 @dataclass
@@ -53,7 +53,17 @@ def engine_manager(model: torch.nn.Module, cfg, groups: Sequence[Sequence[torch.
     opts = Stage3Options.from_zero_config(cfg.zero_optimization, cfg.aio.as_dict())
     if _grads_on_nvme(cfg):
         opts = dataclasses.replace(opts, grads_on_nvme=True)  # ZeRO-Infinity: host memory flat in model size
-    return Stage3EngineParams(model, opts, groups, sub_group_size=cfg.zero_optimization.sub_group_size)
+    return Stage3EngineParams(model, opts, groups, sub_group_size=cfg.zero_optimization.sub_group_size,
+                              master_in_partitions=master_in_partitions(cfg))
+
+
+def master_in_partitions(cfg) -> bool:
+    """Whether the optimizer's fp32 master weights are the parameter partitions themselves
+    ([Note: master in the partitions]): fp32 training, optimizer state on NVMe, partitions in
+    host memory or on NVMe."""
+    zc = cfg.zero_optimization
+    return (cfg.precision == "fp32" and zc.offload_optimizer.device == "nvme"
+            and zc.offload_param.device in ("cpu", "nvme"))
 
 
 def _grads_on_nvme(cfg) -> bool:
@@ -73,7 +83,8 @@ def swap_file_bytes(model: torch.nn.Module, cfg, groups: Sequence[Sequence[torch
     partitions in the training dtype (``offload_param.device: nvme``), gradient partitions in fp32
     and in the training dtype (both offloads on NVMe, ZeRO-Infinity, unless
     ``zeroinf.optimizer_in_backward``; [Note: gradients on NVMe]), optimizer state at 12 bytes per trainable partition
-    element (fp32 master, exp_avg, exp_avg_sq; ``offload_optimizer.device: nvme``).
+    element (fp32 master, exp_avg, exp_avg_sq; ``offload_optimizer.device: nvme``), 8 when the
+    partitions are the masters (:func:`master_in_partitions`).
     """
     from .init import init_shapes
     from .units import build_units, find_unit_modules
@@ -96,11 +107,43 @@ def swap_file_bytes(model: torch.nn.Module, cfg, groups: Sequence[Sequence[torch
                                                * g.shard_numel for g in parts), "gradient partitions"))
     if zc.offload_optimizer.device == "nvme":
         path = zc.offload_optimizer.nvme_path
+        per = 8 if master_in_partitions(cfg) else 12
         out.append(("zero_optimization.offload_optimizer.nvme_path", path,
                     os.path.join(path, "zeroinf_optimizer", f"rank{rank}"),
-                    12 * sum(g.shard_numel for g in parts if any(s.param in trainable for s in g.slots)),
-                    "optimizer state (12 bytes per element)"))
+                    per * sum(g.shard_numel for g in parts if any(s.param in trainable for s in g.slots)),
+                    f"optimizer state ({per} bytes per element)"))
     return out
+
+
+def _partitions_are_masters(groups: Sequence[FlatGroup], subs) -> bool:
+    """Every trainable flat group is fp32 in host memory or on NVMe ([Note: master in the
+    partitions]); a model left in bf16 under ``"precision": "fp32"`` is not."""
+    trainable = {id(g) for g, _lo, _hi, _gi in subs}
+    for g in groups:
+        if id(g) not in trainable:
+            continue
+        local = g.store.local()
+        if g.dtype != torch.float32 or (local is not None and local.device.type != "cpu"):
+            return False
+    return True
+
+
+class _PartitionMaster:
+    """``SubGroupOptimizer``'s ``master_io`` over the rank's fp32 partitions: sub-group ``i``'s
+    master weights are elements ``[lo, hi)`` of its flat group's partition."""
+
+    def __init__(self, glue: "Stage3EngineParams"):
+        self.glue = glue
+
+    def read(self, index: int) -> torch.Tensor:
+        """A copy of sub-group ``index``'s master (fp32, CPU): the partition read from its tier."""
+        g, lo, hi, _ = self.glue._subs[index]
+        return self.glue.manager.param_shard(g)[lo:hi].to("cpu", copy=True)
+
+    def write(self, index: int, values: torch.Tensor) -> None:
+        """Write ``values`` into the partition (and a gathered copy) before returning."""
+        g, lo, hi, _ = self.glue._subs[index]
+        self.glue.manager.write_partition_slice(g, lo, values.to(torch.float32).reshape(-1))
 
 
 class Stage3EngineParams:
@@ -116,8 +159,10 @@ class Stage3EngineParams:
     """
 
     def __init__(self, model: torch.nn.Module, options: Stage3Options,
-                 groups: Sequence[Sequence[torch.nn.Parameter]], *, sub_group_size: int):
+                 groups: Sequence[Sequence[torch.nn.Parameter]], *, sub_group_size: int,
+                 master_in_partitions: bool = False):
         group_of = _group_index(groups)
+        self.master_in_partitions = master_in_partitions  # [Note: master in the partitions]
         self.manager = m = Stage3ParameterManager(model, options, param_group_of=group_of)
         self.nparts = m.world_size
         self._subs: List[Tuple[FlatGroup, int, int, int]] = []  # (group, lo, hi, param group)
@@ -147,6 +192,27 @@ class Stage3EngineParams:
         # grad() moves to another group, unless param_target() showed the optimizer consumed it.
         self._grad_cache: Optional[List[Any]] = None  # [group, tensor, write back?]
         self._install_state_dict_hooks(model)
+
+    # [Note: master in the partitions] In fp32 training the optimizer's master weights hold the
+    # same values as the parameter partitions: each step writes the new fp32 values into both.
+    # With the optimizer state on NVMe that is a second 4-byte-per-parameter copy read and
+    # written every step (on the 101M bench model 0.4 GB each way, a quarter of the in-backward
+    # step's NVMe bytes). So when training is fp32, the optimizer state is on NVMe and the
+    # partitions live in host memory (offload_param cpu) or on NVMe, the partition is the master:
+    # the optimizer's swap files hold only exp_avg and exp_avg_sq, and its step updates, in place,
+    # a tensor holding the partition's current values (``step_target``): the host partition
+    # itself (cpu), or a copy read from NVMe ahead of the step, or (optimizer in backward) a copy
+    # taken from the gathered unit at the hand-over, which reads nothing. Checkpoints still hold
+    # a master per sub-group: ``SubGroupOptimizer.state`` reads it from the partition
+    # (``_PartitionMaster``). DeepSpeed keeps both copies (its fp32 partitions and its optimizer's
+    # fp32 flat groups) for every precision.
+    def master_io(self) -> Optional["_PartitionMaster"]:
+        """The ``SubGroupOptimizer`` ``master_io`` over this rank's partitions when they are the
+        fp32 master weights ([Note: master in the partitions]), else None."""
+        if not self.master_in_partitions or not _partitions_are_masters(self.manager.groups(), self._subs):
+            self.master_in_partitions = False
+            return None
+        return _PartitionMaster(self)
 
     # --- the seam -------------------------------------------------------------------------
     def sub_group_specs(self):
@@ -271,16 +337,24 @@ class Stage3EngineParams:
             t = m.scratch.take(g.shard_numel, m.grad_file_dtype(g))
             return t, m.submit_io(m.read_grad_raw, g, t)
 
+        def read(g: FlatGroup):  # the gradient and (partition = master) the partition, on the I/O thread
+            return read_grad(g), self.read_master_ahead(g)
+
         def enter(g: FlatGroup) -> None:
-            if on_nvme:
-                t, fut = ahead.pop(g.key, None) or read_grad(g)
+            grad_read, master_read = ahead.pop(g.key, None) or read(g)
+            nxt = following.get(g.key)
+            if nxt is not None:
+                ahead[nxt.key] = read(nxt)
+            if grad_read is not None:
+                t, fut = grad_read
                 fut.result()
-                nxt = following.get(g.key)
-                if nxt is not None:
-                    ahead[nxt.key] = read_grad(nxt)
             else:
                 t = g.grad_shard if g.grad_shard is not None else torch.zeros(g.shard_numel, dtype=torch.float32)
-            cur.update(g=g, grad=t, target=self.step_target(g))
+            master = None
+            if master_read is not None:
+                master, fut = master_read
+                fut.result()
+            cur.update(g=g, grad=t, target=self.step_target(g, master))
 
         def grad(i: int) -> torch.Tensor:
             g, lo, hi, _ = self._subs[i]
@@ -311,8 +385,10 @@ class Stage3EngineParams:
             try:
                 sub_optimizer.step(step=step, hyper=hyper, grad=grad, out=out, grad_scale=grad_scale, on_done=done)
             except BaseException as exc:  # re-raised in the caller's thread by the gate
-                for _t, fut in ahead.values():
-                    fut.exception()  # let the read in flight finish before its tensor goes
+                for reads in ahead.values():
+                    for r in reads:
+                        if r is not None:
+                            r[1].exception()  # let the read in flight finish before its tensor goes
                 m.step_gate.fail(exc)
                 return
             m.step_gate.finish()
@@ -324,17 +400,41 @@ class Stage3EngineParams:
         self._worker = threading.Thread(target=run, name="zeroinf-optimizer-step")
         self._worker.start()
 
-    def step_target(self, g: FlatGroup) -> torch.Tensor:
+    def step_target(self, g: FlatGroup, master: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Where a background step writes group ``g``'s new partition: the partition itself on
         the device/CPU tiers, else a scratch tensor for :meth:`store_stepped`. Every element is
-        written by the group's sub-groups: the old values are not read."""
+        written by the group's sub-groups; the old values are read only when the partition is
+        the optimizer's master ([Note: master in the partitions]): then the tensor holds them,
+        ``master`` when given (a copy of the partition from :meth:`read_master_ahead` or the
+        hand-over), else read here."""
         local = g.store.local()
         if local is not None:
             # CUDA: no H2D copy from a CPU-tier partition still reads the old values (waited on
             # without clearing it: the compute thread owns _h2d_last)
             self.manager.transfers.host_wait(self.manager._h2d_last)
             return local
-        return self.manager.scratch.take(g.shard_numel, g.dtype)
+        if master is not None:
+            return master
+        t = self.manager.scratch.take(g.shard_numel, g.dtype)
+        if self.master_in_partitions:
+            self.manager.submit_io(self.manager.read_param_raw, g, t).result()
+        return t
+
+    def read_master_ahead(self, g: FlatGroup) -> Optional[Tuple[torch.Tensor, Any]]:
+        """Start reading ``g``'s NVMe partition for the background step when it is the master
+        ([Note: master in the partitions]): ``(tensor, future)``, else None."""
+        if not self.master_in_partitions or g.store.local() is not None:
+            return None
+        m = self.manager
+        t = m.scratch.take(g.shard_numel, g.dtype)
+        return t, m.submit_io(m.read_param_raw, g, t)
+
+    def master_copy(self, g: FlatGroup) -> Optional[torch.Tensor]:
+        """At the optimizer in backward's hand-over: ``g``'s partition copied from the gathered
+        unit when it is the master and on NVMe (so the step reads nothing), else None."""
+        if not self.master_in_partitions or g.store.local() is not None:
+            return None
+        return self.manager.partition_copy(g)
 
     def store_stepped(self, g: FlatGroup, target: torch.Tensor) -> None:
         """Store a background step's new partition of ``g`` from :meth:`step_target`'s tensor
@@ -453,6 +553,8 @@ class Stage3EngineParams:
         self.manager.drop_init_masters()  # the engine made every master already
         self._init_read = None
         self.manager.stats.clear()  # the set-up's reads (the masters) belong to no training step
+        if sub_optimizer.master_io is not None:  # the partitions are the masters: nothing to follow
+            return
         by_group: Dict[str, List[int]] = {}
         for i, (g, _lo, _hi, _gi) in enumerate(self._subs):
             by_group.setdefault(g.key, []).append(i)

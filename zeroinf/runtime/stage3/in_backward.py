@@ -78,7 +78,8 @@ class BackwardStep:
         self.ended = False              # end_backward or abort ran: nothing more is handed over
         self.owner = threading.get_ident()  # the thread running the backward
         self._cv = threading.Condition()
-        self._arrived: Dict[str, Tuple[Optional[torch.Tensor], Any, Optional[torch.Tensor]]] = {}
+        # key -> (gradient partition, its CUDA copy's event, scratch to give back, partition copy)
+        self._arrived: Dict[str, Tuple[Optional[torch.Tensor], Any, Optional[torch.Tensor], Optional[torch.Tensor]]] = {}
         self._waiting = 0               # entries of _arrived that hold a gradient partition
         self._wanted: Optional[str] = None  # the key the worker waits for
         self._over = False              # the worker returned
@@ -149,13 +150,14 @@ class BackwardStep:
         norm = None
         if ready is None:  # on the host already: its norm part now, so engine.step() need not wait
             norm = 0.0 if part is None else _norm_part(part, self.norm_type)
+        master = self.glue.master_copy(g)  # [Note: master in the partitions]: no NVMe read in the step
         self.handed.add(g.key)
         self.arrival.append(g.key)
         self.m.step_gate.add(g.key)
         with self._cv:
             if norm is not None:
                 self.norms[g.key] = norm
-            self._arrived[g.key] = (part, ready, recycle)
+            self._arrived[g.key] = (part, ready, recycle, master)
             self._waiting += part is not None
             self._cv.notify_all()
             # back-pressure; never while the worker waits for a group still to come (deadlock)
@@ -227,7 +229,7 @@ class BackwardStep:
                     if not self.handed:
                         raise _Cancelled()
                     raise RuntimeError("the backward failed before every gradient was reduced") from self._abort
-                part, ready, recycle = self._arrived.pop(g.key)
+                part, ready, recycle, master = self._arrived.pop(g.key)
                 self._waiting -= part is not None
                 self._cv.notify_all()
             if part is None:
@@ -241,7 +243,7 @@ class BackwardStep:
                 with self._cv:
                     self.norms[g.key] = norm
                     self._cv.notify_all()
-            cur.update(g=g, grad=part, recycle=recycle, target=self.glue.step_target(g))
+            cur.update(g=g, grad=part, recycle=recycle, target=self.glue.step_target(g, master))
 
         def grad(i: int) -> torch.Tensor:
             g, lo, hi, _ = subs[i]

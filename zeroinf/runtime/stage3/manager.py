@@ -1253,6 +1253,25 @@ class Stage3ParameterManager:
         self.read_param_shard(g, t)
         return t
 
+    def read_param_raw(self, g: FlatGroup, dst: torch.Tensor) -> None:
+        """Read this rank's NVMe partition of ``g`` straight into ``dst`` (a 4096-aligned host
+        tensor of ``shard_numel`` elements, e.g. from ``self.scratch``), counted as a parameter
+        read; no waits, for the I/O thread (see :meth:`submit_io`) on behalf of a background
+        optimizer step, whose group is pending in the step gate."""
+        self.stats.add("bytes_nvme_read", g.store.read_raw(dst))
+
+    def partition_copy(self, g: FlatGroup) -> Optional[torch.Tensor]:
+        """A copy of this rank's partition of ``g`` taken from the gathered unit (``shard_numel``
+        elements of ``g.dtype``, from ``self.scratch``), or None when ``g`` is not gathered on
+        the host right now. For the optimizer in backward, at a hand-over on the compute thread."""
+        unit = self._unit_of_group(g)
+        if g.full is None or unit.state is not UnitState.GATHERED or g.full.device.type != "cpu":
+            return None
+        lo, hi = self._shard_range(g)
+        t = self.scratch.take(g.shard_numel, g.dtype)
+        t.copy_(g.full[lo:hi])
+        return t
+
     def write_param_shard(self, g: FlatGroup, src: torch.Tensor) -> None:
         """Store ``src`` as this rank's partition of ``g`` on its home tier (synchronously)."""
         t0 = self.tracer.now()
@@ -1459,6 +1478,26 @@ class Stage3ParameterManager:
     def write_group_values(self, g: FlatGroup, values: Sequence[Tuple[ParamSlot, torch.Tensor]]) -> None:
         """Write full values of some of ``g``'s parameters into this rank's partition (each rank
         keeps the part that falls in its shard), refresh a gathered copy, and notify listeners."""
+        self._write_partition(g, [(s.offset, v.reshape(-1)) for s, v in values], full=True)
+        for fn in self._listeners:
+            fn([g])
+
+    def write_partition_slice(self, g: FlatGroup, lo: int, values: torch.Tensor) -> None:
+        """Write ``values`` (1-D) into this rank's partition of ``g`` at ``[lo, lo + numel)``
+        (partition coordinates) and into a gathered copy; listeners are not told (the
+        optimizer's master weights write through this: [Note: master in the partitions]).
+
+        Raises:
+            ValueError: the slice runs past the partition's ``shard_numel``.
+        """
+        if lo < 0 or lo + values.numel() > g.shard_numel:
+            raise ValueError(f"write_partition_slice: [{lo}, {lo + values.numel()}) is outside the partition of "
+                             f"flat group {g.key} ({g.shard_numel} elements)")
+        self._write_partition(g, [(self._shard_range(g)[0] + lo, values.reshape(-1))], full=False)
+
+    def _write_partition(self, g: FlatGroup, values: Sequence[Tuple[int, torch.Tensor]], full: bool) -> None:
+        """Write 1-D ``values`` at flat offsets into this rank's partition of ``g`` (only what
+        falls in it) and, while gathered, into ``g.full`` (the whole value when ``full``)."""
         self.step_gate.wait()
         lo, hi = self._shard_range(g)
         local = g.store.local()
@@ -1470,16 +1509,17 @@ class Stage3ParameterManager:
             self.transfers.stream_wait(unit.future.result())
             unit.future = None
         self._host_reads_done()
-        for s, v in values:
-            a, b = max(lo, s.offset), min(hi, s.offset + s.numel)
+        for off, v in values:
+            a, b = max(lo, off), min(hi, off + v.numel())
             if a < b:
-                shard[a - lo:b - lo].copy_(v.reshape(-1)[a - s.offset:b - s.offset])
+                shard[a - lo:b - lo].copy_(v[a - off:b - off])
             if g.full is not None:
-                g.full[s.offset:s.offset + s.numel].copy_(v.reshape(-1))
+                if full:
+                    g.full[off:off + v.numel()].copy_(v)
+                elif a < b:
+                    g.full[a:b].copy_(v[a - off:b - off])
         if local is None:
             self.write_param_shard(g, shard)
-        for fn in self._listeners:
-            fn([g])
 
     def add_write_listener(self, fn: Callable[[List[FlatGroup]], None]) -> None:
         """``fn(groups)`` runs after ``gathered_parameters`` wrote new values into partitions

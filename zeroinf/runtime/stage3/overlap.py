@@ -1,8 +1,9 @@
 """The optimizer step of stage 3 overlapped with the next forward.
 
 [Note: overlapped step] With parameters and optimizer state off the device, the step moves
-~12 bytes per parameter each way (fp32 master, ``exp_avg``, ``exp_avg_sq``) plus the gradient
-and the new parameters. Nothing in the next forward needs unit *k*'s new parameters before the
+~12 bytes per parameter each way (fp32 master, ``exp_avg``, ``exp_avg_sq``; 8 when the fp32
+partitions are the masters, [Note: master in the partitions] in engine_glue.py) plus the
+gradient and the new parameters. Nothing in the next forward needs unit *k*'s new parameters before the
 forward reaches unit *k*, so the engine hands the step to one background thread that updates the
 flat groups in forward order (``manager.groups()`` order: persistent, root, blocks) and marks each
 group done once its new partition is stored. The forward's gathers wait only for their own
