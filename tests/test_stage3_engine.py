@@ -126,7 +126,11 @@ def test_a_model_left_in_bf16_under_fp32_precision_keeps_its_own_masters(tmp_pat
     """The partitions can be the masters only when they are fp32: a bf16 model under
     ``"precision": "fp32"`` (not cast) keeps the optimizer's fp32 copy (12 bytes per element)."""
     model = TinyLM().to(torch.bfloat16)
-    engine, *_ = zeroinf.initialize(model=model, config=_config("nvme", "nvme", tmp_path))
+    cfg = _config("nvme", "nvme", tmp_path)
+    files = zeroinf.runtime.stage3.engine_glue.swap_file_bytes(model, zeroinf.config.parse_config(cfg),
+                                                                [list(model.parameters())])
+    assert [w for *_, w in files if w.startswith("optimizer")] == ["optimizer state (12 bytes per element)"]
+    engine, *_ = zeroinf.initialize(model=model, config=cfg)
     assert engine.sub_optimizer.master_io is None
     part = sum(g.shard_numel for g in {g.key: g for g, *_ in engine.params._subs}.values())
     state = list((tmp_path / "zeroinf_optimizer").rglob("*.swp"))

@@ -107,7 +107,8 @@ def swap_file_bytes(model: torch.nn.Module, cfg, groups: Sequence[Sequence[torch
                                                * g.shard_numel for g in parts), "gradient partitions"))
     if zc.offload_optimizer.device == "nvme":
         path = zc.offload_optimizer.nvme_path
-        per = 8 if master_in_partitions(cfg) else 12
+        masters = master_in_partitions(cfg) and all(g.dtype == torch.float32 for g in parts)  # as master_io()
+        per = 8 if masters else 12
         out.append(("zero_optimization.offload_optimizer.nvme_path", path,
                     os.path.join(path, "zeroinf_optimizer", f"rank{rank}"),
                     per * sum(g.shard_numel for g in parts if any(s.param in trainable for s in g.slots)),
@@ -204,8 +205,8 @@ class Stage3EngineParams:
     # itself (cpu), or a copy read from NVMe ahead of the step, or (optimizer in backward) a copy
     # taken from the gathered unit at the hand-over, which reads nothing. Checkpoints still hold
     # a master per sub-group: ``SubGroupOptimizer.state`` reads it from the partition
-    # (``_PartitionMaster``). DeepSpeed keeps both copies (its fp32 partitions and its optimizer's
-    # fp32 flat groups) for every precision.
+    # (``_PartitionMaster``). DeepSpeed 0.19.8 writes both copies (its NVMe row in
+    # bench/stage3_step.py: 2.02 GB per step, as this engine did before).
     def master_io(self) -> Optional["_PartitionMaster"]:
         """The ``SubGroupOptimizer`` ``master_io`` over this rank's partitions when they are the
         fp32 master weights ([Note: master in the partitions]), else None."""
