@@ -122,6 +122,47 @@ def test_fp32_partitions_are_the_optimizer_masters(tmp_path, param_tier, mode):
     engine.close()
 
 
+def test_a_load_that_fails_part_way_blocks_training_until_a_load_completes(tmp_path):
+    """A swap-file write failing inside load_checkpoint (after every file was checked) leaves the
+    partitions and moments a mix of the checkpoint and the engine's own: the load raises, and
+    forward, step and save_checkpoint refuse to go on (they once trained on silently) until a
+    load completes; the resumed run then equals the uninterrupted one bit for bit."""
+    torch.manual_seed(0)
+    base = TinyLM()
+    cfg = _config("nvme", "nvme", tmp_path / "a")
+    (tmp_path / "a").mkdir()
+    straight, *_ = zeroinf.initialize(model=copy.deepcopy(base), config=cfg)
+    _run(straight, 3)
+    straight.save_checkpoint(str(tmp_path / "ckpt"), tag="s3")
+    _run(straight, 2, start=4)
+    want = _state(straight)
+    straight.close()
+    (tmp_path / "b").mkdir()
+    torch.manual_seed(1)
+    engine, *_ = zeroinf.initialize(model=TinyLM(), config=_config("nvme", "nvme", tmp_path / "b"))
+    _run(engine, 1)
+    load_state = engine.sub_optimizer.load_state
+
+    def failing(i, *a):
+        if i == 2:
+            raise OSError(28, "No space left on device (injected)")
+        return load_state(i, *a)
+    engine.sub_optimizer.load_state = failing
+    with pytest.raises(OSError, match="injected"):
+        engine.load_checkpoint(str(tmp_path / "ckpt"), tag="s3")
+    x, y = batch(4)
+    for call in (lambda: engine(x), engine.step, lambda: engine.save_checkpoint(str(tmp_path / "ckpt"), tag="bad")):
+        with pytest.raises(RuntimeError, match="load_checkpoint failed part-way .*OSError.*injected"):
+            call()
+    assert not (tmp_path / "ckpt" / "bad").exists()
+    engine.sub_optimizer.load_state = load_state
+    engine.load_checkpoint(str(tmp_path / "ckpt"), tag="s3")
+    _run(engine, 2, start=4)
+    got = _state(engine)
+    assert all(torch.equal(got[k], want[k]) for k in want)
+    engine.close()
+
+
 def test_a_model_left_in_bf16_under_fp32_precision_keeps_its_own_masters(tmp_path):
     """The partitions can be the masters only when they are fp32: a bf16 model under
     ``"precision": "fp32"`` (not cast) keeps the optimizer's fp32 copy (12 bytes per element)."""

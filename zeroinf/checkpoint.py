@@ -423,6 +423,9 @@ def load(engine, load_dir: str, tag: Optional[str] = None) -> Tuple[str, dict]:
         CheckpointError: missing, unreadable (truncated) or mismatched files on this or another
             rank, or a checkpoint from another world size, stage or sub-group layout (the message
             names the file or what differs); nothing is loaded then.
+        OSError, RuntimeError: applying the checked files failed part-way (a swap-file write, on
+            this or another rank): the engine is then a mix of the checkpoint and what it held,
+            and its forward, backward, step and save_checkpoint raise until a load completes.
     """
     engine.synchronize()
     problem, found = None, None
@@ -444,20 +447,36 @@ def load(engine, load_dir: str, tag: Optional[str] = None) -> Tuple[str, dict]:
         for obj, before in undo:
             obj.load_state_dict(before)
         raise
-    engine.module.load_state_dict(meta["module"])
-    if hasattr(engine.params, "settle_host_copies"):  # CUDA stages 1/2: a copy may still read the masters
-        engine.params.settle_host_copies()
-    for i, sd in enumerate(states):
-        engine.sub_optimizer.load_state(i, sd["master"], sd["exp_avg"], sd["exp_avg_sq"])
-    del states
-    for g, h in zip(engine.optimizer.param_groups, meta["param_groups"]):
-        for k, v in h.items():
-            g[k] = tuple(v) if k == "betas" else v
-    engine.global_steps, engine.micro_steps = meta["global_steps"], meta["micro_steps"]
-    engine.skipped_steps, engine.optimizer_steps = meta["skipped_steps"], meta["optimizer_steps"]
-    engine.params.zero_grad_acc()
-    _set_rng_state(rng)
-    _barrier(engine)
+    # from here on the engine changes: a failure (a swap-file write, on any rank) leaves it half
+    # loaded, and the engine refuses to train on until a load completes (engine._half_loaded)
+    problem = None
+    try:
+        engine.module.load_state_dict(meta["module"])
+        if hasattr(engine.params, "settle_host_copies"):  # CUDA stages 1/2: a copy may still read the masters
+            engine.params.settle_host_copies()
+        for i, sd in enumerate(states):
+            engine.sub_optimizer.load_state(i, sd["master"], sd["exp_avg"], sd["exp_avg_sq"])
+        del states
+        for g, h in zip(engine.optimizer.param_groups, meta["param_groups"]):
+            for k, v in h.items():
+                g[k] = tuple(v) if k == "betas" else v
+        engine.global_steps, engine.micro_steps = meta["global_steps"], meta["micro_steps"]
+        engine.skipped_steps, engine.optimizer_steps = meta["skipped_steps"], meta["optimizer_steps"]
+        engine.params.zero_grad_acc()
+        _set_rng_state(rng)
+    except Exception as exc:  # every rank must reach the agreement below
+        problem = exc
+    except BaseException as exc:  # an interrupt: no collective
+        engine._half_loaded = exc
+        raise
+    try:
+        _agree(engine, problem, lambda bad: RuntimeError(
+            f"rank(s) {bad} failed while applying checkpoint {ckpt} (their errors name the cause); this rank loaded "
+            "it, but the ranks' states no longer fit together"))
+    except BaseException as exc:
+        engine._half_loaded = exc
+        raise
+    engine._half_loaded = None
     return ckpt, meta["client_state"]
 
 

@@ -114,6 +114,7 @@ class ZeroEngine:
         self._step_stats = self._new_step_stats()
         self._step_running = False  # a background optimizer step is in flight (stage 3)
         self._closed = False  # close() ran: every entry point raises (_check_open)
+        self._half_loaded: Optional[BaseException] = None  # a load_checkpoint failed part-way (_check_open)
         self.loss_scaler = LossScaler.from_config(cfg.fp16) if cfg.fp16.enabled else None
         zc = cfg.zero_optimization
         off = zc.offload_optimizer
@@ -561,7 +562,7 @@ class ZeroEngine:
         ``(path, client_state)`` like DeepSpeed. Raises RuntimeError between engine.backward
         and engine.step with ``zeroinf.optimizer_in_backward``."""
         from zeroinf import checkpoint
-        self._check_open()
+        self._check_open(loading=True)
         self._check_step_closed("load_checkpoint")
         return checkpoint.load(self, load_dir, tag)
 
@@ -592,12 +593,18 @@ class ZeroEngine:
                 if manager is not None:
                     manager.close()
 
-    def _check_open(self) -> None:
-        """Raise RuntimeError once :meth:`close` ran."""
+    def _check_open(self, loading: bool = False) -> None:
+        """Raise RuntimeError once :meth:`close` ran, or (unless ``loading``) while a
+        :meth:`load_checkpoint` that failed part-way left the state a mix of two."""
         if self._closed:
             raise RuntimeError("zeroinf: this engine was closed (engine.close()); its optimizer state and swap "
                                "buffers are released. Build a new engine with zeroinf.initialize, and save a "
                                "checkpoint before closing to carry the state over.")
+        if self._half_loaded is not None and not loading:
+            raise RuntimeError("zeroinf: a load_checkpoint failed part-way "
+                               f"({type(self._half_loaded).__name__}: {self._half_loaded}); the weights and optimizer "
+                               "state are a mix of the checkpoint and what the engine held. Load a checkpoint again "
+                               "(a load that completes clears this) or build a new engine.") from self._half_loaded
 
     def destroy(self) -> None:
         """Alias of :meth:`close` (DeepSpeed's name)."""
