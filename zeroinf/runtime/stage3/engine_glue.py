@@ -107,7 +107,8 @@ def swap_file_bytes(model: torch.nn.Module, cfg, groups: Sequence[Sequence[torch
                                                * g.shard_numel for g in parts), "gradient partitions"))
     if zc.offload_optimizer.device == "nvme":
         path = zc.offload_optimizer.nvme_path
-        masters = master_in_partitions(cfg) and all(g.dtype == torch.float32 for g in parts)  # as master_io()
+        masters = master_in_partitions(cfg) and all(  # as master_io(): the trainable groups are fp32
+            g.dtype == torch.float32 for g in parts if any(s.param in trainable for s in g.slots))
         per = 8 if masters else 12
         out.append(("zero_optimization.offload_optimizer.nvme_path", path,
                     os.path.join(path, "zeroinf_optimizer", f"rank{rank}"),
@@ -203,7 +204,10 @@ class Stage3EngineParams:
     # the optimizer's swap files hold only exp_avg and exp_avg_sq, and its step updates, in place,
     # a tensor holding the partition's current values (``step_target``): the host partition
     # itself (cpu), or a copy read from NVMe ahead of the step, or (optimizer in backward) a copy
-    # taken from the gathered unit at the hand-over, which reads nothing. Checkpoints still hold
+    # taken from the gathered unit at the hand-over, which reads nothing, when that unit was
+    # gathered for the backward and not written since (``manager.partition_copy``; a unit still
+    # gathered from the forward may hold in-place edits that stage 3 discards, so its partition
+    # is read). Checkpoints still hold
     # a master per sub-group: ``SubGroupOptimizer.state`` reads it from the partition
     # (``_PartitionMaster``). DeepSpeed 0.19.8 writes both copies (its NVMe row in
     # bench/stage3_step.py: 2.02 GB per step, as this engine did before).

@@ -622,6 +622,7 @@ class Stage3ParameterManager:
             g.full = self.scratch.take(g.padded_numel, g.dtype, self.device)
         after = self.transfers.mark()  # [Note: CUDA streams]: earlier kernels may still use g.full's block
         unit.state = UnitState.FETCHING
+        unit.issued_in_backward = self._in_backward
         self.stats.add("gathers")
         staged = self._staged.pop(unit.index, None)
         if staged is not None:
@@ -704,6 +705,7 @@ class Stage3ParameterManager:
                     self.tracer.span(f"all_gather {g.key}", "comm", t0, self.tracer.now())
         for g in unit.groups:
             self._storage_of[g.full.untyped_storage().data_ptr()] = g
+            g.full_version = g.full._version
             for s in g.slots:
                 s.param.__class__ = gathered_class(type(s.param))  # first: .data = on the plain class is faster
                 s.param.data = g.full[s.offset:s.offset + s.numel].view(s.shape)
@@ -958,7 +960,8 @@ class Stage3ParameterManager:
             ahead = self.scheduler.prefetched if backward_follows else ()
             for u in self.units[1:]:
                 if u.state is not UnitState.RELEASED and not self.is_pinned(u) and u.index not in ahead:
-                    self.release(u)
+                    if not (backward_follows and self.scheduler.hold_for_next_use(u)):
+                        self.release(u)
             if backward_follows:
                 return output
             self._end_iteration()
@@ -991,7 +994,8 @@ class Stage3ParameterManager:
             # in the backward this forward is activation checkpointing's recompute: the unit's own
             # backward comes next and reads the parameters it saved, so it stays gathered until its
             # gradients are reduced (_post_accumulate) or the backward ends
-            if not self._in_backward and not self.scheduler.keep_after_use(unit) and unit not in self._active:
+            if (not self._in_backward and not self.scheduler.keep_after_use(unit) and unit not in self._active
+                    and not self.scheduler.hold_for_next_use(unit)):
                 self.release(unit)
         finally:
             self._busy -= 1
@@ -1262,10 +1266,14 @@ class Stage3ParameterManager:
 
     def partition_copy(self, g: FlatGroup) -> Optional[torch.Tensor]:
         """A copy of this rank's partition of ``g`` taken from the gathered unit (``shard_numel``
-        elements of ``g.dtype``, from ``self.scratch``), or None when ``g`` is not gathered on
-        the host right now. For the optimizer in backward, at a hand-over on the compute thread."""
+        elements of ``g.dtype``, from ``self.scratch``), or None unless the gathered buffer
+        surely still holds the partition: gathered on the host for this backward (no forward
+        code saw it: in-place writes there are discarded, as gathered writes outside
+        ``gathered_parameters(modifier_rank=...)`` are) and not written in place since. For the
+        optimizer in backward, at a hand-over on the compute thread."""
         unit = self._unit_of_group(g)
-        if g.full is None or unit.state is not UnitState.GATHERED or g.full.device.type != "cpu":
+        if (g.full is None or unit.state is not UnitState.GATHERED or g.full.device.type != "cpu"
+                or not unit.issued_in_backward or g.full._version != g.full_version):
             return None
         lo, hi = self._shard_range(g)
         t = self.scratch.take(g.shard_numel, g.dtype)

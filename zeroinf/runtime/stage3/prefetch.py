@@ -139,6 +139,26 @@ class PrefetchScheduler:
             if not self.m.stage(u):
                 break
 
+    def hold_for_next_use(self, unit) -> bool:
+        """Keep ``unit``, gathered and done with, as prefetched for its next request when that
+        request comes within ``stage3_prefetch_bucket_size`` elements of requests from here (the
+        forward's last blocks, requested again first by the backward): released, it would be
+        read again at once. Returns True when held. Held units count in the bucket of
+        :meth:`schedule` (which then gathers that much less ahead) and are released like any
+        prefetched unit on a divergence or at the end of the iteration; they are live already,
+        so ``stage3_max_live_parameters`` is not exceeded."""
+        if not self.following or self.bucket <= 0 or unit.persistent:
+            return False
+        dist = 0
+        for idx, _phase in self.trace[self.pos:]:
+            if idx == unit.index:
+                self.prefetched.add(unit.index)
+                return True
+            dist += self.m.units[idx].numel
+            if dist > self.bucket:
+                return False
+        return False
+
     def keep_after_use(self, unit) -> bool:
         """True when ``unit`` is requested again within ``max_reuse_distance`` elements."""
         if not self.following:

@@ -164,6 +164,13 @@ class HostCache:
             self._entries[key] = t
             self._used += n
 
+    def discard(self, key: str) -> None:
+        """Forget ``key``'s copy (its partition is being rewritten)."""
+        with self._lock:
+            old = self._entries.pop(key, None)
+            if old is not None:
+                self._used -= old.numel()
+
     @property
     def used_elements(self) -> int:
         return self._used
@@ -224,13 +231,19 @@ class NvmeStore:
 
     def write_raw(self, src: torch.Tensor) -> int:
         """Write ``src``, a pinned staging view of the partition's size, straight to the swap
-        file (no copy); returns bytes written."""
+        file (no copy); returns bytes written. The cached copy is dropped first, so a failed
+        write leaves no stale copy to serve later reads (they raise the swapper's error)."""
+        if self.cache is not None:
+            self.cache.discard(self.key)
         self.swapper.swap_out([(self.key, src)], async_op=False)
         if self.cache is not None:
             self.cache.put(self.key, src)
         return self.nbytes
 
     def write_from(self, src: torch.Tensor) -> int:
+        """:meth:`write_raw` from any host tensor, through a staging buffer."""
+        if self.cache is not None:
+            self.cache.discard(self.key)
         buf, view = self._staging()
         try:
             view.copy_(src)
