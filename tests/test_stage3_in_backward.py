@@ -134,7 +134,7 @@ def test_gradients_never_reach_nvme_and_the_counters_equal_the_bytes_moved(tmp_p
     assert totals["bytes_nvme_written"] + opt_bytes[1] == moved["write"] - base["write"] > 0
     # every step read and wrote each trainable partition's Adam moments (8 bytes/element) once;
     # the fp32 partition is the master ([Note: master in the partitions]), copied at the
-    # hand-over from units gathered for the backward, read for those gathered since the forward
+    # hand-over from units gathered for the backward, read for those a forward requested since their gather
     trainable = {g.key: g for g, *_ in engine.params._subs}
     part = sum(g.shard_numel for g in trainable.values())
     assert opt_bytes[1] == 4 * 8 * part

@@ -622,7 +622,7 @@ class Stage3ParameterManager:
             g.full = self.scratch.take(g.padded_numel, g.dtype, self.device)
         after = self.transfers.mark()  # [Note: CUDA streams]: earlier kernels may still use g.full's block
         unit.state = UnitState.FETCHING
-        unit.issued_in_backward = self._in_backward
+        unit.exposed_to_forward = not self._in_backward  # the scheduler clears it for a backward request
         self.stats.add("gathers")
         staged = self._staged.pop(unit.index, None)
         if staged is not None:
@@ -777,6 +777,7 @@ class Stage3ParameterManager:
         if unit.state is UnitState.RELEASED:
             self._make_room(unit)
             self.issue(unit)
+            unit.exposed_to_forward = unit.exposed_to_forward and sch.trace[sch.pos][1] == "fwd"
             self.stats.live(self._live)
             sch.prefetched.add(unit.index)
         self._read_done(unit)
@@ -858,6 +859,8 @@ class Stage3ParameterManager:
                 "(.detach()) by an earlier module, or the unit called again under reentrant activation checkpointing "
                 "(use_reentrant=False avoids that). Turn zeroinf.optimizer_in_backward off for this model.")
         was_live = unit.state is UnitState.GATHERED
+        if phase == "fwd":
+            unit.exposed_to_forward = True
         hit = self.scheduler.on_request(unit, phase) if record else False
         if was_live:
             self.stats.add("already_live")
@@ -1267,13 +1270,14 @@ class Stage3ParameterManager:
     def partition_copy(self, g: FlatGroup) -> Optional[torch.Tensor]:
         """A copy of this rank's partition of ``g`` taken from the gathered unit (``shard_numel``
         elements of ``g.dtype``, from ``self.scratch``), or None unless the gathered buffer
-        surely still holds the partition: gathered on the host for this backward (no forward
-        code saw it: in-place writes there are discarded, as gathered writes outside
-        ``gathered_parameters(modifier_rank=...)`` are) and not written in place since. For the
-        optimizer in backward, at a hand-over on the compute thread."""
+        surely still holds the partition: gathered on the host for the backward and not requested
+        by any forward since (forward code may edit gathered weights in place, and stage 3
+        discards such edits, as it does gathered writes outside
+        ``gathered_parameters(modifier_rank=...)``), and not written in place since (version
+        counter). For the optimizer in backward, at a hand-over on the compute thread."""
         unit = self._unit_of_group(g)
         if (g.full is None or unit.state is not UnitState.GATHERED or g.full.device.type != "cpu"
-                or not unit.issued_in_backward or g.full._version != g.full_version):
+                or unit.exposed_to_forward or g.full._version != g.full_version):
             return None
         lo, hi = self._shard_range(g)
         t = self.scratch.take(g.shard_numel, g.dtype)

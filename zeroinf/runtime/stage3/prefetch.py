@@ -118,7 +118,7 @@ class PrefetchScheduler:
         ahead = sum(self.m.units[i].numel for i in self.prefetched)
         rest = self.trace[self.pos:]
         k = 0
-        for k, (idx, _phase) in enumerate(rest):
+        for k, (idx, phase) in enumerate(rest):
             u = self.m.units[idx]
             if u.persistent or u.state.value != "released":
                 continue
@@ -127,6 +127,8 @@ class PrefetchScheduler:
             if ahead + u.numel > self.bucket or self.m.live_numel + u.numel > self.max_live:
                 break
             self.m.issue(u)
+            if phase == "bwd":  # its first request from here on: no forward code runs on it before
+                u.exposed_to_forward = False
             self.prefetched.add(idx)
             ahead += u.numel
         else:

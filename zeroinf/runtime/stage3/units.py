@@ -108,7 +108,7 @@ class Unit:
     trainable: int = 0  # parameters with requires_grad
     grads_seen: int = 0  # post-accumulate hooks fired this backward
     reduces_this_backward: int = 0
-    issued_in_backward: bool = False  # gathered for the backward: no forward code saw its buffers
+    exposed_to_forward: bool = True  # forward code may have run on its gathered buffers (partition_copy)
 
     @property
     def numel(self) -> int:
