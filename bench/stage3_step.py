@@ -23,6 +23,11 @@ after the first):
   largest parameter has 4.2M elements) and ``offload_optimizer.buffer_count`` 12 (4 fails in
   its swapper, see ../shared/peers/README.md).
 
+The four zeroinf rows and the disk bandwidth are measured in ``--rounds`` rounds (default 3), the
+rows' order rotated each round: this VM's speed drifts by a third within minutes, so each round's
+goal ratios (rows measured next to each other) are printed, and every zeroinf row shows the
+median over rounds.
+
 Every row prints its loss after the last step (same seed and batch: the rows must agree) and the
 bytes the process read from and wrote to disk meanwhile (``psutil``, all engines counted alike).
 
@@ -33,7 +38,7 @@ the share of the whole step's I/O time hidden (1 - (nvme - resident) / io-floor:
 nvme step costs no more than the resident one, 0 when it costs the whole floor on top), and
 each engine's nvme / resident ratio.
 
-    python bench/stage3_step.py [--blocks 12] [--width 1024] [--nvme-path DIR] [--steps 3] [--no-peers]
+    python bench/stage3_step.py [--blocks 12] [--width 1024] [--nvme-path DIR] [--steps 3] [--rounds 3] [--no-peers]
 """
 from __future__ import annotations
 
@@ -181,6 +186,7 @@ def main() -> int:
     p.add_argument("--seq", type=int, default=64)
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--nvme-path", default=None)
+    p.add_argument("--rounds", type=int, default=3, help="rounds of the zeroinf rows, order rotated")
     p.add_argument("--no-peers", action="store_true", help="skip the DeepSpeed rows")
     p.add_argument("--peer-row", choices=["none", "nvme"], help=argparse.SUPPRESS)  # run_peer's subprocess
     args = p.parse_args()
@@ -189,20 +195,41 @@ def main() -> int:
         return 0
     peers = not args.no_peers and importlib.util.find_spec("deepspeed") is not None
     nvme = tempfile.mkdtemp(prefix="zeroinf_bench_s3_", dir=args.nvme_path)
+    kinds = {"resident": ("none", False), "nvme": ("nvme", False), "resident-in-bwd": ("none", True),
+             "nvme-in-bwd": ("nvme", True)}
+    rounds = []
     try:
-        res = run(args, "none", nvme)
-        off = run(args, "nvme", nvme)
-        res_ib = run(args, "none", nvme, in_backward=True)
-        off_ib = run(args, "nvme", nvme, in_backward=True)
+        for k in range(max(1, args.rounds)):
+            names = list(kinds)[k % len(kinds):] + list(kinds)[:k % len(kinds)]
+            got = {n: run(args, kinds[n][0], nvme, in_backward=kinds[n][1]) for n in names}
+            got["bw"] = io_bandwidth(nvme, 1 << 30, {})  # the default aio block, as the runs above
+            rounds.append(got)
         ds_res = run_peer(args, "none", nvme) if peers else None
         ds_off = run_peer(args, "nvme", os.path.join(nvme, "deepspeed")) if peers else None
-        w_bw, r_bw = io_bandwidth(nvme, 1 << 30, {})  # the default aio block, as the runs above
     finally:
         shutil.rmtree(nvme, ignore_errors=True)
-    floor = off["read_bytes"] / (r_bw * 1e9) + off["write_bytes"] / (w_bw * 1e9)
-    floor_ib = off_ib["read_bytes"] / (r_bw * 1e9) + off_ib["write_bytes"] / (w_bw * 1e9)
+
+    def floor_of(r: dict, bw) -> float:  # seconds to move the row's bytes at the round's bandwidth
+        return r["read_bytes"] / (bw[1] * 1e9) + r["write_bytes"] / (bw[0] * 1e9)
+
+    def goals(g: dict):  # this round's goal ratios: nvme, nvme-in-bwd
+        fl, fl_ib = floor_of(g["nvme"], g["bw"]), floor_of(g["nvme-in-bwd"], g["bw"])
+        res_s = min(g["resident"]["step_s"], g["resident-in-bwd"]["step_s"])
+        return (g["nvme"]["step_s"] / max(g["resident"]["step_s"], fl),
+                g["nvme-in-bwd"]["step_s"] / max(res_s, fl_ib))
+
+    def median_row(name: str) -> dict:
+        out = dict(rounds[-1][name])
+        out["step_s"] = statistics.median(g[name]["step_s"] for g in rounds)
+        return out
+    res, off, res_ib, off_ib = (median_row(n) for n in kinds)
+    w_bw = statistics.median(g["bw"][0] for g in rounds)
+    r_bw = statistics.median(g["bw"][1] for g in rounds)
+    floor = statistics.median(floor_of(g["nvme"], g["bw"]) for g in rounds)
+    floor_ib = statistics.median(floor_of(g["nvme-in-bwd"], g["bw"]) for g in rounds)
     params = sum(p.numel() for p in LM(args.blocks, args.width).parameters())
-    print(f"model {params / 1e6:.1f}M params, fp32, 2x{args.seq} tokens; disk write {w_bw:.2f} GB/s, read {r_bw:.2f} GB/s")
+    print(f"model {params / 1e6:.1f}M params, fp32, 2x{args.seq} tokens; disk write {w_bw:.2f} GB/s, read {r_bw:.2f} GB/s "
+          f"(medians of {len(rounds)} rounds; zeroinf rows: median seconds over rounds)")
     print(f"{'row':<19} {'seconds':>8} {'loss':>9} {'disk r/w GB':>12}  note")
 
     def row(name: str, r: dict, note: str = "") -> None:
@@ -237,12 +264,18 @@ def main() -> int:
     else:  # a share above 1 means only that the two timings are within noise of each other
         print("I/O hidden behind compute, whole step: n/a (the nvme step timed faster than the resident one: "
               "noise larger than the I/O; use a larger model)")
-    goal = max(res["step_s"], floor)
-    print(f"nvme / max(resident, io-floor) = {off['step_s'] / goal:.2f}  (goal <= 1.25)")
-    # the faster resident step and this row's own bytes: the stricter yardstick
-    goal_ib = max(min(res["step_s"], res_ib["step_s"]), floor_ib)
-    print(f"nvme-in-bwd / max(min(resident, resident-in-bwd), io-floor-in-bwd) = {off_ib['step_s'] / goal_ib:.2f}"
-          "  (goal <= 1.25)")
+    per_round = [goals(g) for g in rounds]
+    for k, (a, b) in enumerate(per_round):
+        r = rounds[k]
+        print(f"round {k + 1}: resident {r['resident']['step_s']:.3f} s, nvme {r['nvme']['step_s']:.3f} s, "
+              f"resident-in-bwd {r['resident-in-bwd']['step_s']:.3f} s, nvme-in-bwd {r['nvme-in-bwd']['step_s']:.3f} s, "
+              f"write/read {r['bw'][0]:.2f}/{r['bw'][1]:.2f} GB/s; goal ratios {a:.2f}, {b:.2f}")
+    # in-bwd: the faster resident step and this row's own bytes, the stricter yardstick
+    print(f"nvme / max(resident, io-floor) = {statistics.median(a for a, _ in per_round):.2f} "
+          f"(rounds {', '.join(f'{a:.2f}' for a, _ in per_round)}; goal <= 1.25)")
+    print(f"nvme-in-bwd / max(min(resident, resident-in-bwd), io-floor-in-bwd) = "
+          f"{statistics.median(b for _, b in per_round):.2f} (rounds {', '.join(f'{b:.2f}' for _, b in per_round)}; "
+          "goal <= 1.25)")
     print(f"nvme / resident: zeroinf {off['step_s'] / res['step_s']:.2f}", end="")
     if peers and "error" not in ds_res and "error" not in ds_off:
         print(f", deepspeed {ds_off['step_s'] / ds_res['step_s']:.2f}; "
