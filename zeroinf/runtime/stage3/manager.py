@@ -277,6 +277,7 @@ class Stage3ParameterManager:
         self._listeners: List[Callable[[List[FlatGroup]], None]] = []
         self._storage_of: Dict[int, FlatGroup] = {}
         self._handles: list = []
+        self._param_hooks: list = []  # the parameters' gradient hooks (see _remove_param_hooks)
         self._staged: Dict[int, _Staged] = {}
         self._grad_io: list = []  # futures of gradient accumulations on NVMe
         self.grad_norm_type: Optional[float] = None  # [Note: norm while reducing]
@@ -487,13 +488,23 @@ class Stage3ParameterManager:
             for g in u.groups:
                 for s in g.slots:
                     if s.param.requires_grad:
-                        self._handles.append(s.param.register_post_accumulate_grad_hook(self._post_accumulate))
+                        self._param_hooks.append(s.param.register_post_accumulate_grad_hook(self._post_accumulate))
+
+    def _remove_param_hooks(self) -> None:
+        """Remove the parameters' gradient hooks. close() does: torch does not show a tensor's
+        hooks to Python's cycle collector while C++ also holds the tensor, so a parameter ->
+        hook -> manager -> parameter cycle kept the model, its partitions and every buffer of a
+        closed engine alive until exit (2 GB per closed 100M-parameter engine with CPU tiers)."""
+        for h in self._param_hooks:
+            h.remove()
+        self._param_hooks.clear()
 
     def remove_hooks(self) -> None:
         """Detach from the module (parameters stay partitioned)."""
         for h in self._handles:
             h.remove()
         self._handles.clear()
+        self._remove_param_hooks()
 
     # ------------------------------------------------------------------------ I/O plumbing
     def _run_io(self, fn, *args):
@@ -1563,6 +1574,7 @@ class Stage3ParameterManager:
         try:
             self.step_gate.wait()
         finally:
+            self._remove_param_hooks()  # they hold the manager in a cycle the collector cannot see
             try:
                 for u in self.units:
                     self.release(u)
