@@ -22,7 +22,9 @@ Rajbhandari et al. 2021), much as DeepSpeed's estimators count them
 add a 1.5x safety factor and the host copy made while the model is built):
 
 * ``offload_optimizer`` cpu|nvme: the K-byte optimizer state goes to pinned host memory or NVMe
-  (with an fp32 master copy even in fp32 training, so K = 4 + the optimizer's own state there);
+  (with an fp32 master copy even in fp32 training, so K = 4 + the optimizer's own state there,
+  except at stage 3 in fp32 with the optimizer on NVMe and the parameters on cpu or NVMe, where
+  the parameter partitions are the masters);
   the rank's gradient partition goes to pinned host memory in fp32 (4 bytes per parameter; the CPU
   optimizer reads it there) — except with both params and optimizer on NVMe at stage 3, where the
   engine swaps the fp32 gradient partition to NVMe too. With partitioned gradients (stage 2, 3) the accelerator then keeps none
@@ -540,8 +542,12 @@ def estimate(params: int, placement: Placement, *, world_size: int = 1, gpus_per
     if optimizer not in OPTIMIZERS:
         raise ValueError(f"optimizer: {optimizer!r} is not one of {', '.join(OPTIMIZERS)}")
     prec = PRECISIONS[precision]
-    # An offloaded optimizer always steps an fp32 master copy of its own, even in fp32 training.
-    master = prec.master_bytes if placement.offload_optimizer == "none" else 4
+    # An offloaded optimizer steps an fp32 master copy of its own, even in fp32 training, except
+    # where fp32 stage-3 partitions off the device are the masters (optimizer state on NVMe:
+    # [Note: master in the partitions] in zeroinf/runtime/stage3/engine_glue.py)
+    partitions_are_masters = (prec.name == "fp32" and placement.stage == 3 and placement.offload_optimizer == "nvme"
+                              and placement.offload_param in ("cpu", "nvme"))
+    master = prec.master_bytes if placement.offload_optimizer == "none" or partitions_are_masters else 4
     k = master + OPTIMIZERS[optimizer]
     n = world_size
     shard = -(-params // n)
