@@ -228,6 +228,12 @@ def test_a_closed_engine_frees_its_model_and_buffers(tmp_path, tiers, in_backwar
     gc.collect()
     assert [r() is None for r in refs] == [True] * 4
     assert not [m for m in managers(include_closed=True) if m._closed]
+    # a closed engine's model refuses a load instead of loading nothing (found by the tester)
+    model = TinyLM()
+    engine, *_ = zeroinf.initialize(model=model, config=_config(*tiers, tmp_path))
+    engine.close()
+    with pytest.raises(RuntimeError, match="was closed"):
+        model.load_state_dict(TinyLM().state_dict())
 
 
 def test_a_model_left_in_bf16_under_fp32_precision_keeps_its_own_masters(tmp_path):

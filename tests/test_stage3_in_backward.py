@@ -20,9 +20,9 @@ from zeroinf.runtime.stage3.in_backward import OptimizerInBackwardError
 from zeroinf.runtime.stage3.overlap import StepFailedError
 
 
-def _engine(path, model, in_backward, tiers=("nvme", "nvme"), **extra):
+def _engine(path, model, in_backward, tiers=("nvme", "nvme"), zero=None, **extra):
     path.mkdir(exist_ok=True)
-    cfg = _config(*tiers, path, sub_group_size=700)  # several sub-groups per flat group
+    cfg = _config(*tiers, path, sub_group_size=700, **(zero or {}))  # several sub-groups per flat group
     cfg["zeroinf"] = {"optimizer_in_backward": in_backward, "overlap_step": in_backward}
     cfg.update(extra)
     engine, *_ = zeroinf.initialize(model=model, config=cfg)
@@ -145,25 +145,31 @@ def test_gradients_never_reach_nvme_and_the_counters_equal_the_bytes_moved(tmp_p
     engine.close()
 
 
+@pytest.mark.parametrize("bucket", [0, 10**6])
+@pytest.mark.parametrize("hook", ["forward", "backward"])
 @pytest.mark.parametrize("edit", ["in_place", "data"])
-def test_in_forward_edits_of_gathered_weights_are_discarded_as_in_the_synchronous_step(tmp_path, edit):
-    """A forward hook that scales a weight in place (under no_grad, or through ``.data``) edits
-    only the gathered copy; stage 3 discards it and the partition stays the truth. The optimizer
-    in backward takes the fp32 master from the gathered unit where it can ([Note: master in the
-    partitions]): it once took the head's edited copy, which is gathered from the forward on,
-    and the edits stuck (head weight mean 0.03 instead of 0.12 after 3 steps, found by the
-    tester). Both last blocks and the head are touched; the runs must be bit-equal."""
+def test_edits_of_gathered_weights_in_hooks_are_discarded_as_in_the_synchronous_step(tmp_path, edit, hook, bucket):
+    """A forward or backward pre-hook that scales a weight in place (under no_grad, or through
+    ``.data``) edits only the gathered copy; stage 3 discards it and the partition stays the
+    truth. The optimizer in backward takes NVMe masters from copies of the partitions
+    ([Note: master in the partitions]); it took them from the gathered buffers once, and the
+    edits stuck (head weight mean 0.03 instead of 0.12 after 3 steps with a forward hook, 0.125
+    off after one step with a backward hook: both found by testers). The head, the last block and
+    the first block are touched, with and without prefetch; the runs must be bit-equal."""
     ref = TinyLM()
     states = {}
     for ib in (False, True):
         model = copy.deepcopy(ref)
 
-        def halve(module, args):
+        def halve(module, *args):
             with torch.no_grad():
                 (module.weight if edit == "in_place" else module.weight.data).mul_(0.5)
-        for mod in (model.head, model.blocks[-1].ff[0]):
-            mod.register_forward_pre_hook(halve)
-        engine = _engine(tmp_path / str(ib), model, ib)
+        for mod in (model.head, model.blocks[-1].ff[0], model.blocks[0].ff[0]):
+            if hook == "forward":
+                mod.register_forward_pre_hook(halve)
+            else:
+                mod.register_full_backward_pre_hook(halve)
+        engine = _engine(tmp_path / str(ib), model, ib, zero={"stage3_prefetch_bucket_size": bucket})
         _run(engine, 3)
         engine.synchronize()
         states[ib] = _state(engine)

@@ -53,8 +53,12 @@ def engine_manager(model: torch.nn.Module, cfg, groups: Sequence[Sequence[torch.
     opts = Stage3Options.from_zero_config(cfg.zero_optimization, cfg.aio.as_dict())
     if _grads_on_nvme(cfg):
         opts = dataclasses.replace(opts, grads_on_nvme=True)  # ZeRO-Infinity: host memory flat in model size
-    return Stage3EngineParams(model, opts, groups, sub_group_size=cfg.zero_optimization.sub_group_size,
+    glue = Stage3EngineParams(model, opts, groups, sub_group_size=cfg.zero_optimization.sub_group_size,
                               master_in_partitions=master_in_partitions(cfg))
+    # the optimizer in backward takes NVMe masters from copies made as the backward's reads land
+    glue.manager.snapshot_partitions = (glue.master_in_partitions and cfg.zeroinf.optimizer_in_backward
+                                        and cfg.zero_optimization.offload_param.device == "nvme")
+    return glue
 
 
 def master_in_partitions(cfg) -> bool:
@@ -204,10 +208,11 @@ class Stage3EngineParams:
     # the optimizer's swap files hold only exp_avg and exp_avg_sq, and its step updates, in place,
     # a tensor holding the partition's current values (``step_target``): the host partition
     # itself (cpu), or a copy read from NVMe ahead of the step, or (optimizer in backward) a copy
-    # taken from the gathered unit at the hand-over, which reads nothing, when that unit was
-    # gathered for the backward and not written since (``manager.partition_copy``; a unit still
-    # gathered from the forward may hold in-place edits that stage 3 discards, so its partition
-    # is read). Checkpoints still hold
+    # of the partition that the I/O thread made as the unit's read for the backward landed,
+    # before any code could see the gathered buffer (``manager.partition_copy``; not a copy of the
+    # gathered buffer, which forward code or backward hooks may have edited in place: stage 3
+    # discards such edits). A unit held gathered from the forward has no such copy: its partition
+    # is read. Checkpoints still hold
     # a master per sub-group: ``SubGroupOptimizer.state`` reads it from the partition
     # (``_PartitionMaster``). DeepSpeed 0.19.8 writes both copies (its NVMe row in
     # bench/stage3_step.py: 2.02 GB per step, as this engine did before).
@@ -215,7 +220,7 @@ class Stage3EngineParams:
         """The ``SubGroupOptimizer`` ``master_io`` over this rank's partitions when they are the
         fp32 master weights ([Note: master in the partitions]), else None."""
         if not self.master_in_partitions or not _partitions_are_masters(self.manager.groups(), self._subs):
-            self.master_in_partitions = False
+            self.master_in_partitions = self.manager.snapshot_partitions = False
             return None
         return _PartitionMaster(self)
 
@@ -435,8 +440,9 @@ class Stage3EngineParams:
         return t, m.submit_io(m.read_param_raw, g, t)
 
     def master_copy(self, g: FlatGroup) -> Optional[torch.Tensor]:
-        """At the optimizer in backward's hand-over: ``g``'s partition copied from the gathered
-        unit when it is the master and on NVMe (so the step reads nothing), else None."""
+        """At the optimizer in backward's hand-over: ``g``'s partition as read for the backward
+        (``manager.partition_copy``) when it is the master and on NVMe (so the step reads
+        nothing), else None."""
         if not self.master_in_partitions or g.store.local() is not None:
             return None
         return self.manager.partition_copy(g)
@@ -625,9 +631,11 @@ class Stage3EngineParams:
         forward, failed that check after every value had been written.)
 
         Raises:
-            RuntimeError: ``assign=True`` (it would put plain tensors in place of the partitioned
-                parameters), or a value whose shape differs from its parameter's.
+            RuntimeError: the engine was closed, ``assign=True`` (it would put plain tensors in
+                place of the partitioned parameters), or a value whose shape differs from its
+                parameter's.
         """
+        self.manager._check_open()  # a closed engine's partitions are gone: raise, not load nothing
         if local_metadata.get("assign_to_params_buffers"):
             raise RuntimeError("zeroinf stage 3: load_state_dict(..., assign=True) would replace the partitioned "
                                "parameters by plain tensors (the model then holds empty placeholders); load with "

@@ -293,6 +293,9 @@ class Stage3ParameterManager:
         # [Note: optimizer in backward] (in_backward.py): while set, reduced gradient partitions
         # go to this callable (group, part, ready, recycle) instead of grad_shard / the swap file
         self.grad_sink: Optional[Callable[..., None]] = None
+        #: keep a copy of each partition read for the backward (partition_copy): set by the engine
+        #: for the optimizer in backward when the partitions are the masters
+        self.snapshot_partitions = False
         self.scratch = BufferRecycler()  # unit-sized CPU scratch tensors, reused (no page faults)
 
         from .init import init_shapes  # parameters partitioned at construction (zeroinf.Init)
@@ -526,10 +529,13 @@ class Stage3ParameterManager:
             f.set_exception(exc)
         return f
 
-    def _read_partitions(self, unit: Unit, staged: Optional["_Staged"] = None, after: Any = None) -> Any:
+    def _read_partitions(self, unit: Unit, staged: Optional["_Staged"] = None, after: Any = None,
+                         snapshot: bool = False) -> Any:
         """Fill ``unit``'s ``g.full`` shards from their home tier (or from ``staged``). Returns the
         ``ready`` event of the H2D copies on CUDA (see [Note: CUDA streams]; ``after`` is the
-        event recorded when ``g.full`` was allocated), None otherwise."""
+        event recorded when ``g.full`` was allocated), None otherwise. ``snapshot`` (host
+        buffers only): also keep a copy of each shard in ``g.partition_snapshot`` before any
+        code can see ``g.full``."""
         _io_delay()
         failed = staged.future.exception() if staged is not None else None
         if failed is not None:
@@ -546,11 +552,23 @@ class Stage3ParameterManager:
                 g.full[lo:hi].copy_(view)
             self._free_staged(staged)
             self.tracer.span(f"copy {unit.name}", "transfer", t0, self.tracer.now(), thread="io")
-            return
-        for g in unit.groups:
-            lo, hi = self._shard_range(g)
-            nbytes += g.store.read_into(g.full[lo:hi])
-        self._count_read(unit, nbytes, t0)
+        else:
+            for g in unit.groups:
+                lo, hi = self._shard_range(g)
+                nbytes += g.store.read_into(g.full[lo:hi])
+            self._count_read(unit, nbytes, t0)
+        if snapshot and unit.groups and unit.groups[0].full.device.type == "cpu":
+            for g in unit.groups:
+                lo, hi = self._shard_range(g)
+                t = self.scratch.take(g.shard_numel, g.dtype)
+                t.copy_(g.full[lo:hi])
+                self._drop_snapshot(g)
+                g.partition_snapshot = t
+
+    def _drop_snapshot(self, g: FlatGroup) -> None:
+        t, g.partition_snapshot = g.partition_snapshot, None
+        if t is not None:
+            self.scratch.give(t)
 
     def _count_read(self, unit: Unit, nbytes: int, t0: float) -> None:
         t1 = self.tracer.now()
@@ -621,8 +639,11 @@ class Stage3ParameterManager:
         return unit.persistent or unit in self._active or unit in self._foreign or unit.gather_works is not None or (
             self._in_backward and unit.state is UnitState.GATHERED and 0 < unit.grads_seen < unit.trainable)
 
-    def issue(self, unit: Unit) -> None:
-        """Start gathering ``unit`` (its tier reads; the all-gather runs in :meth:`_complete`)."""
+    def issue(self, unit: Unit, for_backward: bool = False) -> None:
+        """Start gathering ``unit`` (its tier reads; the all-gather runs in :meth:`_complete`).
+        ``for_backward``: its next request is the backward's (prefetched from the forward); with
+        :attr:`snapshot_partitions` the read then also keeps a copy of this rank's partition
+        (:meth:`partition_copy`)."""
         if unit.state is not UnitState.RELEASED:
             return
         self.step_gate.wait(g.key for g in unit.groups)  # its update from a background step
@@ -633,15 +654,15 @@ class Stage3ParameterManager:
             g.full = self.scratch.take(g.padded_numel, g.dtype, self.device)
         after = self.transfers.mark()  # [Note: CUDA streams]: earlier kernels may still use g.full's block
         unit.state = UnitState.FETCHING
-        unit.exposed_to_forward = not self._in_backward  # the scheduler clears it for a backward request
+        snapshot = self.snapshot_partitions and (for_backward or self._in_backward)
         self.stats.add("gathers")
         staged = self._staged.pop(unit.index, None)
         if staged is not None:
             self.stats.add("read_ahead_hits")
         if self._io is not None:
-            unit.future = self._io.submit(self._read_partitions, unit, staged, after)
+            unit.future = self._io.submit(self._read_partitions, unit, staged, after, snapshot)
         else:
-            ready = self._read_partitions(unit, None, after)
+            ready = self._read_partitions(unit, None, after, snapshot)
             unit.future = None if ready is None else _finished(ready)  # _complete waits for it
 
     # [Note: read-ahead] NVMe partitions can be read into pinned staging buffers further ahead
@@ -716,7 +737,6 @@ class Stage3ParameterManager:
                     self.tracer.span(f"all_gather {g.key}", "comm", t0, self.tracer.now())
         for g in unit.groups:
             self._storage_of[g.full.untyped_storage().data_ptr()] = g
-            g.full_version = g.full._version
             for s in g.slots:
                 s.param.__class__ = gathered_class(type(s.param))  # first: .data = on the plain class is faster
                 s.param.data = g.full[s.offset:s.offset + s.numel].view(s.shape)
@@ -787,8 +807,7 @@ class Stage3ParameterManager:
             return
         if unit.state is UnitState.RELEASED:
             self._make_room(unit)
-            self.issue(unit)
-            unit.exposed_to_forward = unit.exposed_to_forward and sch.trace[sch.pos][1] == "fwd"
+            self.issue(unit, for_backward=sch.trace[sch.pos][1] == "bwd")
             self.stats.live(self._live)
             sch.prefetched.add(unit.index)
         self._read_done(unit)
@@ -818,6 +837,7 @@ class Stage3ParameterManager:
             unit.future.result()
             unit.future = None
         for g in unit.groups:
+            self._drop_snapshot(g)
             if g.full is not None:
                 self._storage_of.pop(g.full.untyped_storage().data_ptr(), None)
             for s in g.slots:
@@ -870,8 +890,6 @@ class Stage3ParameterManager:
                 "(.detach()) by an earlier module, or the unit called again under reentrant activation checkpointing "
                 "(use_reentrant=False avoids that). Turn zeroinf.optimizer_in_backward off for this model.")
         was_live = unit.state is UnitState.GATHERED
-        if phase == "fwd":
-            unit.exposed_to_forward = True
         hit = self.scheduler.on_request(unit, phase) if record else False
         if was_live:
             self.stats.add("already_live")
@@ -1279,20 +1297,14 @@ class Stage3ParameterManager:
         self.stats.add("bytes_nvme_read", g.store.read_raw(dst))
 
     def partition_copy(self, g: FlatGroup) -> Optional[torch.Tensor]:
-        """A copy of this rank's partition of ``g`` taken from the gathered unit (``shard_numel``
-        elements of ``g.dtype``, from ``self.scratch``), or None unless the gathered buffer
-        surely still holds the partition: gathered on the host for the backward and not requested
-        by any forward since (forward code may edit gathered weights in place, and stage 3
-        discards such edits, as it does gathered writes outside
-        ``gathered_parameters(modifier_rank=...)``), and not written in place since (version
-        counter). For the optimizer in backward, at a hand-over on the compute thread."""
-        unit = self._unit_of_group(g)
-        if (g.full is None or unit.state is not UnitState.GATHERED or g.full.device.type != "cpu"
-                or unit.exposed_to_forward or g.full._version != g.full_version):
-            return None
-        lo, hi = self._shard_range(g)
-        t = self.scratch.take(g.shard_numel, g.dtype)
-        t.copy_(g.full[lo:hi])
+        """This rank's partition of ``g`` as its tier read it when the unit was gathered for the
+        backward (``shard_numel`` elements of ``g.dtype``, from ``self.scratch``; the caller
+        owns it now), or None when no such copy was kept (:attr:`snapshot_partitions` off, a
+        unit gathered since the forward, a CUDA device). Not a copy of ``g.full``: forward code
+        and backward hooks may edit gathered weights in place, and stage 3 discards such edits,
+        as it does gathered writes outside ``gathered_parameters(modifier_rank=...)``. For the
+        optimizer in backward, at a hand-over on the compute thread."""
+        t, g.partition_snapshot = g.partition_snapshot, None
         return t
 
     def write_param_shard(self, g: FlatGroup, src: torch.Tensor) -> None:

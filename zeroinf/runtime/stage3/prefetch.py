@@ -126,9 +126,7 @@ class PrefetchScheduler:
                 break  # its update from the background step is not stored yet: no read ahead of it
             if ahead + u.numel > self.bucket or self.m.live_numel + u.numel > self.max_live:
                 break
-            self.m.issue(u)
-            if phase == "bwd":  # its first request from here on: no forward code runs on it before
-                u.exposed_to_forward = False
+            self.m.issue(u, for_backward=phase == "bwd")
             self.prefetched.add(idx)
             ahead += u.numel
         else:

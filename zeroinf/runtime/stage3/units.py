@@ -76,7 +76,7 @@ class FlatGroup:
     grad_on_nvme: bool = False  # the swap file holds this group's accumulated gradient
     grad_nvme_dtype: torch.dtype = torch.float32  # which swap file holds it ([Note: gradients on NVMe])
     grad_norm_part: Optional[float] = None  # [Note: norm while reducing] of the accumulated gradient
-    full_version: int = -1  # full._version when the gather completed (writes since: full is not the partition)
+    partition_snapshot: Optional[torch.Tensor] = None  # this rank's partition as read for the backward (partition_copy)
 
     def drop_grad_shard(self) -> None:
         """Zero the accumulated gradient: ``grad_shard`` becomes None, its buffer is kept for
@@ -108,7 +108,6 @@ class Unit:
     trainable: int = 0  # parameters with requires_grad
     grads_seen: int = 0  # post-accumulate hooks fired this backward
     reduces_this_backward: int = 0
-    exposed_to_forward: bool = True  # forward code may have run on its gathered buffers (partition_copy)
 
     @property
     def numel(self) -> int:
