@@ -111,8 +111,8 @@ def swap_file_bytes(model: torch.nn.Module, cfg, groups: Sequence[Sequence[torch
                                                * g.shard_numel for g in parts), "gradient partitions"))
     if zc.offload_optimizer.device == "nvme":
         path = zc.offload_optimizer.nvme_path
-        masters = master_in_partitions(cfg) and all(  # as master_io(): the trainable groups are fp32
-            g.dtype == torch.float32 for g in parts if any(s.param in trainable for s in g.slots))
+        masters = master_in_partitions(cfg) and _all_fp32(  # as Stage3EngineParams decides
+            g for g in parts if any(s.param in trainable for s in g.slots))
         per = 8 if masters else 12
         out.append(("zero_optimization.offload_optimizer.nvme_path", path,
                     os.path.join(path, "zeroinf_optimizer", f"rank{rank}"),
@@ -121,17 +121,11 @@ def swap_file_bytes(model: torch.nn.Module, cfg, groups: Sequence[Sequence[torch
     return out
 
 
-def _partitions_are_masters(groups: Sequence[FlatGroup], subs) -> bool:
-    """Every trainable flat group is fp32 in host memory or on NVMe ([Note: master in the
-    partitions]); a model left in bf16 under ``"precision": "fp32"`` is not."""
-    trainable = {id(g) for g, _lo, _hi, _gi in subs}
-    for g in groups:
-        if id(g) not in trainable:
-            continue
-        local = g.store.local()
-        if g.dtype != torch.float32 or (local is not None and local.device.type != "cpu"):
-            return False
-    return True
+def _all_fp32(groups) -> bool:
+    """Whether every given (trainable) flat group is fp32: only then are the partitions the
+    masters ([Note: master in the partitions]); a model left in bf16 under ``"precision":
+    "fp32"`` keeps the optimizer's own fp32 copy."""
+    return all(g.dtype == torch.float32 for g in groups)
 
 
 class _PartitionMaster:
@@ -157,7 +151,9 @@ class Stage3EngineParams:
 
     Flat groups are laid out per optimizer param group and apart from frozen parameters
     (``build_units``' ``param_group_of``), so each sub-group is stepped with one param group's
-    hyperparameters.
+    hyperparameters. ``master_in_partitions`` (:func:`master_in_partitions` of the config):
+    the partitions are the optimizer's fp32 masters when, besides, every trainable flat group is
+    fp32 (attribute ``master_in_partitions``; [Note: master in the partitions]).
 
     Raises:
         RuntimeError: a flat group mixes param groups or frozen and trainable parameters after
@@ -168,7 +164,6 @@ class Stage3EngineParams:
                  groups: Sequence[Sequence[torch.nn.Parameter]], *, sub_group_size: int,
                  master_in_partitions: bool = False):
         group_of = _group_index(groups)
-        self.master_in_partitions = master_in_partitions  # [Note: master in the partitions]
         self.manager = m = Stage3ParameterManager(model, options, param_group_of=group_of)
         self.nparts = m.world_size
         self._subs: List[Tuple[FlatGroup, int, int, int]] = []  # (group, lo, hi, param group)
@@ -198,6 +193,7 @@ class Stage3EngineParams:
         # grad() moves to another group, unless param_target() showed the optimizer consumed it.
         self._grad_cache: Optional[List[Any]] = None  # [group, tensor, write back?]
         self._install_state_dict_hooks(model)
+        self.master_in_partitions = master_in_partitions and _all_fp32(g for g, *_ in self._subs)
 
     # [Note: master in the partitions] In fp32 training the optimizer's master weights hold the
     # same values as the parameter partitions: each step writes the new fp32 values into both.
@@ -219,10 +215,7 @@ class Stage3EngineParams:
     def master_io(self) -> Optional["_PartitionMaster"]:
         """The ``SubGroupOptimizer`` ``master_io`` over this rank's partitions when they are the
         fp32 master weights ([Note: master in the partitions]), else None."""
-        if not self.master_in_partitions or not _partitions_are_masters(self.manager.groups(), self._subs):
-            self.master_in_partitions = self.manager.snapshot_partitions = False
-            return None
-        return _PartitionMaster(self)
+        return _PartitionMaster(self) if self.master_in_partitions else None
 
     # --- the seam -------------------------------------------------------------------------
     def sub_group_specs(self):

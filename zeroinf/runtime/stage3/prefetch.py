@@ -147,27 +147,25 @@ class PrefetchScheduler:
         :meth:`schedule` (which then gathers that much less ahead) and are released like any
         prefetched unit on a divergence or at the end of the iteration; they are live already,
         so ``stage3_max_live_parameters`` is not exceeded."""
-        if not self.following or self.bucket <= 0 or unit.persistent:
+        if self.bucket <= 0 or unit.persistent or not self._requested_within(unit, self.bucket):
             return False
-        dist = 0
-        for idx, _phase in self.trace[self.pos:]:
-            if idx == unit.index:
-                self.prefetched.add(unit.index)
-                return True
-            dist += self.m.units[idx].numel
-            if dist > self.bucket:
-                return False
-        return False
+        self.prefetched.add(unit.index)
+        return True
 
     def keep_after_use(self, unit) -> bool:
         """True when ``unit`` is requested again within ``max_reuse_distance`` elements."""
+        return self._requested_within(unit, self.max_reuse)
+
+    def _requested_within(self, unit, limit: int) -> bool:
+        """Whether the followed trace requests ``unit`` again after at most ``limit`` elements of
+        other requests from the cursor on."""
         if not self.following:
             return False
         dist = 0
         for idx, _phase in self.trace[self.pos:]:
             if idx == unit.index:
-                return dist <= self.max_reuse
+                return dist <= limit
             dist += self.m.units[idx].numel
-            if dist > self.max_reuse:
+            if dist > limit:
                 return False
         return False

@@ -242,14 +242,9 @@ class NvmeStore:
 
     def write_from(self, src: torch.Tensor) -> int:
         """:meth:`write_raw` from any host tensor, through a staging buffer."""
-        if self.cache is not None:
-            self.cache.discard(self.key)
         buf, view = self._staging()
         try:
             view.copy_(src)
-            self.swapper.swap_out([(self.key, view)], async_op=False)
-            if self.cache is not None:
-                self.cache.put(self.key, view)
+            return self.write_raw(view)
         finally:
             self.pool.release(buf)
-        return self.nbytes
