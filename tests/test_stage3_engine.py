@@ -236,6 +236,49 @@ def test_a_closed_engine_frees_its_model_and_buffers(tmp_path, tiers, in_backwar
         model.load_state_dict(TinyLM().state_dict())
 
 
+@pytest.mark.parametrize("tiers,in_backward", [(("cpu", "cpu"), False), (("nvme", "nvme"), True)])
+def test_a_graph_never_run_backward_is_freed_as_in_plain_pytorch(tmp_path, tiers, in_backward):
+    """An activation graph dropped without a backward (a grad-enabled eval, a backward that
+    raised) is freed, as plain PyTorch frees it, and so is the engine once closed. The saved-tensor
+    pack hook kept each op's saved output with its own grad_fn: a cycle through C++ the collector
+    cannot see, which kept every such graph, and through the unpack hook the engine, until exit."""
+    import gc
+    import weakref
+
+    def activations_left(model, run):
+        seen = []
+        h = model.blocks[1].register_forward_hook(lambda m, a, out: seen.append(weakref.ref(out)))
+        x, y = batch(7)
+        run(model, x, y)
+        h.remove()
+        gc.collect()
+        return [r() is not None for r in seen]
+
+    def forward_only(model, x, y):
+        loss_fn(model(x), y)  # grad enabled, dropped without a backward
+
+    def failing_backward(model, x, y):
+        h = model.blocks[0].register_full_backward_hook(lambda *a: (_ for _ in ()).throw(ValueError("hook")))
+        with pytest.raises(ValueError, match="hook"):
+            loss_fn(model(x), y).backward()
+        h.remove()
+
+    for run in (forward_only, failing_backward):
+        ref_model = TinyLM()  # the reference: plain PyTorch frees the graph
+        assert activations_left(ref_model, run) == [False]
+        cfg = _config(*tiers, tmp_path)
+        cfg["zeroinf"] = {"optimizer_in_backward": in_backward}
+        model = TinyLM()
+        engine, *_ = zeroinf.initialize(model=model, config=cfg)
+        _run(engine, 1)
+        assert activations_left(engine.module, run) == [False], run.__name__
+        engine.close()
+        refs = [weakref.ref(o) for o in (model, engine, engine.params.manager)]
+        del model, engine
+        gc.collect()
+        assert [r() is None for r in refs] == [True] * 3, run.__name__
+
+
 def test_a_model_left_in_bf16_under_fp32_precision_keeps_its_own_masters(tmp_path):
     """The partitions can be the masters only when they are fp32: a bf16 model under
     ``"precision": "fp32"`` (not cast) keeps the optimizer's fp32 copy (12 bytes per element)."""

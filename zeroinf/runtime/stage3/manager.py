@@ -923,7 +923,11 @@ class Stage3ParameterManager:
                 g = None
             if g is not None and g.full is not None and t.untyped_storage().data_ptr() == g.full.untyped_storage().data_ptr():
                 return _SavedRef(g, t.storage_offset() - g.full.storage_offset(), tuple(t.shape), tuple(t.stride()))
-        return t
+        # detached: autograd puts the grad_fn back on unpack. Kept as is, an op's saved output
+        # would hold its own grad_fn through this hook, a cycle through C++ the collector cannot
+        # see: every graph not run backward (a grad-enabled eval, a backward that raised) would
+        # stay in memory, with the engine its unpack hook refers to
+        return t.detach()
 
     def _unpack(self, x):
         if isinstance(x, _SavedRef):
