@@ -132,6 +132,41 @@ def test_load_refuses_another_layout_and_incomplete_saves(tmp_path):
         engine.load_checkpoint(str(tmp_path / "empty"))
 
 
+def test_a_load_that_fails_part_way_blocks_the_model_itself_at_stage_1(tmp_path):
+    """After a load that failed part-way, the model's own forward and state_dict refuse the mixed
+    state as the engine does (stage 1/2 models hold plain parameters: the engine's hooks on the
+    model check it); a completed load restores the saved values; close() takes the hooks off."""
+    engine, model = _small_engine(offload_optimizer={"device": "cpu"})
+    x = torch.randn(4, 7)
+    engine.backward(engine(x).square().mean())
+    engine.step()
+    engine.save_checkpoint(str(tmp_path), "t")
+    saved = {k: v.clone() for k, v in model.state_dict().items()}
+    engine.backward(engine(x).square().mean())
+    engine.step()
+    load_state = engine.sub_optimizer.load_state
+
+    def failing(i, *a):
+        if i == 1:
+            raise OSError(5, "injected EIO")
+        return load_state(i, *a)
+    engine.sub_optimizer.load_state = failing
+    with pytest.raises(OSError, match="injected"):
+        engine.load_checkpoint(str(tmp_path), "t")
+    for call in (lambda: model(x), model.state_dict, lambda: engine(x), engine.step):
+        with pytest.raises(RuntimeError, match="load_checkpoint failed part-way .*OSError.*injected EIO"):
+            call()
+    engine.sub_optimizer.load_state = load_state
+    engine.load_checkpoint(str(tmp_path), "t")
+    assert all(torch.equal(v, saved[k]) for k, v in model.state_dict().items())
+    engine.sub_optimizer.load_state = failing
+    with pytest.raises(OSError, match="injected"):
+        engine.load_checkpoint(str(tmp_path), "t")
+    engine.close()
+    model(x)  # the closed engine no longer guards the model
+    assert len(model._forward_pre_hooks) == 0
+
+
 def _stage3_worker(rank, world, tmp):
     """2 steps, save, 2 more steps (the reference); then a fresh engine on another init loads the
     save and takes the same 2 steps: its losses and module state must equal the reference's."""

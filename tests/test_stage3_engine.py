@@ -158,7 +158,11 @@ def test_a_load_that_fails_part_way_blocks_training_until_a_load_completes(tmp_p
     with pytest.raises(OSError, match="injected"):
         engine.load_checkpoint(str(tmp_path / "ckpt"), tag="s3")
     x, y = batch(4)
-    for call in (lambda: engine(x), engine.step, lambda: engine.save_checkpoint(str(tmp_path / "ckpt"), tag="bad")):
+    # the model's own forward and state_dict, and gathered_parameters, refuse too (they once ran
+    # on the mixed state: found by the tester)
+    for call in (lambda: engine(x), engine.step, lambda: engine.save_checkpoint(str(tmp_path / "ckpt"), tag="bad"),
+                 lambda: engine.module(x), engine.module.state_dict,
+                 lambda: zeroinf.gathered_parameters(engine.module.parameters()).__enter__()):
         with pytest.raises(RuntimeError, match="load_checkpoint failed part-way .*OSError.*injected"):
             call()
     assert not (tmp_path / "ckpt" / "bad").exists()
@@ -366,6 +370,16 @@ def test_gathered_parameters_reads_and_writes_persist(tmp_path, tiers):
             ref.blocks[1].ff[0].weight.fill_(0.5)
     with zeroinf.gathered_parameters(w):
         assert torch.equal(w, torch.full_like(w, 0.5))
+    # between a grad-enabled forward and its backward the error says which (it said "forward or
+    # backward is running"); the backward ends the wait
+    x, y = batch(11)
+    loss = loss_fn(engine(x), y)
+    with pytest.raises(RuntimeError, match="a forward with grad enabled ran and its backward has not"):
+        zeroinf.gathered_parameters(w).__enter__()
+    loss.backward()
+    with zeroinf.gathered_parameters(w):
+        assert torch.equal(w, torch.full_like(w, 0.5))
+    engine.params.zero_grad_acc()
     # the engine's fp32 master weights follow: training from here equals the reference
     got = _run(engine, 2)
     want = _reference(ref, 2)

@@ -448,7 +448,7 @@ def load(engine, load_dir: str, tag: Optional[str] = None) -> Tuple[str, dict]:
             obj.load_state_dict(before)
         raise
     # from here on the engine changes: a failure (a swap-file write, on any rank) leaves it half
-    # loaded, and the engine refuses to train on until a load completes (engine._half_loaded)
+    # loaded, and the engine refuses to train on until a load completes (engine.load_guard)
     problem = None
     try:
         engine.module.load_state_dict(meta["module"])
@@ -467,16 +467,16 @@ def load(engine, load_dir: str, tag: Optional[str] = None) -> Tuple[str, dict]:
     except Exception as exc:  # every rank must reach the agreement below
         problem = exc
     except BaseException as exc:  # an interrupt: no collective
-        engine._half_loaded = exc
+        engine.load_guard.failed(exc)
         raise
     try:
         _agree(engine, problem, lambda bad: RuntimeError(
             f"rank(s) {bad} failed while applying checkpoint {ckpt} (their errors name the cause); this rank loaded "
             "it, but the ranks' states no longer fit together"))
     except BaseException as exc:
-        engine._half_loaded = exc
+        engine.load_guard.failed(exc)
         raise
-    engine._half_loaded = None
+    engine.load_guard.completed()
     return ckpt, meta["client_state"]
 
 

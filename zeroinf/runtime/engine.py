@@ -42,7 +42,42 @@ from zeroinf.config import ConfigError, ZeroInfConfig, parse_config
 from .loss_scaler import LossScaler
 from .optimizer import SubGroupOptimizer
 
-__all__ = ["ZeroEngine", "ZeroOptimizer", "initialize"]
+__all__ = ["LoadGuard", "ZeroEngine", "ZeroOptimizer", "initialize"]
+
+
+class LoadGuard:
+    """Whether a ``load_checkpoint`` failed part-way, leaving the weights and optimizer state a
+    mix of the checkpoint and what the engine held.
+
+    The engine checks it at its entry points; hooks on the model check it at the model's own
+    forward and ``state_dict`` (which the engine does not see). It refers to no engine or model, so
+    the hooks keep neither alive.
+    """
+
+    def __init__(self) -> None:
+        self.failure: Optional[BaseException] = None  #: the error that stopped the load; None: whole
+
+    def failed(self, exc: BaseException) -> None:
+        """Record that a load stopped part-way with ``exc``."""
+        self.failure = exc
+
+    def completed(self) -> None:
+        """Record that a load applied every part."""
+        self.failure = None
+
+    def check(self, what: str = "zeroinf") -> None:
+        """Raise RuntimeError, naming ``what`` and the load's error, while a failed load is recorded."""
+        if self.failure is not None:
+            raise RuntimeError(f"{what}: a load_checkpoint failed part-way ({type(self.failure).__name__}: "
+                               f"{self.failure}); the weights and optimizer state are a mix of the checkpoint and "
+                               "what the engine held. Load a checkpoint again (a load that completes clears this) "
+                               "or build a new engine.") from self.failure
+
+    def forward_pre_hook(self, module, args) -> None:
+        self.check("the model's forward")
+
+    def state_dict_pre_hook(self, module, prefix, keep_vars) -> None:
+        self.check("state_dict")
 
 
 class ZeroOptimizer(torch.optim.Optimizer):
@@ -114,7 +149,9 @@ class ZeroEngine:
         self._step_stats = self._new_step_stats()
         self._step_running = False  # a background optimizer step is in flight (stage 3)
         self._closed = False  # close() ran: every entry point raises (_check_open)
-        self._half_loaded: Optional[BaseException] = None  # a load_checkpoint failed part-way (_check_open)
+        #: a load_checkpoint that failed part-way (checked by _check_open and by hooks on the model)
+        self.load_guard = LoadGuard()
+        self._guard_hooks = []
         self.loss_scaler = LossScaler.from_config(cfg.fp16) if cfg.fp16.enabled else None
         zc = cfg.zero_optimization
         off = zc.offload_optimizer
@@ -192,6 +229,11 @@ class ZeroEngine:
         elif callable(lr_scheduler) and not hasattr(lr_scheduler, "step"):
             lr_scheduler = lr_scheduler(optimizer)
         self.lr_scheduler = lr_scheduler
+        # the model's own forward and state_dict, and gathered_parameters, refuse a half-loaded state too
+        self._guard_hooks = [model.register_forward_pre_hook(self.load_guard.forward_pre_hook, prepend=True),
+                             model.register_state_dict_pre_hook(self.load_guard.state_dict_pre_hook)]
+        if getattr(self.params, "manager", None) is not None:
+            self.params.manager.load_guard = self.load_guard
 
     # ------------------------------------------------------------------------------------------
     # checks at start-up: fail now, not mid-step
@@ -581,6 +623,8 @@ class ZeroEngine:
         model cannot run a forward afterwards (RuntimeError). Raises the background step's
         failure after releasing them."""
         self._closed = True
+        for h in self._guard_hooks:
+            h.remove()
         if self._in_bwd and self.params.in_backward_step():  # inside engine.backward (a signal handler)
             self.params.abort_backward_step(RuntimeError("engine.close() was called inside engine.backward"))
         try:
@@ -600,11 +644,8 @@ class ZeroEngine:
             raise RuntimeError("zeroinf: this engine was closed (engine.close()); its optimizer state and swap "
                                "buffers are released. Build a new engine with zeroinf.initialize, and save a "
                                "checkpoint before closing to carry the state over.")
-        if self._half_loaded is not None and not loading:
-            raise RuntimeError("zeroinf: a load_checkpoint failed part-way "
-                               f"({type(self._half_loaded).__name__}: {self._half_loaded}); the weights and optimizer "
-                               "state are a mix of the checkpoint and what the engine held. Load a checkpoint again "
-                               "(a load that completes clears this) or build a new engine.") from self._half_loaded
+        if not loading:
+            self.load_guard.check()
 
     def destroy(self) -> None:
         """Alias of :meth:`close` (DeepSpeed's name)."""

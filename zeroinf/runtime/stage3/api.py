@@ -32,8 +32,9 @@ def gathered_parameters(params, modifier_rank: Optional[int] = None) -> Iterator
     Gathers whole units, so memory grows with the units touched.
 
     Raises:
-        RuntimeError: called while the model's forward or backward is running, or for
-            parameters whose engine was closed.
+        RuntimeError: called while the model's forward or backward is running, between a
+            grad-enabled forward and its backward, for parameters whose engine was closed, or
+            after a ``load_checkpoint`` of their engine failed part-way.
     """
     if isinstance(params, torch.Tensor):
         params = [params]
@@ -47,7 +48,13 @@ def gathered_parameters(params, modifier_rank: Optional[int] = None) -> Iterator
                 units.append(rec[0])
         if units:
             m._check_open()  # its engine was closed: the partitions are gone
+            if m.load_guard is not None:
+                m.load_guard.check("zeroinf.gathered_parameters")
             if m._in_iteration:
+                if m._ctx is None and not m._in_backward:  # the forward returned; its backward is due
+                    raise RuntimeError("zeroinf.gathered_parameters: a forward with grad enabled ran and its "
+                                       "backward has not; run the backward first, or run forwards that need no "
+                                       "backward under torch.no_grad()")
                 raise RuntimeError("zeroinf.gathered_parameters: not available while the model's forward or "
                                    "backward is running")
             units.sort(key=lambda u: u.index)  # the same order, hence the same collectives, on every rank

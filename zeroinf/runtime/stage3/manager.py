@@ -314,6 +314,8 @@ class Stage3ParameterManager:
         self._swapper = None
         self._pool = None
         self._closed = False
+        #: the engine's zeroinf.runtime.engine.LoadGuard (gathered_parameters refuses a half-loaded state)
+        self.load_guard = None
         self._init_masters: Dict[str, torch.Tensor] = {}  # [Note: Init masters]
         self._make_stores(swapper)
         self._partition_initial(shapes)
