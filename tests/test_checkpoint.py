@@ -1,5 +1,6 @@
 """Checkpoints: save at step 5, load in a fresh process, 5 more steps == 10 uninterrupted (bit-equal);
 files load with weights_only=True; consolidate gives one fp32 state dict plain PyTorch loads."""
+import copy
 import json
 import os
 import re
@@ -137,6 +138,8 @@ def test_a_load_that_fails_part_way_blocks_the_model_itself_at_stage_1(tmp_path)
     state as the engine does (stage 1/2 models hold plain parameters: the engine's hooks on the
     model check it); a completed load restores the saved values; close() takes the hooks off."""
     engine, model = _small_engine(offload_optimizer={"device": "cpu"})
+    cfg = {"train_micro_batch_size_per_gpu": 4, "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+           "zero_optimization": {"stage": 1, "sub_group_size": 50, "offload_optimizer": {"device": "cpu"}}}
     x = torch.randn(4, 7)
     engine.backward(engine(x).square().mean())
     engine.step()
@@ -162,9 +165,30 @@ def test_a_load_that_fails_part_way_blocks_the_model_itself_at_stage_1(tmp_path)
     engine.sub_optimizer.load_state = failing
     with pytest.raises(OSError, match="injected"):
         engine.load_checkpoint(str(tmp_path), "t")
+    # a copy of the model has no engine that could clear a guard: its copy is clear
+    copy.deepcopy(model)(x)
     engine.close()
     model(x)  # the closed engine no longer guards the model
     assert len(model._forward_pre_hooks) == 0
+    # an engine never closed after a failed load: a new engine on the model takes over (the
+    # old guard refused it for good), and the old engine is freed (the guard kept the failure's
+    # traceback, whose frames held it)
+    import gc
+    import weakref
+    old = zeroinf.initialize(model, config=cfg)[0]
+    old.sub_optimizer.load_state = lambda i, *a: (_ for _ in ()).throw(OSError(5, "injected EIO"))
+    with pytest.raises(OSError, match="injected"):
+        old.load_checkpoint(str(tmp_path), "t")
+    with pytest.raises(RuntimeError, match="failed part-way"):
+        model(x)
+    gone = weakref.ref(old)
+    del old
+    gc.collect()
+    assert gone() is None
+    new = zeroinf.initialize(model, config=cfg)[0]
+    new.backward(new(x).square().mean())
+    new.step()
+    new.close()
 
 
 def _stage3_worker(rank, world, tmp):

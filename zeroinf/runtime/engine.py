@@ -31,6 +31,7 @@ import os
 import shutil
 import time
 import warnings
+import weakref
 from typing import Any, Dict, List, Optional
 
 import psutil
@@ -50,16 +51,18 @@ class LoadGuard:
     mix of the checkpoint and what the engine held.
 
     The engine checks it at its entry points; hooks on the model check it at the model's own
-    forward and ``state_dict`` (which the engine does not see). It refers to no engine or model, so
-    the hooks keep neither alive.
+    forward and ``state_dict`` (which the engine does not see). It keeps the failure's type and
+    message only, not the exception (whose traceback holds the engine and the checkpoint's
+    tensors), so the hooks keep neither the engine nor the model alive. A copy (``deepcopy`` or
+    pickling of the model) is a clear guard: the copy has no engine that could clear it.
     """
 
     def __init__(self) -> None:
-        self.failure: Optional[BaseException] = None  #: the error that stopped the load; None: whole
+        self.failure: Optional[str] = None  #: "Type: message" of the error that stopped the load; None: whole
 
     def failed(self, exc: BaseException) -> None:
         """Record that a load stopped part-way with ``exc``."""
-        self.failure = exc
+        self.failure = f"{type(exc).__name__}: {exc}"
 
     def completed(self) -> None:
         """Record that a load applied every part."""
@@ -68,16 +71,25 @@ class LoadGuard:
     def check(self, what: str = "zeroinf") -> None:
         """Raise RuntimeError, naming ``what`` and the load's error, while a failed load is recorded."""
         if self.failure is not None:
-            raise RuntimeError(f"{what}: a load_checkpoint failed part-way ({type(self.failure).__name__}: "
-                               f"{self.failure}); the weights and optimizer state are a mix of the checkpoint and "
-                               "what the engine held. Load a checkpoint again (a load that completes clears this) "
-                               "or build a new engine.") from self.failure
+            raise RuntimeError(f"{what}: a load_checkpoint failed part-way ({self.failure}); the weights and "
+                               "optimizer state are a mix of the checkpoint and what the engine held. Load a "
+                               "checkpoint again (a load that completes clears this) or build a new engine.")
 
     def forward_pre_hook(self, module, args) -> None:
         self.check("the model's forward")
 
     def state_dict_pre_hook(self, module, prefix, keep_vars) -> None:
         self.check("state_dict")
+
+    def __reduce__(self):
+        return LoadGuard, ()
+
+    def __deepcopy__(self, memo) -> "LoadGuard":
+        return LoadGuard()
+
+
+#: model -> the hook handles of the engine that guards it now (a new engine on the model takes over)
+_GUARD_HOOKS: "weakref.WeakKeyDictionary[torch.nn.Module, list]" = weakref.WeakKeyDictionary()
 
 
 class ZeroOptimizer(torch.optim.Optimizer):
@@ -230,8 +242,11 @@ class ZeroEngine:
             lr_scheduler = lr_scheduler(optimizer)
         self.lr_scheduler = lr_scheduler
         # the model's own forward and state_dict, and gathered_parameters, refuse a half-loaded state too
+        for h in _GUARD_HOOKS.pop(model, ()):  # an earlier engine's, left by one never closed
+            h.remove()
         self._guard_hooks = [model.register_forward_pre_hook(self.load_guard.forward_pre_hook, prepend=True),
                              model.register_state_dict_pre_hook(self.load_guard.state_dict_pre_hook)]
+        _GUARD_HOOKS[model] = self._guard_hooks
         if getattr(self.params, "manager", None) is not None:
             self.params.manager.load_guard = self.load_guard
 
@@ -625,6 +640,8 @@ class ZeroEngine:
         self._closed = True
         for h in self._guard_hooks:
             h.remove()
+        if _GUARD_HOOKS.get(self.module) is self._guard_hooks:
+            del _GUARD_HOOKS[self.module]
         if self._in_bwd and self.params.in_backward_step():  # inside engine.backward (a signal handler)
             self.params.abort_backward_step(RuntimeError("engine.close() was called inside engine.backward"))
         try:
