@@ -155,25 +155,44 @@ def test_edits_of_gathered_weights_in_hooks_are_discarded_as_in_the_synchronous_
     ([Note: master in the partitions]); it took them from the gathered buffers once, and the
     edits stuck (head weight mean 0.03 instead of 0.12 after 3 steps with a forward hook, 0.125
     off after one step with a backward hook: both found by testers). The head, the last block and
-    the first block are touched, with and without prefetch; the runs must be bit-equal."""
+    the first block are touched, with and without prefetch; the runs must be bit-equal. An
+    in-place edit in a backward pre-hook changes a weight its backward saved: plain PyTorch
+    raises there, and so does stage 3 in both step modes."""
     ref = TinyLM()
     states = {}
-    for ib in (False, True):
-        model = copy.deepcopy(ref)
 
-        def halve(module, *args):
-            with torch.no_grad():
-                (module.weight if edit == "in_place" else module.weight.data).mul_(0.5)
+    def halve(module, *args):
+        with torch.no_grad():
+            (module.weight if edit == "in_place" else module.weight.data).mul_(0.5)
+
+    def add_hooks(model):
         for mod in (model.head, model.blocks[-1].ff[0], model.blocks[0].ff[0]):
             if hook == "forward":
                 mod.register_forward_pre_hook(halve)
             else:
                 mod.register_full_backward_pre_hook(halve)
+    raises = hook == "backward" and edit == "in_place"
+    if raises:  # the reference
+        plain = copy.deepcopy(ref)
+        add_hooks(plain)
+        x, y = batch(0)
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            loss_fn(plain(x), y).backward()
+    for ib in (False, True):
+        model = copy.deepcopy(ref)
+        add_hooks(model)
         engine = _engine(tmp_path / str(ib), model, ib, zero={"stage3_prefetch_bucket_size": bucket})
+        if raises:
+            with pytest.raises(RuntimeError, match="modified by an inplace operation: parameter head.weight"):
+                _run(engine, 1)
+            engine.close()
+            continue
         _run(engine, 3)
         engine.synchronize()
         states[ib] = _state(engine)
         engine.close()
+    if raises:
+        return
     assert all(torch.equal(states[False][k], states[True][k]) for k in states[False]), \
         max((states[False][k] - states[True][k]).abs().max().item() for k in states[False])
 

@@ -32,9 +32,9 @@ def gathered_parameters(params, modifier_rank: Optional[int] = None) -> Iterator
     Gathers whole units, so memory grows with the units touched.
 
     Raises:
-        RuntimeError: called while the model's forward or backward is running, between a
-            grad-enabled forward and its backward, for parameters whose engine was closed, or
-            after a ``load_checkpoint`` of their engine failed part-way.
+        RuntimeError: called while the model's forward or backward is running, for parameters
+            whose engine was closed, or after a ``load_checkpoint`` of their engine failed
+            part-way.
     """
     if isinstance(params, torch.Tensor):
         params = [params]
@@ -50,11 +50,11 @@ def gathered_parameters(params, modifier_rank: Optional[int] = None) -> Iterator
             m._check_open()  # its engine was closed: the partitions are gone
             if m.load_guard is not None:
                 m.load_guard.check("zeroinf.gathered_parameters")
-            if m._in_iteration:
-                if m._ctx is None and not m._in_backward:  # the forward returned; its backward is due
-                    raise RuntimeError("zeroinf.gathered_parameters: a forward with grad enabled ran and its "
-                                       "backward has not; run the backward first, or run forwards that need no "
-                                       "backward under torch.no_grad()")
+            # between a forward that returned and its backward (which may never come: the output
+            # may be gone) it gathers as at any other time; a weight written in the block, which
+            # the forward saved, fails that backward as in plain PyTorch (the version check in
+            # the saved-tensor hooks)
+            if m._in_iteration and (m._ctx is not None or m._in_backward):
                 raise RuntimeError("zeroinf.gathered_parameters: not available while the model's forward or "
                                    "backward is running")
             units.sort(key=lambda u: u.index)  # the same order, hence the same collectives, on every rank

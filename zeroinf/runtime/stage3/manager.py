@@ -147,12 +147,27 @@ def managers(include_closed: bool = False) -> List["Stage3ParameterManager"]:
 
 class _SavedRef:
     """A saved tensor that lies in a flat buffer: rebuilt from the group at unpack time
-    (``offset`` in elements from the start of ``group.full``, which may be a view)."""
+    (``offset`` in elements from the start of ``group.full``, which may be a view). ``slot``:
+    the parameter it is (or is a view of), whose ``_version`` was ``version`` when saved; None
+    for other views of the buffer."""
 
-    __slots__ = ("group", "offset", "size", "stride")
+    __slots__ = ("group", "offset", "size", "stride", "slot", "version")
 
-    def __init__(self, group: FlatGroup, offset: int, size, stride):
+    def __init__(self, group: FlatGroup, offset: int, size, stride, slot: Optional[ParamSlot] = None,
+                 version: int = 0):
         self.group, self.offset, self.size, self.stride = group, offset, size, stride
+        self.slot, self.version = slot, version
+
+
+class _SavedTensor:
+    """Any other saved tensor, detached (autograd restores its grad_fn at unpack), with its
+    ``_version`` when saved: with saved-tensor hooks autograd no longer checks it, so
+    :meth:`Stage3ParameterManager._unpack` does."""
+
+    __slots__ = ("tensor", "version")
+
+    def __init__(self, tensor: torch.Tensor, version: int):
+        self.tensor, self.version = tensor, version
 
 
 class _Reduction(NamedTuple):
@@ -924,15 +939,27 @@ class Stage3ParameterManager:
             except RuntimeError:
                 g = None
             if g is not None and g.full is not None and t.untyped_storage().data_ptr() == g.full.untyped_storage().data_ptr():
-                return _SavedRef(g, t.storage_offset() - g.full.storage_offset(), tuple(t.shape), tuple(t.stride()))
+                # the parameter itself or a view of it (weight.t()) shares its version counter: an
+                # in-place edit before the backward is caught as autograd catches it for any
+                # saved tensor (the rebuilt view would otherwise carry the edit silently)
+                rec = self._slot_of.get(t if isinstance(t, nn.Parameter) else t._base)
+                return _SavedRef(g, t.storage_offset() - g.full.storage_offset(), tuple(t.shape), tuple(t.stride()),
+                                 None if rec is None else rec[2], t._version)
         # detached: autograd puts the grad_fn back on unpack. Kept as is, an op's saved output
         # would hold its own grad_fn through this hook, a cycle through C++ the collector cannot
         # see: every graph not run backward (a grad-enabled eval, a backward that raised) would
-        # stay in memory, with the engine its unpack hook refers to
-        return t.detach()
+        # stay in memory, with the engine its unpack hook refers to. The detached tensor shares
+        # the version counter, so an in-place change before the backward is still caught
+        return _SavedTensor(t.detach(), t._version)
 
     def _unpack(self, x):
         if isinstance(x, _SavedRef):
+            if x.slot is not None and x.slot.param._version != x.version:
+                raise RuntimeError(
+                    "one of the variables needed for gradient computation has been modified by an inplace "
+                    f"operation: parameter {x.slot.name} (shape {tuple(x.slot.shape)}) is at version "
+                    f"{x.slot.param._version}; expected version {x.version} instead (zeroinf stage 3: an "
+                    "in-place change of a gathered weight between its forward and its backward)")
             g = x.group
             unit = self._unit_of_group(g)
             # g.full exists from issue() on, but holds the values only once GATHERED: a unit
@@ -944,7 +971,13 @@ class Stage3ParameterManager:
                 finally:
                     self._busy -= 1
             return g.full.as_strided(x.size, x.stride, g.full.storage_offset() + x.offset)
-        return x
+        t = x.tensor
+        if t._version != x.version:  # autograd's own check, which saved-tensor hooks turn off
+            raise RuntimeError(
+                "one of the variables needed for gradient computation has been modified by an inplace operation: "
+                f"[{t.dtype} {list(t.shape)}] is at version {t._version}; expected version {x.version} instead "
+                "(zeroinf stage 3: a tensor the forward saved was changed in place before the backward)")
+        return t
 
     def _unit_of_group(self, g: FlatGroup) -> Unit:
         return self.units[int(g.key.split("/")[0][4:])]
