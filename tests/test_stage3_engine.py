@@ -455,6 +455,41 @@ def test_an_in_place_change_of_a_saved_activation_raises_as_in_plain_pytorch(tmp
             run.close()
 
 
+@pytest.mark.parametrize("tiers", [("cpu", "cpu"), ("nvme", "nvme")])
+def test_a_submodules_state_dict_and_load_state_dict_use_the_partitions(tmp_path, tiers):
+    """``model.blocks[1].state_dict()`` and ``model.head.state_dict()`` gave empty placeholders
+    (shape (0,)), and a submodule's ``load_state_dict`` failed on their shape. Both now read and
+    write the partitions as the whole model's calls do, which still write each group once."""
+    ref = TinyLM(tied=True)
+    model = copy.deepcopy(ref)
+    engine, *_ = zeroinf.initialize(model=model, config=_config(*tiers, tmp_path))
+    # a submodule's load writes its partitions (and the masters follow: training below equals
+    # the reference); a whole-model load writes each group once, the submodules' hooks standing aside
+    other = copy.deepcopy(ref)
+    with torch.no_grad():
+        for p in other.blocks[1].parameters():
+            p.mul_(0.5)
+    writes = []
+    write = engine.params.manager.write_group_values
+    engine.params.manager.write_group_values = lambda g, vals: (writes.append(g.key), write(g, vals))[1]
+    model.blocks[1].load_state_dict(other.blocks[1].state_dict())
+    ref.blocks[1].load_state_dict(other.blocks[1].state_dict())
+    assert writes and len(writes) == len(set(writes))
+    writes.clear()
+    model.load_state_dict(ref.state_dict())
+    assert writes and len(writes) == len(set(writes))
+    engine.params.manager.write_group_values = write
+    _assert_like_reference(engine, ref, _run(engine, 2), _reference(ref, 2))
+    for name in ("blocks.1", "head", "blocks.0.attn", "norm"):
+        sub, sub_ref = model.get_submodule(name), ref.get_submodule(name)
+        sd, sd_ref = sub.state_dict(), sub_ref.state_dict()
+        assert sd.keys() == sd_ref.keys(), name
+        for k in sd_ref:
+            assert sd[k].shape == sd_ref[k].shape, (name, k)
+            assert (sd[k] - sd_ref[k]).abs().max().item() <= 1e-6, (name, k)
+    engine.close()
+
+
 def test_gradient_accumulation_counts_each_micro_batch_once(tmp_path):
     ref = TinyLM(tied=True)
     model = copy.deepcopy(ref)

@@ -11,7 +11,9 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import sys
 import threading
+import weakref
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
@@ -599,21 +601,51 @@ class Stage3EngineParams:
 
     # --- module state dict ----------------------------------------------------------------
     def _install_state_dict_hooks(self, model: torch.nn.Module) -> None:
-        model._register_state_dict_hook(self._state_dict_hook)
-        model.register_load_state_dict_pre_hook(self._load_pre_hook)
+        """``state_dict`` / ``load_state_dict`` of the model, and of any submodule holding
+        partitioned parameters (``model.head.state_dict()`` returned empty placeholders, and its
+        ``load_state_dict`` failed on their shape), read and write the partitions. The module the
+        call was made on serves its whole subtree, gathering or writing each flat group once; the
+        hooks of the modules below it stand aside (they find that call on the stack: no flag that
+        an exception could leave set)."""
+        owned = set(self.manager._slot_of)
+        self._hooked = weakref.WeakSet()
+        for sub in model.modules():
+            if any(p in owned for p in sub.parameters()):
+                self._hooked.add(sub)
+                sub._register_state_dict_hook(self._state_dict_hook)
+                sub.register_load_state_dict_pre_hook(self._load_pre_hook)
+
+    def _serves(self, module, fn) -> bool:
+        """Whether ``module`` is the outermost hooked module that ``fn`` (``nn.Module.state_dict``
+        or ``load_state_dict``) runs on up this thread's stack (True when none is found)."""
+        top = None
+        f = sys._getframe(2)
+        while f is not None:
+            if f.f_code is fn.__code__:
+                owner = f.f_locals.get("self")
+                if isinstance(owner, torch.nn.Module) and owner in self._hooked:
+                    top = owner
+            f = f.f_back
+        return top is None or top is module
 
     def _state_dict_hook(self, module, state_dict, prefix, local_metadata):
         """Replace the released placeholders by the full values, one flat group at a time."""
+        if self._serves(module, torch.nn.Module.state_dict):
+            self._fill_state_dict(module, state_dict, prefix)
+        return state_dict
+
+    def _fill_state_dict(self, module, state_dict, prefix) -> None:
         names = {}
         for name, p in module.named_parameters(remove_duplicate=False):
             names.setdefault(p, []).append(prefix + name)
         for g in self.manager.groups():
+            if not any(s.param in names for s in g.slots):
+                continue
             full = self.manager.gather_group_copy(g)
             for s in g.slots:
                 for n in names.get(s.param, []):
                     if n in state_dict:
                         state_dict[n] = full[s.offset:s.offset + s.numel].view(s.shape).clone()
-        return state_dict
 
     def _load_pre_hook(self, module, state_dict, prefix, local_metadata, strict, missing_keys,
                        unexpected_keys, error_msgs):
@@ -628,6 +660,8 @@ class Stage3EngineParams:
                 place of the partitioned parameters), or a value whose shape differs from its
                 parameter's.
         """
+        if not self._serves(module, torch.nn.Module.load_state_dict):
+            return  # the call on a module above this one wrote these
         self.manager._check_open()  # a closed engine's partitions are gone: raise, not load nothing
         if local_metadata.get("assign_to_params_buffers"):
             raise RuntimeError("zeroinf stage 3: load_state_dict(..., assign=True) would replace the partitioned "
