@@ -73,7 +73,8 @@ class LoadGuard:
         if self.failure is not None:
             raise RuntimeError(f"{what}: a load_checkpoint failed part-way ({self.failure}); the weights and "
                                "optimizer state are a mix of the checkpoint and what the engine held. Load a "
-                               "checkpoint again (a load that completes clears this) or build a new engine.")
+                               "checkpoint again (a load that completes clears this) or build a new engine (at stage 3, on "
+                               "a newly built model).")
 
     def forward_pre_hook(self, module, args) -> None:
         self.check("the model's forward")
@@ -186,6 +187,15 @@ class ZeroEngine:
             except ImportError:
                 raise NotImplementedError("zero_optimization.stage 3 is not wired into the engine yet "
                                           "(zeroinf.runtime.stage3.engine_manager is missing)") from None
+            from zeroinf.runtime.stage3.manager import managers
+            owner = next((m for m in managers(include_closed=True)
+                          if any(p in m._slot_of for p in model.parameters())), None)
+            if owner is not None:  # its parameters are placeholders: a second engine would hold nothing
+                raise RuntimeError(
+                    "zeroinf.initialize: this model's parameters are already partitioned by another stage-3 engine "
+                    f"({'closed' if owner._closed else 'still open'}); build the model again (or under zeroinf.Init) "
+                    "and give that to zeroinf.initialize, then load the weights (engine.load_checkpoint, "
+                    "load_safetensors)")
             # before the manager writes its parameter partitions: every swap file stage 3 implies
             self._check_disk(swap_file_bytes(model, cfg, groups, rank=rank, world_size=world_size))
             self.params = engine_manager(model, cfg, groups, rank=rank, world_size=world_size)
@@ -404,7 +414,7 @@ class ZeroEngine:
                     f"zeroinf: parameter '{name}' had requires_grad={flag} at zeroinf.initialize and now has "
                     f"{p.requires_grad}; the engine's partitions and optimizer state are laid out for the first "
                     "setting and would train it wrongly. Set requires_grad before zeroinf.initialize "
-                    "(or build a new engine).")
+                    "(or build a new engine; at stage 3 on a newly built model).")
 
     def step(self) -> None:
         """Count a micro-batch; at the accumulation boundary run the optimizer step.
@@ -659,8 +669,8 @@ class ZeroEngine:
         :meth:`load_checkpoint` that failed part-way left the state a mix of two."""
         if self._closed:
             raise RuntimeError("zeroinf: this engine was closed (engine.close()); its optimizer state and swap "
-                               "buffers are released. Build a new engine with zeroinf.initialize, and save a "
-                               "checkpoint before closing to carry the state over.")
+                               "buffers are released. Build a new engine with zeroinf.initialize (at stage 3 on a newly "
+                               "built model), and save a checkpoint before closing to carry the state over.")
         if not loading:
             self.load_guard.check()
 

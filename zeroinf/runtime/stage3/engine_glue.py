@@ -608,6 +608,7 @@ class Stage3EngineParams:
         hooks of the modules below it stand aside (they find that call on the stack: no flag that
         an exception could leave set)."""
         owned = set(self.manager._slot_of)
+        self._root = model
         self._hooked = weakref.WeakSet()
         for sub in model.modules():
             if any(p in owned for p in sub.parameters()):
@@ -615,26 +616,30 @@ class Stage3EngineParams:
                 sub._register_state_dict_hook(self._state_dict_hook)
                 sub.register_load_state_dict_pre_hook(self._load_pre_hook)
 
-    def _serves(self, module, fn) -> bool:
-        """Whether ``module`` is the outermost hooked module that ``fn`` (``nn.Module.state_dict``
-        or ``load_state_dict``) runs on up this thread's stack (True when none is found)."""
+    def _serves(self, module, fn, destination=None) -> bool:
+        """Whether the hook of ``module`` does the work of the ``fn`` call
+        (``nn.Module.state_dict`` with its ``destination`` dict, or ``load_state_dict``) running
+        up this thread's stack: the outermost module of that call does, or the model itself
+        when that module is not hooked (a wrapper around the model, ``torch.compile``'s)."""
         top = None
         f = sys._getframe(2)
         while f is not None:
-            if f.f_code is fn.__code__:
-                owner = f.f_locals.get("self")
-                if isinstance(owner, torch.nn.Module) and owner in self._hooked:
-                    top = owner
+            if f.f_code is fn.__code__ and (destination is None or f.f_locals.get("destination") is destination):
+                top = f.f_locals.get("self")
             f = f.f_back
-        return top is None or top is module
+        if top is None:
+            return True
+        return module is (top if top in self._hooked else self._root)
 
     def _state_dict_hook(self, module, state_dict, prefix, local_metadata):
         """Replace the released placeholders by the full values, one flat group at a time."""
-        if self._serves(module, torch.nn.Module.state_dict):
+        if self._serves(module, torch.nn.Module.state_dict, state_dict):
             self._fill_state_dict(module, state_dict, prefix)
         return state_dict
 
     def _fill_state_dict(self, module, state_dict, prefix) -> None:
+        if self.manager.load_guard is not None:  # a submodule's call too: the root's hook checks only the root's
+            self.manager.load_guard.check("state_dict")
         names = {}
         for name, p in module.named_parameters(remove_duplicate=False):
             names.setdefault(p, []).append(prefix + name)
@@ -670,6 +675,8 @@ class Stage3EngineParams:
         names = {}
         for name, p in module.named_parameters(remove_duplicate=False):
             names.setdefault(p, []).append(prefix + name)
+        plan = []
+        wrong = []
         for g in self.manager.groups():
             updates = {}
             for s in g.slots:
@@ -677,12 +684,15 @@ class Stage3EngineParams:
                     if n in state_dict:
                         v = state_dict[n]
                         if tuple(v.shape) != tuple(s.shape):
-                            raise RuntimeError(f"load_state_dict: {n} has shape {tuple(v.shape)}, the model's "
-                                               f"parameter has {tuple(s.shape)}")
+                            wrong.append(f"{n} has shape {tuple(v.shape)}, the model's parameter has {tuple(s.shape)}")
                         updates[s.offset] = (s, v)
             if updates:
-                self.manager.write_group_values(g, [(s, v) for s, v in updates.values()])
-                for s, _v in updates.values():
-                    for n in names.get(s.param, []):
-                        if n in state_dict:
-                            state_dict[n] = s.param.data
+                plan.append((g, updates))
+        if wrong:  # every value checked before any is written
+            raise RuntimeError(f"load_state_dict: {'; '.join(wrong)}; no partitioned parameter was written")
+        for g, updates in plan:
+            self.manager.write_group_values(g, [(s, v) for s, v in updates.values()])
+            for s, _v in updates.values():
+                for n in names.get(s.param, []):
+                    if n in state_dict:
+                        state_dict[n] = s.param.data

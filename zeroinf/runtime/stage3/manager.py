@@ -148,8 +148,8 @@ def managers(include_closed: bool = False) -> List["Stage3ParameterManager"]:
 class _SavedRef:
     """A saved tensor that lies in a flat buffer: rebuilt from the group at unpack time
     (``offset`` in elements from the start of ``group.full``, which may be a view). ``slot``:
-    the parameter it is (or is a view of), whose ``_version`` was ``version`` when saved; None
-    for other views of the buffer."""
+    the parameter its offset lies in, whose ``_version`` was ``version`` when saved (None: in
+    the padding)."""
 
     __slots__ = ("group", "offset", "size", "stride", "slot", "version")
 
@@ -939,12 +939,14 @@ class Stage3ParameterManager:
             except RuntimeError:
                 g = None
             if g is not None and g.full is not None and t.untyped_storage().data_ptr() == g.full.untyped_storage().data_ptr():
-                # the parameter itself or a view of it (weight.t()) shares its version counter: an
-                # in-place edit before the backward is caught as autograd catches it for any
-                # saved tensor (the rebuilt view would otherwise carry the edit silently)
-                rec = self._slot_of.get(t if isinstance(t, nn.Parameter) else t._base)
-                return _SavedRef(g, t.storage_offset() - g.full.storage_offset(), tuple(t.shape), tuple(t.stride()),
-                                 None if rec is None else rec[2], t._version)
+                # the parameter it lies in: the parameter itself, a view (weight.t()) or a detached
+                # copy (weight.detach()) shares its version counter, so an in-place edit before the
+                # backward is caught as autograd catches it for any saved tensor (the rebuilt view
+                # would otherwise carry the edit silently)
+                off = t.storage_offset() - g.full.storage_offset()
+                slot = next((s for s in g.slots if s.offset <= off < s.offset + s.numel), None)
+                return _SavedRef(g, off, tuple(t.shape), tuple(t.stride()), slot,
+                                 0 if slot is None else slot.param._version)
         # detached: autograd puts the grad_fn back on unpack. Kept as is, an op's saved output
         # would hold its own grad_fn through this hook, a cycle through C++ the collector cannot
         # see: every graph not run backward (a grad-enabled eval, a backward that raised) would
@@ -988,7 +990,8 @@ class Stage3ParameterManager:
         if self._closed:
             raise RuntimeError("zeroinf stage 3: the engine of this model was closed (engine.close()); its "
                                "parameters are partitioned and can no longer be gathered, read or written. "
-                               "Build a new engine (zeroinf.initialize), or save a checkpoint before closing.")
+                               "Build a new engine (zeroinf.initialize) on a newly built model, and save a checkpoint "
+                               "before closing to carry the state over.")
 
     def _root_pre_forward(self, module, args):
         self._check_open()
