@@ -518,12 +518,27 @@ def test_state_dict_calls_through_a_wrapper_nested_or_with_a_wrong_shape(tmp_pat
     assert writes == []
     assert all(torch.equal(v, other.state_dict()[k]) for k, v in model.state_dict().items())
     m.write_group_values = write
-    # a submodule's own call made while the model's call runs (from a hook) gets full values
+    # a submodule's own call made while the model's call runs (from a hook) gets full values;
+    # so does a load made inside the model's load (the third tester: it wrote nothing and failed)
     seen = []
     h = model.register_state_dict_pre_hook(lambda mod, prefix, keep_vars: seen.append(model.head.state_dict()))
     model.state_dict()
     h.remove()
     assert torch.equal(seen[0]["weight"], other.head.weight)
+    norm = {"weight": torch.full((16,), 2.0), "bias": torch.full((16,), 3.0)}
+    h = model.register_load_state_dict_pre_hook(lambda *a: model.norm.load_state_dict(norm))
+    model.load_state_dict({"emb.weight": ref.emb.weight.detach()}, strict=False)
+    h.remove()
+    assert torch.equal(model.norm.state_dict()["weight"], norm["weight"])
+    assert torch.equal(model.emb.state_dict()["weight"], ref.emb.weight)
+    # a wrapper around submodules, not the model (the third tester: placeholders, a failed load)
+    wrap, wrap_ref = (torch.nn.ModuleDict({"a": m.blocks[0], "h": m.head}) for m in (model, ref))
+    sd = wrap.state_dict()
+    assert sd.keys() == wrap_ref.state_dict().keys()
+    assert all(torch.equal(sd[k], v) for k, v in torch.nn.ModuleDict(
+        {"a": other.blocks[0], "h": other.head}).state_dict().items())
+    wrap.load_state_dict(wrap_ref.state_dict())
+    assert all(torch.equal(wrap.state_dict()[k], v) for k, v in wrap_ref.state_dict().items())
     engine.close()
 
 

@@ -604,36 +604,38 @@ class Stage3EngineParams:
         """``state_dict`` / ``load_state_dict`` of the model, and of any submodule holding
         partitioned parameters (``model.head.state_dict()`` returned empty placeholders, and its
         ``load_state_dict`` failed on their shape), read and write the partitions. The module the
-        call was made on serves its whole subtree, gathering or writing each flat group once; the
-        hooks of the modules below it stand aside (they find that call on the stack: no flag that
-        an exception could leave set)."""
+        call was made on (or the highest hooked module below a wrapper) serves its whole subtree,
+        gathering or writing each flat group once; the hooks of the modules below it stand aside
+        (:meth:`_serves` finds a ``state_dict`` call on the stack, :meth:`_load_pre_hook` knows the
+        values a load's first hook put in its dict: no flag that an exception could leave set)."""
         owned = set(self.manager._slot_of)
-        self._root = model
         self._hooked = weakref.WeakSet()
+        self._placed: "weakref.WeakValueDictionary[int, torch.Tensor]" = weakref.WeakValueDictionary()
         for sub in model.modules():
             if any(p in owned for p in sub.parameters()):
                 self._hooked.add(sub)
                 sub._register_state_dict_hook(self._state_dict_hook)
                 sub.register_load_state_dict_pre_hook(self._load_pre_hook)
 
-    def _serves(self, module, fn, destination=None) -> bool:
-        """Whether the hook of ``module`` does the work of the ``fn`` call
-        (``nn.Module.state_dict`` with its ``destination`` dict, or ``load_state_dict``) running
-        up this thread's stack: the outermost module of that call does, or the model itself
-        when that module is not hooked (a wrapper around the model, ``torch.compile``'s)."""
-        top = None
+    def _serves(self, module, state_dict) -> bool:
+        """Whether the hook of ``module`` fills ``state_dict`` (the destination dict of the
+        ``nn.Module.state_dict`` call it fires in): no module above it in that call holds hooks,
+        so the module the call was made on, or the highest hooked one below an unhooked wrapper,
+        serves its whole subtree. ``state_dict`` recurses through ``state_dict`` calls: the frames
+        up this thread's stack with the same destination are the modules above."""
+        code = torch.nn.Module.state_dict.__code__
         f = sys._getframe(2)
         while f is not None:
-            if f.f_code is fn.__code__ and (destination is None or f.f_locals.get("destination") is destination):
-                top = f.f_locals.get("self")
+            if f.f_code is code and f.f_locals.get("destination") is state_dict:
+                owner = f.f_locals.get("self")
+                if owner is not module and owner in self._hooked:
+                    return False
             f = f.f_back
-        if top is None:
-            return True
-        return module is (top if top in self._hooked else self._root)
+        return True
 
     def _state_dict_hook(self, module, state_dict, prefix, local_metadata):
         """Replace the released placeholders by the full values, one flat group at a time."""
-        if self._serves(module, torch.nn.Module.state_dict, state_dict):
+        if self._serves(module, state_dict):
             self._fill_state_dict(module, state_dict, prefix)
         return state_dict
 
@@ -658,15 +660,16 @@ class Stage3EngineParams:
         parameter's own current data (an empty placeholder while released, the refreshed values
         while gathered) so ``load_state_dict``'s shape check passes and its copy changes nothing.
         (An empty placeholder for a gathered parameter, such as the persistent unit's after any
-        forward, failed that check after every value had been written.)
+        forward, failed that check after every value had been written.) The first hooked module
+        of a load (pre-order: the highest) writes its whole subtree, each group once; the hooks
+        below skip the values it put in the dict, known by identity, whatever recursion runs the
+        load (``load_state_dict``'s filtered copies, or a loader passing one dict down).
 
         Raises:
             RuntimeError: the engine was closed, ``assign=True`` (it would put plain tensors in
                 place of the partitioned parameters), or a value whose shape differs from its
                 parameter's.
         """
-        if not self._serves(module, torch.nn.Module.load_state_dict):
-            return  # the call on a module above this one wrote these
         self.manager._check_open()  # a closed engine's partitions are gone: raise, not load nothing
         if local_metadata.get("assign_to_params_buffers"):
             raise RuntimeError("zeroinf stage 3: load_state_dict(..., assign=True) would replace the partitioned "
@@ -683,6 +686,8 @@ class Stage3EngineParams:
                 for n in names.get(s.param, []):
                     if n in state_dict:
                         v = state_dict[n]
+                        if self._placed.get(id(v)) is v:  # put there by the hook of a module above
+                            continue
                         if tuple(v.shape) != tuple(s.shape):
                             wrong.append(f"{n} has shape {tuple(v.shape)}, the model's parameter has {tuple(s.shape)}")
                         updates[s.offset] = (s, v)
@@ -695,4 +700,5 @@ class Stage3EngineParams:
             for s, _v in updates.values():
                 for n in names.get(s.param, []):
                     if n in state_dict:
-                        state_dict[n] = s.param.data
+                        state_dict[n] = placed = s.param.data
+                        self._placed[id(placed)] = placed
