@@ -531,6 +531,17 @@ def test_state_dict_calls_through_a_wrapper_nested_or_with_a_wrong_shape(tmp_pat
     h.remove()
     assert torch.equal(model.norm.state_dict()["weight"], norm["weight"])
     assert torch.equal(model.emb.state_dict()["weight"], ref.emb.weight)
+    # loading the model's own parameters is a no-op, and a value that is not a tensor gets
+    # torch's error with the other values copied, as in plain PyTorch (the fourth tester)
+    plain = copy.deepcopy(other)
+    bad = {k: v * 2 for k, v in other.state_dict().items()}
+    bad["head.weight"] = 3
+    for mod in (plain, model):
+        mod.load_state_dict(dict(mod.named_parameters()), strict=False)
+        with pytest.raises(RuntimeError, match='While copying the parameter named "head.weight"'):
+            mod.load_state_dict(bad)
+    assert all(torch.equal(v, plain.state_dict()[k]) for k, v in model.state_dict().items())
+    model.load_state_dict(other.state_dict())
     # a wrapper around submodules, not the model (the third tester: placeholders, a failed load)
     wrap, wrap_ref = (torch.nn.ModuleDict({"a": m.blocks[0], "h": m.head}) for m in (model, ref))
     sd = wrap.state_dict()

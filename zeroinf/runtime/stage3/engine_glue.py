@@ -686,8 +686,9 @@ class Stage3EngineParams:
                 for n in names.get(s.param, []):
                     if n in state_dict:
                         v = state_dict[n]
-                        if self._placed.get(id(v)) is v:  # put there by the hook of a module above
-                            continue
+                        if self._placed.get(id(v)) is v or v is s.param or not isinstance(v, torch.Tensor):
+                            continue  # put there by the hook of a module above; the parameter itself
+                            # (a no-op); not a tensor (torch's own copy reports it)
                         if tuple(v.shape) != tuple(s.shape):
                             wrong.append(f"{n} has shape {tuple(v.shape)}, the model's parameter has {tuple(s.shape)}")
                         updates[s.offset] = (s, v)
