@@ -695,7 +695,9 @@ class Stage3EngineParams:
             if updates:
                 plan.append((g, updates))
         if wrong:  # every value checked before any is written
-            raise RuntimeError(f"load_state_dict: {'; '.join(wrong)}; no partitioned parameter was written")
+            below = f"{type(module).__name__} {prefix[:-1]!r}" if prefix else type(module).__name__
+            raise RuntimeError(f"load_state_dict: {'; '.join(wrong)}; none of the values for the parameters "
+                               f"below {below} was written")
         for g, updates in plan:
             self.manager.write_group_values(g, [(s, v) for s, v in updates.values()])
             for s, _v in updates.values():
