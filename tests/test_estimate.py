@@ -297,14 +297,13 @@ def test_optimizer_state_bytes_agree_with_the_engines_swap_files(tmp_path, preci
     """fp32 stage 3 with the optimizer on NVMe and the parameters off the device keeps no master
     copy of its own (the partitions are the masters): K = 8 there, as the engine's swap-file
     count (``swap_file_bytes``, checked against the files on disk in test_stage3_engine) says."""
-    pytest.importorskip("torch")
+    torch = pytest.importorskip("torch")
     from zeroinf.config import parse_config
     from zeroinf.runtime.stage3.engine_glue import swap_file_bytes
 
     e = estimate(10**6, Placement(3, param_tier, "nvme"), precision=precision)
     (term,) = [t for t in e.terms if t.name == "optimizer state (fp32)"]
     assert term.bytes == want * 10**6, term
-    torch = pytest.importorskip("torch")
     model = torch.nn.Sequential(torch.nn.Linear(100, 100), torch.nn.Linear(100, 100))
     z = {"stage": 3, "offload_optimizer": {"device": "nvme", "nvme_path": str(tmp_path)},
          "offload_param": {"device": param_tier, **({"nvme_path": str(tmp_path)} if param_tier == "nvme" else {})}}

@@ -77,9 +77,11 @@ class LoadGuard:
                                "a newly built model).")
 
     def forward_pre_hook(self, module, args) -> None:
+        """``register_forward_pre_hook`` hook: :meth:`check` before the model's forward."""
         self.check("the model's forward")
 
     def state_dict_pre_hook(self, module, prefix, keep_vars) -> None:
+        """``register_state_dict_pre_hook`` hook: :meth:`check` before the model's ``state_dict``."""
         self.check("state_dict")
 
     def __reduce__(self):
@@ -187,13 +189,12 @@ class ZeroEngine:
             except ImportError:
                 raise NotImplementedError("zero_optimization.stage 3 is not wired into the engine yet "
                                           "(zeroinf.runtime.stage3.engine_manager is missing)") from None
-            from zeroinf.runtime.stage3.manager import managers
-            owner = next((m for m in managers(include_closed=True)
-                          if any(p in m._slot_of for p in model.parameters())), None)
+            from zeroinf.runtime.stage3.manager import partitioned_by
+            owner = partitioned_by(model.parameters())
             if owner is not None:  # its parameters are placeholders: a second engine would hold nothing
                 raise RuntimeError(
                     "zeroinf.initialize: this model's parameters are already partitioned by another stage-3 engine "
-                    f"({'closed' if owner._closed else 'still open'}); build the model again (or under zeroinf.Init) "
+                    f"({'closed' if owner.closed else 'still open'}); build the model again (or under zeroinf.Init) "
                     "and give that to zeroinf.initialize, then load the weights (engine.load_checkpoint, "
                     "load_safetensors)")
             # before the manager writes its parameter partitions: every swap file stage 3 implies

@@ -639,18 +639,27 @@ class Stage3EngineParams:
             self._fill_state_dict(module, state_dict, prefix)
         return state_dict
 
+    def _slots_below(self, module, prefix: str):
+        """``[(group, [(slot, names)])]``: the flat groups holding ``module``'s partitioned
+        parameters, in the manager's order (the same on every rank: gathers are collective), each
+        with its slots and their state-dict names (``prefix`` + name; a tied parameter has several)."""
+        names: Dict[torch.nn.Parameter, List[str]] = {}
+        for name, p in module.named_parameters(remove_duplicate=False):
+            names.setdefault(p, []).append(prefix + name)
+        by_group: Dict[FlatGroup, list] = {}
+        for p, ns in names.items():
+            rec = self.manager._slot_of.get(p)
+            if rec is not None:
+                by_group.setdefault(rec[1], []).append((rec[2], ns))
+        return [(g, by_group[g]) for g in self.manager.groups() if g in by_group]
+
     def _fill_state_dict(self, module, state_dict, prefix) -> None:
         if self.manager.load_guard is not None:  # a submodule's call too: the root's hook checks only the root's
             self.manager.load_guard.check("state_dict")
-        names = {}
-        for name, p in module.named_parameters(remove_duplicate=False):
-            names.setdefault(p, []).append(prefix + name)
-        for g in self.manager.groups():
-            if not any(s.param in names for s in g.slots):
-                continue
+        for g, slots in self._slots_below(module, prefix):
             full = self.manager.gather_group_copy(g)
-            for s in g.slots:
-                for n in names.get(s.param, []):
+            for s, names in slots:
+                for n in names:
                     if n in state_dict:
                         state_dict[n] = full[s.offset:s.offset + s.numel].view(s.shape).clone()
 
@@ -675,15 +684,12 @@ class Stage3EngineParams:
             raise RuntimeError("zeroinf stage 3: load_state_dict(..., assign=True) would replace the partitioned "
                                "parameters by plain tensors (the model then holds empty placeholders); load with "
                                "assign=False (the default): the values are written into the partitions")
-        names = {}
-        for name, p in module.named_parameters(remove_duplicate=False):
-            names.setdefault(p, []).append(prefix + name)
         plan = []
         wrong = []
-        for g in self.manager.groups():
+        for g, slots in self._slots_below(module, prefix):
             updates = {}
-            for s in g.slots:
-                for n in names.get(s.param, []):
+            for s, names in slots:
+                for n in names:
                     if n in state_dict:
                         v = state_dict[n]
                         if self._placed.get(id(v)) is v or v is s.param or not isinstance(v, torch.Tensor):
@@ -691,7 +697,7 @@ class Stage3EngineParams:
                             # (a no-op); not a tensor (torch's own copy reports it)
                         if tuple(v.shape) != tuple(s.shape):
                             wrong.append(f"{n} has shape {tuple(v.shape)}, the model's parameter has {tuple(s.shape)}")
-                        updates[s.offset] = (s, v)
+                        updates[s.offset] = (s, v, names)
             if updates:
                 plan.append((g, updates))
         if wrong:  # every value checked before any is written
@@ -699,9 +705,9 @@ class Stage3EngineParams:
             raise RuntimeError(f"load_state_dict: {'; '.join(wrong)}; none of the values for the parameters "
                                f"below {below} was written")
         for g, updates in plan:
-            self.manager.write_group_values(g, [(s, v) for s, v in updates.values()])
-            for s, _v in updates.values():
-                for n in names.get(s.param, []):
+            self.manager.write_group_values(g, [(s, v) for s, v, _names in updates.values()])
+            for s, _v, names in updates.values():
+                for n in names:
                     if n in state_dict:
                         state_dict[n] = placed = s.param.data
                         self._placed[id(placed)] = placed

@@ -145,6 +145,14 @@ def managers(include_closed: bool = False) -> List["Stage3ParameterManager"]:
     return [m for m in list(_MANAGERS) if include_closed or not m._closed]
 
 
+def partitioned_by(params) -> Optional["Stage3ParameterManager"]:
+    """The stage-3 manager, open or closed, whose partitions hold any of ``params`` (an
+    iterable of parameters), or None. Such parameters are placeholders: ``zeroinf.initialize``
+    refuses a model holding them."""
+    params = list(params)
+    return next((m for m in managers(include_closed=True) if any(p in m._slot_of for p in params)), None)
+
+
 class _SavedRef:
     """A saved tensor that lies in a flat buffer: rebuilt from the group at unpack time
     (``offset`` in elements from the start of ``group.full``, which may be a view). ``slot``:
@@ -328,7 +336,7 @@ class Stage3ParameterManager:
         self._io: Optional[ThreadPoolExecutor] = None
         self._swapper = None
         self._pool = None
-        self._closed = False
+        self._closed = False  #: see :attr:`closed`
         #: the engine's zeroinf.runtime.engine.LoadGuard (gathered_parameters refuses a half-loaded state)
         self.load_guard = None
         self._init_masters: Dict[str, torch.Tensor] = {}  # [Note: Init masters]
@@ -944,7 +952,7 @@ class Stage3ParameterManager:
                 # backward is caught as autograd catches it for any saved tensor (the rebuilt view
                 # would otherwise carry the edit silently)
                 off = t.storage_offset() - g.full.storage_offset()
-                slot = next((s for s in g.slots if s.offset <= off < s.offset + s.numel), None)
+                slot = self._slot_at(g, t, off)
                 return _SavedRef(g, off, tuple(t.shape), tuple(t.stride()), slot,
                                  0 if slot is None else slot.param._version)
         # detached: autograd puts the grad_fn back on unpack. Kept as is, an op's saved output
@@ -953,6 +961,15 @@ class Stage3ParameterManager:
         # stay in memory, with the engine its unpack hook refers to. The detached tensor shares
         # the version counter, so an in-place change before the backward is still caught
         return _SavedTensor(t.detach(), t._version)
+
+    def _slot_at(self, g: FlatGroup, t: torch.Tensor, off: int) -> Optional[ParamSlot]:
+        """The slot of the parameter that ``t`` (saved, lying at element ``off`` of ``g.full``)
+        lies in: by dictionary for the parameter itself or a view of it (every forward saves
+        these), by scanning ``g.slots`` otherwise (``weight.detach()``); None in the padding."""
+        rec = self._slot_of.get(t if isinstance(t, nn.Parameter) else t._base)
+        if rec is not None and rec[1] is g:
+            return rec[2]
+        return next((s for s in g.slots if s.offset <= off < s.offset + s.numel), None)
 
     def _unpack(self, x):
         if isinstance(x, _SavedRef):
@@ -985,6 +1002,11 @@ class Stage3ParameterManager:
         return self.units[int(g.key.split("/")[0][4:])]
 
     # ------------------------------------------------------------------------ forward hooks
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` ran (the tiers are gone)."""
+        return self._closed
+
     def _check_open(self) -> None:
         """Raise RuntimeError if :meth:`close` ran: the tiers are gone."""
         if self._closed:
