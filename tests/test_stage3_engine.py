@@ -554,6 +554,43 @@ def test_state_dict_calls_through_a_wrapper_nested_or_with_a_wrong_shape(tmp_pat
     engine.close()
 
 
+def test_user_hooks_around_state_dict_and_load_state_dict_act_as_in_plain_pytorch(tmp_path):
+    """The fourth tester's cases: a load pre-hook that changes values (a legacy checkpoint's
+    scale or transposed layout), on the model or on a submodule, registered before or after
+    initialize, did not take effect (the model's hook had written every value before it ran:
+    "has shape (48, 16), the model's parameter has (16, 48)"); a submodule's state_dict hook
+    scaling or casting its weight was undone by the model's hook. A module with hooks of its own
+    now serves its values itself: each case equals plain PyTorch."""
+    ref = TinyLM()
+    ref.blocks[1].register_load_state_dict_pre_hook(
+        lambda mod, sd, prefix, *a: sd.__setitem__(prefix + "ff.2.weight", sd[prefix + "ff.2.weight"].t()))
+    model = copy.deepcopy(ref)  # with that hook: registered before initialize
+    engine, *_ = zeroinf.initialize(model=model, config=_config("nvme", "cpu", tmp_path))
+    g = torch.Generator().manual_seed(3)
+    new = {k: torch.randn(v.shape, generator=g) for k, v in TinyLM().state_dict().items()}
+    new["blocks.1.ff.2.weight"] = new["blocks.1.ff.2.weight"].t().contiguous()  # stored transposed
+    new["blocks.0.ff.0.weight"] = new["blocks.0.ff.0.weight"].t().contiguous()
+    for m in (model, ref):
+        m.register_load_state_dict_pre_hook(  # on the model, after initialize
+            lambda mod, sd, prefix, *a: sd.__setitem__(prefix + "head.weight", sd[prefix + "head.weight"] * 2))
+        m.blocks[0].register_load_state_dict_pre_hook(  # on a block, after initialize
+            lambda mod, sd, prefix, *a: sd.__setitem__(prefix + "ff.0.weight", sd[prefix + "ff.0.weight"].t()))
+        m.load_state_dict(new)
+    got, want = model.state_dict(), ref.state_dict()
+    assert all(torch.equal(got[k], v) for k, v in want.items())
+    assert torch.equal(got["head.weight"], 2 * new["head.weight"])
+    # state_dict hooks on a submodule, registered after initialize: they see, and change, full values
+    for m in (model, ref):
+        m.head._register_state_dict_hook(lambda mod, sd, prefix, lm: sd.__setitem__(prefix + "weight", sd[prefix + "weight"] * 0.5))
+        m.norm.register_state_dict_post_hook(lambda mod, sd, prefix, lm: sd.__setitem__(prefix + "bias", sd[prefix + "bias"].half()))
+    for call in (lambda m: m.state_dict(), lambda m: m.head.state_dict(), lambda m: m.norm.state_dict(),
+                 lambda m: torch.nn.ModuleDict({"h": m.head, "n": m.norm}).state_dict()):
+        got, want = call(model), call(ref)
+        assert got.keys() == want.keys()
+        assert all(got[k].dtype == v.dtype and torch.equal(got[k], v) for k, v in want.items())
+    engine.close()
+
+
 def test_a_second_engine_on_a_partitioned_model_is_refused(tmp_path):
     """Its parameters are placeholders: a second engine held nothing and failed at its first step
     ("'weight' must be 2-D"), whether the first engine was open or closed."""

@@ -603,26 +603,75 @@ class Stage3EngineParams:
     def _install_state_dict_hooks(self, model: torch.nn.Module) -> None:
         """``state_dict`` / ``load_state_dict`` of the model, and of any submodule holding
         partitioned parameters (``model.head.state_dict()`` returned empty placeholders, and its
-        ``load_state_dict`` failed on their shape), read and write the partitions. The module the
-        call was made on (or the highest hooked module below a wrapper) serves its whole subtree,
-        gathering or writing each flat group once; the hooks of the modules below it stand aside
-        (:meth:`_serves` finds a ``state_dict`` call on the stack, :meth:`_load_pre_hook` knows the
-        values a load's first hook put in its dict: no flag that an exception could leave set)."""
+        ``load_state_dict`` failed on their shape), read and write the partitions.
+
+        The module a call was made on (or the highest hooked module below a wrapper) serves its
+        subtree, gathering or writing each flat group once, except below a module that has hooks
+        of its own (or, for loads, its own ``_load_from_state_dict``): such a module serves its
+        subtree itself, so its hooks see full values and the values they change are the ones
+        written (:meth:`_plain`). The engine's ``state_dict`` hook runs before the module's own,
+        its load pre-hook after them.
+        """
         owned = set(self.manager._slot_of)
         self._hooked = weakref.WeakSet()
+        self._hook_keys: "weakref.WeakKeyDictionary[torch.nn.Module, Tuple[int, int]]" = weakref.WeakKeyDictionary()
         self._placed: "weakref.WeakValueDictionary[int, torch.Tensor]" = weakref.WeakValueDictionary()
         for sub in model.modules():
             if any(p in owned for p in sub.parameters()):
                 self._hooked.add(sub)
-                sub._register_state_dict_hook(self._state_dict_hook)
-                sub.register_load_state_dict_pre_hook(self._load_pre_hook)
+                sd = sub._register_state_dict_hook(self._state_dict_hook)
+                sub._state_dict_hooks.move_to_end(sd.id, last=False)
+                ld = sub.register_load_state_dict_pre_hook(self._load_pre_hook)
+                self._hook_keys[sub] = (sd.id, ld.id)
+
+    def _plain(self, module, load: bool) -> bool:
+        """Whether a hooked module leaves its values to the module above it: it has no
+        ``state_dict`` hooks (``load``: load pre-hooks) but the engine's, and (``load``) keeps
+        ``nn.Module._load_from_state_dict``. A load pre-hook of the module's own registered after
+        the engine's is moved before it here, while no load iterates the module's hooks (the
+        module above it runs its hooks first)."""
+        if not load:
+            return len(module._state_dict_hooks) == 1
+        hooks = module._load_state_dict_pre_hooks
+        if len(hooks) == 1 and type(module)._load_from_state_dict is torch.nn.Module._load_from_state_dict:
+            return True
+        key = self._hook_keys[module][1]
+        if key in hooks and next(reversed(hooks)) != key:
+            hooks.move_to_end(key)
+        return False
+
+    def _served(self, module, prefix: str, load: bool, children: bool = True):
+        """``[(group, [(slot, names)])]``: the flat groups of the partitioned parameters the
+        hook of ``module`` serves, in the manager's order (the same on every rank: gathers are
+        collective), each with its slots and their state-dict names (``prefix`` + name; a tied
+        parameter has several): the module's own parameters, and with ``children`` those of the
+        hooked modules below reached through :meth:`_plain` ones."""
+        names: Dict[torch.nn.Parameter, List[str]] = {}
+        stack = [(module, prefix, children)]
+        while stack:
+            mod, pre, down = stack.pop()
+            for n, p in mod._parameters.items():
+                if p is not None:
+                    names.setdefault(p, []).append(pre + n)
+            below = [(c, pre + cn + ".", True) for cn, c in mod._modules.items()
+                     if c is not None and c in self._hooked and self._plain(c, load) and down]
+            stack.extend(reversed(below))  # pre-order, as torch loads: of a tied parameter's names the last wins
+        by_group: Dict[FlatGroup, list] = {}
+        for p, ns in names.items():
+            rec = self.manager._slot_of.get(p)
+            if rec is not None:
+                by_group.setdefault(rec[1], []).append((rec[2], ns))
+        return [(g, by_group[g]) for g in self.manager.groups() if g in by_group]
 
     def _serves(self, module, state_dict) -> bool:
         """Whether the hook of ``module`` fills ``state_dict`` (the destination dict of the
         ``nn.Module.state_dict`` call it fires in): no module above it in that call holds hooks,
         so the module the call was made on, or the highest hooked one below an unhooked wrapper,
-        serves its whole subtree. ``state_dict`` recurses through ``state_dict`` calls: the frames
-        up this thread's stack with the same destination are the modules above."""
+        serves its subtree; or the module has hooks of its own (:meth:`_plain`), which run after
+        the engine's. ``state_dict`` recurses through ``state_dict`` calls: the frames up this
+        thread's stack with the same destination are the modules above."""
+        if not self._plain(module, load=False):
+            return True
         code = torch.nn.Module.state_dict.__code__
         f = sys._getframe(2)
         while f is not None:
@@ -636,32 +685,15 @@ class Stage3EngineParams:
     def _state_dict_hook(self, module, state_dict, prefix, local_metadata):
         """Replace the released placeholders by the full values, one flat group at a time."""
         if self._serves(module, state_dict):
-            self._fill_state_dict(module, state_dict, prefix)
+            if self.manager.load_guard is not None:  # a submodule's call too: the root's hook checks only the root's
+                self.manager.load_guard.check("state_dict")
+            for g, slots in self._served(module, prefix, load=False):
+                full = self.manager.gather_group_copy(g)
+                for s, names in slots:
+                    for n in names:
+                        if n in state_dict:
+                            state_dict[n] = full[s.offset:s.offset + s.numel].view(s.shape).clone()
         return state_dict
-
-    def _slots_below(self, module, prefix: str):
-        """``[(group, [(slot, names)])]``: the flat groups holding ``module``'s partitioned
-        parameters, in the manager's order (the same on every rank: gathers are collective), each
-        with its slots and their state-dict names (``prefix`` + name; a tied parameter has several)."""
-        names: Dict[torch.nn.Parameter, List[str]] = {}
-        for name, p in module.named_parameters(remove_duplicate=False):
-            names.setdefault(p, []).append(prefix + name)
-        by_group: Dict[FlatGroup, list] = {}
-        for p, ns in names.items():
-            rec = self.manager._slot_of.get(p)
-            if rec is not None:
-                by_group.setdefault(rec[1], []).append((rec[2], ns))
-        return [(g, by_group[g]) for g in self.manager.groups() if g in by_group]
-
-    def _fill_state_dict(self, module, state_dict, prefix) -> None:
-        if self.manager.load_guard is not None:  # a submodule's call too: the root's hook checks only the root's
-            self.manager.load_guard.check("state_dict")
-        for g, slots in self._slots_below(module, prefix):
-            full = self.manager.gather_group_copy(g)
-            for s, names in slots:
-                for n in names:
-                    if n in state_dict:
-                        state_dict[n] = full[s.offset:s.offset + s.numel].view(s.shape).clone()
 
     def _load_pre_hook(self, module, state_dict, prefix, local_metadata, strict, missing_keys,
                        unexpected_keys, error_msgs):
@@ -670,23 +702,27 @@ class Stage3EngineParams:
         while gathered) so ``load_state_dict``'s shape check passes and its copy changes nothing.
         (An empty placeholder for a gathered parameter, such as the persistent unit's after any
         forward, failed that check after every value had been written.) The first hooked module
-        of a load (pre-order: the highest) writes its whole subtree, each group once; the hooks
-        below skip the values it put in the dict, known by identity, whatever recursion runs the
-        load (``load_state_dict``'s filtered copies, or a loader passing one dict down).
+        of a load (pre-order: the highest) writes its subtree, each group once, but for the
+        modules with hooks of their own (:meth:`_plain`), and none below them when a pre-hook of
+        its own runs after this one; the hooks below skip the values put in the dict above them,
+        known by identity, whatever recursion runs the load (``load_state_dict``'s filtered
+        copies, or a loader passing one dict down).
 
         Raises:
             RuntimeError: the engine was closed, ``assign=True`` (it would put plain tensors in
                 place of the partitioned parameters), or a value whose shape differs from its
-                parameter's.
+                parameter's (none of this hook's values is written then).
         """
         self.manager._check_open()  # a closed engine's partitions are gone: raise, not load nothing
         if local_metadata.get("assign_to_params_buffers"):
             raise RuntimeError("zeroinf stage 3: load_state_dict(..., assign=True) would replace the partitioned "
                                "parameters by plain tensors (the model then holds empty placeholders); load with "
                                "assign=False (the default): the values are written into the partitions")
+        hooks = module._load_state_dict_pre_hooks
+        last = next(reversed(hooks)) == self._hook_keys[module][1]  # no hook of the module's runs after this one
         plan = []
         wrong = []
-        for g, slots in self._slots_below(module, prefix):
+        for g, slots in self._served(module, prefix, load=True, children=last):
             updates = {}
             for s, names in slots:
                 for n in names:
