@@ -591,6 +591,26 @@ def test_user_hooks_around_state_dict_and_load_state_dict_act_as_in_plain_pytorc
     engine.close()
 
 
+def test_a_stage3_model_refuses_deepcopy_and_pickle_saying_how_to_copy_it(tmp_path):
+    """A copy would hold the empty placeholders; it failed on "cannot pickle '_thread.lock'
+    object" (a lock of the engine, reached through its hooks). It now says how to copy the
+    values, which works."""
+    import io
+    import pickle
+    model = TinyLM()
+    engine, *_ = zeroinf.initialize(model=model, config=_config("cpu", "cpu", tmp_path))
+    for call in (lambda: copy.deepcopy(model), lambda: copy.deepcopy(torch.nn.Sequential(model)),
+                 lambda: copy.deepcopy(model.blocks[0]), lambda: pickle.dumps(model.head),
+                 lambda: torch.save(model, io.BytesIO())):
+        with pytest.raises(TypeError, match="holding partitioned parameters cannot be deep-copied or pickled"):
+            call()
+    other = TinyLM()
+    other.load_state_dict(model.state_dict())
+    with zeroinf.gathered_parameters(model.parameters()):
+        assert all(torch.equal(p, q) for p, q in zip(model.parameters(), other.parameters()))
+    engine.close()
+
+
 def test_a_second_engine_on_a_partitioned_model_is_refused(tmp_path):
     """Its parameters are placeholders: a second engine held nothing and failed at its first step
     ("'weight' must be 2-D"), whether the first engine was open or closed."""

@@ -148,6 +148,19 @@ class _PartitionMaster:
         self.glue.manager.write_partition_slice(g, lo, values.to(torch.float32).reshape(-1))
 
 
+def _refuse_copy(kind: str):
+    """A ``__deepcopy__`` / ``__reduce_ex__`` for a module holding partitioned parameters: its
+    copy (or pickle, ``torch.save(module)``) would hold the empty placeholders and, through the
+    engine's hooks, fail on a lock ("cannot pickle '_thread.lock' object"); raise ``TypeError``
+    saying how to copy the values instead."""
+    def refuse(*_args):
+        raise TypeError(f"zeroinf stage 3: a {kind} holding partitioned parameters cannot be deep-copied or "
+                        f"pickled: it holds empty placeholders, the values live in the engine's partitions. Copy "
+                        f"the values: build a new module and load `module.state_dict()` into it (full values, "
+                        f"gathered one group at a time), or copy the model before zeroinf.initialize")
+    return refuse
+
+
 class Stage3EngineParams:
     """The seam's methods over a :class:`Stage3ParameterManager` (attribute ``manager``).
 
@@ -623,6 +636,9 @@ class Stage3EngineParams:
                 sub._state_dict_hooks.move_to_end(sd.id, last=False)
                 ld = sub.register_load_state_dict_pre_hook(self._load_pre_hook)
                 self._hook_keys[sub] = (sd.id, ld.id)
+                refuse = _refuse_copy(type(sub).__name__)
+                object.__setattr__(sub, "__deepcopy__", refuse)  # copy and pickle look both up on the instance
+                object.__setattr__(sub, "__reduce_ex__", refuse)
 
     def _plain(self, module, load: bool) -> bool:
         """Whether a hooked module leaves its values to the module above it: it has no
