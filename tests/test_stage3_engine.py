@@ -579,6 +579,13 @@ def test_user_hooks_around_state_dict_and_load_state_dict_act_as_in_plain_pytorc
     got, want = model.state_dict(), ref.state_dict()
     assert all(torch.equal(got[k], v) for k, v in want.items())
     assert torch.equal(got["head.weight"], 2 * new["head.weight"])
+    # on the module the load is called on, changing its own parameter, registered after initialize
+    for m in (model, ref):
+        m.norm.register_load_state_dict_pre_hook(
+            lambda mod, sd, prefix, *a: sd.__setitem__(prefix + "weight", sd[prefix + "weight"] + 1))
+        m.norm.load_state_dict({"weight": torch.full((16,), 2.0), "bias": torch.zeros(16)})
+    assert torch.equal(model.norm.state_dict()["weight"], torch.full((16,), 3.0))
+    assert torch.equal(model.state_dict()["norm.bias"], ref.state_dict()["norm.bias"])
     # state_dict hooks on a submodule, registered after initialize: they see, and change, full values
     for m in (model, ref):
         m.head._register_state_dict_hook(lambda mod, sd, prefix, lm: sd.__setitem__(prefix + "weight", sd[prefix + "weight"] * 0.5))

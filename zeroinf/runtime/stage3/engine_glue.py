@@ -148,6 +148,21 @@ class _PartitionMaster:
         self.glue.manager.write_partition_slice(g, lo, values.to(torch.float32).reshape(-1))
 
 
+def _load_hooks_before(module: torch.nn.Module, key: int):
+    """``module._register_load_state_dict_pre_hook`` (the public ``register_load_state_dict_pre_hook``
+    calls it) registering a hook before the engine's (key ``key``), so the engine writes the
+    values the module's own pre-hooks leave, whenever they were registered."""
+    register = type(module)._register_load_state_dict_pre_hook
+
+    def register_before(hook, with_module=False):
+        handle = register(module, hook, with_module)
+        hooks = module._load_state_dict_pre_hooks
+        if key in hooks:
+            hooks.move_to_end(key)
+        return handle
+    return register_before
+
+
 def _refuse_copy(kind: str):
     """A ``__deepcopy__`` / ``__reduce_ex__`` for a module holding partitioned parameters: its
     copy (or pickle, ``torch.save(module)``) would hold the empty placeholders and, through the
@@ -623,7 +638,7 @@ class Stage3EngineParams:
         of its own (or, for loads, its own ``_load_from_state_dict``): such a module serves its
         subtree itself, so its hooks see full values and the values they change are the ones
         written (:meth:`_plain`). The engine's ``state_dict`` hook runs before the module's own,
-        its load pre-hook after them.
+        its load pre-hook after them, also after those registered later (:func:`_load_hooks_before`).
         """
         owned = set(self.manager._slot_of)
         self._hooked = weakref.WeakSet()
@@ -636,6 +651,7 @@ class Stage3EngineParams:
                 sub._state_dict_hooks.move_to_end(sd.id, last=False)
                 ld = sub.register_load_state_dict_pre_hook(self._load_pre_hook)
                 self._hook_keys[sub] = (sd.id, ld.id)
+                object.__setattr__(sub, "_register_load_state_dict_pre_hook", _load_hooks_before(sub, ld.id))
                 refuse = _refuse_copy(type(sub).__name__)
                 object.__setattr__(sub, "__deepcopy__", refuse)  # copy and pickle look both up on the instance
                 object.__setattr__(sub, "__reduce_ex__", refuse)
@@ -643,18 +659,11 @@ class Stage3EngineParams:
     def _plain(self, module, load: bool) -> bool:
         """Whether a hooked module leaves its values to the module above it: it has no
         ``state_dict`` hooks (``load``: load pre-hooks) but the engine's, and (``load``) keeps
-        ``nn.Module._load_from_state_dict``. A load pre-hook of the module's own registered after
-        the engine's is moved before it here, while no load iterates the module's hooks (the
-        module above it runs its hooks first)."""
+        ``nn.Module._load_from_state_dict``."""
         if not load:
             return len(module._state_dict_hooks) == 1
-        hooks = module._load_state_dict_pre_hooks
-        if len(hooks) == 1 and type(module)._load_from_state_dict is torch.nn.Module._load_from_state_dict:
-            return True
-        key = self._hook_keys[module][1]
-        if key in hooks and next(reversed(hooks)) != key:
-            hooks.move_to_end(key)
-        return False
+        return (len(module._load_state_dict_pre_hooks) == 1
+                and type(module)._load_from_state_dict is torch.nn.Module._load_from_state_dict)
 
     def _served(self, module, prefix: str, load: bool, children: bool = True):
         """``[(group, [(slot, names)])]``: the flat groups of the partitioned parameters the
@@ -719,8 +728,8 @@ class Stage3EngineParams:
         (An empty placeholder for a gathered parameter, such as the persistent unit's after any
         forward, failed that check after every value had been written.) The first hooked module
         of a load (pre-order: the highest) writes its subtree, each group once, but for the
-        modules with hooks of their own (:meth:`_plain`), and none below them when a pre-hook of
-        its own runs after this one; the hooks below skip the values put in the dict above them,
+        modules with hooks of their own (:meth:`_plain`), and none below it when a pre-hook of
+        its own runs after this one (one put after the engine's by hand); the hooks below skip the values put in the dict above them,
         known by identity, whatever recursion runs the load (``load_state_dict``'s filtered
         copies, or a loader passing one dict down).
 
