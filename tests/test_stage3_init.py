@@ -1,4 +1,5 @@
 """``zeroinf.Init``: parameters leave memory as modules are built; values equal a normal build."""
+import copy
 import json
 import math
 import os
@@ -65,6 +66,9 @@ def test_init_then_initialize_equals_normal_build(tmp_path, tier):
     with zeroinf.Init(config=cfg):
         model = TinyLM(tied=True)
     assert all(p.numel() == 0 for p in model.parameters())
+    # a copy would hold the empty placeholders (initialize on it failed: "'weight' must be 2-D")
+    with pytest.raises(TypeError, match="zeroinf.Init: this parameter holds an empty placeholder"):
+        copy.deepcopy(model)
     engine, *_ = zeroinf.initialize(model=model, config=cfg)
     sd = engine.module.state_dict()
     for name, p in ref.named_parameters():

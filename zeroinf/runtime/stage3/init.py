@@ -72,7 +72,24 @@ def take_init_values(param: nn.Parameter) -> torch.Tensor:
     """
     with _LOCK:
         held = _HELD.pop(param)
+    _allow_copies(param)
     return held.owner._take(held)
+
+
+def _refuse_copy(*_args):
+    """``__deepcopy__`` / ``__reduce_ex__`` of a parameter ``Init`` moved out: its copy would
+    hold the empty placeholder, with nothing to take its values from (``zeroinf.initialize`` on a
+    deep-copied model failed on "'weight' must be 2-D"); raise ``TypeError`` saying what to do."""
+    raise TypeError("zeroinf.Init: this parameter holds an empty placeholder until zeroinf.initialize takes its "
+                    "values (Init keeps them in host memory or a swap file), so it cannot be deep-copied or pickled; "
+                    "build a second model inside zeroinf.Init, or after zeroinf.initialize load the model's "
+                    "state_dict() into a new one")
+
+
+def _allow_copies(p: nn.Parameter) -> None:
+    """Undo :func:`_refuse_copy` once ``p``'s values are no longer held."""
+    for name in ("__deepcopy__", "__reduce_ex__"):
+        p.__dict__.pop(name, None)
 
 
 class _GuardMode(TorchFunctionMode):
@@ -237,6 +254,8 @@ class Init:
             held.host = data.clone() if data.data_ptr() == p.data_ptr() else data
             self.held_bytes_host += data.numel() * data.element_size()
         p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+        for name in ("__deepcopy__", "__reduce_ex__"):  # copy and pickle look both up on the instance
+            setattr(p, name, _refuse_copy)
         with _LOCK:
             _HELD[p] = held
         self._outstanding += 1
@@ -246,6 +265,7 @@ class Init:
             self._put_back()
         with _LOCK:
             held = _HELD.pop(p)
+        _allow_copies(p)
         p.data = held.owner._take(held).to(p.device)
         self._back = (p, held.seq)
 
@@ -268,6 +288,7 @@ class Init:
             orphans = [p for p, h in _HELD.items() if h.owner is self and h.seq >= first and p not in reachable]
             for p in orphans:
                 h = _HELD.pop(p)
+                _allow_copies(p)
                 if h.host is not None:
                     self.held_bytes_host -= h.host.numel() * h.host.element_size()
                     h.host = None
