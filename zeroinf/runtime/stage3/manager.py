@@ -1594,9 +1594,12 @@ class Stage3ParameterManager:
                              f"flat group {g.key} ({g.shard_numel} elements)")
         self._write_partition(g, [(self._shard_range(g)[0] + lo, values.reshape(-1))], full=False)
 
+    @torch.no_grad()
     def _write_partition(self, g: FlatGroup, values: Sequence[Tuple[int, torch.Tensor]], full: bool) -> None:
         """Write 1-D ``values`` at flat offsets into this rank's partition of ``g`` (only what
-        falls in it) and, while gathered, into ``g.full`` (the whole value when ``full``)."""
+        falls in it) and, while gathered, into ``g.full`` (the whole value when ``full``). Under
+        ``no_grad``: values that require grad (``dict(other.named_parameters())`` loaded) made
+        the partitions autograd tensors holding ``other`` alive."""
         self.step_gate.wait()
         lo, hi = self._shard_range(g)
         local = g.store.local()
@@ -1668,3 +1671,5 @@ class Stage3ParameterManager:
                     if self._pool is not None:
                         self._pool.close()
                         self._pool = None
+                    for g in self.groups():  # the model keeps the manager (its hooks raise "closed")
+                        g.store.free()

@@ -105,6 +105,10 @@ class DeviceStore:
         self.tensor.copy_(src)
         return 0
 
+    def free(self) -> None:
+        """Drop the partition (the manager was closed)."""
+        self.tensor = self.tensor.new_empty(0)
+
 
 class HostStore(DeviceStore):
     """Partition in host memory, pinned when possible (``offload_param.device: cpu``)."""
@@ -195,6 +199,9 @@ class NvmeStore:
 
     def local(self) -> Optional[torch.Tensor]:
         return None
+
+    def free(self) -> None:
+        """Nothing in memory: the swapper's files go with the swapper."""
 
     def _staging(self):
         buf = self.pool.acquire()
