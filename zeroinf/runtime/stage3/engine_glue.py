@@ -11,9 +11,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-import sys
 import threading
-import weakref
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
@@ -21,6 +19,7 @@ import torch
 
 from .manager import Stage3ParameterManager
 from .options import Stage3Options
+from .state_dict import ModuleStateHooks
 from .units import FlatGroup
 
 __all__ = ["engine_manager", "master_in_partitions", "swap_file_bytes", "Stage3EngineParams"]
@@ -148,34 +147,6 @@ class _PartitionMaster:
         self.glue.manager.write_partition_slice(g, lo, values.to(torch.float32).reshape(-1))
 
 
-def _load_hooks_before(module: torch.nn.Module, key: int):
-    """``module._register_load_state_dict_pre_hook`` (the public ``register_load_state_dict_pre_hook``
-    calls it) registering a hook before the engine's (key ``key``), so the engine writes the
-    values the module's own pre-hooks leave, whenever they were registered."""
-    register = type(module)._register_load_state_dict_pre_hook
-
-    def register_before(hook, with_module=False):
-        handle = register(module, hook, with_module)
-        hooks = module._load_state_dict_pre_hooks
-        if key in hooks:
-            hooks.move_to_end(key)
-        return handle
-    return register_before
-
-
-def _refuse_copy(kind: str):
-    """A ``__deepcopy__`` / ``__reduce_ex__`` for a module holding partitioned parameters: its
-    copy (or pickle, ``torch.save(module)``) would hold the empty placeholders and, through the
-    engine's hooks, fail on a lock ("cannot pickle '_thread.lock' object"); raise ``TypeError``
-    saying how to copy the values instead."""
-    def refuse(*_args):
-        raise TypeError(f"zeroinf stage 3: a {kind} holding partitioned parameters cannot be deep-copied or "
-                        f"pickled: it holds empty placeholders, the values live in the engine's partitions. Copy "
-                        f"the values: build a new module and load `module.state_dict()` into it (full values, "
-                        f"gathered one group at a time), or copy the model before zeroinf.initialize")
-    return refuse
-
-
 class Stage3EngineParams:
     """The seam's methods over a :class:`Stage3ParameterManager` (attribute ``manager``).
 
@@ -222,7 +193,7 @@ class Stage3EngineParams:
         # calls grad(i) again inside the optimizer step, so the tensor is written back when
         # grad() moves to another group, unless param_target() showed the optimizer consumed it.
         self._grad_cache: Optional[List[Any]] = None  # [group, tensor, write back?]
-        self._install_state_dict_hooks(model)
+        self.state_hooks = ModuleStateHooks(model, m)  # [Note: module state dict]
         self.master_in_partitions = master_in_partitions and _all_fp32(g for g, *_ in self._subs)
 
     # [Note: master in the partitions] In fp32 training the optimizer's master weights hold the
@@ -626,149 +597,3 @@ class Stage3EngineParams:
 
     def trace(self, path) -> int:
         return self.manager.trace(path)
-
-    # --- module state dict ----------------------------------------------------------------
-    def _install_state_dict_hooks(self, model: torch.nn.Module) -> None:
-        """``state_dict`` / ``load_state_dict`` of the model, and of any submodule holding
-        partitioned parameters (``model.head.state_dict()`` returned empty placeholders, and its
-        ``load_state_dict`` failed on their shape), read and write the partitions.
-
-        The module a call was made on (or the highest hooked module below a wrapper) serves its
-        subtree, gathering or writing each flat group once, except below a module that has hooks
-        of its own (or, for loads, its own ``_load_from_state_dict``): such a module serves its
-        subtree itself, so its hooks see full values and the values they change are the ones
-        written (:meth:`_plain`). The engine's ``state_dict`` hook runs before the module's own,
-        its load pre-hook after them, also after those registered later (:func:`_load_hooks_before`).
-        """
-        owned = set(self.manager._slot_of)
-        self._hooked = weakref.WeakSet()
-        self._hook_keys: "weakref.WeakKeyDictionary[torch.nn.Module, Tuple[int, int]]" = weakref.WeakKeyDictionary()
-        self._placed: "weakref.WeakValueDictionary[int, torch.Tensor]" = weakref.WeakValueDictionary()
-        for sub in model.modules():
-            if any(p in owned for p in sub.parameters()):
-                self._hooked.add(sub)
-                sd = sub._register_state_dict_hook(self._state_dict_hook)
-                sub._state_dict_hooks.move_to_end(sd.id, last=False)
-                ld = sub.register_load_state_dict_pre_hook(self._load_pre_hook)
-                self._hook_keys[sub] = (sd.id, ld.id)
-                object.__setattr__(sub, "_register_load_state_dict_pre_hook", _load_hooks_before(sub, ld.id))
-                refuse = _refuse_copy(type(sub).__name__)
-                object.__setattr__(sub, "__deepcopy__", refuse)  # copy and pickle look both up on the instance
-                object.__setattr__(sub, "__reduce_ex__", refuse)
-
-    def _plain(self, module, load: bool) -> bool:
-        """Whether a hooked module leaves its values to the module above it: it has no
-        ``state_dict`` hooks (``load``: load pre-hooks) but the engine's, and (``load``) keeps
-        ``nn.Module._load_from_state_dict``."""
-        if not load:
-            return len(module._state_dict_hooks) == 1
-        return (len(module._load_state_dict_pre_hooks) == 1
-                and type(module)._load_from_state_dict is torch.nn.Module._load_from_state_dict)
-
-    def _served(self, module, prefix: str, load: bool, children: bool = True):
-        """``[(group, [(slot, names)])]``: the flat groups of the partitioned parameters the
-        hook of ``module`` serves, in the manager's order (the same on every rank: gathers are
-        collective), each with its slots and their state-dict names (``prefix`` + name; a tied
-        parameter has several): the module's own parameters, and with ``children`` those of the
-        hooked modules below reached through :meth:`_plain` ones."""
-        names: Dict[torch.nn.Parameter, List[str]] = {}
-        stack = [(module, prefix, children)]
-        while stack:
-            mod, pre, down = stack.pop()
-            for n, p in mod._parameters.items():
-                if p is not None:
-                    names.setdefault(p, []).append(pre + n)
-            below = [(c, pre + cn + ".", True) for cn, c in mod._modules.items()
-                     if c is not None and c in self._hooked and self._plain(c, load) and down]
-            stack.extend(reversed(below))  # pre-order, as torch loads: of a tied parameter's names the last wins
-        by_group: Dict[FlatGroup, list] = {}
-        for p, ns in names.items():
-            rec = self.manager._slot_of.get(p)
-            if rec is not None:
-                by_group.setdefault(rec[1], []).append((rec[2], ns))
-        return [(g, by_group[g]) for g in self.manager.groups() if g in by_group]
-
-    def _serves(self, module, state_dict) -> bool:
-        """Whether the hook of ``module`` fills ``state_dict`` (the destination dict of the
-        ``nn.Module.state_dict`` call it fires in): no module above it in that call holds hooks,
-        so the module the call was made on, or the highest hooked one below an unhooked wrapper,
-        serves its subtree; or the module has hooks of its own (:meth:`_plain`), which run after
-        the engine's. ``state_dict`` recurses through ``state_dict`` calls: the frames up this
-        thread's stack with the same destination are the modules above."""
-        if not self._plain(module, load=False):
-            return True
-        code = torch.nn.Module.state_dict.__code__
-        f = sys._getframe(2)
-        while f is not None:
-            if f.f_code is code and f.f_locals.get("destination") is state_dict:
-                owner = f.f_locals.get("self")
-                if owner is not module and owner in self._hooked:
-                    return False
-            f = f.f_back
-        return True
-
-    def _state_dict_hook(self, module, state_dict, prefix, local_metadata):
-        """Replace the released placeholders by the full values, one flat group at a time."""
-        if self._serves(module, state_dict):
-            if self.manager.load_guard is not None:  # a submodule's call too: the root's hook checks only the root's
-                self.manager.load_guard.check("state_dict")
-            for g, slots in self._served(module, prefix, load=False):
-                full = self.manager.gather_group_copy(g)
-                for s, names in slots:
-                    for n in names:
-                        if n in state_dict:
-                            state_dict[n] = full[s.offset:s.offset + s.numel].view(s.shape).clone()
-        return state_dict
-
-    def _load_pre_hook(self, module, state_dict, prefix, local_metadata, strict, missing_keys,
-                       unexpected_keys, error_msgs):
-        """Write the loaded values into the partitions; the (copied) dict then holds each
-        parameter's own current data (an empty placeholder while released, the refreshed values
-        while gathered) so ``load_state_dict``'s shape check passes and its copy changes nothing.
-        (An empty placeholder for a gathered parameter, such as the persistent unit's after any
-        forward, failed that check after every value had been written.) The first hooked module
-        of a load (pre-order: the highest) writes its subtree, each group once, but for the
-        modules with hooks of their own (:meth:`_plain`), and none below it when a pre-hook of
-        its own runs after this one (one put after the engine's by hand); the hooks below skip the values put in the dict above them,
-        known by identity, whatever recursion runs the load (``load_state_dict``'s filtered
-        copies, or a loader passing one dict down).
-
-        Raises:
-            RuntimeError: the engine was closed, ``assign=True`` (it would put plain tensors in
-                place of the partitioned parameters), or a value whose shape differs from its
-                parameter's (none of this hook's values is written then).
-        """
-        self.manager._check_open()  # a closed engine's partitions are gone: raise, not load nothing
-        if local_metadata.get("assign_to_params_buffers"):
-            raise RuntimeError("zeroinf stage 3: load_state_dict(..., assign=True) would replace the partitioned "
-                               "parameters by plain tensors (the model then holds empty placeholders); load with "
-                               "assign=False (the default): the values are written into the partitions")
-        hooks = module._load_state_dict_pre_hooks
-        last = next(reversed(hooks)) == self._hook_keys[module][1]  # no hook of the module's runs after this one
-        plan = []
-        wrong = []
-        for g, slots in self._served(module, prefix, load=True, children=last):
-            updates = {}
-            for s, names in slots:
-                for n in names:
-                    if n in state_dict:
-                        v = state_dict[n]
-                        if self._placed.get(id(v)) is v or v is s.param or not isinstance(v, torch.Tensor):
-                            continue  # put there by the hook of a module above; the parameter itself
-                            # (a no-op); not a tensor (torch's own copy reports it)
-                        if tuple(v.shape) != tuple(s.shape):
-                            wrong.append(f"{n} has shape {tuple(v.shape)}, the model's parameter has {tuple(s.shape)}")
-                        updates[s.offset] = (s, v, names)
-            if updates:
-                plan.append((g, updates))
-        if wrong:  # every value checked before any is written
-            below = f"{type(module).__name__} {prefix[:-1]!r}" if prefix else type(module).__name__
-            raise RuntimeError(f"load_state_dict: {'; '.join(wrong)}; none of the values for the parameters "
-                               f"below {below} was written")
-        for g, updates in plan:
-            self.manager.write_group_values(g, [(s, v) for s, v, _names in updates.values()])
-            for s, _v, names in updates.values():
-                for n in names:
-                    if n in state_dict:
-                        state_dict[n] = placed = s.param.data
-                        self._placed[id(placed)] = placed
