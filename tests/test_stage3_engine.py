@@ -668,6 +668,26 @@ def test_state_dict_with_a_wrapper_added_later_tied_names_and_values_that_requir
     assert all(g.store.local().numel() == 0 for g in manager().groups())  # the model keeps the manager
 
 
+@pytest.mark.parametrize("tier", TIERS)
+def test_inference_mode_forwards_before_and_between_training_steps(tmp_path, tier):
+    """An eval forward under torch.inference_mode() as the model's first forward (or two of them
+    between steps) made the next training forward raise "Inplace update to inference tensor
+    outside InferenceMode" (the flat buffers taken then were inference tensors, reused later)."""
+    ref = TinyLM()
+    model = copy.deepcopy(ref)
+    engine, *_ = zeroinf.initialize(model=model, config=_config(tier, "cpu", tmp_path))
+    x, _y = batch(9)
+    with torch.inference_mode():
+        assert torch.equal(engine(x), ref(x))
+    got = _run(engine, 1)
+    for _ in range(2):
+        with torch.inference_mode():
+            engine(x)
+    got += _run(engine, 1, start=2)
+    _assert_like_reference(engine, ref, got, _reference(ref, 2))
+    engine.close()
+
+
 def test_a_stage3_model_refuses_deepcopy_and_pickle_saying_how_to_copy_it(tmp_path):
     """A copy would hold the empty placeholders; it failed on "cannot pickle '_thread.lock'
     object" (a lock of the engine, reached through its hooks). It now says how to copy the

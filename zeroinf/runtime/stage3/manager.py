@@ -501,7 +501,8 @@ class Stage3ParameterManager:
     def _placeholder(self, dtype: torch.dtype) -> torch.Tensor:
         t = self._placeholders.get(dtype)
         if t is None:
-            t = self._placeholders[dtype] = torch.empty(0, dtype=dtype, device=self.device)
+            with torch.inference_mode(False):  # kept for later forwards (see BufferRecycler.take)
+                t = self._placeholders[dtype] = torch.empty(0, dtype=dtype, device=self.device)
         return t
 
     def _install_hooks(self) -> None:

@@ -53,19 +53,22 @@ class BufferRecycler:
     def take(self, numel: int, dtype: torch.dtype, device: Optional[torch.device] = None) -> torch.Tensor:
         """A contiguous tensor of ``numel`` elements of ``dtype``, contents undefined: a reused
         or new 4096-aligned CPU buffer, or a plain ``torch.empty`` on another ``device`` (the
-        accelerator's caching allocator already reuses memory; :meth:`give` ignores those)."""
-        if device is not None and torch.device(device).type != "cpu":
-            return torch.empty(numel, dtype=dtype, device=device)
-        with self._lock:
-            free = self._free.get((numel, dtype))
-            if free:
-                t = free.pop()
-                self._free_bytes -= t.numel() * t.element_size()
-                return t
-        nbytes = numel * dtype.itemsize
-        raw = torch.empty(nbytes + self.ALIGN, dtype=torch.uint8)
-        off = (-raw.data_ptr()) % self.ALIGN
-        return raw[off:off + nbytes].view(dtype)
+        accelerator's caching allocator already reuses memory; :meth:`give` ignores those).
+        Never an inference tensor: one taken inside ``torch.inference_mode`` (an eval forward
+        first) is written and reused outside it, where torch refuses in-place updates to them."""
+        with torch.inference_mode(False):
+            if device is not None and torch.device(device).type != "cpu":
+                return torch.empty(numel, dtype=dtype, device=device)
+            with self._lock:
+                free = self._free.get((numel, dtype))
+                if free:
+                    t = free.pop()
+                    self._free_bytes -= t.numel() * t.element_size()
+                    return t
+            nbytes = numel * dtype.itemsize
+            raw = torch.empty(nbytes + self.ALIGN, dtype=torch.uint8)
+            off = (-raw.data_ptr()) % self.ALIGN
+            return raw[off:off + nbytes].view(dtype)
 
     def give(self, t: torch.Tensor) -> None:
         """Return a tensor from :meth:`take`; the caller must hold no view of it any more.
