@@ -2,6 +2,7 @@
 ``ds_numel``, a ``repr`` that says what they are, and compute on them raising an error that
 names the parameter instead of silently computing on the empty placeholder."""
 import copy
+import io
 
 import pytest
 import torch
@@ -30,6 +31,12 @@ def test_compute_on_released_parameter_raises_naming_it(tmp_path, tier):
         F.linear(torch.ones(1, D), model.blocks[1].ff[0].weight)
     r = repr(w)
     assert "released stage-3 parameter emb.weight" in r and "(37, 16)" in r
+    # a copy or pickle held an empty tensor silently (copy.deepcopy(list(model.parameters())))
+    for call in (lambda: copy.deepcopy([w]), lambda: copy.copy(w), lambda: torch.save(w, io.BytesIO())):
+        with pytest.raises(RuntimeError, match=r"emb\.weight \(shape \(37, 16\)\) is released.*a copy would hold nothing"):
+            call()
+    with zeroinf.gathered_parameters([w]):
+        assert torch.equal(copy.deepcopy(w), ref.emb.weight)
     # metadata and bookkeeping still work on the placeholder
     assert w.requires_grad and w.dtype == torch.float32 and w.grad is None and w.numel() == 0
     with zeroinf.gathered_parameters([w]):

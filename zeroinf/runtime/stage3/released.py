@@ -24,10 +24,11 @@ from torch import nn
 __all__ = ["released_class", "gathered_class", "is_released", "PASS_THROUGH"]
 
 #: torch functions allowed on a released parameter: attribute access (``__get__``/``__set__``:
-#: ``.shape``, ``.grad``, ``.data``, ...), metadata, hooks, pickling/copying, and ``detach``
-#: (``state_dict`` detaches before the engine's hook puts the full values in).
+#: ``.shape``, ``.grad``, ``.data``, ...), metadata, hooks, and ``detach`` (``state_dict``
+#: detaches before the engine's hook puts the full values in). Copies and pickles are refused
+#: (they went through ``.data`` and held an empty tensor).
 PASS_THROUGH = frozenset({
-    "__get__", "__set__", "__hash__", "__format__", "__reduce_ex__", "__deepcopy__", "__setstate__",
+    "__get__", "__set__", "__hash__", "__format__", "__setstate__",
     "detach", "requires_grad_", "numel", "nelement", "dim", "ndimension", "size", "stride",
     "element_size", "is_contiguous", "is_floating_point", "is_complex", "get_device", "data_ptr",
     "untyped_storage", "storage_offset", "register_hook", "register_post_accumulate_grad_hook", "_is_view",
@@ -57,21 +58,32 @@ class _ReleasedMixin:
         name = getattr(func, "__name__", "")
         if name not in PASS_THROUGH and not (name == "copy_" and _empty_copy(args)):
             p = next(a for a in list(args) + list(kwargs.values()) if isinstance(a, _ReleasedMixin))
-            pname, shape = _describe(p)
-            shape_s = tuple(shape) if shape is not None else "?"
-            raise RuntimeError(
-                f"zeroinf stage 3: {pname} (shape {shape_s}) is released: outside the model's forward it holds only "
-                f"an empty placeholder, so '{name or func}' on it would compute on nothing. Gather it first: "
-                f"`with zeroinf.gathered_parameters([param]):` (add modifier_rank=0 to keep changes); "
-                f"`param.ds_shape` / `param.ds_numel` give its full shape and size without gathering")
+            _refuse(p, f"'{name or func}' on it would compute on nothing")
         with torch._C.DisableTorchFunctionSubclass():
             return func(*args, **kwargs)
+
+    def __deepcopy__(self, memo):
+        _refuse(self, "a copy would hold nothing (copy.deepcopy)")
+
+    def __reduce_ex__(self, protocol):
+        _refuse(self, "a copy would hold nothing (copy.copy, pickle, torch.save)")
 
     def __repr__(self, *args, **kwargs) -> str:
         pname, shape = _describe(self)
         shape_s = tuple(shape) if shape is not None else "?"
         return (f"Parameter(released stage-3 parameter {pname}, shape {shape_s}, dtype {self.dtype}; "
                 f"read it inside zeroinf.gathered_parameters(...))")
+
+
+def _refuse(p: torch.Tensor, why: str) -> None:
+    """Raise the RuntimeError naming released parameter ``p``: ``why`` says what would go wrong."""
+    pname, shape = _describe(p)
+    shape_s = tuple(shape) if shape is not None else "?"
+    raise RuntimeError(
+        f"zeroinf stage 3: {pname} (shape {shape_s}) is released: outside the model's forward it holds only "
+        f"an empty placeholder, so {why}. Gather it first: "
+        f"`with zeroinf.gathered_parameters([param]):` (add modifier_rank=0 to keep changes); "
+        f"`param.ds_shape` / `param.ds_numel` give its full shape and size without gathering")
 
 
 def _empty_copy(args) -> bool:
