@@ -668,6 +668,46 @@ def test_state_dict_with_a_wrapper_added_later_tied_names_and_values_that_requir
     assert all(g.store.local().numel() == 0 for g in manager().groups())  # the model keeps the manager
 
 
+def test_a_tied_parameter_owned_by_the_model_and_a_class_renaming_its_state_dict_keys(tmp_path):
+    """The second tester of this session (helper-30, /tmp/tester14 f2, f7): a parameter the root
+    owns, tied to c2.weight (c2 with a load pre-hook of its own) and c3.weight, took c2's value
+    on load (plain PyTorch: the last name, c3.weight); a submodule class whose state_dict renames
+    its keys after super().state_dict() left placeholders under the new keys."""
+
+    class RenamedNorm(torch.nn.LayerNorm):
+        def state_dict(self, *args, destination=None, prefix="", keep_vars=False):
+            sd = super().state_dict(*args, destination=destination, prefix=prefix, keep_vars=keep_vars)
+            sd[prefix + "gamma"] = sd.pop(prefix + "weight")
+            return sd
+
+    class Tied(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.randn(16, 16))
+            self.c2, self.c3 = torch.nn.Linear(16, 16, bias=False), torch.nn.Linear(16, 16, bias=False)
+            self.c2.weight = self.c3.weight = self.w
+            self.c2.register_load_state_dict_pre_hook(lambda *a: None)
+            self.norm = RenamedNorm(16)
+
+        def forward(self, x):
+            return self.norm(self.c3(self.c2(x @ self.w)))
+
+    ref = Tied()
+    model = copy.deepcopy(ref)
+    engine, *_ = zeroinf.initialize(model=model, config=_config("cpu", "cpu", tmp_path))
+    got, want = model.state_dict(), ref.state_dict()
+    assert got.keys() == want.keys() and "norm.gamma" in got
+    assert all(torch.equal(got[k], v) for k, v in want.items())
+    new = {"w": torch.full((16, 16), 1.0), "c2.weight": torch.full((16, 16), 2.0),
+           "c3.weight": torch.full((16, 16), 3.0), "norm.weight": torch.ones(16), "norm.bias": torch.zeros(16)}
+    for m in (model, ref):
+        m.load_state_dict(new)
+    assert torch.equal(model.state_dict()["w"], torch.full((16, 16), 3.0))
+    x = torch.randn(2, 16)
+    assert torch.equal(engine(x), ref(x))
+    engine.close()
+
+
 @pytest.mark.parametrize("tier", TIERS)
 def test_inference_mode_forwards_before_and_between_training_steps(tmp_path, tier):
     """An eval forward under torch.inference_mode() as the model's first forward (or two of them

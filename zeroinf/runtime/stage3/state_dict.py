@@ -110,11 +110,12 @@ class ModuleStateHooks:
 
     # --- which module serves which values ----------------------------------------------------
     def _own_hooks(self, module, load: bool) -> bool:
-        """Whether ``module`` has ``state_dict`` hooks (``load``: load pre-hooks, or its own
-        ``_load_from_state_dict``) besides the engine's."""
+        """Whether ``module`` has ``state_dict`` hooks or its own ``state_dict`` (``load``: load
+        pre-hooks, or its own ``_load_from_state_dict``) besides the engine's."""
         ours = 1 if module in self._hooked else 0
-        if not load:
-            return len(module._state_dict_hooks) > ours
+        if not load:  # a class's own state_dict may rename or drop what its hooks left
+            return (len(module._state_dict_hooks) > ours
+                    or type(module).state_dict is not torch.nn.Module.state_dict)
         return (len(module._load_state_dict_pre_hooks) > ours
                 or type(module)._load_from_state_dict is not torch.nn.Module._load_from_state_dict)
 
@@ -141,9 +142,10 @@ class ModuleStateHooks:
                 else:
                     below.append((c, pre + cn + "."))
             stack.extend(reversed(below))
-        if deferred:  # also named below a module that loads it itself: each owner writes its name, in order
-            own = set(module._parameters.values())
-            names = {p: ns for p, ns in names.items() if p not in deferred or p in own}
+        if deferred:  # also named below a module that loads it itself: each name's module writes it, in order
+            own = {prefix + n for n, p in module._parameters.items() if p is not None}
+            names = {p: [n for n in ns if n in own] if p in deferred else ns for p, ns in names.items()}
+            names = {p: ns for p, ns in names.items() if ns}
         return names
 
     def _by_group(self, m, names):
