@@ -300,12 +300,19 @@ def _check_meta(engine, meta: Dict[str, Any], path: str) -> None:
             raise CheckpointError(f"{path}: param group {i} has hyper-parameters this optimizer does not: {unknown}")
 
 
-def _check_module_state(module: torch.nn.Module, sd: Any, path: str) -> None:
+def _check_module_state(module: torch.nn.Module, sd: Any, path: str, engine_hooks=None) -> None:
     """Raise CheckpointError naming ``path`` unless ``sd`` has exactly ``module``'s state-dict
     keys with its shapes (a stage-3 partitioned parameter's full shape is ``ds_shape``), so that
-    ``load_state_dict`` cannot fail half-way."""
+    ``load_state_dict`` cannot fail half-way. When a module has load pre-hooks of the user's
+    (``engine_hooks``: the stage-3 hooks, not counted), which may rename, add or reshape what
+    they load (a ``state_dict`` hook adding a key that a pre-hook takes back out was refused),
+    only the dict is checked: ``load_state_dict`` reports what does not fit, and the failed load
+    leaves the engine refusing to train until a load completes."""
     if not isinstance(sd, dict):
         raise CheckpointError(f"{path}: holds no module state dict")
+    if any(len(m._load_state_dict_pre_hooks) > int(engine_hooks is not None and engine_hooks.hooks(m))
+           for m in module.modules()):
+        return
     want = {}  # as Module.state_dict names them: tied parameters and shared modules under every name
     for prefix, m in module.named_modules(remove_duplicate=False):
         pre = f"{prefix}." if prefix else ""
@@ -364,7 +371,7 @@ def _check_files(engine, load_dir: str, tag: Optional[str]):
         states.append(sd)
     meta_file = os.path.join(ckpt, "model_states.pt")
     _check_meta(engine, meta, meta_file)
-    _check_module_state(engine.module, meta.get("module"), meta_file)
+    _check_module_state(engine.module, meta.get("module"), meta_file, getattr(engine.params, "state_hooks", None))
     for k, crc in (meta.get("module_crc32") or {}).items():
         if tensor_crc32(meta["module"][k]) != crc:
             raise CheckpointError(f"{meta_file}: module state {k!r} does not match its CRC-32 (the file is corrupt)")

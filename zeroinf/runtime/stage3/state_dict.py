@@ -99,6 +99,10 @@ class ModuleStateHooks:
                 object.__setattr__(sub, "__deepcopy__", refuse)  # copy and pickle look both up on the instance
                 object.__setattr__(sub, "__reduce_ex__", refuse)
 
+    def hooks(self, module) -> bool:
+        """Whether ``module`` carries the engine's hooks."""
+        return module in self._hooked
+
     def _live_manager(self, module):
         """The manager; RuntimeError once its engine was closed and freed."""
         m = self._manager()
