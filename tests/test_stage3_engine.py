@@ -610,7 +610,8 @@ def test_state_dict_with_a_wrapper_added_later_tied_names_and_values_that_requir
     embedding of a tied head changed which name's value wins; loaded values that require grad
     made the partitions autograd tensors (grad_fn CopySlices) holding their source alive;
     tied names got separate copies (transformers' save_pretrained then wrote both); copy.copy
-    was refused; a closed engine's partitions stayed in memory while the model lived."""
+    was refused; a closed engine's partitions stayed in memory while the model lived. And the
+    second tester's: a module made after initialize holding a partitioned parameter."""
     import gc
     import weakref
 
@@ -623,15 +624,24 @@ def test_state_dict_with_a_wrapper_added_later_tied_names_and_values_that_requir
             return self.inner(x)
 
     ref = TinyLM(tied=True)
+    source = TinyLM(tied=True)  # values to load below, with requires_grad
     model = copy.deepcopy(ref)
     engine, *_ = zeroinf.initialize(model=model, config=_config("cpu", "cpu", tmp_path))
-    for m in (model, ref):
+    for m in (model, ref, source):
         m.blocks[1] = Wrap(m.blocks[1])
     got, want = model.state_dict(), ref.state_dict()
     assert got.keys() == want.keys() and "blocks.1.inner.ff.0.weight" in got
     assert all(torch.equal(got[k], v) for k, v in want.items())
     assert got["emb.weight"] is got["head.weight"]  # one tensor for the tied names
     assert copy.copy(model).head.weight is model.head.weight
+    # a module made after initialize that takes a partitioned parameter (it got the placeholder)
+    half = want["blocks.0.ff.0.weight"] * 0.5
+    for m in (model, ref):
+        lin = torch.nn.Linear(16, 32)
+        lin.weight = m.blocks[0].ff[0].weight
+        assert torch.equal(lin.state_dict()["weight"], half * 2)
+        lin.load_state_dict({"weight": half, "bias": torch.zeros(32)})
+    assert torch.equal(model.state_dict()["blocks.0.ff.0.weight"], half)
 
     def once(mod, sd, prefix, local_metadata):
         sd[prefix + "weight"] = sd[prefix + "weight"] * 2
@@ -647,8 +657,6 @@ def test_state_dict_with_a_wrapper_added_later_tied_names_and_values_that_requir
         m.load_state_dict(new)
     assert torch.equal(model.state_dict()["emb.weight"], new["head.weight"])
 
-    source = TinyLM(tied=True)
-    source.blocks[1] = Wrap(source.blocks[1])
     with torch.no_grad():
         source.emb.weight.mul_(0.1)  # logits of unit scale: a loss near 3.6, not 11, within 1e-6 below
     for m in (model, ref):

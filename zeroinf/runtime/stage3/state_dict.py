@@ -37,6 +37,21 @@ from .units import FlatGroup
 
 __all__ = ["ModuleStateHooks"]
 
+_LIVE: "weakref.WeakSet[ModuleStateHooks]" = weakref.WeakSet()
+_REGISTRATION = None  # the process-wide parameter registration hook, installed with the first model
+
+
+def _on_parameter_registered(module, name, param):
+    """``torch.nn.modules.module.register_module_parameter_registration_hook``: a module made
+    after ``initialize`` that takes a partitioned parameter (``lin.weight = model.head.weight``)
+    gets the engine's hooks, so its ``state_dict`` / ``load_state_dict`` use the partitions too
+    (they gave the placeholder and failed on its shape)."""
+    for hooks in list(_LIVE):
+        m = hooks._manager()
+        if m is not None and param in m._slot_of and module not in hooks._hooked:
+            hooks._hook(module)
+    return None
+
 
 def _load_hooks_last(module: torch.nn.Module, key: int):
     """``module._register_load_state_dict_pre_hook`` (the public ``register_load_state_dict_pre_hook``
@@ -89,15 +104,25 @@ class ModuleStateHooks:
         owned = set(manager._slot_of)
         for sub in model.modules():
             if any(p in owned for p in sub.parameters()):
-                self._hooked.add(sub)
-                sd = sub._register_state_dict_hook(self._state_dict_hook)
-                sub._state_dict_hooks.move_to_end(sd.id, last=False)
-                ld = sub.register_load_state_dict_pre_hook(self._load_pre_hook)
-                self._load_key[sub] = ld.id
-                object.__setattr__(sub, "_register_load_state_dict_pre_hook", _load_hooks_last(sub, ld.id))
-                refuse = _refuse_copy(type(sub).__name__)
-                object.__setattr__(sub, "__deepcopy__", refuse)  # copy and pickle look both up on the instance
-                object.__setattr__(sub, "__reduce_ex__", refuse)
+                self._hook(sub)
+        global _REGISTRATION
+        _LIVE.add(self)
+        if _REGISTRATION is None:
+            _REGISTRATION = torch.nn.modules.module.register_module_parameter_registration_hook(
+                _on_parameter_registered)
+
+    def _hook(self, sub: torch.nn.Module) -> None:
+        """Put the engine's ``state_dict`` hook (first) and load pre-hook (last) on ``sub``, and
+        refuse its copies."""
+        self._hooked.add(sub)
+        sd = sub._register_state_dict_hook(self._state_dict_hook)
+        sub._state_dict_hooks.move_to_end(sd.id, last=False)
+        ld = sub.register_load_state_dict_pre_hook(self._load_pre_hook)
+        self._load_key[sub] = ld.id
+        object.__setattr__(sub, "_register_load_state_dict_pre_hook", _load_hooks_last(sub, ld.id))
+        refuse = _refuse_copy(type(sub).__name__)
+        object.__setattr__(sub, "__deepcopy__", refuse)  # copy and pickle look both up on the instance
+        object.__setattr__(sub, "__reduce_ex__", refuse)
 
     def hooks(self, module) -> bool:
         """Whether ``module`` carries the engine's hooks."""
