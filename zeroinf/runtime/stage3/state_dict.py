@@ -78,7 +78,7 @@ def _refuse_copy(kind: str):
     makes its shallow copy, sharing the parameters."""
     def refuse(*args):
         caller = sys._getframe(1)
-        if caller.f_code is copy.copy.__code__:
+        if caller.f_code is copy.copy.__code__ and "x" in caller.f_locals:  # copy.copy(x)'s object
             x = caller.f_locals["x"]
             return type(x).__reduce_ex__(x, *args)
         raise TypeError(f"zeroinf stage 3: a {kind} holding partitioned parameters cannot be deep-copied or "
