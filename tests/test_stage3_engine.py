@@ -720,7 +720,8 @@ def test_a_tied_parameter_owned_by_the_model_and_a_class_renaming_its_state_dict
 def test_inference_mode_forwards_before_and_between_training_steps(tmp_path, tier):
     """An eval forward under torch.inference_mode() as the model's first forward (or two of them
     between steps) made the next training forward raise "Inplace update to inference tensor
-    outside InferenceMode" (the flat buffers taken then were inference tensors, reused later)."""
+    outside InferenceMode" (the flat buffers taken then were inference tensors, reused later);
+    state_dict, load_state_dict and gathered_parameters under it raised so on the NVMe tier."""
     ref = TinyLM()
     model = copy.deepcopy(ref)
     engine, *_ = zeroinf.initialize(model=model, config=_config(tier, "cpu", tmp_path))
@@ -731,6 +732,11 @@ def test_inference_mode_forwards_before_and_between_training_steps(tmp_path, tie
     for _ in range(2):
         with torch.inference_mode():
             engine(x)
+    with torch.inference_mode():  # the NVMe tier's I/O thread filled inference tensors: it raised
+        sd = model.state_dict()
+        model.load_state_dict(sd)
+        with zeroinf.gathered_parameters(model.parameters(), modifier_rank=0):
+            pass
     got += _run(engine, 1, start=2)
     _assert_like_reference(engine, ref, got, _reference(ref, 2))
     engine.close()

@@ -498,10 +498,16 @@ class Stage3ParameterManager:
         """Forget the fp32 values kept by [Note: Init masters] (frozen groups' are never taken)."""
         self._init_masters.clear()
 
+    # [Note: outside inference mode] A tensor made under torch.inference_mode is an inference
+    # tensor, and torch refuses in-place updates to it outside that mode. The manager's tensors
+    # outlive the call that makes them (placeholders, recycled buffers) or are filled on the I/O
+    # thread, which is outside the mode: so they are made outside it (an eval forward, a
+    # state_dict or a load under inference_mode made the next training forward, or the I/O
+    # thread's read, raise "Inplace update to inference tensor outside InferenceMode").
     def _placeholder(self, dtype: torch.dtype) -> torch.Tensor:
         t = self._placeholders.get(dtype)
         if t is None:
-            with torch.inference_mode(False):  # kept for later forwards (see BufferRecycler.take)
+            with torch.inference_mode(False):  # [Note: outside inference mode]
                 t = self._placeholders[dtype] = torch.empty(0, dtype=dtype, device=self.device)
         return t
 
@@ -1341,6 +1347,7 @@ class Stage3ParameterManager:
         if n:  # counted like the forward's reads (a host-cache hit counts itself, n = 0)
             self.stats.add("bytes_nvme_read" if self.options.offload_param_device == "nvme" else "bytes_host_read", n)
 
+    @torch.inference_mode(False)  # [Note: outside inference mode]
     def param_shard(self, g: FlatGroup) -> torch.Tensor:
         """This rank's partition of ``g`` (``shard_numel`` elements of ``g.dtype``): the resident
         tensor itself on the device/cpu tiers (writes to it are writes to the partition), a fresh
@@ -1560,6 +1567,7 @@ class Stage3ParameterManager:
             self.stats.add("bytes_nvme_written", t.numel() * t.element_size())
         self._run_io(write)
 
+    @torch.inference_mode(False)  # [Note: outside inference mode]
     def gather_group_copy(self, g: FlatGroup) -> torch.Tensor:
         """A new full flat tensor (``padded_numel`` elements, on the compute device) of group
         ``g`` read from every rank's partition; the module's parameters are not touched.
@@ -1595,6 +1603,7 @@ class Stage3ParameterManager:
                              f"flat group {g.key} ({g.shard_numel} elements)")
         self._write_partition(g, [(self._shard_range(g)[0] + lo, values.reshape(-1))], full=False)
 
+    @torch.inference_mode(False)  # [Note: outside inference mode]
     @torch.no_grad()
     def _write_partition(self, g: FlatGroup, values: Sequence[Tuple[int, torch.Tensor]], full: bool) -> None:
         """Write 1-D ``values`` at flat offsets into this rank's partition of ``g`` (only what
