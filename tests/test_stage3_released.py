@@ -37,6 +37,9 @@ def test_compute_on_released_parameter_raises_naming_it(tmp_path, tier):
             call()
     with zeroinf.gathered_parameters([w]):
         assert torch.equal(copy.deepcopy(w), ref.emb.weight)
+    # a foreach op takes lists: the guard raised StopIteration there, which ends a map() silently
+    with pytest.raises(RuntimeError, match=r"is released.*'_foreach_norm'"):
+        list(map(torch._foreach_norm, [list(model.parameters())]))
     # metadata and bookkeeping still work on the placeholder
     assert w.requires_grad and w.dtype == torch.float32 and w.grad is None and w.numel() == 0
     with zeroinf.gathered_parameters([w]):

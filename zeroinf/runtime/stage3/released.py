@@ -57,7 +57,7 @@ class _ReleasedMixin:
         kwargs = kwargs or {}
         name = getattr(func, "__name__", "")
         if name not in PASS_THROUGH and not (name == "copy_" and _empty_copy(args)):
-            p = next(a for a in list(args) + list(kwargs.values()) if isinstance(a, _ReleasedMixin))
+            p = _first_released(list(args) + list(kwargs.values()))
             _refuse(p, f"'{name or func}' on it would compute on nothing")
         with torch._C.DisableTorchFunctionSubclass():
             return func(*args, **kwargs)
@@ -75,9 +75,23 @@ class _ReleasedMixin:
                 f"read it inside zeroinf.gathered_parameters(...))")
 
 
-def _refuse(p: torch.Tensor, why: str) -> None:
+def _first_released(values) -> Optional[torch.Tensor]:
+    """The first released parameter among ``values``, also inside lists and tuples (the
+    ``torch._foreach_*`` ops take lists: a bare ``next()`` raised StopIteration there, which
+    ends a ``map`` or generator silently)."""
+    for v in values:
+        if isinstance(v, _ReleasedMixin):
+            return v
+        if isinstance(v, (list, tuple)):
+            found = _first_released(v)
+            if found is not None:
+                return found
+    return None
+
+
+def _refuse(p: Optional[torch.Tensor], why: str) -> None:
     """Raise the RuntimeError naming released parameter ``p``: ``why`` says what would go wrong."""
-    pname, shape = _describe(p)
+    pname, shape = _describe(p) if p is not None else ("a released parameter", None)
     shape_s = tuple(shape) if shape is not None else "?"
     raise RuntimeError(
         f"zeroinf stage 3: {pname} (shape {shape_s}) is released: outside the model's forward it holds only "
