@@ -176,3 +176,26 @@ def test_bf16_masters_are_the_values_as_constructed(tmp_path, tier):
         assert sd[name].dtype == torch.bfloat16 and torch.equal(sd[name], p.detach().bfloat16()), name
     assert not engine.params.manager._init_masters  # the fp32 copies were released
     engine.close()
+
+
+def test_from_pretrained_under_init_with_a_model_built_on_the_meta_device(tmp_path):
+    """transformers 5 builds from_pretrained's model on the meta device and loads the weights
+    afterwards: under Init that failed in the constructor ("Cannot copy out of meta tensor; no
+    data!", helper-32, /tmp/tester16/t3_gpt2.py). Meta parameters are left to their loader, and
+    initialize partitions what it loaded."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    conf = LlamaConfig(vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                       num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=32)
+    LlamaForCausalLM(conf).save_pretrained(tmp_path / "hf")
+    plain = LlamaForCausalLM.from_pretrained(tmp_path / "hf")
+    cfg = {**_cfg("cpu", tmp_path), "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}
+    with zeroinf.Init(config=cfg):
+        model = LlamaForCausalLM.from_pretrained(tmp_path / "hf")
+    engine, *_ = zeroinf.initialize(model=model, config=cfg)
+    sd = engine.module.state_dict()
+    assert all(torch.equal(sd[k], v) for k, v in plain.state_dict().items())
+    x = torch.randint(0, 50, (2, 8))
+    assert torch.equal(engine(x).logits, plain(x).logits)
+    engine.close()

@@ -236,6 +236,8 @@ class Init:
         for p in module._parameters.values():
             if p is None or p in _HELD or p.numel() == 0 or (self._back is not None and p is self._back[0]):
                 continue
+            if p.is_meta:  # no values to move: its loader (transformers' from_pretrained) puts them in later
+                continue
             self._move_one(p)
 
     def _move_one(self, p: nn.Parameter, seq: Optional[int] = None) -> None:
