@@ -15,9 +15,6 @@ from .units import UnitState
 
 __all__ = ["gathered_parameters", "load_safetensors"]
 
-# torch.autograd.graph.increment_version is public from torch 2.1 on
-_increment_version = getattr(torch.autograd.graph, "increment_version", None) or torch._C._increment_version
-
 
 @contextlib.contextmanager
 def gathered_parameters(params, modifier_rank: Optional[int] = None) -> Iterator[None]:
@@ -164,7 +161,7 @@ def load_safetensors(model: nn.Module, path, *, strict: bool = True) -> List[str
         # new values, as load_state_dict's copy_ makes them: a backward of a forward that ran
         # before raises (its saved weights changed), as in plain PyTorch
         for s, _ in values:
-            _increment_version(s.param)
+            torch.autograd.graph.increment_version(s.param)
         del values
     mgr.params_updated()
     return missing

@@ -9,8 +9,10 @@ holding partitioned parameters (in its subtree), which read and write the partit
   fills every value of its subtree that is still a placeholder (or an alias of a gathered
   parameter) with a copy of the full value, gathering each flat group once; a parameter with
   several names (tied) gets one copy under all of them, as its names share storage in plain
-  PyTorch. A module with ``state_dict`` hooks of its own fills its subtree first, so those hooks
-  see, and may change, full values; the engine's hook runs before the module's others.
+  PyTorch. A module with ``state_dict`` hooks of its own (or a class with its own ``state_dict``)
+  fills its subtree first, so those hooks see, and may change, full values; the engine's hook
+  runs before the module's others. A module made later that takes a partitioned parameter gets
+  the hooks too (a process-wide parameter registration hook).
 * ``load_state_dict``: the first hooked module of a load (pre-order) writes the values of its
   subtree into the partitions, each group once, and leaves in the dict each parameter's own data
   (so torch's shape check passes and its copy changes nothing). Below a module with load

@@ -56,16 +56,17 @@ class BufferRecycler:
         accelerator's caching allocator already reuses memory; :meth:`give` ignores those).
         Never an inference tensor: one taken inside ``torch.inference_mode`` (an eval forward
         first) is written and reused outside it, where torch refuses in-place updates to them."""
-        with torch.inference_mode(False):
-            if device is not None and torch.device(device).type != "cpu":
+        if device is not None and torch.device(device).type != "cpu":
+            with torch.inference_mode(False):
                 return torch.empty(numel, dtype=dtype, device=device)
-            with self._lock:
-                free = self._free.get((numel, dtype))
-                if free:
-                    t = free.pop()
-                    self._free_bytes -= t.numel() * t.element_size()
-                    return t
-            nbytes = numel * dtype.itemsize
+        with self._lock:
+            free = self._free.get((numel, dtype))
+            if free:
+                t = free.pop()
+                self._free_bytes -= t.numel() * t.element_size()
+                return t
+        nbytes = numel * dtype.itemsize
+        with torch.inference_mode(False):
             raw = torch.empty(nbytes + self.ALIGN, dtype=torch.uint8)
             off = (-raw.data_ptr()) % self.ALIGN
             return raw[off:off + nbytes].view(dtype)
