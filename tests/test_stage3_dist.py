@@ -75,3 +75,61 @@ def test_two_ranks_equal_plain_pytorch(tmp_path, param_tier, in_backward):
     assert res["param"] <= 1e-6, res
     assert set(res["reduces"].values()) == {1}, res
     assert res["bytes_allgather"] > 0
+
+
+def _late_rank_worker(rank, world, tmp):
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{tmp}/rdzv", rank=rank, world_size=world)
+    try:
+        import time
+        import warnings
+
+        import zeroinf
+        from zeroinf.runtime import waits
+
+        waits.WARN_AFTER_S = 1.0
+        torch.manual_seed(0)
+        model = TinyLM(tied=True)
+        cfg = {"train_micro_batch_size_per_gpu": 2,
+               "optimizer": {"type": "AdamW", "params": {"lr": LR}},
+               "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 20,
+                                     "offload_param": {"device": "cpu"}, "offload_optimizer": {"device": "cpu"}}}
+        engine, *_ = zeroinf.initialize(model=model, config=cfg)
+
+        def gathered():
+            with zeroinf.gathered_parameters(model.parameters()):
+                pass
+        calls = {"state_dict": lambda: model.state_dict(), "gathered_parameters": gathered,
+                 "save_checkpoint": lambda: engine.save_checkpoint(os.path.join(tmp, "ckpt"), tag="t")}
+        seen = {}
+        for name, call in calls.items():
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                if rank == 1:
+                    time.sleep(2.5)  # rank 0 waits for it inside the collective
+                call()
+            seen[name] = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
+        with open(os.path.join(tmp, f"late{rank}.json"), "w") as f:
+            json.dump(seen, f)
+        engine.close()
+        destroy_process_group()
+    finally:
+        destroy_process_group(barrier=False)
+
+
+def test_a_rank_waiting_in_a_collective_the_others_are_late_to_says_so(tmp_path):
+    """``if rank == 0: torch.save(model.state_dict(), ...)`` waits until the process group's
+    timeout with nothing on the screen; zeroinf warns after ``waits.WARN_AFTER_S`` that the
+    call is a collective (here 1 s, with rank 1 2.5 s late to each call), and the call still
+    completes once the late rank arrives. The rank that was not kept waiting warns nothing."""
+    mp.spawn(_late_rank_worker, args=(2, str(tmp_path)), nprocs=2, join=True)
+    early = json.loads((tmp_path / "late0.json").read_text())
+    late = json.loads((tmp_path / "late1.json").read_text())
+    for name in ("state_dict", "gathered_parameters", "save_checkpoint"):
+        assert len(early[name]) == 1, (name, early)
+        assert "rank 0 has waited 1 s in" in early[name][0] and "every rank must make this call" in early[name][0]
+        assert late[name] == [], (name, late)
+    assert "TinyLM.state_dict()" in early["state_dict"][0]
+    assert "zeroinf.gathered_parameters" in early["gathered_parameters"][0]
+    assert early["save_checkpoint"][0].split(" in ")[1].startswith("save_checkpoint")
+    assert (tmp_path / "ckpt" / "t").is_dir()

@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from zeroinf.io.swapper import tensor_crc32
+from zeroinf.runtime.waits import collective
 
 __all__ = ["save", "load", "consolidate", "CheckpointError"]
 
@@ -75,9 +76,10 @@ def _optim_file(ckpt: str, rank: int, key: str) -> str:
     return os.path.join(ckpt, f"optim_rank{rank}_{key.replace('/', '_')}.pt")
 
 
-def _barrier(engine) -> None:
+def _barrier(engine, what: str) -> None:
     if engine.world_size > 1:
-        dist.barrier()
+        with collective(what, engine.rank, engine.world_size):
+            dist.barrier()
 
 
 def _rng_state() -> Dict[str, Any]:
@@ -205,7 +207,7 @@ def save(engine, save_dir: str, tag: Optional[str] = None, client_state: Optiona
     engine.synchronize()  # a background optimizer step (stage 3) finishes before its state is read
     if engine.rank == 0 and os.path.isdir(ckpt):
         shutil.rmtree(ckpt)  # left by a save that failed
-    _barrier(engine)
+    _barrier(engine, "save_checkpoint")
     opt = engine.sub_optimizer
     problem = None
     try:
@@ -218,7 +220,7 @@ def save(engine, save_dir: str, tag: Optional[str] = None, client_state: Optiona
         _atomic_save(_rng_state(), os.path.join(ckpt, f"rng_rank{engine.rank}.pt"))
     except Exception as exc:
         problem = exc
-    _agree(engine, problem, _write_failed)
+    _agree(engine, problem, _write_failed, "save_checkpoint")
     # every rank builds the module state dict: under stage 3 it all-gathers each partition (a
     # collective), so rank 0 alone would wait forever for the others
     module_sd = _module_state(engine.module)
@@ -245,7 +247,7 @@ def save(engine, save_dir: str, tag: Optional[str] = None, client_state: Optiona
             _replace_dir(ckpt, final)
         except Exception as exc:
             problem = exc
-    _agree(engine, problem, _write_failed)
+    _agree(engine, problem, _write_failed, "save_checkpoint")
     if engine.rank != 0 and os.path.isdir(ckpt):  # a folder rank 0 does not see (no shared file system)
         _replace_dir(ckpt, final)
     if engine.rank == 0:
@@ -254,7 +256,7 @@ def save(engine, save_dir: str, tag: Optional[str] = None, client_state: Optiona
         except OSError as exc:
             problem = exc
     _agree(engine, problem, lambda bad: OSError(errno.EIO, f"rank 0 could not write {save_dir}/latest (its "
-                                                          f"error names why); the checkpoint itself is in {final}"))
+                                                          f"error names why); the checkpoint itself is in {final}"), "save_checkpoint")
     return final
 
 
@@ -379,7 +381,7 @@ def _check_files(engine, load_dir: str, tag: Optional[str]):
     return ckpt, meta, rng, states
 
 
-def _agree(engine, problem: Optional[BaseException], others) -> None:
+def _agree(engine, problem: Optional[BaseException], others, what: str) -> None:
     """Collective (in place of a barrier): raise on every rank if any rank failed: ``problem``
     on the rank that had it, ``others(failed_ranks)`` on the rest. So no rank goes on (loads,
     renames a save into place) while another stopped, and none waits for it forever."""
@@ -387,7 +389,8 @@ def _agree(engine, problem: Optional[BaseException], others) -> None:
     if engine.world_size > 1:
         flags = torch.zeros(engine.world_size, dtype=torch.float32, device=getattr(engine.params, "device", "cpu"))
         flags[engine.rank] = float(failed)
-        dist.all_reduce(flags)
+        with collective(what, engine.rank, engine.world_size):
+            dist.all_reduce(flags)
         bad = [r for r, f in enumerate(flags.tolist()) if f]
         if bad and not failed:
             raise others(bad)
@@ -442,7 +445,7 @@ def load(engine, load_dir: str, tag: Optional[str] = None) -> Tuple[str, dict]:
     except Exception as exc:  # not only CheckpointError: every rank must reach the agreement
         problem = exc
     _agree(engine, problem, lambda bad: CheckpointError(
-        f"rank(s) {bad} could not use their checkpoint files (their errors name them); nothing was loaded on any rank"))
+        f"rank(s) {bad} could not use their checkpoint files (their errors name them); nothing was loaded on any rank"), "load_checkpoint")
     ckpt, meta, rng, states = found
     meta_file = os.path.join(ckpt, "model_states.pt")
     undo = []  # (object, its state before) of those already loaded
@@ -480,7 +483,7 @@ def load(engine, load_dir: str, tag: Optional[str] = None) -> Tuple[str, dict]:
     try:
         _agree(engine, problem, lambda bad: RuntimeError(
             f"rank(s) {bad} failed while applying checkpoint {ckpt} (their errors name the cause); this rank loaded "
-            "it, but the ranks' states no longer fit together"))
+            "it, but the ranks' states no longer fit together"), "load_checkpoint")
     except BaseException as exc:
         engine.load_guard.failed(exc)
         raise

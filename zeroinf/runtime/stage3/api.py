@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..waits import collective
 from .manager import managers
 from .units import UnitState
 
@@ -64,8 +65,9 @@ def gathered_parameters(params, modifier_rank: Optional[int] = None) -> Iterator
         if not was:
             m._busy += 1
             try:
-                m._make_room(u)
-                m._complete(u)
+                with collective("zeroinf.gathered_parameters (it all-gathers the partitions)", m.rank, m.world_size):
+                    m._make_room(u)
+                    m._complete(u)
             finally:
                 m._busy -= 1
     try:

@@ -35,6 +35,7 @@ from typing import Dict, List
 
 import torch
 
+from ..waits import collective
 from .units import FlatGroup
 
 __all__ = ["ModuleStateHooks"]
@@ -217,16 +218,18 @@ class ModuleStateHooks:
         m = self._live_manager(module)
         if m.load_guard is not None:  # a submodule's call too: the root's hook checks only the root's
             m.load_guard.check("state_dict")
-        for g, slots in self._by_group(m, self._names_below(module, prefix, load=False)):
-            todo = [(s, [n for n in names if self._untouched(state_dict.get(n), s)]) for s, names in slots]
-            todo = [(s, ns) for s, ns in todo if ns]
-            if not todo:
-                continue  # filled below, or changed by a hook
-            full = m.gather_group_copy(g)
-            for s, ns in todo:
-                value = full[s.offset:s.offset + s.numel].view(s.shape).clone()
-                for n in ns:  # tied names share one tensor, as their storage is shared in plain PyTorch
-                    state_dict[n] = value
+        with collective(f"{type(module).__name__}.state_dict() of a stage-3 model (it all-gathers the partitions)",
+                        m.rank, m.world_size):
+            for g, slots in self._by_group(m, self._names_below(module, prefix, load=False)):
+                todo = [(s, [n for n in names if self._untouched(state_dict.get(n), s)]) for s, names in slots]
+                todo = [(s, ns) for s, ns in todo if ns]
+                if not todo:
+                    continue  # filled below, or changed by a hook
+                full = m.gather_group_copy(g)
+                for s, ns in todo:
+                    value = full[s.offset:s.offset + s.numel].view(s.shape).clone()
+                    for n in ns:  # tied names share one tensor, as their storage is shared in plain PyTorch
+                        state_dict[n] = value
         return state_dict
 
     @staticmethod
