@@ -1059,6 +1059,42 @@ def test_requires_grad_changed_after_initialize_raises(tmp_path, stage, param_ti
     engine.close()
 
 
+
+@pytest.mark.filterwarnings("ignore:zeroinf stage 3. unit order differs")  # the refused backward ends an iteration
+@pytest.mark.parametrize("stage,param_tier", [(3, "nvme"), (3, "none"), (1, None)])
+def test_a_trainable_parameter_put_into_the_model_after_initialize_raises(tmp_path, stage, param_tier):
+    """A module or parameter assigned into the model after initialize (resize_token_embeddings
+    swapping in a new embedding, an adapter) got gradients and was never stepped: silently frozen,
+    since the optimizer's layout is made at initialize. The next training forward, or the
+    backward of a forward through the model itself, raises naming it; frozen, or taken out again,
+    it is fine."""
+    torch.manual_seed(0)
+    model = TinyLM()
+    if stage == 3:
+        cfg = _config(param_tier, "cpu", tmp_path)
+    else:
+        cfg = _config("none", "cpu", tmp_path)
+        cfg["zero_optimization"] = {"stage": stage, "offload_optimizer": {"device": "cpu"}}
+    engine, *_ = zeroinf.initialize(model=model, config=cfg)
+    _run(engine, 1)
+    x, y = batch(2)
+    old_head = model.head
+    model.head = torch.nn.Linear(16, 37, bias=False)  # a new output layer, as a resize would put in
+    with pytest.raises(RuntimeError, match=r"parameter 'head\.weight' \(\(37, 16\)\) was put into the model after "
+                                           r"zeroinf\.initialize"):
+        engine(x)
+    model.head.weight.requires_grad_(False)  # frozen: nothing to train, nothing lost
+    engine.backward(loss_fn(engine(x), y))
+    engine.step()
+    model.head = old_head  # taken out again
+    model.blocks[1].ff[0].adapter = torch.nn.Linear(4, 4)  # a trainable module below a block
+    loss = loss_fn(model(x), y)  # the model's own forward: the backward refuses it
+    with pytest.raises(RuntimeError, match=r"'blocks\.1\.ff\.0\.adapter\.(weight|bias)'"):
+        engine.backward(loss)
+    del model.blocks[1].ff[0].adapter
+    _run(engine, 1, start=3)
+    engine.close()
+
 class _CheckpointedLM(TinyLM):
     """TinyLM with each block under torch.utils.checkpoint (activations recomputed in backward)."""
 

@@ -37,6 +37,7 @@ from typing import Any, Dict, List, Optional
 import psutil
 import torch
 import torch.distributed as dist
+from torch.utils.weak import WeakIdKeyDictionary
 
 from zeroinf.config import ConfigError, ZeroInfConfig, parse_config
 
@@ -93,6 +94,45 @@ class LoadGuard:
 
 #: model -> the hook handles of the engine that guards it now (a new engine on the model takes over)
 _GUARD_HOOKS: "weakref.WeakKeyDictionary[torch.nn.Module, list]" = weakref.WeakKeyDictionary()
+
+# [Note: parameters added after initialize] The flat buffers, partitions and optimizer state are
+# laid out at initialize for the parameters the model had then. A trainable parameter put into
+# the model later (Hugging Face's resize_token_embeddings swapping in a new embedding, a LoRA
+# adapter added to a wrapped model, ``model.head.weight = nn.Parameter(...)``) would get
+# gradients and never be stepped: silently frozen. torch's process-wide registration hooks note
+# such a parameter (cost: nothing in the step), and the engine's forward and backward raise
+# naming it while it is still in the model and trainable.
+_WATCHED: "weakref.WeakSet[ZeroEngine]" = weakref.WeakSet()
+_ADDED_HOOKS: list = []
+
+
+def _note_added(module: torch.nn.Module, name: str, params) -> None:
+    for eng in list(_WATCHED):
+        where = eng._module_names.get(module)
+        if where is None:
+            continue
+        for pname, p in params:
+            if p not in eng._known_params:
+                eng._added[p] = f"{where}{name}{pname}"
+
+
+def _on_module_registered(module, name, sub):
+    if sub is None:
+        return None
+    for eng in list(_WATCHED):
+        where = eng._module_names.get(module)
+        if where is not None:
+            for n, m in sub.named_modules(prefix=f"{where}{name}"):
+                eng._module_names.setdefault(m, n + ".")
+    _note_added(module, name, [("." + n, p) for n, p in sub.named_parameters()])
+    return None
+
+
+def _on_parameter_registered(module, name, param):
+    if param is not None:
+        _note_added(module, name, [("", param)])
+    return None
+
 
 
 class ZeroOptimizer(torch.optim.Optimizer):
@@ -255,6 +295,16 @@ class ZeroEngine:
         # the model's own forward and state_dict, and gathered_parameters, refuse a half-loaded state too
         for h in _GUARD_HOOKS.pop(model, ()):  # an earlier engine's, left by one never closed
             h.remove()
+        # [Note: parameters added after initialize]
+        self._known_params = {p for _n, p, _f in self._requires_grad}
+        self._module_names: "weakref.WeakKeyDictionary[torch.nn.Module, str]" = weakref.WeakKeyDictionary(
+            (m, f"{n}." if n else "") for n, m in model.named_modules())
+        self._added: "WeakIdKeyDictionary[torch.nn.Parameter, str]" = WeakIdKeyDictionary()  # by identity
+        _WATCHED.add(self)
+        if not _ADDED_HOOKS:
+            from torch.nn.modules import module as _m
+            _ADDED_HOOKS.extend([_m.register_module_module_registration_hook(_on_module_registered),
+                                 _m.register_module_parameter_registration_hook(_on_parameter_registered)])
         self._guard_hooks = [model.register_forward_pre_hook(self.load_guard.forward_pre_hook, prepend=True),
                              model.register_state_dict_pre_hook(self.load_guard.state_dict_pre_hook)]
         _GUARD_HOOKS[model] = self._guard_hooks
@@ -316,12 +366,14 @@ class ZeroEngine:
         """Run the wrapped module.
 
         Raises:
-            RuntimeError: a parameter's ``requires_grad`` changed since :func:`initialize`
-                (checked with grad enabled; a forward under ``torch.no_grad`` is not checked).
+            RuntimeError: a parameter's ``requires_grad`` changed since :func:`initialize`, or
+                a trainable parameter was put into the model after it (both checked with grad
+                enabled; a forward under ``torch.no_grad`` is not checked).
         """
         self._check_open()
         if torch.is_grad_enabled():
             self._check_requires_grad()
+            self._check_added()
         return self.module(*args, **kwargs)
 
     def train(self, mode: bool = True) -> "ZeroEngine":
@@ -347,10 +399,13 @@ class ZeroEngine:
 
         Raises:
             ValueError: ``loss`` is not a scalar tensor requiring grad.
+            RuntimeError: a trainable parameter was put into the model after :func:`initialize`
+                ([Note: parameters added after initialize]).
         """
         self._check_open()
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or not loss.requires_grad:
             raise ValueError("engine.backward(loss): loss must be a scalar tensor that requires grad")
+        self._check_added()
         t0 = time.perf_counter()
         self.synchronize()  # a background step has finished by now (the forward needed its updates)
         if self._in_bwd:
@@ -416,6 +471,27 @@ class ZeroEngine:
                     f"{p.requires_grad}; the engine's partitions and optimizer state are laid out for the first "
                     "setting and would train it wrongly. Set requires_grad before zeroinf.initialize "
                     "(or build a new engine; at stage 3 on a newly built model).")
+
+    def _check_added(self) -> None:
+        """Raise if a trainable parameter was put into the model after :func:`initialize`
+        ([Note: parameters added after initialize]).
+
+        Raises:
+            RuntimeError: naming the first such parameter still in the model and trainable.
+        """
+        if not self._added:
+            return
+        present = {p for p in self.module.parameters()}
+        for p, name in list(self._added.items()):
+            if p not in present:
+                del self._added[p]  # taken out again (a module swapped back)
+            elif p.requires_grad:
+                raise RuntimeError(
+                    f"zeroinf: parameter '{name}' ({tuple(p.shape)}) was put into the model after zeroinf.initialize "
+                    "(a module or parameter assigned later: resize_token_embeddings, an adapter added to the wrapped "
+                    "model); the engine's optimizer does not hold it, so it would never train. Make the change "
+                    "before zeroinf.initialize (for a stage-3 model built under zeroinf.Init: inside "
+                    "zeroinf.gathered_parameters(..., modifier_rank=0)), or freeze it (requires_grad=False).")
 
     def step(self) -> None:
         """Count a micro-batch; at the accumulation boundary run the optimizer step.
@@ -649,6 +725,7 @@ class ZeroEngine:
         model cannot run a forward afterwards (RuntimeError). Raises the background step's
         failure after releasing them."""
         self._closed = True
+        _WATCHED.discard(self)
         for h in self._guard_hooks:
             h.remove()
         if _GUARD_HOOKS.get(self.module) is self._guard_hooks:
