@@ -11,6 +11,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..waits import collective
+from .init import held_values
 from .manager import managers
 from .units import UnitState
 
@@ -23,6 +24,8 @@ def gathered_parameters(params, modifier_rank: Optional[int] = None) -> Iterator
 
     Args:
         params: a parameter or an iterable of parameters (``model.parameters()`` works);
+            parameters of a model built under ``zeroinf.Init`` and not yet given to
+            ``zeroinf.initialize`` get their held values (changes kept as below); other
             parameters no stage-3 manager owns are ignored.
         modifier_rank: the rank whose in-place changes are kept: on exit its values are
             broadcast (``world_size > 1``) and written into every rank's partition on its home
@@ -71,7 +74,8 @@ def gathered_parameters(params, modifier_rank: Optional[int] = None) -> Iterator
             finally:
                 m._busy -= 1
     try:
-        yield
+        with held_values(wanted, modifier_rank):  # before initialize: values zeroinf.Init holds
+            yield
     finally:
         try:
             if modifier_rank is not None:

@@ -18,18 +18,21 @@ placeholder until ``zeroinf.initialize`` takes it; change weights then inside
 """
 from __future__ import annotations
 
+import contextlib
 import itertools
 import shutil
 import tempfile
 import threading
+import weakref
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
+from torch.utils.weak import WeakIdKeyDictionary
 
-__all__ = ["Init", "init_shapes", "init_dtype", "take_init_values"]
+__all__ = ["Init", "init_shapes", "init_dtype", "take_init_values", "held_values"]
 
 
 @dataclass
@@ -42,12 +45,25 @@ class _Held:
     dtype: torch.dtype
     owner: "Init"
     host: Optional[torch.Tensor] = None  # values kept in host memory (tiers none/cpu)
+    finalizer: Any = None  # drops the values when the parameter is freed unread
+
+    @property
+    def nbytes(self) -> int:
+        return self.shape.numel() * torch.empty((), dtype=self.dtype).element_size()
 
 
-# Keyed by the Parameter object itself (a dict matches tensors by identity), never by id();
-# an entry leaves when the manager takes its values.
-_HELD: Dict[nn.Parameter, _Held] = {}
+# Keyed by the Parameter object itself (a dict matches tensors by identity), never by id(), and
+# weakly: an entry leaves when the manager takes its values, or when its parameter is freed (a
+# module replaced before initialize: a resized embedding), and the values go with it.
+_HELD: "WeakIdKeyDictionary[nn.Parameter, _Held]" = WeakIdKeyDictionary()
 _LOCK = threading.Lock()
+
+
+def _pop(p: nn.Parameter) -> _Held:
+    """Take ``p``'s entry out of ``_HELD`` (call with ``_LOCK`` held)."""
+    held = _HELD.pop(p)
+    held.finalizer.detach()
+    return held
 
 
 def init_shapes(module: nn.Module) -> Dict[nn.Parameter, torch.Size]:
@@ -71,9 +87,56 @@ def take_init_values(param: nn.Parameter) -> torch.Tensor:
         KeyError: ``param`` was not created under ``Init`` (or was taken already).
     """
     with _LOCK:
-        held = _HELD.pop(param)
+        held = _pop(param)
     _allow_copies(param)
     return held.owner._take(held)
+
+
+@contextlib.contextmanager
+def held_values(params: Sequence[nn.Parameter], modifier_rank: Optional[int]) -> Iterator[None]:
+    """``zeroinf.gathered_parameters`` on parameters ``Init`` still holds (after the ``with``
+    block, before ``zeroinf.initialize``): each one's ``.data`` is its full values for the
+    block (in the placeholder's dtype and device: a ``model.half()`` made since applies), and
+    the placeholder again afterwards. With ``modifier_rank`` not None a changed value is
+    broadcast from that rank (torch.distributed's default group, when initialized with more
+    than one rank; collective then) and held in place of the old one, so ``initialize`` takes
+    it; unchanged values keep the held copy exactly; a parameter given data of another shape
+    (transformers' ``resize_token_embeddings`` does that) keeps it and leaves ``Init``'s care,
+    as a plain parameter. ``None``: changes are discarded.
+
+    Parameters ``Init`` does not hold are skipped. Inside an active ``Init`` block the held
+    parameters come back on their own ([Note: late initialisation]); nothing is done here.
+    """
+    with _LOCK:
+        todo = [(p, _HELD[p]) for p in params if p in _HELD and Init._active is not _HELD[p].owner]
+    entered = []  # [param, held, placeholder, values as given]
+    try:
+        for p, held in todo:
+            ph = p.data
+            given = held.owner._peek(held).to(device=ph.device, dtype=ph.dtype)
+            p.data = given.clone()
+            entered.append([p, held, ph, given])
+        yield
+        if modifier_rank is not None:
+            import torch.distributed as dist
+            many = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+            for e in entered:
+                p, held, _ph, given = e
+                if many:
+                    dist.broadcast(p.data, src=modifier_rank)  # same shape on every rank: a collective
+                if tuple(p.data.shape) != tuple(held.shape):
+                    # resized (transformers' resize_token_embeddings swaps .data): no longer Init's
+                    with _LOCK:
+                        _pop(p)
+                    _allow_copies(p)
+                    held.owner._forget(held)
+                    e[2] = None
+                elif not torch.equal(p.data, given):
+                    held.owner._rewrite(held, p.data)
+    finally:
+        for p, _held, ph, _given in entered:
+            if ph is not None:
+                p.data = ph
 
 
 def _refuse_copy(*_args):
@@ -258,6 +321,7 @@ class Init:
         p.data = torch.empty(0, dtype=p.dtype, device=p.device)
         for name in ("__deepcopy__", "__reduce_ex__"):  # copy and pickle look both up on the instance
             setattr(p, name, _refuse_copy)
+        held.finalizer = weakref.finalize(p, self._forget, held)
         with _LOCK:
             _HELD[p] = held
         self._outstanding += 1
@@ -266,7 +330,7 @@ class Init:
         if self._back is not None and self._back[0] is not p:
             self._put_back()
         with _LOCK:
-            held = _HELD.pop(p)
+            held = _pop(p)
         _allow_copies(p)
         p.data = held.owner._take(held).to(p.device)
         self._back = (p, held.seq)
@@ -288,13 +352,43 @@ class Init:
         reachable = {p: None for _, p in module.named_parameters(remove_duplicate=False)}
         with _LOCK:
             orphans = [p for p, h in _HELD.items() if h.owner is self and h.seq >= first and p not in reachable]
-            for p in orphans:
-                h = _HELD.pop(p)
-                _allow_copies(p)
-                if h.host is not None:
-                    self.held_bytes_host -= h.host.numel() * h.host.element_size()
-                    h.host = None
-                self._outstanding -= 1
+            dropped = [_pop(p) for p in orphans]
+        for p, h in zip(orphans, dropped):
+            _allow_copies(p)
+            self._forget(h)
+
+    def _forget(self, held: _Held) -> None:
+        """Drop one parameter's held values unread (its module let it go)."""
+        if held.host is not None:
+            self.held_bytes_host -= held.nbytes
+            held.host = None
+        else:
+            self.held_bytes_nvme -= held.nbytes
+        self._one_less()
+
+    def _one_less(self) -> None:
+        """One held parameter fewer; after the ``with`` block the last one closes the swap files."""
+        self._outstanding -= 1
+        if self._outstanding == 0 and self._swapper is not None and Init._active is not self:
+            self._swapper.close()
+            self._swapper = None
+            shutil.rmtree(self._dir, ignore_errors=True)
+
+    def _peek(self, held: _Held) -> torch.Tensor:
+        """A copy of the values held for one parameter (CPU, held dtype); they stay held."""
+        if held.host is not None:
+            return held.host.clone()
+        out = torch.empty(held.shape, dtype=held.dtype)
+        self._swapper.swap_in([(held.key, out.view(-1))], async_op=False)
+        return out
+
+    def _rewrite(self, held: _Held, values: torch.Tensor) -> None:
+        """Replace the values held for one parameter (same shape; cast to the held dtype)."""
+        data = values.detach().to("cpu", held.dtype).reshape(held.shape).contiguous()
+        if held.host is not None:
+            held.host.copy_(data)
+        else:
+            self._swapper.swap_out([(held.key, data)], async_op=False)
 
     def _take(self, held: _Held) -> torch.Tensor:
         if held.host is not None:
@@ -304,11 +398,7 @@ class Init:
             out = torch.empty(held.shape, dtype=held.dtype)
             self._swapper.swap_in([(held.key, out.view(-1))], async_op=False)
             self.held_bytes_nvme -= out.numel() * out.element_size()
-        self._outstanding -= 1
-        if self._outstanding == 0 and self._swapper is not None and Init._active is not self:
-            self._swapper.close()
-            self._swapper = None
-            shutil.rmtree(self._dir, ignore_errors=True)
+        self._one_less()
         return out.view(held.shape)
 
 
