@@ -395,6 +395,19 @@ def test_gathered_parameters_reads_and_writes_persist(tmp_path, tiers):
             ref.blocks[1].ff[0].weight.fill_(0.5)
     with zeroinf.gathered_parameters(w):
         assert torch.equal(w, torch.full_like(w, 0.5))
+    b = model.blocks[2].ff[0].bias
+    with zeroinf.gathered_parameters(b, modifier_rank=0):
+        b.data = torch.full_like(b, 0.25)  # replaced, not written in place: kept all the same (was dropped)
+        ref.blocks[2].ff[0].bias.data = torch.full_like(b, 0.25)
+    with zeroinf.gathered_parameters(b):
+        assert torch.equal(b, torch.full_like(b, 0.25))
+    emb = model.emb.weight
+    with pytest.raises(RuntimeError, match=r"parameter 'emb\.weight' \(partitioned as \(37, 16\)\) was given data "
+                                           r"of shape \(40, 16\) inside the block"):
+        with zeroinf.gathered_parameters(emb, modifier_rank=0):
+            emb.data = torch.zeros(40, 16)  # a resized vocabulary cannot be kept
+    with zeroinf.gathered_parameters(emb):
+        assert torch.equal(emb, ref.emb.weight)
     # the engine's fp32 master weights follow: training from here equals the reference
     got = _run(engine, 2)
     want = _reference(ref, 2)

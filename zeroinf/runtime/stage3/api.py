@@ -38,7 +38,9 @@ def gathered_parameters(params, modifier_rank: Optional[int] = None) -> Iterator
     Raises:
         RuntimeError: called while the model's forward or backward is running, for parameters
             whose engine was closed, or after a ``load_checkpoint`` of their engine failed
-            part-way.
+            part-way; on exit, when a partitioned parameter was given ``.data`` of another shape
+            in the block (a resized embedding: not kept). A same-shape ``.data`` replacement
+            counts as an in-place change.
     """
     if isinstance(params, torch.Tensor):
         params = [params]
@@ -78,6 +80,7 @@ def gathered_parameters(params, modifier_rank: Optional[int] = None) -> Iterator
             yield
     finally:
         try:
+            reshaped = _adopt_replaced_data(plan, keep=modifier_rank is not None)
             if modifier_rank is not None:
                 for m, u, _ in plan:
                     for g in u.groups:
@@ -88,6 +91,35 @@ def gathered_parameters(params, modifier_rank: Optional[int] = None) -> Iterator
             for m, u, was in plan:
                 if not was:
                     m.release(u)
+    if reshaped:
+        raise RuntimeError(f"zeroinf.gathered_parameters: {reshaped} inside the block; a stage-3 parameter keeps "
+                           "the shape it was partitioned with, so that change was not kept. "
+                           "Resize before zeroinf.initialize (for a model built under zeroinf.Init, inside "
+                           "zeroinf.gathered_parameters(..., modifier_rank=0) then)")
+
+
+def _adopt_replaced_data(plan, keep: bool) -> str:
+    """A parameter whose ``.data`` was replaced inside the block (``p.data = t``) no longer views
+    its gathered buffer: with ``keep`` copy a same-shape replacement into the buffer (so it is
+    written like an in-place change) and view the buffer again. Returns the replacements of
+    another shape, described, or ``""``."""
+    reshaped = []
+    for _m, u, _was in plan:
+        for g in u.groups:
+            if g.full is None:
+                continue
+            for s in g.slots:
+                view = g.full[s.offset:s.offset + s.numel]
+                d = s.param.data
+                if d.data_ptr() == view.data_ptr() and tuple(d.shape) == tuple(s.shape):
+                    continue
+                if tuple(d.shape) != tuple(s.shape):
+                    reshaped.append(f"parameter '{s.name}' (partitioned as {tuple(s.shape)}) was given data of "
+                                    f"shape {tuple(d.shape)}")
+                elif keep:
+                    view.copy_(d.reshape(-1))
+                s.param.data = view.view(s.shape)
+    return ", ".join(reshaped)
 
 
 def _safetensors_files(path) -> List[str]:
