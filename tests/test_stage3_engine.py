@@ -729,6 +729,62 @@ def test_a_tied_parameter_owned_by_the_model_and_a_class_renaming_its_state_dict
     engine.close()
 
 
+class _TransposedLinear(torch.nn.Linear):
+    """Saves its weight transposed with a derived entry beside it, loads it back transposed and
+    keeps a buffer computed from the loaded weight: a class reading its parameters itself."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.register_buffer("wsum", torch.zeros(()))
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        destination[prefix + "weight"] = self.weight.detach().t()
+        destination[prefix + "wnorm"] = self.weight.detach().norm()
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        state_dict = dict(state_dict)
+        state_dict.pop(prefix + "wnorm", None)
+        if prefix + "weight" in state_dict:
+            state_dict[prefix + "weight"] = state_dict[prefix + "weight"].t()
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+        with torch.no_grad():
+            self.wsum.copy_(state_dict[prefix + "weight"].sum())
+
+
+@pytest.mark.parametrize("tier", ["cpu", "nvme"])
+def test_a_class_with_its_own_save_to_state_dict_and_load_from_state_dict(tmp_path, tier):
+    """A class's own _save_to_state_dict saw the empty placeholder: a derived entry was computed
+    from nothing, and a transposed weight was replaced by the engine's untransposed one; its own
+    _load_from_state_dict reading the dict after super() got the placeholder (helper-29,
+    /tmp/tester13 f_save_to_state_dict.py, f_load_override_after_super.py). Both now run with the
+    module's parameters gathered, as in plain PyTorch; training after the load matches."""
+    torch.manual_seed(0)
+    ref = TinyLM()
+    ref.head = _TransposedLinear(16, 37, bias=False)
+    model = copy.deepcopy(ref)
+    engine, *_ = zeroinf.initialize(model=model, config=_config(tier, "cpu", tmp_path))
+    got, want = model.state_dict(), ref.state_dict()
+    assert got.keys() == want.keys() and got["head.weight"].shape == (16, 37)
+    assert all(torch.equal(got[k], v) for k, v in want.items()), [k for k, v in want.items() if not torch.equal(got[k], v)]
+    new = {k: v + 0.5 if k in ("head.weight", "emb.weight") else v for k, v in want.items()}
+    for m in (model, ref):
+        m.load_state_dict(new)
+    assert model.head.wsum.item() == ref.head.wsum.item() != 0
+    got = model.state_dict()
+    assert all(torch.equal(got[k], v) for k, v in ref.state_dict().items())
+    bad = dict(new, **{"head.weight": torch.zeros(37, 16)})  # not transposed: the class's own shape check
+    with pytest.raises(RuntimeError, match=r"size mismatch for head\.weight: copying a param with shape "
+                                           r"torch\.Size\(\[16, 37\]\) from checkpoint"):
+        model.load_state_dict(bad)
+    model.load_state_dict(new)
+    engine.save_checkpoint(str(tmp_path / "ckpt"), tag="t")
+    engine.load_guard.failed(RuntimeError("a swap-file write failed"))  # as a load_checkpoint failing part-way leaves it
+    engine.load_checkpoint(str(tmp_path / "ckpt"), tag="t")  # the class's own load runs inside it: it mends the engine
+    got_losses, want_losses = _run(engine, 2), _reference(ref, 2)
+    assert max(abs(a - b) for a, b in zip(got_losses, want_losses)) <= 1e-6
+    engine.close()
+
 @pytest.mark.parametrize("tier", TIERS)
 def test_inference_mode_forwards_before_and_between_training_steps(tmp_path, tier):
     """An eval forward under torch.inference_mode() as the model's first forward (or two of them

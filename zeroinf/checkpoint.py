@@ -308,13 +308,15 @@ def _check_module_state(module: torch.nn.Module, sd: Any, path: str, engine_hook
     ``load_state_dict`` cannot fail half-way. When a module has load pre-hooks of the user's
     (``engine_hooks``: the stage-3 hooks, not counted), which may rename, add or reshape what
     they load (a ``state_dict`` hook adding a key that a pre-hook takes back out was refused),
-    or load post-hooks, which may clear missing or unexpected keys,
+    or load post-hooks, which may clear missing or unexpected keys, or a class with its own
+    ``_save_to_state_dict`` (a layout of its own: a transposed weight, a derived entry),
     only the dict is checked: ``load_state_dict`` reports what does not fit, and the failed load
     leaves the engine refusing to train until a load completes."""
     if not isinstance(sd, dict):
         raise CheckpointError(f"{path}: holds no module state dict")
     if any(len(m._load_state_dict_pre_hooks) > int(engine_hooks is not None and engine_hooks.hooks(m))
-           or m._load_state_dict_post_hooks for m in module.modules()):
+           or m._load_state_dict_post_hooks
+           or type(m)._save_to_state_dict is not torch.nn.Module._save_to_state_dict for m in module.modules()):
         return
     want = {}  # as Module.state_dict names them: tied parameters and shared modules under every name
     for prefix, m in module.named_modules(remove_duplicate=False):

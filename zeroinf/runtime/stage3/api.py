@@ -4,7 +4,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-from typing import Iterator, List, Optional
+from typing import ContextManager, Iterator, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -18,8 +18,7 @@ from .units import UnitState
 __all__ = ["gathered_parameters", "load_safetensors"]
 
 
-@contextlib.contextmanager
-def gathered_parameters(params, modifier_rank: Optional[int] = None) -> Iterator[None]:
+def gathered_parameters(params, modifier_rank: Optional[int] = None) -> ContextManager[None]:
     """Gather the units that own ``params`` so they hold their full values inside the block.
 
     Args:
@@ -42,6 +41,13 @@ def gathered_parameters(params, modifier_rank: Optional[int] = None) -> Iterator
             in the block (a resized embedding: not kept). A same-shape ``.data`` replacement
             counts as an in-place change.
     """
+    return _gathered(params, modifier_rank)
+
+
+@contextlib.contextmanager
+def _gathered(params, modifier_rank: Optional[int], loading: bool = False) -> Iterator[None]:
+    """:func:`gathered_parameters`; ``loading``: for a ``load_state_dict`` (which may mend a
+    failed ``load_checkpoint``), so the load guard is not checked."""
     if isinstance(params, torch.Tensor):
         params = [params]
     wanted = list(params)
@@ -54,7 +60,7 @@ def gathered_parameters(params, modifier_rank: Optional[int] = None) -> Iterator
                 units.append(rec[0])
         if units:
             m._check_open()  # its engine was closed: the partitions are gone
-            if m.load_guard is not None:
+            if m.load_guard is not None and not loading:
                 m.load_guard.check("zeroinf.gathered_parameters")
             # between a forward that returned and its backward (which may never come: the output
             # may be gone) it gathers as at any other time; a weight written in the block, which

@@ -23,6 +23,10 @@ holding partitioned parameters (in its subtree), which read and write the partit
   in the dict by a hook above are known by identity and skipped, whatever recursion runs the load.
   A value of the wrong shape is reported as torch reports it, and the others are written: plain
   PyTorch's result.
+* A class with its own ``_save_to_state_dict`` or ``_load_from_state_dict`` (it reads or writes
+  its parameters itself: a derived entry, a transposed layout) runs it with the module's own
+  parameters gathered (:meth:`ModuleStateHooks._gathered_call`); the engine's hooks leave those
+  parameters' names to it.
 
 The hooks hold the manager weakly: a closed engine's partitions are freed while the model lives.
 """
@@ -126,6 +130,36 @@ class ModuleStateHooks:
         refuse = _refuse_copy(type(sub).__name__)
         object.__setattr__(sub, "__deepcopy__", refuse)  # copy and pickle look both up on the instance
         object.__setattr__(sub, "__reduce_ex__", refuse)
+        for name in ("_save_to_state_dict", "_load_from_state_dict"):
+            if getattr(type(sub), name) is not getattr(torch.nn.Module, name):  # the class reads its parameters
+                object.__setattr__(sub, name, self._gathered_call(sub, name))
+
+    def _gathered_call(self, sub: torch.nn.Module, name: str):
+        """``sub``'s own ``_save_to_state_dict`` / ``_load_from_state_dict`` (a class overriding
+        it reads or writes its parameters itself: a derived entry, a transposed layout, a buffer
+        computed from the loaded weight), called with ``sub``'s own partitioned parameters
+        gathered. Saved values that view the gathered buffers are copied before the release;
+        loaded values are written back into the partitions (rank 0's, with several ranks)."""
+        orig = getattr(type(sub), name)
+        ref = weakref.ref(sub)
+        saving = name == "_save_to_state_dict"
+
+        def call(destination, prefix, *args, **kwargs):
+            from .api import _gathered
+            mod, m = ref(), self._manager()
+            own = [p for p in mod._parameters.values() if p is not None and m is not None and p in m._slot_of]
+            if not own:
+                return orig(mod, destination, prefix, *args, **kwargs)
+            with _gathered(own, modifier_rank=None if saving else 0, loading=not saving):
+                out = orig(mod, destination, prefix, *args, **kwargs)
+                if saving:
+                    live = {p.untyped_storage().data_ptr() for p in own}
+                    for k, v in list(destination.items()):
+                        if (k.startswith(prefix) and isinstance(v, torch.Tensor)
+                                and v.untyped_storage().data_ptr() in live):
+                            destination[k] = v.detach().clone()
+            return out
+        return call
 
     def hooks(self, module) -> bool:
         """Whether ``module`` carries the engine's hooks."""
@@ -264,6 +298,9 @@ class ModuleStateHooks:
         hooks = module._load_state_dict_pre_hooks
         last = next(reversed(hooks)) == self._load_key.get(module)  # none of the module's own runs after it
         names = self._names_below(module, prefix, load=True, children=last)
+        if "_load_from_state_dict" in module.__dict__:  # its class loads its own parameters, gathered (_gathered_call)
+            own = {prefix + n for n in module._parameters}
+            names = {p: [n for n in ns if n not in own] for p, ns in names.items()}
         for g, slots in self._by_group(m, names):
             updates = {}
             for s, ns in slots:
