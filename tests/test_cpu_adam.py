@@ -335,6 +335,67 @@ def test_cpuadam_bf16_params_keep_fp32_master():
     assert torch.equal(opt2.state[p]["master_param"], master)
 
 
+
+@pytest.mark.parametrize("change", ["load_state_dict", "init", "no_grad", "replace_data"])
+def test_cpuadam_16bit_params_changed_between_steps_are_stepped_from_the_new_value(change):
+    """The fp32 master was never re-read, so the next step undid a change made to a bf16 parameter
+    between steps (a model.load_state_dict of other weights: back to the old values, silently;
+    helper-33, /tmp/tester17/t07_master_stale.py). The step now starts from the new value, like a
+    run whose master was set to it; a checkpoint's weights loaded beside its optimizer state keep
+    the exact fp32 master."""
+    def run(edit):
+        torch.manual_seed(0)
+        lin = torch.nn.Linear(8, 8).to(torch.bfloat16)
+        opt = zo.CPUAdam(lin.parameters(), lr=1e-2)
+        x = torch.randn(4, 8).to(torch.bfloat16)
+        for i in range(3):
+            if i == 2:
+                edit(lin, opt)
+            lin(x).float().square().sum().backward()
+            opt.step()
+            opt.zero_grad()
+        return lin, opt
+
+    new = {"weight": torch.full((8, 8), 0.75), "bias": torch.full((8,), -0.5)}
+
+    def edit(lin, opt):
+        if change == "load_state_dict":
+            lin.load_state_dict({k: v.to(torch.bfloat16) for k, v in new.items()})
+        for name, p in lin.named_parameters():
+            if change == "init":
+                torch.nn.init.constant_(p, new[name].flatten()[0].item())
+            elif change == "no_grad":
+                with torch.no_grad():
+                    p.mul_(0).add_(new[name].to(torch.bfloat16))
+            elif change == "replace_data":
+                p.data = new[name].to(torch.bfloat16)
+
+    def by_hand(lin, opt):  # what the change means: the master takes the new values too
+        for name, p in lin.named_parameters():
+            with torch.no_grad():
+                p.copy_(new[name])
+            opt.state[p]["master_param"].copy_(new[name])
+
+    got, want = run(edit)[0], run(by_hand)[0]
+    for (name, a), b in zip(got.named_parameters(), want.parameters()):
+        assert torch.equal(a, b), name
+        assert (a.float() - new[name]).abs().max().item() < 0.1  # moved from the new value, not the old
+
+    lin, opt = run(lambda lin, opt: None)  # a resume: weights, then the optimizer state, loaded back
+    weights, state = {k: v.clone() for k, v in lin.state_dict().items()}, _save_load(opt.state_dict())
+    x = torch.randn(4, 8).to(torch.bfloat16)
+
+    def step():
+        lin(x).float().square().sum().backward()
+        opt.step()
+        opt.zero_grad()
+        return [opt.state[p]["master_param"].clone() for p in lin.parameters()]
+    once = step()
+    lin.load_state_dict(weights)
+    opt.load_state_dict(state)
+    again = step()  # the masters from the state, exact: not the loaded weights' rounded values
+    assert all(torch.equal(a, b) for a, b in zip(once, again))
+
 def test_cpuadam_closure_zero_grad_and_noncontiguous_param():
     w = torch.nn.Parameter(torch.randn(6, 4).t())  # a transposed, non-contiguous parameter
     w_ref = torch.nn.Parameter(w.detach().clone())
@@ -365,6 +426,40 @@ def test_cpuadam_rejects_what_it_cannot_do():
     p.grad = torch.zeros(3, device="meta")
     with pytest.raises(ValueError, match=r"param_groups\[0\]\['params'\]\[0\] is on meta.*AdamW\(fused=True\)"):
         zo.CPUAdam([p]).step()
+    q = [torch.nn.Parameter(torch.zeros(2))]
+    with pytest.raises(ValueError, match="amsgrad"):  # torch.optim.AdamW's sixth positional argument
+        zo.CPUAdam(q, 1e-3, (0.9, 0.999), 1e-8, 0.0, True)
+    for kw in ("capturable", "differentiable"):
+        with pytest.raises(ValueError, match=f"{kw}=True is not supported"):
+            zo.CPUAdam(q, **{kw: True})
+    with pytest.raises(ValueError, match=r"invalid lr 1e\+39"):  # torch: "cannot be converted ... without overflow"
+        zo.CPUAdam(q, lr=1e39)
+
+
+def test_cpuadam_takes_torch_adamws_arguments_positional_and_keyword():
+    """CPUAdam's sixth positional argument was adamw_mode (torch's is amsgrad): AdamW's positional
+    call with weight decay became L2 Adam silently (8e-3 apart after 20 steps; helper-33,
+    /tmp/tester17/t11_positional.py); foreach/fused raised TypeError. A state dict with the step
+    as a Python number (torch before 1.12) failed at the next step."""
+    torch.manual_seed(0)
+    a = torch.nn.Parameter(torch.randn(100))
+    b = torch.nn.Parameter(a.detach().clone())
+    opt = zo.CPUAdam([a], 1e-2, (0.9, 0.999), 1e-8, 0.1, False, foreach=False, fused=None, maximize=False)
+    ref = torch.optim.AdamW([b], 1e-2, (0.9, 0.999), 1e-8, 0.1, False, foreach=False)
+    for _ in range(20):
+        g = torch.randn(100)
+        a.grad, b.grad = g.clone(), g.clone()
+        opt.step()
+        ref.step()
+    assert (a.detach() - b.detach()).abs().max().item() <= TOL
+    sd = opt.state_dict()
+    sd["state"][0]["step"] = 20  # the old format
+    opt.load_state_dict(sd)
+    ref.load_state_dict(dict(ref.state_dict(), state={0: dict(ref.state_dict()["state"][0], step=20)}))
+    a.grad, b.grad = torch.ones(100), torch.ones(100)
+    opt.step()
+    ref.step()
+    assert opt.state[a]["step"].item() == 21 and (a.detach() - b.detach()).abs().max().item() <= TOL
 
 
 def test_disabled_ops_fall_back_with_one_warning():

@@ -4,12 +4,14 @@ from __future__ import annotations
 from typing import Any, Callable, Dict, Iterable, Optional, Tuple
 
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
 from .functional import adam_step_list, load_adam_op
 
 __all__ = ["CPUAdam"]
 
 _PARAM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_F32_MAX = torch.finfo(torch.float32).max
 #: Moment and master tensors CPUAdam keeps in float32 whatever the parameter's dtype.
 _FP32_STATE = ("exp_avg", "exp_avg_sq", "master_param")
 
@@ -33,7 +35,12 @@ class CPUAdam(torch.optim.Optimizer):
     bf16/fp16 parameters: the optimizer keeps an fp32 master copy (``state["master_param"]``)
     and fp32 moments, steps the master with the parameter's own-dtype gradient and writes the
     rounded result back into the parameter in the same pass (bit-equal to
-    ``master.to(param.dtype)``). Loading a state dict keeps these tensors in fp32.
+    ``master.to(param.dtype)``). Loading a state dict keeps these tensors in fp32. A change made
+    to such a parameter between steps (``model.load_state_dict``, ``torch.nn.init``, an in-place
+    op under ``torch.no_grad()``, ``p.data = t``) is seen through the parameter's version counter
+    and pointer, and the master takes the new value, as ``torch.optim.AdamW`` would step it. An
+    in-place op on ``p.data`` (``p.data.clamp_(...)``) bumps no version counter and is not seen:
+    make it on ``p`` under ``torch.no_grad()``, or on ``state["master_param"]`` too.
 
     Parameters on an accelerator are not supported: ``step`` raises ``ValueError`` naming the
     parameter. Use ``torch.optim.AdamW(fused=True)`` for them, or keep the parameters on CPU
@@ -45,19 +52,28 @@ class CPUAdam(torch.optim.Optimizer):
         betas: ``(beta1, beta2)``, each in [0, 1).
         eps: added to the denominator, > 0 usually; must be >= 0.
         weight_decay: decoupled (``adamw_mode=True``) or L2 (``False``) weight decay, >= 0.
-        adamw_mode: AdamW (decoupled decay) if True, Adam with L2 penalty if False.
-        bias_correction: divide moments by ``1 - beta**step``.
         amsgrad: must be False; AMSGrad is not implemented (raises ``ValueError``).
         maximize: maximize the objective (the gradient is negated), as in torch.
+        foreach, fused: accepted for ``torch.optim.AdamW``'s signature and ignored (the step is
+            always one fused pass per tensor).
+        capturable, differentiable: must be False (raise ``ValueError``).
+        adamw_mode: AdamW (decoupled decay) if True, Adam with L2 penalty if False (keyword only:
+            the positional arguments are ``torch.optim.AdamW``'s).
+        bias_correction: divide moments by ``1 - beta**step``.
 
     Raises:
-        ValueError: a hyper-parameter out of range, ``amsgrad=True``, a parameter that is not a
+        ValueError: a hyper-parameter out of range, ``amsgrad``, ``capturable`` or
+            ``differentiable`` True, a parameter that is not a
             floating CPU tensor of dtype fp32/bf16/fp16 (at ``step``), or a sparse gradient.
     """
 
     def __init__(self, params: Iterable, lr: float = 1e-3, betas: Tuple[float, float] = (0.9, 0.999),
-                 eps: float = 1e-8, weight_decay: float = 0.0, adamw_mode: bool = True,
-                 bias_correction: bool = True, *, amsgrad: bool = False, maximize: bool = False):
+                 eps: float = 1e-8, weight_decay: float = 0.0, amsgrad: bool = False, *, maximize: bool = False,
+                 foreach: Optional[bool] = None, capturable: bool = False, differentiable: bool = False,
+                 fused: Optional[bool] = None, adamw_mode: bool = True, bias_correction: bool = True):
+        if capturable or differentiable:
+            raise ValueError(f"CPUAdam: {'capturable' if capturable else 'differentiable'}=True is not supported "
+                             "(CUDA graphs / differentiating through the step); use torch.optim.AdamW for it")
         _check_hyper(dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad))
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
                         maximize=maximize, adamw_mode=adamw_mode, bias_correction=bias_correction,
@@ -65,6 +81,8 @@ class CPUAdam(torch.optim.Optimizer):
                         decoupled_weight_decay=adamw_mode, foreach=None, capturable=False,
                         differentiable=False, fused=None)
         super().__init__(params, defaults)
+        # 16-bit parameters: (version, data_ptr) right after this optimizer last wrote them
+        self._written: "WeakIdKeyDictionary[torch.Tensor, Tuple[int, int]]" = WeakIdKeyDictionary()
         load_adam_op()  # the first-use build happens here, not in the first step
 
     def add_param_group(self, param_group: Dict[str, Any]) -> None:
@@ -74,6 +92,7 @@ class CPUAdam(torch.optim.Optimizer):
 
     def __setstate__(self, state: Dict[str, Any]) -> None:
         super().__setstate__(state)
+        self.__dict__.setdefault("_written", WeakIdKeyDictionary())
         for group in self.param_groups:
             # A state dict from torch.optim.AdamW/Adam has no adamw_mode: take its decoupled flag.
             group.setdefault("adamw_mode", group.get("decoupled_weight_decay", True))
@@ -100,6 +119,10 @@ class CPUAdam(torch.optim.Optimizer):
         super().load_state_dict(state_dict)
         ids = [pid for g in state_dict["param_groups"] for pid in g["params"]]
         params = [p for g in self.param_groups for p in g["params"]]
+        for p in params:  # torch before 1.12 saved the step as a Python number
+            st = self.state.get(p)
+            if st and "step" in st and not torch.is_tensor(st["step"]):
+                st["step"] = torch.tensor(float(st["step"]), dtype=torch.float32)
         for pid, p in zip(ids, params):
             if p.dtype != torch.float32 and saved.get(pid):
                 for k, v in saved[pid].items():
@@ -161,6 +184,9 @@ class CPUAdam(torch.optim.Optimizer):
         for dst, src in copy_back:
             dst.copy_(src)
         torch._foreach_add_(step_tensors, 1.0)
+        for p in group["params"]:
+            if p.grad is not None and p.dtype != torch.float32:
+                self._written[p] = (p._version, p.data_ptr())
 
     def _prepare(self, p: torch.Tensor, where: str, maximize: bool):
         """Check one parameter, create its state, return (fp32 master, 16-bit out or None, grad, state)."""
@@ -182,6 +208,12 @@ class CPUAdam(torch.optim.Optimizer):
             state["exp_avg_sq"] = torch.zeros(p.shape, dtype=torch.float32)
         if p.dtype != torch.float32 and "master_param" not in state:
             state["master_param"] = p.detach().to(torch.float32, copy=True).contiguous()
+        elif p.dtype != torch.float32 and self._written.get(p, (p._version, p.data_ptr())) != (p._version, p.data_ptr()):
+            # changed since this optimizer wrote it: step from the new value (kept exact when it
+            # is only the master rounded, e.g. a checkpoint's weights loaded beside its masters)
+            master = state["master_param"]
+            if not torch.equal(p.detach(), master.to(p.dtype)):
+                master.copy_(p.detach())
         if maximize:
             grad = -grad
         if p.dtype == torch.float32:
@@ -192,8 +224,8 @@ class CPUAdam(torch.optim.Optimizer):
 def _check_hyper(group: Dict[str, Any]) -> None:
     if group.get("amsgrad", False):
         raise ValueError("CPUAdam: amsgrad=True is not implemented; use torch.optim.AdamW(amsgrad=True)")
-    if "lr" in group and not float(group["lr"]) >= 0.0:
-        raise ValueError(f"CPUAdam: invalid lr {group['lr']} (must be >= 0)")
+    if "lr" in group and not 0.0 <= float(group["lr"]) <= _F32_MAX:
+        raise ValueError(f"CPUAdam: invalid lr {group['lr']} (must be >= 0 and a finite float32)")
     if "eps" in group and not float(group["eps"]) >= 0.0:
         raise ValueError(f"CPUAdam: invalid eps {group['eps']} (must be >= 0)")
     if "weight_decay" in group and not float(group["weight_decay"]) >= 0.0:
