@@ -178,8 +178,35 @@ def test_read_past_end_and_size_mismatch(handle, tmp_path):
                                                                                    errno.ENODATA)
     for n in (9999, 10001):  # whole-file read with a smaller / larger buffer
         with pytest.raises(SizeMismatchError, match="smaller" if n < 10000 else "larger"):
-            handle.sync_pread(torch.zeros(n, dtype=torch.uint8), path)
+            handle.sync_pread(torch.zeros(n, dtype=torch.uint8), path, whole_file=True)
+        with pytest.raises(SizeMismatchError):
+            handle.read(torch.zeros(n, dtype=torch.uint8), path)
+    with pytest.raises(ReadPastEndError):  # DeepSpeed's pread: the buffer's bytes from the offset
+        handle.sync_pread(torch.zeros(10001, dtype=torch.uint8), path)
     assert isinstance(e, OSError)
+
+
+def test_deepspeed_aio_handle_calls_carry_over(backend, tmp_path):
+    """DeepSpeed's positional constructor order and its read/write/pread/pwrite; a read at offset
+    0 takes the buffer's bytes, as DeepSpeed's sync_pread does (it was a whole-file read: two
+    tensors written into one file could not be read back; helper-33, /tmp/tester17/t25_ds_compat.py)."""
+    h = AsyncIOHandle(64 * 1024, 4, True, False, 2)  # block_size, queue_depth, single_submit, overlap_events, lanes
+    assert (h.get_single_submit(), h.get_overlap_events(), h.get_intra_op_parallelism()) == (True, False, 2)
+    a, b = _rand_bytes(4096), _rand_bytes(5000)
+    path = tmp_path / "two"
+    assert h.sync_pwrite(a, path, 0) == 4096 and h.pwrite(b, path, False, True, 4096) == 0 and h.wait() == 1
+    got_a, got_b = torch.zeros_like(a), torch.zeros_like(b)
+    assert h.sync_pread(got_a, path) == 4096  # the first tensor of the file, from offset 0
+    assert h.pread(got_b, path, False, False, 4096) == 5000
+    assert torch.equal(got_a, a) and torch.equal(got_b, b)
+    head = torch.zeros(16, dtype=torch.uint8)
+    h.async_pread(head, path)
+    assert h.wait() == 1 and torch.equal(head, a[:16])
+    whole = torch.zeros(4096 + 5000, dtype=torch.uint8)
+    assert h.read(whole, path) == 9096 and torch.equal(whole, torch.cat([a, b]))
+    h.write(b, tmp_path / "one")
+    assert (tmp_path / "one").read_bytes() == _bytes(b)
+    h.close()
 
 
 def test_smaller_overwrite_never_read_as_whole_file(handle, tmp_path):
@@ -190,7 +217,7 @@ def test_smaller_overwrite_never_read_as_whole_file(handle, tmp_path):
     handle.sync_pwrite(small, path)  # writes never shrink a file
     assert path.read_bytes() == _bytes(small) + _bytes(big)[4097:]
     with pytest.raises(SizeMismatchError):
-        handle.sync_pread(torch.zeros_like(small), path)
+        handle.read(torch.zeros_like(small), path)
 
 
 @pytest.mark.parametrize("sync", [True, False], ids=["sync", "async"])

@@ -66,7 +66,8 @@ class ReadPastEndError(AIOError):
 
 
 class SizeMismatchError(AIOError):
-    """A whole-file read (``file_offset == 0``) with a buffer larger or smaller than the file."""
+    """A whole-file read (``AsyncIOHandle.read``, or ``whole_file=True``) with a buffer larger or
+    smaller than the file."""
 
 
 class DiskFullError(AIOError):

@@ -9,9 +9,12 @@ Alignment and file-size rules (all sizes in bytes, alignment 4096):
   concurrently). A new file written at offset 0 therefore holds exactly ``n`` bytes; overwriting
   a longer file with fewer bytes leaves its tail, and a later whole-file read of ``n`` bytes
   raises :class:`~zeroinf.io.errors.SizeMismatchError` rather than returning mixed data.
-* A read at ``file_offset == 0`` is a whole-file read: the buffer must be exactly the file's size
-  (:class:`~zeroinf.io.errors.SizeMismatchError` otherwise). A read at another offset must lie
-  inside the file (:class:`~zeroinf.io.errors.ReadPastEndError` otherwise).
+* A read (``sync_pread``, ``async_pread``, ``pread``) takes the buffer's size in bytes from
+  ``file_offset``, as DeepSpeed's do, and must lie inside the file
+  (:class:`~zeroinf.io.errors.ReadPastEndError` otherwise). A whole-file read (``read``, or
+  ``whole_file=True``) needs a buffer of exactly the file's size
+  (:class:`~zeroinf.io.errors.SizeMismatchError` otherwise), so a file left longer by an earlier
+  write is not read as if it were the tensor.
 * Buffers need not be aligned: unaligned ones are staged through aligned bounce buffers (C++
   backends) or use buffered I/O (``python`` backend); aligned ones (e.g. from
   :class:`~zeroinf.io.PinnedBufferPool`) are fastest. A non-4096-aligned ``file_offset`` makes
@@ -235,7 +238,8 @@ class AsyncIOHandle:
     """Reads and writes contiguous CPU tensors' bytes to files, synchronously or asynchronously.
 
     Knobs and their meanings follow DeepSpeed's ``aio`` config block, so existing blocks carry
-    over (see :meth:`from_config`).
+    over (see :meth:`from_config`); the positional order is DeepSpeed's ``aio_handle``'s
+    (``block_size, queue_depth, single_submit, overlap_events, intra_op_parallelism``).
 
     Args:
         block_size: bytes per submitted transfer; a positive multiple of 4096 (default 1 MiB).
@@ -257,8 +261,8 @@ class AsyncIOHandle:
     for; the handle holds a reference so the memory stays alive.
     """
 
-    def __init__(self, block_size: int = 1 << 20, queue_depth: int = 8, intra_op_parallelism: int = 1,
-                 single_submit: bool = False, overlap_events: bool = True, backend: Optional[str] = None,
+    def __init__(self, block_size: int = 1 << 20, queue_depth: int = 8, single_submit: bool = False,
+                 overlap_events: bool = True, intra_op_parallelism: int = 1, backend: Optional[str] = None,
                  *, thread_count: Optional[int] = None):
         if thread_count is not None:
             if intra_op_parallelism not in (1, thread_count):
@@ -352,7 +356,7 @@ class AsyncIOHandle:
         return free_locked_cpu_tensor(tensor)
 
     # -- submission ---------------------------------------------------------------------------
-    def _open(self, path: str, is_read: bool, offset: int, nbytes: int):
+    def _open(self, path: str, is_read: bool, offset: int, nbytes: int, whole_file: bool = False):
         flags = os.O_RDONLY if is_read else (os.O_WRONLY | os.O_CREAT)
         what = "reading" if is_read else "writing"
         try:
@@ -363,7 +367,7 @@ class AsyncIOHandle:
         try:
             st = os.fstat(fd)
             if is_read:
-                if offset == 0 and nbytes != st.st_size:
+                if whole_file and nbytes != st.st_size:
                     raise SizeMismatchError(
                         errno.EINVAL, f"whole-file read of {path}: the buffer holds {nbytes} bytes but the file "
                         f"holds {st.st_size} ({'larger' if nbytes > st.st_size else 'smaller'} than the file)",
@@ -402,14 +406,16 @@ class AsyncIOHandle:
                                f"process {os.getpid()} (its worker threads exist only in the parent); "
                                "create a new AsyncIOHandle")
 
-    def _submit(self, is_read: bool, buffer, filename, file_offset: int) -> int:
+    def _submit(self, is_read: bool, buffer, filename, file_offset: int, whole_file: bool = False) -> int:
         self._check_usable()
         path = os.fspath(filename)
         if not isinstance(file_offset, int) or isinstance(file_offset, bool) or file_offset < 0:
             raise ValueError(f"file_offset must be an integer >= 0, got {file_offset!r}")
+        if whole_file and file_offset != 0:
+            raise ValueError(f"a whole-file read starts at offset 0, got file_offset={file_offset}")
         flat = _byte_view(buffer)
         nbytes = flat.numel()
-        fd, fd_direct = self._open(path, is_read, file_offset, nbytes)
+        fd, fd_direct = self._open(path, is_read, file_offset, nbytes, whole_file)
         try:
             rid = self._engine.submit(is_read, flat, nbytes, fd_direct, fd, file_offset)
         except BaseException:
@@ -445,14 +451,15 @@ class AsyncIOHandle:
         return exc
 
     # -- DeepSpeed aio_handle operations ------------------------------------------------------
-    def sync_pread(self, buffer: torch.Tensor, filename, file_offset: int = 0) -> int:
+    def sync_pread(self, buffer: torch.Tensor, filename, file_offset: int = 0, *, whole_file: bool = False) -> int:
         """Read ``buffer.numel() * buffer.element_size()`` bytes at ``file_offset`` into ``buffer``.
 
         Args:
             buffer: a contiguous CPU tensor of any dtype and shape (a view with a storage offset
                 is fine: exactly its bytes are written, nothing past them).
             filename: the file (str or path-like).
-            file_offset: byte offset in the file; 0 means a whole-file read (sizes must match).
+            file_offset: byte offset in the file; the read must lie inside the file.
+            whole_file: the buffer must be exactly the file's size (``file_offset`` 0).
 
         Returns:
             The bytes read (always the buffer's size).
@@ -461,7 +468,7 @@ class AsyncIOHandle:
             AIOError (OSError) subclasses: AIOFileNotFoundError, SizeMismatchError,
             ReadPastEndError, DeviceIOError, ... carrying path, offset, bytes requested/done, errno.
         """
-        return self._sync(True, buffer, filename, file_offset)
+        return self._sync(True, buffer, filename, file_offset, whole_file)
 
     def sync_pwrite(self, buffer: torch.Tensor, filename, file_offset: int = 0) -> int:
         """Write ``buffer``'s bytes at ``file_offset`` (creating the file, mode 0600, if needed).
@@ -476,23 +483,52 @@ class AsyncIOHandle:
         """
         return self._sync(False, buffer, filename, file_offset)
 
-    def _sync(self, is_read: bool, buffer, filename, file_offset: int) -> int:
+    def _sync(self, is_read: bool, buffer, filename, file_offset: int, whole_file: bool = False) -> int:
         with self._wait_lock:
-            rid = self._submit(is_read, buffer, filename, file_offset)
+            rid = self._submit(is_read, buffer, filename, file_offset, whole_file)
             exc = self._finish(self._engine.wait_one(rid))
         if exc is not None:
             raise exc
         return _byte_view(buffer).numel()
 
-    def async_pread(self, buffer: torch.Tensor, filename, file_offset: int = 0) -> None:
+    def async_pread(self, buffer: torch.Tensor, filename, file_offset: int = 0, *, whole_file: bool = False) -> None:
         """Queue a read like :meth:`sync_pread`; returns once submitted. Errors in opening or
         size checks raise here; transfer errors raise from :meth:`wait`."""
-        self._submit(True, buffer, filename, file_offset)
+        self._submit(True, buffer, filename, file_offset, whole_file)
 
     def async_pwrite(self, buffer: torch.Tensor, filename, file_offset: int = 0) -> None:
         """Queue a write like :meth:`sync_pwrite`; returns once submitted. Do not modify
         ``buffer`` before :meth:`wait` returns."""
         self._submit(False, buffer, filename, file_offset)
+
+    def read(self, buffer: torch.Tensor, filename, validate: bool = False) -> int:
+        """DeepSpeed's ``read``: a synchronous whole-file read (the buffer must be exactly the
+        file's size). ``validate`` is accepted and ignored: sizes are always checked, and every
+        transfer is checked complete. Returns the bytes read."""
+        return self._sync(True, buffer, filename, 0, whole_file=True)
+
+    def write(self, buffer: torch.Tensor, filename, validate: bool = False) -> int:
+        """DeepSpeed's ``write``: a synchronous write of ``buffer`` at offset 0 (``validate``
+        ignored, as in :meth:`read`). Returns the bytes written."""
+        return self._sync(False, buffer, filename, 0)
+
+    def pread(self, buffer: torch.Tensor, filename, validate: bool = False, async_op: bool = False,
+              file_offset: int = 0) -> int:
+        """DeepSpeed's ``pread``: :meth:`sync_pread`, or :meth:`async_pread` with ``async_op``
+        (then returns 0; :meth:`wait` collects it). ``validate`` ignored, as in :meth:`read`."""
+        if async_op:
+            self._submit(True, buffer, filename, file_offset)
+            return 0
+        return self._sync(True, buffer, filename, file_offset)
+
+    def pwrite(self, buffer: torch.Tensor, filename, validate: bool = False, async_op: bool = False,
+               file_offset: int = 0) -> int:
+        """DeepSpeed's ``pwrite``: :meth:`sync_pwrite`, or :meth:`async_pwrite` with ``async_op``
+        (then returns 0). ``validate`` ignored, as in :meth:`read`."""
+        if async_op:
+            self._submit(False, buffer, filename, file_offset)
+            return 0
+        return self._sync(False, buffer, filename, file_offset)
 
     def wait(self) -> int:
         """Wait for every queued request.
