@@ -376,7 +376,15 @@ def test_tune_io_cli_prints_a_loadable_aio_block(tmp_path, capsys):
         parse_bytes("1.5 apples")
     # a decimal block size is no multiple of 4096: refused with the fix, nothing written
     assert main(["tune-io", "--path", str(tmp_path), "--block-sizes", "256K"]) == 2
-    assert "'256K' = 256000 bytes is not a positive multiple of 4096" in capsys.readouterr().out
+    assert "'256K' = 256000 bytes is not a positive multiple of 4096" in capsys.readouterr().err
+    # bad values end in one line on stderr and exit 2, not a traceback (helper-33, t30_cli_tracebacks.sh)
+    for extra, says in ((["--queue-depths", "0"], "--queue-depths: each must be >= 1"),
+                        (["--size", "0"], "--size: must be positive"), (["--repeat", "0"], "--repeat: must be >= 1"),
+                        (["--backend", "bogus"], "--backend: 'bogus' is not one of libaio, threads, python"),
+                        (["--size", "4TB"], "PinnedMemoryError")):
+        assert main(["tune-io", "--path", str(tmp_path), *extra]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("zeroinf tune-io: error: ") and says in err and err.count("\n") == 1, err
     rc = main(["tune-io", "--path", str(tmp_path), "--size", "1MiB", "--block-sizes", "256KiB,512KiB",
                "--queue-depths", "2", "--repeat", "1", "--backend", "python"])
     assert rc == 0

@@ -111,6 +111,14 @@ def test_cli_usage_errors(tmp_path, capsys):
     assert exc.value.code == 2 and "--gpu-mem" in capsys.readouterr().err
     rc = cli.main(["plan", "--params", "1e9", "--gpu-mem", "80GB", "--cpu-mem", "1TB", "--reserve", "1.5"])
     assert rc == 2 and "--reserve" in capsys.readouterr().err
+    # these raised ConfigError after printing the whole plan, exit 1 ("nothing fits"): helper-33
+    for extra, says in ((["--lr=-1"], "--lr: must be a finite number >= 0"), (["--lr", "nan"], "--lr"),
+                        (["--micro-batch", "0"], "--micro-batch: must be >= 1")):
+        rc = cli.main(["plan", "--params", "1e9", "--gpu-mem", "80GB", "--cpu-mem", "1TB",
+                       "--out", str(tmp_path / "p.json"), *extra])
+        out = capsys.readouterr()
+        assert rc == 2 and says in out.err and out.out == "", (extra, out)
+    assert not (tmp_path / "p.json").exists()
 
 
 def test_step_time_bounds_exact():

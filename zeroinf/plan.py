@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -349,6 +350,10 @@ def main(args: argparse.Namespace) -> int:
     try:
         if not 0 <= args.reserve < 1:
             raise ValueError(f"--reserve: must be in [0, 1), got {args.reserve}")
+        if not (math.isfinite(args.lr) and args.lr >= 0):
+            raise ValueError(f"--lr: must be a finite number >= 0, got {args.lr}")
+        if args.micro_batch is not None and args.micro_batch < 1:
+            raise ValueError(f"--micro-batch: must be >= 1, got {args.micro_batch}")
         info, act, act_formula = resolve_model(args)
         rd, wr, adam, notes = _bandwidths(args)
     except (ValueError, OSError) as exc:

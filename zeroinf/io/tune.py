@@ -11,6 +11,7 @@ import argparse
 import json
 import os
 import statistics
+import sys
 import time
 from typing import Dict, List, Optional, Sequence
 
@@ -107,17 +108,34 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    if not os.path.isdir(args.path):
-        print(f"zeroinf tune-io: --path {args.path}: not an existing directory")
+    """Run ``zeroinf tune-io``: 0 with the sweep printed, 2 on a usage error or an I/O failure
+    (one line on stderr naming it)."""
+    from .backends import BACKENDS
+    from .errors import AIOError
+
+    def fail(msg: str) -> int:
+        print(f"zeroinf tune-io: error: {msg}", file=sys.stderr)
         return 2
+    if not os.path.isdir(args.path):
+        return fail(f"--path {args.path}: not an existing directory")
     try:
         size = parse_bytes(args.size)
+        if size <= 0:
+            raise ValueError(f"--size: must be positive, got {args.size!r}")
         bss = _block_sizes(args.block_sizes)
         qds = [int(q) for q in args.queue_depths.split(",")]
+        if any(q < 1 for q in qds):
+            raise ValueError(f"--queue-depths: each must be >= 1, got {args.queue_depths!r}")
+        if args.repeat < 1:
+            raise ValueError(f"--repeat: must be >= 1, got {args.repeat}")
+        if args.backend is not None and args.backend not in BACKENDS:
+            raise ValueError(f"--backend: {args.backend!r} is not one of {', '.join(BACKENDS)}")
     except ValueError as exc:
-        print(f"zeroinf tune-io: {exc}")
-        return 2
-    rows = sweep(args.path, size, bss, qds, args.backend, args.repeat)
+        return fail(str(exc))
+    try:
+        rows = sweep(args.path, size, bss, qds, args.backend, args.repeat)
+    except (OSError, MemoryError, AIOError) as exc:  # a path that takes no file, a size beyond memory
+        return fail(f"--path {args.path}, --size {args.size}: {type(exc).__name__}: {exc}")
     print(f"{'backend':<8} {'block':>6} {'qd':>4} {'write GB/s':>11} {'read GB/s':>10}")
     for r in rows:
         print(f"{r['backend']:<8} {_fmt(r['block_size']):>6} {r['queue_depth']:>4} "
