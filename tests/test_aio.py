@@ -186,6 +186,42 @@ def test_read_past_end_and_size_mismatch(handle, tmp_path):
     assert isinstance(e, OSError)
 
 
+def test_a_directory_is_refused_as_one_without_an_o_direct_warning(backend, tmp_path):
+    """A read of a directory path opened (directories open for reading), then failed O_DIRECT
+    with EINVAL, so a RuntimeWarning said the file system refuses O_DIRECT (helper-33, t27)."""
+    h = AsyncIOHandle(block_size=4096, queue_depth=2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(OSError, match="is a directory") as ei:
+            h.sync_pread(torch.zeros(4096, dtype=torch.uint8), tmp_path)
+    assert (ei.value.errno, ei.value.filename, ei.value.nbytes_requested) == (errno.EISDIR, str(tmp_path), 4096)
+    h.close()
+
+def test_a_handle_dropped_with_pending_requests_finishes_them_and_closes_their_files(backend, tmp_path, monkeypatch):
+    """Dropping a handle with a queued write, without wait() or close(), leaked 2 file
+    descriptors per request and lost any error (helper-33, t24_drop_pending.py)."""
+    import gc
+
+    def fds():
+        return len(os.listdir("/proc/self/fd"))
+    before = fds()
+    src = _rand_bytes(3 * 4096 + 7)
+    with pytest.warns(ResourceWarning, match="1 request"):
+        for i in range(5):
+            h = AsyncIOHandle(block_size=4096, queue_depth=2)
+            h.async_pwrite(src, tmp_path / f"f{i}")
+            del h
+            gc.collect()
+    assert fds() == before
+    assert all((tmp_path / f"f{i}").read_bytes() == _bytes(src) for i in range(5))
+    monkeypatch.setenv("ZEROINF_AIO_FAULT", "enospc:4096")
+    h = AsyncIOHandle(block_size=4096, queue_depth=2)
+    h.async_pwrite(src, tmp_path / "full")
+    with pytest.warns(RuntimeWarning, match="one failed: .*full"):
+        del h
+        gc.collect()
+    assert fds() == before
+
 def test_deepspeed_aio_handle_calls_carry_over(backend, tmp_path):
     """DeepSpeed's positional constructor order and its read/write/pread/pwrite; a read at offset
     0 takes the buffer's bytes, as DeepSpeed's sync_pread does (it was a whole-file read: two
