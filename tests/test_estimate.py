@@ -236,6 +236,20 @@ def test_parse_errors(fn, text):
 
 # --- command line --------------------------------------------------------------------------------
 
+def test_estimate_nvme_rows_are_the_ones_plan_writes(tmp_path, capsys):
+    """estimate's table says its NVMe rows are "as zeroinf plan writes", but sized the parameter
+    buffers at 1e8 elements while plan writes the largest unit's partition: llama-7b on 8 ranks,
+    host 36.80 GB against plan's 31.42 (helper-33, t31_estimate_vs_plan.sh)."""
+    def row(argv):
+        assert cli.main(argv + ["--json"]) == 0
+        rows = json.loads(capsys.readouterr().out)["rows"]
+        return next(r for r in rows if (r["stage"], r["offload_param"], r["offload_optimizer"]) == (3, "nvme", "nvme"))
+    assert cli.main(["plan", "--model", "llama-7b", "--gpus", "8", "--gpu-mem", "4GB", "--cpu-mem", "45GB",
+                     "--nvme", "8TB", "--out", str(tmp_path / "plan.json")]) == 0
+    capsys.readouterr()
+    planned = row(["estimate", "--model", "llama-7b", "--gpus", "8", "--config", str(tmp_path / "plan.json")])
+    assert row(["estimate", "--model", "llama-7b", "--gpus", "8", "--stage", "3"]) == planned
+
 def test_cli_json_llama65b(capsys):
     rc = cli.main(["estimate", "--params", "65e9", "--gpus", "8", "--nodes", "16", "--precision", "fp16", "--json"])
     assert rc == 0

@@ -62,7 +62,7 @@ __all__ = [
     "GB", "GiB", "PRESETS", "PRECISIONS", "OPTIMIZERS", "PLACEMENTS", "Precision", "Placement",
     "ModelInfo", "SwapBuffers", "Term", "Estimate", "parse_count", "parse_bytes", "load_model_config",
     "model_info", "count_params", "stage3_units", "PERSISTENCE_THRESHOLD", "activation_bytes", "estimate", "estimate_all", "swap_buffers_from_config",
-    "placement_from_config", "PLAN_SWAP", "add_model_arguments", "world_size", "resolve_model", "format_size", "format_table", "add_arguments", "main",
+    "placement_from_config", "PLAN_SWAP", "swap_for", "add_model_arguments", "world_size", "resolve_model", "format_size", "format_table", "add_arguments", "main",
 ]
 
 GB = 10**9
@@ -201,6 +201,18 @@ class SwapBuffers:
 #: optimizer buffers (the fewest that pipelined reads and writes need; every one is used).
 PLAN_SWAP = SwapBuffers(sub_group_size=100_000_000, param_max_in_cpu=0, optimizer_buffer_count=3,
                         optimizer_pipeline_read=True, optimizer_pipeline_write=True)
+
+
+def swap_for(info: ModelInfo, world_size: int) -> SwapBuffers:
+    """The swap settings the plan writes: :data:`PLAN_SWAP`, with
+    ``offload_param.buffer_size`` set to what one buffer must hold: the largest unit's partition
+    ``ceil(largest_unit / N)`` when the model is known (:func:`stage3_units`) (the engine rejects less, and a buffer never
+    holds more), else ``min(1e8, ceil(P/N))``."""
+    if info.largest_unit:
+        size = -(-info.largest_unit // world_size)
+    else:
+        size = min(PLAN_SWAP.param_buffer_size, -(-info.params // world_size))
+    return dataclasses.replace(PLAN_SWAP, param_buffer_size=size)
 
 
 def _pool_bytes(count: int, size: int, alignment: int) -> int:
@@ -764,6 +776,8 @@ def main(args: argparse.Namespace) -> int:
             precision = args.precision or cfg.precision
             threshold = cfg.zero_optimization.stage3_param_persistence_threshold
         info, act, act_formula = resolve_model(args, persistence_threshold=threshold)
+        if not args.config:  # the parameter buffers zeroinf plan would write for this model
+            swap = swap_for(info, n)
         if args.stage is not None:
             placements = [p for p in placements if p.stage == args.stage]
         rows = [estimate(info.params, pl, world_size=n, gpus_per_node=args.gpus, precision=precision,

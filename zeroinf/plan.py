@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
-from zeroinf.estimate import (GB, OPTIMIZERS, format_size, PLAN_SWAP, PRECISIONS, Estimate, ModelInfo, Placement, SwapBuffers,
+from zeroinf.estimate import (GB, OPTIMIZERS, format_size, PLAN_SWAP, swap_for, PRECISIONS, Estimate, ModelInfo, Placement, SwapBuffers,
                               add_model_arguments, estimate, parse_bytes, resolve_model)
 
 __all__ = ["LADDER", "ADAM_BYTES_PER_PARAM", "Limits", "Attempt", "Plan", "check_fit", "choose", "make_config",
@@ -105,18 +105,6 @@ def check_fit(est: Estimate, limits: Limits) -> Tuple[str, ...]:
             else:
                 reasons.append(f"{what} {format_size(used)} GB > {format_size(cap)} GB usable")
     return tuple(reasons)
-
-
-def swap_for(info: ModelInfo, world_size: int) -> SwapBuffers:
-    """The swap settings the plan writes: :data:`zeroinf.estimate.PLAN_SWAP`, with
-    ``offload_param.buffer_size`` set to what one buffer must hold: the largest unit's partition
-    ``ceil(largest_unit / N)`` when the model is known (:func:`zeroinf.estimate.stage3_units`) (the engine rejects less, and a buffer never
-    holds more), else ``min(1e8, ceil(P/N))``."""
-    if info.largest_unit:
-        size = -(-info.largest_unit // world_size)
-    else:
-        size = min(PLAN_SWAP.param_buffer_size, -(-info.params // world_size))
-    return dataclasses.replace(PLAN_SWAP, param_buffer_size=size)
 
 
 def choose(info: ModelInfo, limits: Limits, *, world_size: int, gpus_per_node: int, precision: str = "bf16",
