@@ -162,6 +162,20 @@ def test_report_shows_op_states_and_the_chosen_isa(monkeypatch, capsys):
     assert "forced by ZEROINF_ADAM_ISA=scalar" in out and "adam" in out and "libaio" in out
 
 
+
+def test_report_without_build_compiles_nothing(fresh_loader, monkeypatch, capsys):
+    """``zeroinf report`` probed the I/O backends with a round trip, which JIT-built the aio op
+    (1.5 min in an empty cache) while the op's line said "would JIT" (helper-33, t32)."""
+    from zeroinf import cli
+    from zeroinf.io import backends
+
+    monkeypatch.setattr(backends, "_load_aio_op", lambda: pytest.fail("report loaded (so could build) the aio op"))
+    assert cli.main(["report"]) == 0
+    out = capsys.readouterr()
+    assert "libaio         unknown: not probed: the C++ aio op is not built yet" in out.out
+    assert "python         available" in out.out and "compiling" not in out.err
+    assert not (fresh_loader / "cache").exists() or not any((fresh_loader / "cache").iterdir())
+
 @pytest.mark.parametrize("value", ["0", "yes"])
 def test_op_status_and_loading_agree_on_force_jit(fresh_loader, monkeypatch, value):
     """op_status must report the source load_op would really use, for any ZEROINF_FORCE_JIT value."""

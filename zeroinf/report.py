@@ -116,7 +116,7 @@ def collect(build: bool = False) -> Dict[str, object]:
     try:
         from .io import backend_report
 
-        rep["io_backends"] = backend_report()
+        rep["io_backends"] = backend_report(build=build)
     except (ImportError, AttributeError) as exc:
         rep["io_backends"] = {"error": f"zeroinf.io.backend_report unavailable ({exc})"}
     except Exception as exc:  # a backend probe that failed: show why
@@ -162,5 +162,6 @@ def main(args: argparse.Namespace) -> int:
         w(f"  {io_rep['error']}\n")
     else:
         for b in io_rep:
-            w(f"  {b['name']:<14} {'available' if b['available'] else 'unavailable'}: {b['why']}\n")
+            state = {True: "available", False: "unavailable", None: "unknown"}[b["available"]]
+            w(f"  {b['name']:<14} {state}: {b['why']}\n")
     return 1 if failed else 0
