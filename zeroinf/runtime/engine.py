@@ -203,6 +203,7 @@ class ZeroEngine:
         self._stats: Dict[str, Any] = {}
         self._step_stats = self._new_step_stats()
         self._step_running = False  # a background optimizer step is in flight (stage 3)
+        self._backwards = 0  # engine.backward calls since the last engine.step (_check_backward_ran)
         self._closed = False  # close() ran: every entry point raises (_check_open)
         #: a load_checkpoint that failed part-way (checked by _check_open and by hooks on the model)
         self.load_guard = LoadGuard()
@@ -431,6 +432,7 @@ class ZeroEngine:
                 self._bwd_pending = False
                 self.params.abort_backward_step(exc)
             raise
+        self._backwards += 1
         t1 = time.perf_counter()
         self._step_stats["backward_s"] += t1 - t0
         self._step_stats["comm_elements"] += self.params.reduce_gradients()
@@ -493,14 +495,41 @@ class ZeroEngine:
                     "before zeroinf.initialize (for a stage-3 model built under zeroinf.Init: inside "
                     "zeroinf.gathered_parameters(..., modifier_rank=0)), or freeze it (requires_grad=False).")
 
+    def _check_backward_ran(self) -> None:
+        """Raise if this micro-batch's gradients came from a backward outside :meth:`backward`
+        (``loss.backward()``): the engine never took them, so stages 0-2 stepped without them
+        (weights moved by momentum and decay alone, ``.grad`` left on every parameter) and
+        stage 3 lost them from the second step on, silently. Evidence: ``.grad`` on a trainable
+        parameter (the engine's backward leaves none), or stage-3 gradients reduced with no
+        engine backward since the last :meth:`step`. A step with no backward at all stays valid.
+
+        Raises:
+            RuntimeError: naming a parameter, or the stage-3 reduction.
+        """
+        ran, self._backwards = self._backwards, 0
+        manager = getattr(self.params, "manager", None)
+        reduced = manager is not None and manager.reduced_since_check
+        if manager is not None:
+            manager.reduced_since_check = False
+        if ran:
+            return
+        stray = next((n for n, p, _f in self._requires_grad if p.grad is not None), None)
+        if stray is not None or reduced:
+            what = f"parameter '{stray}' has a .grad" if stray is not None else "stage 3 reduced gradients"
+            raise RuntimeError(f"zeroinf: engine.step() after a backward that did not run through engine.backward(loss) "
+                               f"({what}); call engine.backward(loss) instead of loss.backward(): it scales the loss, "
+                               "hands the gradients to the engine and waits for a step still running")
+
     def step(self) -> None:
         """Count a micro-batch; at the accumulation boundary run the optimizer step.
 
         Raises:
-            RuntimeError: a parameter's ``requires_grad`` changed since :func:`initialize`.
+            RuntimeError: a parameter's ``requires_grad`` changed since :func:`initialize`, or
+                the micro-batch's backward ran outside :meth:`backward` (``loss.backward()``).
         """
         self._check_open()
         self._check_requires_grad()
+        self._check_backward_ran()
         if self.is_gradient_accumulation_boundary():
             self._optimizer_step()
             self._stats = dict(self._step_stats)

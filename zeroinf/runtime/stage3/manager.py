@@ -224,6 +224,37 @@ class _ForeignAccessMode(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
+class _RecomputeMode(TorchFunctionMode):
+    """[Note: recompute in the backward] Activation checkpointing recomputes a unit's forward
+    inside the backward, where the saved-tensor hooks of [Note: saved tensors] are not active:
+    an op then saves a frozen parameter (``requires_grad=False``) as the parameter object itself
+    (torch's checkpoint detaches only tensors that require grad). The unit is released once its
+    trainable gradients are in, and a frozen weight still needed later in its backward (a
+    LoRA block's frozen LayerNorm before a trainable adapter) was read as the empty
+    placeholder: "weight of shape [0]". While a unit's forward runs in the backward, this
+    mode passes its frozen parameters to every op detached: a tensor that keeps the gathered
+    storage alive for as long as the op's saved tensors need it."""
+
+    def __init__(self, manager: "Stage3ParameterManager"):
+        super().__init__()
+        self.m = manager
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        m = self.m
+        if not m._busy:
+            args = tuple(self._swap(a) for a in args)
+            kwargs = {k: self._swap(v) for k, v in kwargs.items()}
+        return func(*args, **kwargs)
+
+    def _swap(self, a):
+        if isinstance(a, nn.Parameter):
+            return a.detach() if not a.requires_grad and a in self.m._slot_of else a
+        if isinstance(a, (list, tuple)) and any(isinstance(x, nn.Parameter) for x in a):
+            return type(a)(self._swap(x) for x in a)
+        return a
+
+
 def _shallow_args(args, kwargs):
     for a in args:
         if isinstance(a, (list, tuple)):
@@ -291,6 +322,9 @@ class Stage3ParameterManager:
         self._live = 0
         self._active: List[Unit] = []
         self._foreign: List[Unit] = []
+        self._recompute_modes: List[Tuple[Unit, "_RecomputeMode"]] = []  # [Note: recompute in the backward]
+        #: a gradient was reduced since the engine last looked (ZeroEngine._check_backward_ran)
+        self.reduced_since_check = False
         self._in_iteration = False
         self._in_backward = False
         self._callback_queued = False
@@ -516,7 +550,8 @@ class Stage3ParameterManager:
         self._handles.append(root.register_forward_pre_hook(self._root_pre_forward))
         self._handles.append(root.register_forward_hook(self._root_post_forward, always_call=True))
         for u in self.units[2:]:
-            self._handles.append(u.module.register_forward_pre_hook(lambda m, a, u=u: self._pre_forward(u)))
+            self._handles.append(u.module.register_forward_pre_hook(
+                lambda m, a, kw, u=u: self._pre_forward(u, a, kw), with_kwargs=True))
             self._handles.append(u.module.register_forward_hook(lambda m, a, o, u=u: self._post_forward(u, o),
                                                                 always_call=True))
         for u in self.units:
@@ -669,7 +704,8 @@ class Stage3ParameterManager:
     def is_pinned(self, unit: Unit) -> bool:
         """True while the unit is in use (running forward, or awaiting its gradients)."""
         return unit.persistent or unit in self._active or unit in self._foreign or unit.gather_works is not None or (
-            self._in_backward and unit.state is UnitState.GATHERED and 0 < unit.grads_seen < unit.trainable)
+            self._in_backward and unit.state is UnitState.GATHERED
+            and (0 < unit.grads_seen < unit.trainable or (unit.in_backward and unit.inputs_pending > 0)))
 
     def issue(self, unit: Unit, for_backward: bool = False) -> None:
         """Start gathering ``unit`` (its tier reads; the all-gather runs in :meth:`_complete`).
@@ -1072,7 +1108,7 @@ class Stage3ParameterManager:
             self._busy -= 1
         return output
 
-    def _pre_forward(self, unit: Unit):
+    def _pre_forward(self, unit: Unit, args=(), kwargs=None):
         self._busy += 1
         try:
             if not self._in_iteration:
@@ -1082,10 +1118,22 @@ class Stage3ParameterManager:
             self._active.append(unit)
             unit._t0 = self.tracer.now()
             self._request(unit, "fwd")
+            if self._in_backward and torch.is_grad_enabled():  # [Note: recompute in the backward]
+                mode = _RecomputeMode(self)
+                mode.__enter__()
+                self._recompute_modes.append((unit, mode))
+            elif torch.is_grad_enabled():  # [Note: release after the inputs' gradients]
+                ins = [t for t in _shallow_args(args, kwargs or {}) if isinstance(t, torch.Tensor) and t.requires_grad]
+                if ins:
+                    unit.inputs_pending += 1
+                    torch.autograd.graph.register_multi_grad_hook(
+                        ins, lambda grads, u=unit: self._inputs_done(u), mode="all")
         finally:
             self._busy -= 1
 
     def _post_forward(self, unit: Unit, output):
+        if self._recompute_modes and self._recompute_modes[-1][0] is unit:
+            self._recompute_modes.pop()[1].__exit__(None, None, None)
         self._busy += 1
         try:
             if unit in self._active:
@@ -1128,6 +1176,7 @@ class Stage3ParameterManager:
                 self._t_bwd = self.tracer.now()
                 torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
             unit._t0 = self.tracer.now()
+            unit.in_backward = True
             self._request(unit, "bwd")
         finally:
             self._busy -= 1
@@ -1150,9 +1199,28 @@ class Stage3ParameterManager:
         unit.grads_seen += 1
         if unit.grads_seen == unit.trainable:
             self._reduce(unit)
-            if not unit.persistent and unit not in self._active:
+            if not unit.persistent and unit not in self._active and unit.inputs_pending == 0:
                 self.tracer.span(f"bwd {unit.name}", "unit", getattr(unit, "_t0", self.tracer.now()), self.tracer.now())
                 self.release(unit)
+
+    def _inputs_done(self, unit: Unit) -> None:
+        """[Note: release after the inputs' gradients] The backward computed the gradients of
+        one forward call's inputs: that call's backward is over. A unit was released as soon as
+        its trainable gradients were in, but its frozen weights may be needed after them (a LoRA
+        block's frozen LayerNorm, for the input gradient): re-gathered through the saved-tensor
+        hooks (a second read), or, under activation checkpointing that recomputes a block's
+        ``forward`` without its hooks (transformers 5), saved as the parameter itself and read as
+        the empty placeholder ("size of tensor b (0)"). Once every call's inputs have their
+        gradients and its own are in, it is released; until then it counts as pinned."""
+        self._busy += 1
+        try:
+            unit.inputs_pending = max(0, unit.inputs_pending - 1)
+            if (unit.inputs_pending == 0 and unit.grads_seen >= unit.trainable and not unit.persistent
+                    and unit not in self._active and unit.state is UnitState.GATHERED and self._in_backward):
+                self.tracer.span(f"bwd {unit.name}", "unit", getattr(unit, "_t0", self.tracer.now()), self.tracer.now())
+                self.release(unit)
+        finally:
+            self._busy -= 1
 
     # [Note: asynchronous reductions] A unit's flat gradient is reduced with ``async_op=True`` as
     # soon as its last parameter's gradient arrives, so the collective runs while the backward of
@@ -1190,6 +1258,7 @@ class Stage3ParameterManager:
             self.tracer.span(f"reduce {g.key}", "comm", t0, self.tracer.now())
         if did:
             unit.reduces_this_backward += 1
+            self.reduced_since_check = True
             self.stats.add("reduces")
 
     def _launch_reduce(self, g: FlatGroup) -> _Reduction:
@@ -1330,6 +1399,7 @@ class Stage3ParameterManager:
         for u in self.units:
             u.grads_seen = 0
             u.reduces_this_backward = 0
+            u.inputs_pending, u.in_backward = 0, False
         self._in_iteration = False
         self._in_backward = False
         self.stats.finish()

@@ -108,6 +108,8 @@ class Unit:
     trainable: int = 0  # parameters with requires_grad
     grads_seen: int = 0  # post-accumulate hooks fired this backward
     reduces_this_backward: int = 0
+    inputs_pending: int = 0  # forward calls whose input gradients the backward has not computed yet
+    in_backward: bool = False  # its backward started (manager._pre_backward) this iteration
 
     @property
     def numel(self) -> int:
