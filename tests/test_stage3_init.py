@@ -253,3 +253,31 @@ def test_gathered_parameters_between_init_and_initialize_and_a_resized_embedding
         sd[k], want[k] = sd[k][torch.arange(96) // 32 != 1], want[k][torch.arange(96) // 32 != 1]
     assert max((sd[k] - v).abs().max().item() for k, v in want.items()) <= 1e-6
     engine.close()
+
+
+def test_resize_token_embeddings_inside_the_init_block():
+    """Inside the Init block a moved-out parameter's .shape was the placeholder's (0,), so
+    transformers' resize_token_embeddings set config.vocab_size to 0 while the embedding itself
+    was resized right, and a forward with labels then failed on "shape '[-1, 0]' is invalid"
+    (helper-34, /tmp/tester18/t07_resize_under_Init.py). .shape is the held shape there."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    def conf():  # a resize changes its model's config object
+        return LlamaConfig(vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                           num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=32)
+    cfg = {**_cfg("cpu", None), "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}
+    torch.manual_seed(0)
+    plain = LlamaForCausalLM(conf())
+    plain.resize_token_embeddings(60, mean_resizing=False)
+    torch.manual_seed(0)
+    with zeroinf.Init(config=cfg):
+        model = LlamaForCausalLM(conf())
+        assert model.get_input_embeddings().weight.shape == (50, 32)
+        model.resize_token_embeddings(60, mean_resizing=False)
+    assert model.config.vocab_size == 60 and model.get_input_embeddings().weight.shape == (0,)
+    engine, *_ = zeroinf.initialize(model=model, config=cfg)
+    sd = engine.module.state_dict()
+    assert all(torch.equal(sd[k], v) for k, v in plain.state_dict().items())
+    x = torch.randint(0, 60, (2, 8))
+    assert engine(x, labels=x).loss.item() == plain(x, labels=x).loss.item()
+    engine.close()

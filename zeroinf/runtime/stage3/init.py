@@ -173,6 +173,12 @@ class _GuardMode(TorchFunctionMode):
         name = getattr(func, "__name__", "")
         if name in ("__get__", "__set__"):  # metadata (shape, grad_fn, ...) needs no values; .data does
             attr = getattr(getattr(func, "__self__", None), "__name__", "")
+            if name == "__get__" and attr == "shape" and args and isinstance(args[0], nn.Parameter):
+                held = _HELD.get(args[0])
+                if held is not None and held.owner is self.owner:
+                    # the true shape, not the placeholder's (transformers' resize_token_embeddings set
+                    # config.vocab_size from it: 0); no values needed
+                    return held.shape
             if attr != "data":
                 return func(*args, **kwargs)
         for a in itertools.chain(args, kwargs.values()):
