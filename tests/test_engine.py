@@ -402,3 +402,44 @@ def test_initialize_rejects_too_little_disk_or_memory_before_allocating(tmp_path
         zeroinf.initialize(make_mlp(), config=config(2, "nvme", tmp_path))
     assert ei.value.key_path == "zero_optimization.offload_optimizer.buffer_count" and "available memory" in str(ei.value)
     assert not (tmp_path / "zeroinf_optimizer").exists()  # nothing was written
+
+
+def test_deepspeed_engine_calls_and_keys_a_config_brings(tmp_path, caplog):
+    """DeepSpeed's accessors, save_checkpoint(save_latest=), load_checkpoint's keywords,
+    save_16bit_model, steps_per_print / wall_clock_breakdown (accepted and ignored before), and
+    the no-op values offload_optimizer.ratio 1.0 and fp16.auto_cast false (refused before;
+    helper-34, /tmp/tester18 t01, t18, t28)."""
+    import logging
+
+    torch.manual_seed(0)
+    model = make_mlp()
+    cfg = config(stage=3, device="cpu", gas=2, steps_per_print=2, wall_clock_breakdown=True)
+    cfg["zero_optimization"]["offload_optimizer"]["ratio"] = 1.0
+    cfg["zero_optimization"]["stage3_gather_16bit_weights_on_model_save"] = True
+    cfg["fp16"] = {"enabled": False, "auto_cast": False}
+    engine, *_ = zeroinf.initialize(model=model, config=cfg)
+    assert (engine.gradient_accumulation_steps(), engine.train_micro_batch_size_per_gpu(), engine.train_batch_size(),
+            engine.zero_optimization_stage(), engine.was_step_applied(), engine.local_rank) == (2, 4, 8, 3, False, 0)
+    assert engine.device == torch.device("cpu")
+    X, Y = batches(4)
+    with caplog.at_level(logging.INFO, logger="zeroinf"):
+        train(engine, X, Y, 2, gas=2)
+    assert engine.was_step_applied() and engine.global_samples == 2 * 8
+    logged = [r.getMessage() for r in caplog.records if r.name == "zeroinf"]
+    assert logged[0].startswith("step=2, skipped=0, lr=[") and logged[1].startswith("step=2 time (s): backward ")
+    engine.save_checkpoint(str(tmp_path / "ck"), tag="a", save_latest=False)
+    assert (tmp_path / "ck" / "a").is_dir() and not (tmp_path / "ck" / "latest").exists()
+    with pytest.raises(NotImplementedError, match="load_optimizer_states=False"):
+        engine.load_checkpoint(str(tmp_path / "ck"), tag="a", load_optimizer_states=False)
+    engine.load_checkpoint(str(tmp_path / "ck"), tag="a", load_optimizer_states=True, load_lr_scheduler_states=True)
+    assert engine.save_16bit_model(str(tmp_path / "out"))
+    saved = torch.load(tmp_path / "out" / "pytorch_model.bin", weights_only=True)
+    want = model.state_dict()
+    assert saved.keys() == want.keys() and all(torch.equal(saved[k], v) for k, v in want.items())
+    engine.close()
+    cfg["zero_optimization"]["stage3_gather_16bit_weights_on_model_save"] = False
+    engine, *_ = zeroinf.initialize(model=make_mlp(), config=cfg)
+    with pytest.warns(RuntimeWarning, match="stage3_gather_16bit_weights_on_model_save"):
+        assert engine.save_16bit_model(str(tmp_path / "none")) is False
+    assert not (tmp_path / "none").exists()
+    engine.close()

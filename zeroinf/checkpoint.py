@@ -186,7 +186,8 @@ def _module_state(module: torch.nn.Module) -> Dict[str, Any]:
             for k, v in module.state_dict().items()}
 
 
-def save(engine, save_dir: str, tag: Optional[str] = None, client_state: Optional[dict] = None) -> str:
+def save(engine, save_dir: str, tag: Optional[str] = None, client_state: Optional[dict] = None,
+         save_latest: bool = True) -> str:
     """Save ``engine`` to ``save_dir/tag`` (collective: every rank calls it). Returns the folder.
 
     The files are written into ``save_dir/tag.saving`` and the folder is renamed onto
@@ -250,7 +251,7 @@ def save(engine, save_dir: str, tag: Optional[str] = None, client_state: Optiona
     _agree(engine, problem, _write_failed, "save_checkpoint")
     if engine.rank != 0 and os.path.isdir(ckpt):  # a folder rank 0 does not see (no shared file system)
         _replace_dir(ckpt, final)
-    if engine.rank == 0:
+    if engine.rank == 0 and save_latest:
         try:
             _write_latest(save_dir, tag)
         except OSError as exc:

@@ -304,8 +304,8 @@ class ZeroInfConfig:
     gradient_clipping: float = 0.0
     zero_optimization: ZeroConfig = field(default_factory=ZeroConfig)
     aio: AioConfig = field(default_factory=AioConfig)
-    steps_per_print: int = 10
-    wall_clock_breakdown: bool = False
+    steps_per_print: int = 10  #: rank 0 logs step, skipped steps and lr to the ``zeroinf`` logger (INFO)
+    wall_clock_breakdown: bool = False  #: ... and the last step's seconds per phase
     zeroinf: ZeroInfExtraConfig = field(default_factory=ZeroInfExtraConfig)
 
     @property
@@ -345,6 +345,8 @@ _NOOP_VALUES = {
     "allgather_sequential": (False,), "pipeline_loading_checkpoint": (False,), "save_mmap_storage": (False,),
     "log_memory_usage": (False,), "module_granularity_threshold": (0,),
     "stage3_module_granularity_threshold": (0,),
+    "ratio": (1.0, 1),  # offload_optimizer: the whole state, what zeroinf offloads
+    "auto_cast": (False,),  # fp16: DeepSpeed's default
 }
 _TOP_ALLOWED = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
                 "optimizer", "scheduler", "fp16", "bf16", "bfloat16", "gradient_clipping",

@@ -26,6 +26,7 @@ by providing an object with the same methods from ``zeroinf.runtime.stage3.engin
 """
 from __future__ import annotations
 
+import logging
 import math
 import os
 import shutil
@@ -45,6 +46,8 @@ from .loss_scaler import LossScaler
 from .optimizer import SubGroupOptimizer
 
 __all__ = ["LoadGuard", "ZeroEngine", "ZeroOptimizer", "initialize"]
+
+_log = logging.getLogger("zeroinf")
 
 
 class LoadGuard:
@@ -204,6 +207,7 @@ class ZeroEngine:
         self._step_stats = self._new_step_stats()
         self._step_running = False  # a background optimizer step is in flight (stage 3)
         self._backwards = 0  # engine.backward calls since the last engine.step (_check_backward_ran)
+        self._step_applied = False  # was_step_applied()
         self._closed = False  # close() ran: every entry point raises (_check_open)
         #: a load_checkpoint that failed part-way (checked by _check_open and by hooks on the model)
         self.load_guard = LoadGuard()
@@ -534,7 +538,22 @@ class ZeroEngine:
             self._optimizer_step()
             self._stats = dict(self._step_stats)
             self._step_stats = self._new_step_stats()
+            self._log_step()
         self.micro_steps += 1
+
+    def _log_step(self) -> None:
+        """Every ``steps_per_print`` optimizer steps, rank 0 logs the step count, skipped steps
+        and learning rates to the ``zeroinf`` logger at INFO, as DeepSpeed prints them; with
+        ``wall_clock_breakdown`` also the last step's seconds per phase."""
+        n = self.config.steps_per_print
+        if self.rank != 0 or not n or self.global_steps % n or not _log.isEnabledFor(logging.INFO):
+            return
+        _log.info("step=%d, skipped=%d, lr=%s", self.global_steps, self.skipped_steps, self.get_lr())
+        if self.config.wall_clock_breakdown:
+            st = self._stats
+            _log.info("step=%d time (s): backward %.4f, reduce %.4f, optimizer %.4f (adam %.4f, I/O wait %.4f)",
+                      self.global_steps, st.get("backward_s", 0.0), st.get("reduce_s", 0.0), st.get("optimizer_s", 0.0),
+                      st.get("adam_s", 0.0), st.get("io_wait_s", 0.0))
 
     def _new_step_stats(self) -> Dict[str, Any]:
         return {"backward_s": 0.0, "reduce_s": 0.0, "comm_elements": 0, "optimizer_s": 0.0, "adam_s": 0.0,
@@ -597,6 +616,7 @@ class ZeroEngine:
         if self.loss_scaler is not None:
             self.loss_scaler.update(overflow)
         self.global_steps += 1
+        self._step_applied = not overflow
         if overflow:
             self.skipped_steps += 1
             self.params.zero_grad_acc()
@@ -661,6 +681,7 @@ class ZeroEngine:
                           stacklevel=5)  # the caller of engine.step(), through torch.no_grad's wrapper
         self.global_steps += 1
         self.optimizer_steps += 1
+        self._step_applied = True
         self.params.backward_step_done()
         s = self._step_stats
         s["io_wait_s"] += self.params.manager.step_gate.take_wait_s()
@@ -670,6 +691,83 @@ class ZeroEngine:
             self.optimizer._opt_called = True
             self.lr_scheduler.step()
         s["optimizer_s"] += time.perf_counter() - t0
+
+    def save_16bit_model(self, save_dir: str, save_filename: str = "pytorch_model.bin",
+                         exclude_frozen_parameters: bool = False) -> bool:
+        """DeepSpeed's ``save_16bit_model``: the model's state dict in its training dtype (bf16 or
+        fp16 parameters; fp32 when training in fp32), full tensors, written by rank 0 to
+        ``save_dir/save_filename`` (``torch.save``; a ``.safetensors`` name writes safetensors).
+        Collective: every rank calls it (stage 3 gathers the partitions). At stage 3 only with
+        ``zero_optimization.stage3_gather_16bit_weights_on_model_save`` true, as in DeepSpeed:
+        otherwise nothing is written, a warning says why, and it returns False.
+
+        Args:
+            exclude_frozen_parameters: leave out parameters with ``requires_grad=False``.
+
+        Returns:
+            True when the file was written (on rank 0; the other ranks return True too).
+
+        Raises:
+            OSError: the file cannot be written (rank 0; named).
+        """
+        from zeroinf.checkpoint import _atomic_save
+        self._check_open()
+        if self.config.zero_optimization.stage == 3 and not self.config.zero_optimization.stage3_gather_16bit_weights_on_model_save:
+            warnings.warn("save_16bit_model: nothing saved; at stage 3 set zero_optimization."
+                          "stage3_gather_16bit_weights_on_model_save to true (or use zeroinf.checkpoint.consolidate "
+                          "on a checkpoint for fp32 weights)", RuntimeWarning, stacklevel=2)
+            return False
+        self.synchronize()  # a background step's updates are in the partitions
+        sd = self.module.state_dict()
+        if exclude_frozen_parameters:
+            frozen = {n for n, p, _f in self._requires_grad if not p.requires_grad}
+            sd = {k: v for k, v in sd.items() if k not in frozen}
+        if self.rank == 0:
+            os.makedirs(save_dir, exist_ok=True)
+            path = os.path.join(save_dir, save_filename)
+            if save_filename.endswith(".safetensors"):
+                from safetensors.torch import save_file
+                save_file({k: v.detach().to("cpu").contiguous().clone() for k, v in sd.items()}, path)
+            else:
+                _atomic_save({k: v.detach().to("cpu") for k, v in sd.items()}, path)
+        return True
+
+    # DeepSpeed's accessors
+    def gradient_accumulation_steps(self) -> int:
+        """Micro-batches per optimizer step (``gradient_accumulation_steps``)."""
+        return self.gas
+
+    def train_micro_batch_size_per_gpu(self) -> int:
+        """Samples per micro-batch per rank, from the config."""
+        return self.config.train_micro_batch_size_per_gpu
+
+    def train_batch_size(self) -> int:
+        """Samples per optimizer step over all ranks (micro-batch x accumulation x ranks)."""
+        return self.config.train_micro_batch_size_per_gpu * self.gas * self.world_size
+
+    def zero_optimization_stage(self) -> int:
+        """The ZeRO stage, 0-3."""
+        return self.config.zero_optimization.stage
+
+    def was_step_applied(self) -> bool:
+        """Whether the last optimizer step changed the weights (False when an fp16 overflow
+        skipped it, or before any step)."""
+        return self._step_applied
+
+    @property
+    def global_samples(self) -> int:
+        """Samples consumed by optimizer steps so far (``global_steps x train_batch_size()``)."""
+        return self.global_steps * self.train_batch_size()
+
+    @property
+    def device(self) -> torch.device:
+        """The compute device of the model's parameters."""
+        return torch.device(getattr(self.params, "device", "cpu"))
+
+    @property
+    def local_rank(self) -> int:
+        """This process's rank on its node (``LOCAL_RANK`` from torchrun; 0 without it)."""
+        return int(os.environ.get("LOCAL_RANK", 0))
 
     def get_global_grad_norm(self) -> Optional[float]:
         """The (unscaled) global gradient norm of the last boundary, before clipping; None before
@@ -717,9 +815,11 @@ class ZeroEngine:
 
     # ------------------------------------------------------------------------------------------
 
-    def save_checkpoint(self, save_dir: str, tag: Optional[str] = None, client_state: Optional[dict] = None) -> str:
+    def save_checkpoint(self, save_dir: str, tag: Optional[str] = None, client_state: Optional[dict] = None,
+                        save_latest: bool = True) -> str:
         """Save to ``save_dir/tag`` (tag default ``global_step{N}``); see :mod:`zeroinf.checkpoint`.
-        Returns the checkpoint folder.
+        ``save_latest``: point ``save_dir/latest`` at it (DeepSpeed's keyword). Returns the
+        checkpoint folder.
 
         Raises:
             RuntimeError: between engine.backward and engine.step with
@@ -728,13 +828,31 @@ class ZeroEngine:
         from zeroinf import checkpoint
         self._check_open()
         self._check_step_closed("save_checkpoint")
-        return checkpoint.save(self, save_dir, tag, client_state)
+        return checkpoint.save(self, save_dir, tag, client_state, save_latest=save_latest)
 
-    def load_checkpoint(self, load_dir: str, tag: Optional[str] = None):
+    def load_checkpoint(self, load_dir: str, tag: Optional[str] = None, load_module_strict: bool = True,
+                        load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
+                        load_module_only: bool = False):
         """Load from ``load_dir/tag`` (tag default: the ``latest`` file). Returns
-        ``(path, client_state)`` like DeepSpeed. Raises RuntimeError between engine.backward
-        and engine.step with ``zeroinf.optimizer_in_backward``."""
+        ``(path, client_state)`` like DeepSpeed. DeepSpeed's keywords are accepted at their
+        defaults: a load restores the whole state, bit-exactly.
+
+        Raises:
+            NotImplementedError: a partial load (``load_optimizer_states`` or
+                ``load_lr_scheduler_states`` False, ``load_module_only`` or ``load_module_strict``
+                otherwise): load weights alone with ``model.load_state_dict`` of
+                :func:`zeroinf.checkpoint.consolidate`'s file.
+            RuntimeError: between engine.backward and engine.step with ``zeroinf.optimizer_in_backward``.
+        """
         from zeroinf import checkpoint
+        for key, value, default in (("load_module_strict", load_module_strict, True),
+                                    ("load_optimizer_states", load_optimizer_states, True),
+                                    ("load_lr_scheduler_states", load_lr_scheduler_states, True),
+                                    ("load_module_only", load_module_only, False)):
+            if bool(value) != default:
+                raise NotImplementedError(
+                    f"load_checkpoint({key}={value!r}): zeroinf loads the whole state only; for the weights alone, "
+                    "write them with zeroinf.checkpoint.consolidate(dir, tag, out) and model.load_state_dict them")
         self._check_open(loading=True)
         self._check_step_closed("load_checkpoint")
         return checkpoint.load(self, load_dir, tag)
