@@ -411,6 +411,7 @@ class ZeroEngine:
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or not loss.requires_grad:
             raise ValueError("engine.backward(loss): loss must be a scalar tensor that requires grad")
         self._check_added()
+        self._backwards += 1  # also when it raises: its gradients went through the engine
         t0 = time.perf_counter()
         self.synchronize()  # a background step has finished by now (the forward needed its updates)
         if self._in_bwd:
@@ -436,7 +437,6 @@ class ZeroEngine:
                 self._bwd_pending = False
                 self.params.abort_backward_step(exc)
             raise
-        self._backwards += 1
         t1 = time.perf_counter()
         self._step_stats["backward_s"] += t1 - t0
         self._step_stats["comm_elements"] += self.params.reduce_gradients()
@@ -510,12 +510,9 @@ class ZeroEngine:
         Raises:
             RuntimeError: naming a parameter, or the stage-3 reduction.
         """
-        ran, self._backwards = self._backwards, 0
         manager = getattr(self.params, "manager", None)
         reduced = manager is not None and manager.reduced_since_check
-        if manager is not None:
-            manager.reduced_since_check = False
-        if ran:
+        if self._backwards:
             return
         stray = next((n for n, p, _f in self._requires_grad if p.grad is not None), None)
         if stray is not None or reduced:
@@ -540,6 +537,9 @@ class ZeroEngine:
             self._step_stats = self._new_step_stats()
             self._log_step()
         self.micro_steps += 1
+        self._backwards = 0  # a step that raised keeps them: the retry is not refused
+        if getattr(self.params, "manager", None) is not None:
+            self.params.manager.reduced_since_check = False
 
     def _log_step(self) -> None:
         """Every ``steps_per_print`` optimizer steps, rank 0 logs the step count, skipped steps

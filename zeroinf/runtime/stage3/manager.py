@@ -1126,8 +1126,16 @@ class Stage3ParameterManager:
                 ins = [t for t in _shallow_args(args, kwargs or {}) if isinstance(t, torch.Tensor) and t.requires_grad]
                 if ins:
                     unit.inputs_pending += 1
-                    torch.autograd.graph.register_multi_grad_hook(
-                        ins, lambda grads, u=unit: self._inputs_done(u), mode="all")
+                    left = [len(ins)]  # one hook per input, counting down; the closures hold no tensor:
+                    # register_multi_grad_hook(mode="all") keeps the grad_fns in its hooks, a cycle
+                    # through C++ that kept every graph not run backward alive
+
+                    def one_done(_grad, u=unit, left=left):
+                        left[0] -= 1
+                        if left[0] == 0:
+                            self._inputs_done(u)
+                    for t in ins:
+                        t.register_hook(one_done)
         finally:
             self._busy -= 1
 
