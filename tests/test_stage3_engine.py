@@ -27,6 +27,14 @@ def _config(param_tier, opt_tier, nvme, **zero):
             "zero_optimization": z}
 
 
+def _config_at(stage, param_tier, nvme):
+    """``_config(param_tier, "cpu", nvme)`` at stage 3; stages 0-2 with the optimizer on the CPU."""
+    if stage == 3:
+        return _config(param_tier, "cpu", nvme)
+    cfg = _config("none", "cpu", nvme)
+    cfg["zero_optimization"] = {"stage": stage, "offload_optimizer": {"device": "cpu"}}
+    return cfg
+
 def _reference(ref, steps, params=None, lr_at=None):
     """Losses of ``steps`` steps of plain PyTorch + AdamW on ``ref`` (``params``: its param
     groups, default all parameters in one; ``lr_at(step)``: the lr of each 1-based step, default
@@ -1113,12 +1121,7 @@ def test_requires_grad_changed_after_initialize_raises(tmp_path, stage, param_ti
     w = model.blocks[1].ff[0].weight
     if freeze_first:
         w.requires_grad_(False)
-    if stage == 3:
-        cfg = _config(param_tier, "cpu", tmp_path)
-    else:
-        cfg = _config("none", "cpu", tmp_path)
-        cfg["zero_optimization"] = {"stage": 2, "offload_optimizer": {"device": "cpu"}}
-    engine, *_ = zeroinf.initialize(model=model, config=cfg)
+    engine, *_ = zeroinf.initialize(model=model, config=_config_at(stage, param_tier, tmp_path))
     _run(engine, 1)
     w.requires_grad_(freeze_first)
     x, y = batch(2)
@@ -1140,11 +1143,7 @@ def test_a_backward_outside_engine_backward_is_refused_at_step(tmp_path, stage, 
     torch.manual_seed(0)
     ref = TinyLM()
     model = copy.deepcopy(ref)
-    if stage == 3:
-        cfg = _config(param_tier, "cpu", tmp_path)
-    else:
-        cfg = _config("none", "cpu", tmp_path)
-        cfg["zero_optimization"] = {"stage": stage, "offload_optimizer": {"device": "cpu"}}
+    cfg = _config_at(stage, param_tier, tmp_path)
     engine, *_ = zeroinf.initialize(model=model, config=cfg)
     x, y = batch(1)
     loss_fn(engine(x), y).backward()
@@ -1167,11 +1166,7 @@ def test_a_trainable_parameter_put_into_the_model_after_initialize_raises(tmp_pa
     it is fine."""
     torch.manual_seed(0)
     model = TinyLM()
-    if stage == 3:
-        cfg = _config(param_tier, "cpu", tmp_path)
-    else:
-        cfg = _config("none", "cpu", tmp_path)
-        cfg["zero_optimization"] = {"stage": stage, "offload_optimizer": {"device": "cpu"}}
+    cfg = _config_at(stage, param_tier, tmp_path)
     engine, *_ = zeroinf.initialize(model=model, config=cfg)
     _run(engine, 1)
     x, y = batch(2)

@@ -204,12 +204,16 @@ class _Staged:
         self.bufs, self.views, self.future = bufs, views, None
 
 
-class _ForeignAccessMode(TorchFunctionMode):
-    """See [Note: foreign access]."""
+class _ManagerMode(TorchFunctionMode):
+    """A torch function mode of one manager (``self.m``)."""
 
     def __init__(self, manager: "Stage3ParameterManager"):
         super().__init__()
         self.m = manager
+
+
+class _ForeignAccessMode(_ManagerMode):
+    """See [Note: foreign access]."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -224,7 +228,7 @@ class _ForeignAccessMode(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-class _RecomputeMode(TorchFunctionMode):
+class _RecomputeMode(_ManagerMode):
     """[Note: recompute in the backward] Activation checkpointing recomputes a unit's forward
     inside the backward, where the saved-tensor hooks of [Note: saved tensors] are not active:
     an op then saves a frozen parameter (``requires_grad=False``) as the parameter object itself
@@ -234,10 +238,6 @@ class _RecomputeMode(TorchFunctionMode):
     placeholder: "weight of shape [0]". While a unit's forward runs in the backward, this
     mode passes its frozen parameters to every op detached: a tensor that keeps the gathered
     storage alive for as long as the op's saved tensors need it."""
-
-    def __init__(self, manager: "Stage3ParameterManager"):
-        super().__init__()
-        self.m = manager
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
