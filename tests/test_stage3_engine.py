@@ -1150,11 +1150,21 @@ def test_a_backward_outside_engine_backward_is_refused_at_step(tmp_path, stage, 
     with pytest.raises(RuntimeError, match=r"engine.step\(\) after a backward that did not run through "
                                            r"engine.backward\(loss\)"):
         engine.step()
+    # the refused gradients are dropped: training on equals plain PyTorch that never saw them
+    # (they leaked into the next step, 0.04 off: helper-35, /tmp/tester19/t24_after_rejected.py)
+    _assert_like_reference(engine, ref, _run(engine, 2), _reference(ref, 2))
     engine.close()
     model = copy.deepcopy(ref)
     engine, *_ = zeroinf.initialize(model=model, config=cfg)
     engine.step()  # no backward: a zero-gradient step, as before
     engine.close()
+    if stage != 3:  # a frozen parameter's .grad is none of the step's business (refused: helper-35 t08)
+        model = copy.deepcopy(ref)
+        model.head.weight.requires_grad_(False)
+        engine, *_ = zeroinf.initialize(model=model, config=cfg)
+        model.head.weight.grad = torch.ones_like(model.head.weight)
+        engine.step()
+        engine.close()
 
 @pytest.mark.filterwarnings("ignore:zeroinf stage 3. unit order differs")  # the refused backward ends an iteration
 @pytest.mark.parametrize("stage,param_tier", [(3, "nvme"), (3, "none"), (1, None)])
@@ -1263,6 +1273,33 @@ def test_frozen_weights_used_after_a_units_trainable_ones_in_the_backward(tmp_pa
     # here the backward finds what it needs still gathered or prefetched: 5 gathers a step (9 when
     # the frozen weights were gathered again in the backward)
     assert st["gathers"] <= len(ref.blocks) + 1, st
+    engine.close()
+
+
+@pytest.mark.parametrize("frozen_ln", [False, True])
+def test_training_at_the_smallest_live_parameter_limit_the_config_check_allows(tmp_path, frozen_ln):
+    """With units kept until their inputs' gradients are computed (ae991dc), the next unit's
+    backward hook, which fires on that same gradient first, found no room at the minimum limit
+    the config check names (root + largest unit): "would exceed ... in use: ['<root>',
+    'blocks.3']" (helper-35, /tmp/tester19/t02_minlive.py). Such a unit is released last, when
+    nothing else frees room."""
+    import re
+
+    from zeroinf.runtime.stage3.options import Stage3ConfigError
+
+    ref = TinyLM()
+    if frozen_ln:
+        for b in ref.blocks:
+            b.ln.requires_grad_(False)
+    cfg = _config("cpu", "cpu", tmp_path, stage3_max_live_parameters=1, stage3_prefetch_bucket_size=0)
+    with pytest.raises(Stage3ConfigError, match="the minimum is") as ei:
+        zeroinf.initialize(model=copy.deepcopy(ref), config=cfg)
+    limit = int(re.search(r"minimum is (\d+)", str(ei.value)).group(1))
+    cfg["zero_optimization"]["stage3_max_live_parameters"] = limit
+    model = copy.deepcopy(ref)
+    engine, *_ = zeroinf.initialize(model=model, config=cfg)
+    _assert_like_reference(engine, ref, _run(engine, 3), _reference(ref, 3, [p for p in ref.parameters() if p.requires_grad]))
+    assert engine.stats()["stage3"]["live_high_water"] <= limit
     engine.close()
 
 def _locked_bytes() -> int:

@@ -506,6 +506,8 @@ class ZeroEngine:
         stage 3 lost them from the second step on, silently. Evidence: ``.grad`` on a trainable
         parameter (the engine's backward leaves none), or stage-3 gradients reduced with no
         engine backward since the last :meth:`step`. A step with no backward at all stays valid.
+        The refused gradients (and the window's others) are dropped, so they leak into no later
+        step.
 
         Raises:
             RuntimeError: naming a parameter, or the stage-3 reduction.
@@ -514,12 +516,19 @@ class ZeroEngine:
         reduced = manager is not None and manager.reduced_since_check
         if self._backwards:
             return
-        stray = next((n for n, p, _f in self._requires_grad if p.grad is not None), None)
+        stray = next((n for n, p, flag in self._requires_grad if flag and p.grad is not None), None)
         if stray is not None or reduced:
             what = f"parameter '{stray}' has a .grad" if stray is not None else "stage 3 reduced gradients"
+            # drop them, and this accumulation window's others: the next step would add them in
+            self.synchronize()  # a background step may still read the gradient partitions
+            for _n, p, flag in self._requires_grad:
+                if flag:
+                    p.grad = None
+            self.params.zero_grad_acc()
             raise RuntimeError(f"zeroinf: engine.step() after a backward that did not run through engine.backward(loss) "
                                f"({what}); call engine.backward(loss) instead of loss.backward(): it scales the loss, "
-                               "hands the gradients to the engine and waits for a step still running")
+                               "hands the gradients to the engine and waits for a step still running. The gradients "
+                               "of this accumulation window were dropped, and no step was taken")
 
     def step(self) -> None:
         """Count a micro-batch; at the accumulation boundary run the optimizer step.

@@ -937,6 +937,15 @@ class Stage3ParameterManager:
                 break
             if u.gather_works is not None and u not in self._active and u not in self._foreign:
                 self.release(u)
+        for u in self.units:  # then units kept only for their inputs' gradients, with all of their own in
+            if self._live + unit.numel <= limit:
+                break
+            if (u.state is UnitState.GATHERED and u.inputs_pending > 0 and u.grads_seen >= u.trainable
+                    and not u.persistent and u not in self._active and u not in self._foreign):
+                # the next unit's backward hook fires on the very gradient that completes this unit's
+                # inputs, before that input hook: at the live limit the two would not both fit. A
+                # frozen weight still needed is gathered again through the saved-tensor hooks
+                self.release(u)
         if self._live + unit.numel > limit:
             live = [u.name for u in self.units if u.state is not UnitState.RELEASED and not u.persistent]
             raise RuntimeError(f"zeroinf stage 3: gathering unit '{unit.name}' ({unit.numel} elements) would exceed "
