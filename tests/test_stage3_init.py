@@ -255,17 +255,20 @@ def test_gathered_parameters_between_init_and_initialize_and_a_resized_embedding
     engine.close()
 
 
-def test_resize_token_embeddings_inside_the_init_block():
+@pytest.mark.parametrize("tier", ["cpu", "nvme"])
+def test_resize_token_embeddings_inside_the_init_block(tmp_path, tier):
     """Inside the Init block a moved-out parameter's .shape was the placeholder's (0,), so
     transformers' resize_token_embeddings set config.vocab_size to 0 while the embedding itself
     was resized right, and a forward with labels then failed on "shape '[-1, 0]' is invalid"
-    (helper-34, /tmp/tester18/t07_resize_under_Init.py). .shape is the held shape there."""
+    (helper-34, /tmp/tester18/t07_resize_under_Init.py). .shape is the held shape there. On NVMe
+    the resized values were put back under the old swap slot: "registered as 1600 x float32, got
+    a tensor of 1920" (helper-35, /tmp/tester19/t12_init_gathered.py resize_in_init nvme)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     def conf():  # a resize changes its model's config object
         return LlamaConfig(vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                            num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=32)
-    cfg = {**_cfg("cpu", None), "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}
+    cfg = {**_cfg(tier, tmp_path), "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}
     torch.manual_seed(0)
     plain = LlamaForCausalLM(conf())
     plain.resize_token_embeddings(60, mean_resizing=False)

@@ -99,8 +99,10 @@ def _gathered(params, modifier_rank: Optional[int], loading: bool = False) -> It
                     m.release(u)
     if reshaped:
         raise RuntimeError(f"zeroinf.gathered_parameters: {reshaped} inside the block; a stage-3 parameter keeps "
-                           "the shape it was partitioned with, so that change was not kept. "
-                           "Resize before zeroinf.initialize (for a model built under zeroinf.Init, inside "
+                           "the shape it was partitioned with, so that change was not kept, but whatever else the "
+                           "block changed stays (transformers' resize_token_embeddings also swaps modules and sets "
+                           "config.vocab_size): build the model again and resize before zeroinf.initialize (for a "
+                           "model built under zeroinf.Init, inside the with block, or inside "
                            "zeroinf.gathered_parameters(..., modifier_rank=0) then)")
 
 

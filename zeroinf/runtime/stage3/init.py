@@ -225,7 +225,7 @@ class Init:
         self._building: List[nn.Module] = []
         self._mode: Optional[_GuardMode] = None
         self._back: Optional[Tuple[nn.Parameter, int]] = None  # the parameter brought back, its seq
-        self._registered: set = set()
+        self._registered: Dict[str, Tuple[int, torch.dtype]] = {}  # swap key -> (numel, dtype)
 
     # --- context ----------------------------------------------------------------------------
     def __enter__(self) -> "Init":
@@ -316,9 +316,12 @@ class Init:
             seq, self._seq = self._seq, self._seq + 1
         held = _Held(f"init/p{seq}", seq, p.shape, p.dtype, self)
         if self._swapper is not None:
+            spec = (data.numel(), data.dtype)
+            if self._registered.get(held.key, spec) != spec:  # put back resized or cast (resize_token_embeddings)
+                held.key = f"init/p{seq}/{spec[0]}x{str(spec[1]).split('.')[-1]}"
             if held.key not in self._registered:
-                self._swapper.register(held.key, data.numel(), data.dtype)
-                self._registered.add(held.key)
+                self._swapper.register(held.key, *spec)
+                self._registered[held.key] = spec
             self._swapper.swap_out([(held.key, data)], async_op=False)
             self.held_bytes_nvme += data.numel() * data.element_size()
         else:
