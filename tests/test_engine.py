@@ -443,3 +443,27 @@ def test_deepspeed_engine_calls_and_keys_a_config_brings(tmp_path, caplog):
         assert engine.save_16bit_model(str(tmp_path / "none")) is False
     assert not (tmp_path / "none").exists()
     engine.close()
+
+
+@pytest.mark.parametrize("stage,device", [(0, "cpu"), (1, "cpu"), (2, "cpu"), (2, "nvme")])
+def test_bf16_weights_changed_between_steps_are_stepped_from(tmp_path, stage, device):
+    """In bf16 at stages 0-2 the next step put a weight changed between steps (load_state_dict,
+    torch.nn.init under no_grad) back to the stale fp32 master (helper-35,
+    /tmp/tester19/t20_engine_bf16_load.py: 0.0138 where 0.5 was loaded, lr 0). The changed
+    elements are taken into the masters; the others keep their fp32 values."""
+    model = make_mlp()
+    cfg = config(stage=stage, device=device, nvme=tmp_path, bf16={"enabled": True})
+    cfg["optimizer"]["params"].update(lr=0.0, weight_decay=0.0)  # a step leaves every weight as it is
+    engine, *_ = zeroinf.initialize(model=model, config=cfg)
+    X, Y = (t.to(torch.bfloat16) for t in batches(3))
+    train(engine, X, Y, 1)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    model.load_state_dict({**before, "0.weight": torch.full_like(before["0.weight"], 0.5)})
+    with torch.no_grad():
+        torch.nn.init.constant_(model[2].bias, -0.25)
+    train(engine, X[1:], Y[1:], 2)
+    after = model.state_dict()
+    assert torch.equal(after["0.weight"], torch.full_like(after["0.weight"], 0.5))
+    assert torch.equal(after["2.bias"], torch.full_like(after["2.bias"], -0.25))
+    assert torch.equal(after["2.weight"], before["2.weight"]) and torch.equal(after["0.bias"], before["0.bias"])
+    engine.close()

@@ -289,6 +289,9 @@ class ZeroEngine:
         self._bwd_pending = False  # a backward started the update; engine.step() closes it
         if hasattr(self.params, "attach_optimizer"):  # stage 3: masters follow gathered_parameters writes
             self.params.attach_optimizer(self.sub_optimizer)
+        # [Note: 16-bit weights changed between steps] stages 0-2 with separate fp32 masters
+        self._versions = ([[p._version for p in g.params] for g in self.params.groups]
+                          if zc.stage != 3 and dtype != torch.float32 else None)
         del fp32_copies
 
         if lr_scheduler is None and cfg.scheduler is not None:
@@ -640,6 +643,8 @@ class ZeroEngine:
             if float(coef) < 1.0:
                 grad_scale = grad_scale / float(coef)
         self.optimizer_steps += 1
+        if self._versions is not None:
+            self._adopt_changed_weights()
         # a snapshot: the LR schedule below moves on while a background step still reads it
         hyper = [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
         s = self._step_stats
@@ -664,6 +669,44 @@ class ZeroEngine:
             self.optimizer._opt_called = True
             self.lr_scheduler.step()
         s["optimizer_s"] += time.perf_counter() - t0
+
+    def _adopt_changed_weights(self) -> None:
+        """[Note: 16-bit weights changed between steps] At stages 0-2 in bf16/fp16 the optimizer
+        steps fp32 masters and writes the rounded result into the model's parameters; a weight
+        the user changed between steps (``model.load_state_dict``, ``torch.nn.init`` or an
+        in-place op under ``torch.no_grad``) was put back by the next step, silently (helper-35,
+        /tmp/tester19/t20_engine_bf16_load.py). A parameter whose version counter moved since is
+        compared with its masters rounded, and the elements that differ are taken into the
+        masters, as ``torch.optim.AdamW`` would step them. The engine's own writes (through the
+        kernel's pointers, the all-gather into the flat buffer) move no parameter's counter; an
+        in-place op on ``p.data`` moves none either and is not seen."""
+        index = self.params._sub_index()
+        for gi, g in enumerate(self.params.groups):
+            seen = self._versions[gi]
+            for j, p in enumerate(g.params):
+                if p._version == seen[j]:
+                    continue
+                seen[j] = p._version
+                values = p.detach().reshape(-1)
+                off = g.offsets[j]
+                for i, (sg, s, n) in enumerate(index):
+                    if sg is not g:
+                        continue
+                    a, b = max(off, g.part_start + s), min(off + values.numel(), g.part_start + s + n)
+                    if a >= b:
+                        continue
+                    new = values[a - off:b - off].to("cpu")
+                    with self.sub_optimizer.state(i) as (master, m, v):
+                        old = master[a - g.part_start - s:b - g.part_start - s]
+                        changed = new != old.to(new.dtype)
+                        if not bool(changed.any()):
+                            continue
+                        if self.sub_optimizer.device == "nvme":
+                            master, m, v = master.clone(), m.clone(), v.clone()
+                            old = master[a - g.part_start - s:b - g.part_start - s]
+                        old[changed] = new[changed].float()
+                    if self.sub_optimizer.device == "nvme":
+                        self.sub_optimizer.load_state(i, master, m, v)
 
     def _close_backward_step(self) -> None:
         """engine.step() with ``zeroinf.optimizer_in_backward``: the update already runs (since
