@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import zeroinf
+import zeroinf.checkpoint
 from zeroinf.config import ConfigError
 
 LR, WD = 1e-2, 0.01
@@ -434,7 +435,8 @@ def test_deepspeed_engine_calls_and_keys_a_config_brings(tmp_path, caplog):
     engine.load_checkpoint(str(tmp_path / "ck"), tag="a", load_optimizer_states=True, load_lr_scheduler_states=True)
     assert engine.save_16bit_model(str(tmp_path / "out"))
     saved = torch.load(tmp_path / "out" / "pytorch_model.bin", weights_only=True)
-    want = model.state_dict()
+    # against the fp32 masters of checkpoint "a" (the same weights), read back by another path
+    want = zeroinf.checkpoint.consolidate(str(tmp_path / "ck"), "a", str(tmp_path / "fp32.pt"))
     assert saved.keys() == want.keys() and all(torch.equal(saved[k], v) for k, v in want.items())
     engine.close()
     cfg["zero_optimization"]["stage3_gather_16bit_weights_on_model_save"] = False
@@ -466,4 +468,16 @@ def test_bf16_weights_changed_between_steps_are_stepped_from(tmp_path, stage, de
     assert torch.equal(after["0.weight"], torch.full_like(after["0.weight"], 0.5))
     assert torch.equal(after["2.bias"], torch.full_like(after["2.bias"], -0.25))
     assert torch.equal(after["2.weight"], before["2.weight"]) and torch.equal(after["0.bias"], before["0.bias"])
+    # every weight changed: each sub-group's state is read once (once per parameter in it before),
+    # and none after a checkpoint load, which writes weights and masters alike
+    opened, state = [], engine.sub_optimizer.state
+    engine.sub_optimizer.state = lambda i: (opened.append(i), state(i))[1]
+    model.load_state_dict({k: v + 0.125 for k, v in after.items()})
+    train(engine, X[2:], Y[2:], 1)
+    assert sorted(opened) == sorted(set(opened)) and len(opened) == len(engine.sub_optimizer.specs)
+    engine.save_checkpoint(str(tmp_path / "ck"), tag="t")
+    engine.load_checkpoint(str(tmp_path / "ck"), tag="t")
+    opened.clear()
+    train(engine, X[2:], Y[2:], 1)
+    assert opened == []
     engine.close()

@@ -477,6 +477,7 @@ def load(engine, load_dir: str, tag: Optional[str] = None) -> Tuple[str, dict]:
         engine.global_steps, engine.micro_steps = meta["global_steps"], meta["micro_steps"]
         engine.skipped_steps, engine.optimizer_steps = meta["skipped_steps"], meta["optimizer_steps"]
         engine.params.zero_grad_acc()
+        engine._mark_weights_current()  # weights and masters came from the same checkpoint
         _set_rng_state(rng)
     except Exception as exc:  # every rank must reach the agreement below
         problem = exc

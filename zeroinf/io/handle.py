@@ -508,7 +508,12 @@ class AsyncIOHandle:
     def read(self, buffer: torch.Tensor, filename, validate: bool = False) -> int:
         """DeepSpeed's ``read``: a synchronous whole-file read (the buffer must be exactly the
         file's size). ``validate`` is accepted and ignored: sizes are always checked, and every
-        transfer is checked complete. Returns the bytes read."""
+        transfer is checked complete. Returns the bytes read.
+
+        Raises:
+            SizeMismatchError: the buffer's bytes differ from the file's size (nothing is read);
+                the other errors as :meth:`sync_pread`.
+        """
         return self._sync(True, buffer, filename, 0, whole_file=True)
 
     def write(self, buffer: torch.Tensor, filename, validate: bool = False) -> int:

@@ -681,32 +681,40 @@ class ZeroEngine:
         kernel's pointers, the all-gather into the flat buffer) move no parameter's counter; an
         in-place op on ``p.data`` moves none either and is not seen."""
         index = self.params._sub_index()
+        todo: Dict[int, list] = {}  # sub-group -> [(start, end, values)] in sub-group coordinates
         for gi, g in enumerate(self.params.groups):
             seen = self._versions[gi]
             for j, p in enumerate(g.params):
                 if p._version == seen[j]:
                     continue
                 seen[j] = p._version
-                values = p.detach().reshape(-1)
-                off = g.offsets[j]
+                values, off = p.detach().reshape(-1), g.offsets[j]
                 for i, (sg, s, n) in enumerate(index):
-                    if sg is not g:
-                        continue
-                    a, b = max(off, g.part_start + s), min(off + values.numel(), g.part_start + s + n)
-                    if a >= b:
-                        continue
-                    new = values[a - off:b - off].to("cpu")
-                    with self.sub_optimizer.state(i) as (master, m, v):
-                        old = master[a - g.part_start - s:b - g.part_start - s]
-                        changed = new != old.to(new.dtype)
-                        if not bool(changed.any()):
-                            continue
-                        if self.sub_optimizer.device == "nvme":
-                            master, m, v = master.clone(), m.clone(), v.clone()
-                            old = master[a - g.part_start - s:b - g.part_start - s]
+                    lo = g.part_start + s
+                    a, b = max(off, lo), min(off + values.numel(), lo + n)
+                    if sg is g and a < b:
+                        todo.setdefault(i, []).append((a - lo, b - lo, values[a - off:b - off].to("cpu")))
+        nvme = self.sub_optimizer.device == "nvme"
+        for i, pieces in todo.items():  # each sub-group's state read once, however many parameters changed
+            with self.sub_optimizer.state(i) as (master, m, v):
+                if nvme:  # the swap buffer is gone after the block: keep copies to write back
+                    master, m, v = master.clone(), m.clone(), v.clone()
+                changed_any = False
+                for a, b, new in pieces:
+                    old = master[a:b]
+                    changed = new != old.to(new.dtype)
+                    if bool(changed.any()):
                         old[changed] = new[changed].float()
-                    if self.sub_optimizer.device == "nvme":
-                        self.sub_optimizer.load_state(i, master, m, v)
+                        changed_any = True
+            if nvme and changed_any:
+                self.sub_optimizer.load_state(i, master, m, v)
+
+    def _mark_weights_current(self) -> None:
+        """Take the parameters as they are now for the fp32 masters' rounded values (after a
+        checkpoint load wrote both), so the next step does not compare them again
+        ([Note: 16-bit weights changed between steps]); a no-op in fp32 and at stage 3."""
+        if self._versions is not None:
+            self._versions = [[p._version for p in g.params] for g in self.params.groups]
 
     def _close_backward_step(self) -> None:
         """engine.step() with ``zeroinf.optimizer_in_backward``: the update already runs (since

@@ -1216,9 +1216,7 @@ class Stage3ParameterManager:
         unit.grads_seen += 1
         if unit.grads_seen == unit.trainable:
             self._reduce(unit)
-            if not unit.persistent and unit not in self._active and unit.inputs_pending == 0:
-                self.tracer.span(f"bwd {unit.name}", "unit", getattr(unit, "_t0", self.tracer.now()), self.tracer.now())
-                self.release(unit)
+            self._release_after_backward(unit)
 
     def _inputs_done(self, unit: Unit) -> None:
         """[Note: release after the inputs' gradients] The backward computed the gradients of
@@ -1232,12 +1230,18 @@ class Stage3ParameterManager:
         self._busy += 1
         try:
             unit.inputs_pending = max(0, unit.inputs_pending - 1)
-            if (unit.inputs_pending == 0 and unit.grads_seen >= unit.trainable and not unit.persistent
-                    and unit not in self._active and unit.state is UnitState.GATHERED and self._in_backward):
-                self.tracer.span(f"bwd {unit.name}", "unit", getattr(unit, "_t0", self.tracer.now()), self.tracer.now())
-                self.release(unit)
+            if self._in_backward:
+                self._release_after_backward(unit)
         finally:
             self._busy -= 1
+
+    def _release_after_backward(self, unit: Unit) -> None:
+        """Release a unit whose backward is over: its own gradients are in (reduced) and every
+        forward call's inputs have theirs ([Note: release after the inputs' gradients])."""
+        if (unit.inputs_pending == 0 and unit.grads_seen >= unit.trainable and not unit.persistent
+                and unit not in self._active and unit.state is UnitState.GATHERED):
+            self.tracer.span(f"bwd {unit.name}", "unit", getattr(unit, "_t0", self.tracer.now()), self.tracer.now())
+            self.release(unit)
 
     # [Note: asynchronous reductions] A unit's flat gradient is reduced with ``async_op=True`` as
     # soon as its last parameter's gradient arrives, so the collective runs while the backward of
