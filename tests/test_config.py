@@ -93,6 +93,30 @@ def test_unimplemented_keys_at_their_noop_value_are_accepted_and_others_still_re
         assert e.key_path == path and "not supported yet" in str(e)
 
 
+def test_auto_values_name_their_key_and_say_who_fills_them():
+    # an HF Trainer / Accelerate config, passed as it is: the first "auto" (sorted key order) is named
+    e = err({"train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": 1,
+             "zero_optimization": {"stage": 3, "reduce_bucket_size": "auto"}})
+    assert e.key_path == "train_batch_size" and "Hugging Face Trainer" in str(e)
+    e = err({**BASE, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "betas": ["auto", 0.999]}}})
+    assert e.key_path == "optimizer.params.betas[0]"
+
+
+def test_checkpoint_block():
+    assert parse_config(BASE).checkpoint.tag_validation == "warn"  # DeepSpeed's default
+    for given, want in (("Ignore", "ignore"), ("WARN", "warn"), ("Fail", "fail")):
+        cfg = parse_config({**BASE, "checkpoint": {"tag_validation": given, "load_universal": False,
+                                                    "use_node_local_storage": False,
+                                                    "parallel_write": {"pipeline_stage": False}}})
+        assert cfg.checkpoint.tag_validation == want
+    for block, path in (({"tag_validation": "Strict"}, "checkpoint.tag_validation"),
+                        ({"load_universal": True}, "checkpoint.load_universal"),
+                        ({"use_node_local_storage": True}, "checkpoint.use_node_local_storage"),
+                        ({"parallel_write": {"pipeline_stage": True}}, "checkpoint.parallel_write.pipeline_stage"),
+                        ({"tag_validaton": "Warn"}, "checkpoint.tag_validaton")):
+        assert err({**BASE, "checkpoint": block}).key_path == path
+
+
 def test_disabled_feature_block_is_accepted():
     parse_config({**BASE, "tensorboard": {"enabled": False}, "amp": {"enabled": False}})
 

@@ -115,6 +115,51 @@ def test_gradient_accumulation_is_the_mean_of_the_micro_batches(tmp_path):
     engine.close()
 
 
+def test_set_gradient_accumulation_boundary_steps_where_the_caller_says(tmp_path):
+    # DeepSpeed's recipe: boundary False before the window's backwards, True before its last;
+    # the loss is still divided by gradient_accumulation_steps (4), here over windows of 2 and 3
+    X, Y = batches(5)
+    ref = make_mlp()
+    opt = torch.optim.AdamW(ref.parameters(), lr=LR, weight_decay=WD, foreach=False)
+    for window in ((0, 1), (2, 3, 4)):
+        opt.zero_grad()
+        for i in window:
+            (F.mse_loss(ref(X[i]), Y[i]) / 4).backward()
+        opt.step()
+    model = make_mlp()
+    engine, *_ = zeroinf.initialize(model, config=config(1, "cpu", tmp_path, gas=4))
+    for window in ((0, 1), (2, 3, 4)):
+        for i in window:
+            engine.set_gradient_accumulation_boundary(i == window[-1])
+            assert engine.is_gradient_accumulation_boundary() == (i == window[-1])
+            engine.backward(F.mse_loss(engine(X[i]), Y[i]))
+            engine.step()
+    assert engine.global_steps == 2 and engine.micro_steps == 5
+    assert max_diff(model, ref) <= 1e-6
+    with pytest.raises(TypeError, match="bool"):
+        engine.set_gradient_accumulation_boundary(1)
+    engine.close()
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2])
+def test_no_sync_on_one_rank_defers_the_reduction_to_the_step(stage, tmp_path):
+    X, Y = batches(4)
+    ref = make_mlp()
+    reference(ref, X, Y, 2, gas=2)
+    model = make_mlp()
+    engine, *_ = zeroinf.initialize(model, config=config(stage, "cpu", tmp_path, gas=2))
+    for s in range(2):
+        with engine.no_sync():
+            for k in range(2):  # the whole window inside: engine.step() at the boundary reduces it
+                engine.backward(F.mse_loss(engine(X[2 * s + k]), Y[2 * s + k]))
+                engine.step()
+    assert max_diff(model, ref) <= 1e-6 and engine.global_steps == 2
+    with engine.no_sync(), pytest.raises(RuntimeError, match="already inside"):
+        with engine.no_sync():
+            pass
+    engine.close()
+
+
 class TiedTwice(nn.Module):
     """An output layer tied to the embedding, and a block called twice in one forward."""
 

@@ -124,6 +124,55 @@ def _worker(rank: int, port: int, tmp: str) -> None:
             plain = make_mlp(seed=5)
             plain.load_state_dict(torch.load(os.path.join(tmp, "full.pt"), weights_only=True))
             assert max_diff(plain, ref) <= 1e-6 and set(sd) == set(ref.state_dict())
+
+        # 5. no_sync: the micro-batches inside keep their gradients local; the backward after the
+        # block (or the step, when every micro-batch was inside) reduces their sum once
+        X6, Y6 = batches(6, seed=4)
+        ref = make_mlp()
+        reference(ref, X6, Y6, 3, gas=2)
+        for stage, inside in ((0, "first"), (1, "first"), (2, "first"), (2, "both")):
+            model = make_mlp()
+            engine, *_ = zeroinf.initialize(model, config=_cfg(stage, "cpu", tmp, gradient_accumulation_steps=2))
+            comm = []
+            for s in range(3):
+                for k in range(2):
+                    i = s * 2 + k
+                    loss = F.mse_loss(engine(X6[i][2 * rank:2 * rank + 2]), Y6[i][2 * rank:2 * rank + 2])
+                    if k == 0 or inside == "both":
+                        with engine.no_sync():
+                            engine.backward(loss)
+                    else:
+                        engine.backward(loss)
+                    engine.step()
+                comm.append(engine.stats()["comm_elements"])
+            assert max_diff(model, ref) <= 1e-6, (stage, inside, max_diff(model, ref))
+            assert _same_on_all_ranks(model)
+            # one reduction per step, not two: the flat buffer (padded to the ranks) once
+            assert comm == [sum(g.part_numel for g in engine.params.groups) * engine.params.nparts] * 3, (stage, comm)
+            engine.close()
+
+        # 6. different tags on the ranks: "warn" (the default) saves and loads rank 0's tag on
+        # every rank; "fail" raises on both before anything is written
+        ckdir = os.path.join(tmp, "tags")
+        model = make_mlp()
+        engine, *_ = zeroinf.initialize(model, config=_cfg(1, "cpu", tmp))
+        _train_shard(engine, X, Y, 1, rank)
+        engine.save_checkpoint(ckdir, f"t{rank}")
+        dist.barrier()
+        assert sorted(os.listdir(ckdir)) == ["latest", "t0"], os.listdir(ckdir)
+        want = [p.detach().clone() for p in model.parameters()]
+        model2 = make_mlp(seed=9)
+        engine2, *_ = zeroinf.initialize(model2, config=_cfg(1, "cpu", tmp))
+        engine2.load_checkpoint(ckdir, "t0" if rank == 0 else "elsewhere")
+        assert all(torch.equal(a, b) for a, b in zip(want, model2.parameters()))
+        model3 = make_mlp()
+        engine3, *_ = zeroinf.initialize(model3, config=_cfg(1, "cpu", tmp, checkpoint={"tag_validation": "Fail"}))
+        with pytest.raises(ValueError, match="different tags.*rank 0: 'f0', rank 1: 'f1'"):
+            engine3.save_checkpoint(ckdir, f"f{rank}")
+        with pytest.raises(ValueError, match="different tags"):
+            engine3.load_checkpoint(ckdir, "t0" if rank == 0 else "t1")
+        dist.barrier()
+        assert sorted(os.listdir(ckdir)) == ["latest", "t0"], os.listdir(ckdir)
         destroy_process_group()  # with its closing barrier (see its docstring)
     finally:
         destroy_process_group(barrier=False)

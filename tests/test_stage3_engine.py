@@ -906,6 +906,9 @@ def test_gradient_accumulation_counts_each_micro_batch_once(tmp_path):
     sd = _state(engine)
     for name, p in ref.named_parameters():
         assert (sd[name] - p.detach()).abs().max().item() <= 1e-6, name
+    with pytest.raises(RuntimeError, match="stage 3 reduces"):  # as DeepSpeed at stages 2 and 3
+        with engine.no_sync():
+            pass
     engine.close()
 
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import copy
 import errno
+import logging
 import os
 import random
 import shutil
@@ -36,6 +37,7 @@ from zeroinf.runtime.waits import collective
 __all__ = ["save", "load", "consolidate", "CheckpointError"]
 
 _FORMAT = 1
+_log = logging.getLogger("zeroinf")
 
 
 class CheckpointError(ValueError):
@@ -80,6 +82,35 @@ def _barrier(engine, what: str) -> None:
     if engine.world_size > 1:
         with collective(what, engine.rank, engine.world_size):
             dist.barrier()
+
+
+def _same_tag(engine, tag: Optional[str], what: str) -> Optional[str]:
+    """The tag every rank uses for this save or load: rank 0's. Collective with more than one
+    rank (every rank sends its tag). Ranks passing different tags would write one checkpoint split
+    over several folders, none of them loadable, or load a mix of steps; DeepSpeed's
+    ``checkpoint.tag_validation`` ("warn" by default) only logs that. Here "fail" raises on every
+    rank, "warn" logs the ranks' tags and goes on with rank 0's, "ignore" takes rank 0's silently.
+
+    Raises:
+        ValueError: the tags differ and ``checkpoint.tag_validation`` is "fail" (nothing was
+            written or loaded).
+    """
+    if engine.world_size == 1:
+        return tag
+    tags = [None] * engine.world_size
+    with collective(what, engine.rank, engine.world_size):
+        dist.all_gather_object(tags, tag)
+    if all(t == tags[0] for t in tags):
+        return tag
+    mode = engine.config.checkpoint.tag_validation
+    listing = ", ".join(f"rank {r}: {t!r}" for r, t in enumerate(tags))
+    if mode == "fail":
+        raise ValueError(f"{what}: the ranks passed different tags ({listing}) and checkpoint.tag_validation is "
+                         f"\"Fail\"; nothing was {'saved' if what == 'save_checkpoint' else 'loaded'}")
+    if mode == "warn" and engine.rank == 0:
+        _log.warning("%s: the ranks passed different tags (%s); every rank uses rank 0's (checkpoint.tag_validation "
+                     "\"Warn\")", what, listing)
+    return tags[0]
 
 
 def _rng_state() -> Dict[str, Any]:
@@ -197,8 +228,10 @@ def save(engine, save_dir: str, tag: Optional[str] = None, client_state: Optiona
     Raises:
         OSError: a file cannot be written (the message names it; nothing of this save is
             renamed into place).
+        ValueError: ``tag`` is not a plain folder name, or the ranks passed different tags
+            and ``checkpoint.tag_validation`` is "fail" (see :func:`_same_tag`).
     """
-    tag = f"global_step{engine.global_steps}" if tag is None else str(tag)
+    tag = _same_tag(engine, f"global_step{engine.global_steps}" if tag is None else str(tag), "save_checkpoint")
     if (not tag or "/" in tag or tag in (".", "..") or tag.endswith((".saving", ".old"))
             or tag == "latest" or tag.startswith("latest.")):
         raise ValueError(f"checkpoint tag must be a plain folder name, not 'latest' or 'latest.*', and not ending "
@@ -437,11 +470,14 @@ def load(engine, load_dir: str, tag: Optional[str] = None) -> Tuple[str, dict]:
         CheckpointError: missing, unreadable (truncated) or mismatched files on this or another
             rank, or a checkpoint from another world size, stage or sub-group layout (the message
             names the file or what differs); nothing is loaded then.
+        ValueError: the ranks passed different tags and ``checkpoint.tag_validation`` is
+            "fail" (see :func:`_same_tag`); nothing is loaded.
         OSError, RuntimeError: applying the checked files failed part-way (a swap-file write, on
             this or another rank): the engine is then a mix of the checkpoint and what it held,
             and its forward, backward, step and save_checkpoint raise until a load completes.
     """
     engine.synchronize()
+    tag = _same_tag(engine, None if tag is None else str(tag), "load_checkpoint")
     problem, found = None, None
     try:
         found = _check_files(engine, load_dir, tag)

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, Mapping, Optional, Tuple
 
 __all__ = [
-    "AioConfig", "BF16Config", "ConfigError", "FP16Config", "OffloadOptimizerConfig",
+    "AioConfig", "BF16Config", "CheckpointConfig", "ConfigError", "FP16Config", "OffloadOptimizerConfig",
     "OffloadParamConfig", "OptimizerConfig", "SchedulerConfig", "ZeroConfig", "ZeroInfConfig",
     "ZeroInfExtraConfig", "min_optimizer_buffer_count", "parse_config",
 ]
@@ -274,6 +274,19 @@ class AioConfig:
 
 
 @dataclass(frozen=True)
+class CheckpointConfig:
+    """``checkpoint``: DeepSpeed's checkpoint block. Only ``tag_validation`` acts; the other
+    keys are accepted at DeepSpeed's defaults (``load_universal``, ``use_node_local_storage``,
+    ``parallel_write.pipeline_stage`` all false)."""
+
+    #: what a save or load does when the ranks pass different tags: "ignore", "warn" (DeepSpeed's
+    #: default) or "fail". Unlike DeepSpeed, no mode writes a checkpoint split across tags:
+    #: "ignore" and "warn" use rank 0's tag on every rank ("warn" logs the others), "fail"
+    #: raises on every rank before anything is written
+    tag_validation: str = "warn"
+
+
+@dataclass(frozen=True)
 class ZeroInfExtraConfig:
     """``zeroinf``: settings DeepSpeed has no key for."""
 
@@ -304,6 +317,7 @@ class ZeroInfConfig:
     gradient_clipping: float = 0.0
     zero_optimization: ZeroConfig = field(default_factory=ZeroConfig)
     aio: AioConfig = field(default_factory=AioConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     steps_per_print: int = 10  #: rank 0 logs step, skipped steps and lr to the ``zeroinf`` logger (INFO)
     wall_clock_breakdown: bool = False  #: ... and the last step's seconds per phase
     zeroinf: ZeroInfExtraConfig = field(default_factory=ZeroInfExtraConfig)
@@ -324,7 +338,7 @@ _TOP_UNSUPPORTED = {
     "curriculum_learning": "", "data_efficiency": "", "data_types": "", "dataloader_drop_last": "",
     "elasticity": "", "flops_profiler": "", "gradient_predivide_factor": "", "prescale_gradients": "",
     "pipeline": "", "sparse_attention": "", "sparse_gradients": "", "tensorboard": "", "wandb": "",
-    "csv_monitor": "", "monitor_config": "", "checkpoint": "", "quantize_training": "",
+    "csv_monitor": "", "monitor_config": "", "quantize_training": "",
     "eigenvalue": "", "progressive_layer_drop": "", "memory_breakdown": "", "dump_state": "",
     "torch_autocast": "", "fp8": "", "seq_parallel_communication_data_type": "", "hybrid_engine": "",
     "zero_allow_untested_optimizer": "", "zero_force_ds_cpu_optimizer": "", "timers": "",
@@ -350,7 +364,7 @@ _NOOP_VALUES = {
 }
 _TOP_ALLOWED = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
                 "optimizer", "scheduler", "fp16", "bf16", "bfloat16", "gradient_clipping",
-                "zero_optimization", "aio", "steps_per_print", "wall_clock_breakdown", "zeroinf")
+                "zero_optimization", "aio", "checkpoint", "steps_per_print", "wall_clock_breakdown", "zeroinf")
 
 _ZERO_ALLOWED = tuple(f.name for f in ZeroConfig.__dataclass_fields__.values()) + (
     "stage3_gather_fp16_weights_on_model_save",)
@@ -581,6 +595,36 @@ def _parse_aio(config: Mapping) -> AioConfig:
                      overlap_events=_bool(a, "overlap_events", "aio", True))
 
 
+def _parse_checkpoint(config: Mapping) -> CheckpointConfig:
+    c = _block(config, "checkpoint", "")
+    _check_keys(c, "checkpoint", ("tag_validation", "load_universal", "use_node_local_storage", "parallel_write"))
+    for key in ("load_universal", "use_node_local_storage"):
+        if _bool(c, key, "checkpoint", False):
+            raise ConfigError(f"checkpoint.{key}", "not supported yet (only false is accepted)")
+    par = _block(c, "parallel_write", "checkpoint")
+    _check_keys(par, "checkpoint.parallel_write", ("pipeline_stage",))
+    if _bool(par, "pipeline_stage", "checkpoint.parallel_write", False):
+        raise ConfigError("checkpoint.parallel_write.pipeline_stage", "not supported yet (only false is accepted)")
+    return CheckpointConfig(tag_validation=_choice(c, "tag_validation", "checkpoint", "warn", ("ignore", "warn", "fail")))
+
+
+def _find_auto(block: Any, prefix: str) -> Optional[str]:
+    """The key path of the first ``"auto"`` value in ``block`` (sorted key order), or None."""
+    if isinstance(block, Mapping):
+        for key in sorted(block, key=str):
+            found = _find_auto(block[key], _path(prefix, str(key)))
+            if found is not None:
+                return found
+    elif isinstance(block, (list, tuple)):
+        for i, v in enumerate(block):
+            found = _find_auto(v, f"{prefix}[{i}]")
+            if found is not None:
+                return found
+    elif isinstance(block, str) and block.strip().lower() == "auto":
+        return prefix
+    return None
+
+
 def _parse_batch(config: Mapping, world_size: int) -> Tuple[int, int, int]:
     """Resolve the three batch keys the way DeepSpeed does (``_set_batch_related_parameters``)."""
     tbs = _int(config, "train_batch_size", "", None, min_value=1)
@@ -640,6 +684,11 @@ def parse_config(config: "Mapping[str, Any] | str | os.PathLike", world_size: in
         raise ConfigError("", f"expected a dict or a JSON file path, got {type(config).__name__}")
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be a positive int, got {world_size!r}")
+    auto = _find_auto(config, "")
+    if auto is not None:
+        raise ConfigError(auto, "\"auto\" is a placeholder that the Hugging Face Trainer and Accelerate replace with "
+                                "their own values before DeepSpeed reads the config (DeepSpeed itself refuses it too); "
+                                "zeroinf reads the config as given: put a value (or leave the key out for its default)")
     _check_keys(config, "", _TOP_ALLOWED, _TOP_UNSUPPORTED)
     tbs, mbs, gas = _parse_batch(config, world_size)
     fp16, bf16 = _parse_fp16(config), _parse_bf16(config)
@@ -667,7 +716,7 @@ def parse_config(config: "Mapping[str, Any] | str | os.PathLike", world_size: in
         train_batch_size=tbs, train_micro_batch_size_per_gpu=mbs, gradient_accumulation_steps=gas,
         world_size=world_size, optimizer=_parse_optimizer(config), scheduler=_parse_scheduler(config),
         fp16=fp16, bf16=bf16, gradient_clipping=clipping,
-        zero_optimization=zero, aio=_parse_aio(config),
+        zero_optimization=zero, aio=_parse_aio(config), checkpoint=_parse_checkpoint(config),
         steps_per_print=_int(config, "steps_per_print", "", 10, min_value=1),
         wall_clock_breakdown=_bool(config, "wall_clock_breakdown", "", False),
         zeroinf=ZeroInfExtraConfig(grad_norm_type=norm_type,

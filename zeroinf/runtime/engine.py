@@ -26,6 +26,7 @@ by providing an object with the same methods from ``zeroinf.runtime.stage3.engin
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
@@ -33,7 +34,7 @@ import shutil
 import time
 import warnings
 import weakref
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, Iterator, List, Optional
 
 import psutil
 import torch
@@ -207,6 +208,9 @@ class ZeroEngine:
         self._step_stats = self._new_step_stats()
         self._step_running = False  # a background optimizer step is in flight (stage 3)
         self._backwards = 0  # engine.backward calls since the last engine.step (_check_backward_ran)
+        self._boundary: Optional[bool] = None  # set_gradient_accumulation_boundary's value, if called
+        self._in_no_sync = False  # inside no_sync(): backward leaves the gradients in .grad, unreduced
+        self._unreduced = False  # .grad holds gradients no_sync() kept from the reduction
         self._step_applied = False  # was_step_applied()
         self._closed = False  # close() ran: every entry point raises (_check_open)
         #: a load_checkpoint that failed part-way (checked by _check_open and by hooks on the model)
@@ -393,8 +397,52 @@ class ZeroEngine:
         return self
 
     def is_gradient_accumulation_boundary(self) -> bool:
-        """Whether the next :meth:`step` is an optimizer step."""
+        """Whether the next :meth:`step` is an optimizer step: every ``gradient_accumulation_steps``-th
+        micro-batch, or what :meth:`set_gradient_accumulation_boundary` set last."""
+        if self._boundary is not None:
+            return self._boundary
         return (self.micro_steps + 1) % self.gas == 0
+
+    def set_gradient_accumulation_boundary(self, is_boundary: bool) -> None:
+        """Decide by hand whether the next :meth:`step` is an optimizer step, instead of counting
+        micro-batches (DeepSpeed's method of the same name; from then on the count no longer
+        decides). The loss is still divided by ``gradient_accumulation_steps`` in
+        :meth:`backward`, as in DeepSpeed.
+
+        Raises:
+            TypeError: ``is_boundary`` is not a bool.
+            ValueError: False with ``zeroinf.optimizer_in_backward``, which steps in every backward.
+        """
+        if not isinstance(is_boundary, bool):
+            raise TypeError(f"set_gradient_accumulation_boundary(is_boundary): expected a bool, got {is_boundary!r}")
+        if not is_boundary and self._in_bwd:
+            raise ValueError("set_gradient_accumulation_boundary(False): zeroinf.optimizer_in_backward steps the "
+                             "weights during every backward, so there is no accumulation to extend")
+        self._boundary = is_boundary
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backwards inside the block keep their gradients on this rank, in the parameters'
+        ``.grad`` (summed there by autograd), instead of reducing them over ranks; the first
+        :meth:`backward` after the block, or else the next :meth:`step`, reduces the sum (as
+        ``torch.nn.parallel.DistributedDataParallel.no_sync``). The result equals reducing every
+        micro-batch; with bf16/fp16 the local sum is in the parameters' dtype, not fp32.
+
+        Raises:
+            RuntimeError: at ZeRO stage 3, whose gradients are reduced unit by unit during the
+                backward (DeepSpeed refuses ``no_sync`` at stages 2 and 3), or entered again
+                inside itself.
+        """
+        if self.zero_optimization_stage() == 3:
+            raise RuntimeError("engine.no_sync(): ZeRO stage 3 reduces each unit's gradients during the backward and "
+                               "frees the full gradient; accumulate with gradient_accumulation_steps instead")
+        if self._in_no_sync:
+            raise RuntimeError("engine.no_sync(): already inside no_sync")
+        self._in_no_sync = True
+        try:
+            yield
+        finally:
+            self._in_no_sync = False
 
     def zero_grad(self) -> None:
         """Drop the module's ``.grad`` (the engine already does after each backward)."""
@@ -442,9 +490,19 @@ class ZeroEngine:
             raise
         t1 = time.perf_counter()
         self._step_stats["backward_s"] += t1 - t0
+        if self._in_no_sync:
+            self._unreduced = True
+        else:
+            self._reduce()
+        return loss
+
+    def _reduce(self) -> None:
+        """Reduce the gradients in ``.grad`` into the accumulation buffers (stages 0-2; stage 3
+        has reduced them during the backward)."""
+        t1 = time.perf_counter()
+        self._unreduced = False
         self._step_stats["comm_elements"] += self.params.reduce_gradients()
         self._step_stats["reduce_s"] += time.perf_counter() - t1
-        return loss
 
     def _check_backward_step(self) -> None:
         """``zeroinf.optimizer_in_backward``: raise RuntimeError if the previous backward's
@@ -528,6 +586,7 @@ class ZeroEngine:
                 if flag:
                     p.grad = None
             self.params.zero_grad_acc()
+            self._unreduced = False
             raise RuntimeError(f"zeroinf: engine.step() after a backward that did not run through engine.backward(loss) "
                                f"({what}); call engine.backward(loss) instead of loss.backward(): it scales the loss, "
                                "hands the gradients to the engine and waits for a step still running. The gradients "
@@ -544,6 +603,8 @@ class ZeroEngine:
         self._check_requires_grad()
         self._check_backward_ran()
         if self.is_gradient_accumulation_boundary():
+            if self._unreduced:  # no_sync() kept them to the end of the window
+                self._reduce()
             self._optimizer_step()
             self._stats = dict(self._step_stats)
             self._step_stats = self._new_step_stats()
