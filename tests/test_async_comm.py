@@ -30,6 +30,7 @@ import torch.nn.functional as F
 
 from stage3_models import TinyLM, batch, loss_fn
 from test_stage3_cuda import _FakeCuda, _RecordingTransfers
+from zeroinf.runtime import collectives
 from zeroinf.runtime.engine import destroy_process_group
 from zeroinf.runtime.stage3 import Stage3Options, Stage3ParameterManager
 
@@ -48,15 +49,15 @@ class _LoggedWork:
 
 
 class _LoggedCollectives:
-    """Replaces ``dist.all_reduce`` and ``dist.reduce_scatter_tensor`` by versions whose work
-    handles log where they are waited for (``works``: every handle made)."""
+    """Replaces ``dist.all_reduce`` and ``collectives.reduce_scatter_single`` by versions whose
+    work handles log where they are waited for (``works``: every handle made)."""
 
     def __init__(self, fake: _FakeCuda):
         self.fake, self.works, self.saved = fake, [], {}
 
     def __enter__(self):
-        for name in ("all_reduce", "reduce_scatter_tensor"):
-            fn = self.saved[name] = getattr(dist, name)
+        for mod, name in ((dist, "all_reduce"), (collectives, "reduce_scatter_single")):
+            fn = self.saved[mod, name] = getattr(mod, name)
 
             def logged(*a, fn=fn, name=name, **k):
                 w = fn(*a, **k)
@@ -64,12 +65,12 @@ class _LoggedCollectives:
                     w = _LoggedWork(w, self.fake, name)
                     self.works.append(w)
                 return w
-            setattr(dist, name, logged)
+            setattr(mod, name, logged)
         return self
 
     def __exit__(self, *exc):
-        for name, fn in self.saved.items():
-            setattr(dist, name, fn)
+        for (mod, name), fn in self.saved.items():
+            setattr(mod, name, fn)
 
     def waited_on_d2h(self) -> bool:
         """Every work was waited for exactly once, with the D2H stream current, right after that

@@ -129,8 +129,19 @@ def test_load_refuses_another_layout_and_incomplete_saves(tmp_path):
     os.unlink(tmp_path / "a" / "model_states.pt")  # as if rank 0 died before the last write
     with pytest.raises(CheckpointError, match="model_states.pt: missing"):
         engine.load_checkpoint(str(tmp_path), "a")
-    with pytest.raises(CheckpointError, match="latest"):
-        engine.load_checkpoint(str(tmp_path / "empty"))
+    with pytest.raises(CheckpointError, match="a/latest"):  # a folder without 'latest' and a tag it lacks
+        engine.load_checkpoint(str(tmp_path / "a"), "latest")
+
+
+def test_load_without_a_latest_file_returns_none_as_deepspeed(tmp_path, caplog):
+    """DeepSpeed's auto-resume: ``path, client = engine.load_checkpoint(dir)`` gives (None, None)
+    when there is nothing to resume from, and the engine is untouched."""
+    engine, model = _small_engine()
+    before = [p.detach().clone() for p in model.parameters()]
+    with caplog.at_level("WARNING", logger="zeroinf"):
+        assert engine.load_checkpoint(str(tmp_path / "empty")) == (None, None)
+    assert "no 'latest' file" in caplog.text
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters())) and engine.global_steps == 0
 
 
 def test_a_load_that_fails_part_way_blocks_the_model_itself_at_stage_1(tmp_path):
@@ -614,4 +625,20 @@ def test_a_checkpoint_through_user_state_dict_hooks_that_add_a_key(tmp_path, sta
         engine.load_checkpoint(str(tmp_path), "t")
     with pytest.raises(RuntimeError, match="load_checkpoint failed part-way"):
         engine.step()
+    engine.close()
+
+
+def test_a_save_inside_an_accumulation_window_warns_that_its_gradients_are_not_saved(tmp_path, caplog):
+    torch.manual_seed(1)
+    model = torch.nn.Linear(3, 2)
+    engine, *_ = zeroinf.initialize(model, config={"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 2,
+                                                   "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}})
+    x = torch.ones(1, 3)
+    with caplog.at_level("WARNING", logger="zeroinf"):
+        engine.save_checkpoint(str(tmp_path), "start")  # micro-batch 0: nothing accumulated
+        assert not caplog.records
+        engine.backward(engine(x).sum())
+        engine.step()
+        engine.save_checkpoint(str(tmp_path), "mid")
+    assert len(caplog.records) == 1 and "micro-batch 1 of a gradient accumulation window of 2" in caplog.text
     engine.close()

@@ -138,6 +138,8 @@ def test_disabled_feature_block_is_accepted():
     ({"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme"}}},
      "zero_optimization.offload_param.nvme_path", "required"),
     ({"scheduler": {"type": "WarmupDecayLR", "params": {}}}, "scheduler.params.total_num_steps", "required"),
+    ({"scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 0}}}, "scheduler.params.warmup_num_steps",
+     ">= 1"),  # DeepSpeed raises too
     ({"aio": {"block_size": 1000}}, "aio.block_size", "multiple of 512"),
     ({"zeroinf": {"grad_norm_type": 0.5}}, "zeroinf.grad_norm_type", ">= 1"),
     ({"optimizer": {"type": "AdamW", "params": {"adam_w_mode": False}}}, "optimizer.params.adam_w_mode", "AdamW"),

@@ -292,7 +292,7 @@ def test_fp16_inf_gradient_skips_step_and_lowers_scale(tmp_path):
 
 def test_config_scheduler_and_client_optimizer_with_torch_scheduler():
     X, Y = batches(5)
-    lrs = [0.0, 0.0025, 0.005, 0.0075, 0.01]  # WarmupLR, linear, 0 -> 1e-2 over 4 steps
+    lrs = [0.0, 0.0, 0.0025, 0.005, 0.0075]  # WarmupLR, linear, 0 -> 1e-2 over 4 steps (as DeepSpeed)
     ref = make_mlp()
     reference(ref, X, Y, 5, lrs=lrs)
     model = make_mlp()
@@ -387,34 +387,49 @@ def test_training_data_gives_a_loader_of_micro_batches():
     assert sorted(seen.tolist()) == list(range(10))
 
 
-def test_deepspeed_lr_schedules_at_known_points():
-    from zeroinf.runtime.lr_schedules import WarmupCosineLR, WarmupDecayLR, WarmupLR
+# The lr before each of 12 optimizer steps, recorded from DeepSpeed 0.19.8's own engine (stage 0,
+# CPU accelerator, AdamW at lr 1e-2; 6 steps at lr 3e-4 for the "no max" cases) on these configs.
+_DS_SCHEDULES = {
+    "WarmupLR log": ({"warmup_min_lr": 1e-4, "warmup_max_lr": 1e-2, "warmup_num_steps": 5}, 1e-2,
+                     [0.0001, 0.0001, 0.004363697924926592, 0.006857801325411256, 0.008627395849853182] + [0.01] * 7),
+    "WarmupLR linear": ({"warmup_min_lr": 1e-4, "warmup_max_lr": 1e-2, "warmup_num_steps": 5, "warmup_type": "linear"},
+                        1e-2, [0.0001, 0.0001, 0.00208, 0.00406, 0.00604, 0.00802] + [0.01] * 6),
+    "WarmupDecayLR": ({"warmup_min_lr": 0.0, "warmup_max_lr": 1e-2, "warmup_num_steps": 3, "total_num_steps": 8,
+                       "warmup_type": "linear"}, 1e-2,
+                      [0.0, 0.0, 0.003333333333333333, 0.006666666666666666, 0.01, 0.008, 0.006, 0.004, 0.002, 0.0,
+                       0.0, 0.0]),
+    # past total_num_steps the cosine stays at cos_min_ratio
+    "WarmupCosineLR": ({"warmup_min_ratio": 0.1, "warmup_num_steps": 3, "total_num_steps": 8, "cos_min_ratio": 0.01,
+                        "warmup_type": "linear"}, 1e-2,
+                       [0.0, 0.001, 0.004, 0.006999999999999999, 0.00905463412215599, 0.006579634122155989,
+                        0.0035203658778440107, 0.0010453658778440105] + [0.0001] * 4),
+    # no warmup_max_lr: WarmupLR warms up to the optimizer's lr, WarmupDecayLR to 1e-3
+    "WarmupLR no max": ({"warmup_num_steps": 3, "warmup_type": "linear"}, 3e-4,
+                        [0.0, 0.0, 9.999999999999999e-05, 0.00019999999999999998, 0.0003, 0.0003]),
+    "WarmupDecayLR no max": ({"warmup_num_steps": 3, "total_num_steps": 10, "warmup_type": "linear"}, 3e-4,
+                             [0.0, 0.0, 0.0003333333333333333, 0.0006666666666666666, 0.001, 0.0008571428571428571]),
+}
 
-    def lrs(sched, points):
-        out = {}
-        for t in range(max(points) + 1):
-            if t in points:
-                out[t] = sched.optimizer.param_groups[0]["lr"]
-            sched.step()
-        return [out[t] for t in points]
 
-    opt = lambda lr=1.0: torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=lr)  # noqa: E731
-    # log warm-up: log(t + 1) / log(W)
-    assert lrs(WarmupLR(opt(), 0.0, 1.0, 10, "log"), [0, 1, 9, 20]) == pytest.approx(
-        [0.0, math.log(2) / math.log(10), 1.0, 1.0])
-    # linear warm-up over 4, then linear decay to 0 at 10
-    assert lrs(WarmupDecayLR(opt(), 10, 0.0, 1.0, 4, "linear"), [2, 4, 7, 10, 12]) == pytest.approx(
-        [0.5, 1.0, 0.5, 0.0, 0.0])
-    # ratio warm-up from 0.2, then half a cosine over the 6 remaining steps, times the base lr 0.1
-    assert lrs(WarmupCosineLR(opt(0.1), 10, 0.2, 4, 0.0, "linear"), [2, 4, 9]) == pytest.approx(
-        [0.06, 0.1 * (1 + math.cos(math.pi / 6)) / 2, 0.0], abs=1e-12)
+@pytest.mark.parametrize("case", list(_DS_SCHEDULES))
+def test_config_lr_schedules_equal_deepspeeds(case):
+    params, lr, want = _DS_SCHEDULES[case]
+    cfg = config(0, "none", optimizer={"type": "AdamW", "params": {"lr": lr}},
+                 scheduler={"type": case.split()[0], "params": params})
+    engine, opt, _, sched = zeroinf.initialize(make_mlp(), config=cfg)
+    X, Y = batches(1)
+    seen = []
+    for _ in want:
+        seen.append(opt.param_groups[0]["lr"])
+        train(engine, X, Y, 1)
+    assert seen == pytest.approx(want, rel=1e-12, abs=1e-15)
+    # a resumed schedule goes on from its state
+    again = zeroinf.initialize(make_mlp(), config=cfg)[3]
+    again.load_state_dict(sched.state_dict())
+    assert again.get_last_lr() == sched.get_last_lr()
+    engine.close()
 
 
-@pytest.mark.parametrize("make", [
-    lambda ps: torch.optim.Adam(ps, lr=LR, weight_decay=0.1),
-    lambda ps: torch.optim.Adam(ps, lr=LR, weight_decay=0.1, decoupled_weight_decay=True),
-    lambda ps: torch.optim.AdamW(ps, lr=LR, weight_decay=0.1),
-], ids=["Adam", "Adam-decoupled", "AdamW"])
 def test_client_torch_optimizers_keep_their_weight_decay_rule(make):
     X, Y = batches(3)
     ref = make_mlp()
@@ -525,4 +540,116 @@ def test_bf16_weights_changed_between_steps_are_stepped_from(tmp_path, stage, de
     opened.clear()
     train(engine, X[2:], Y[2:], 1)
     assert opened == []
+    engine.close()
+
+
+# The loss scale after each boundary of an overflow pattern (1 = overflow), recorded from
+# DeepSpeed 0.19.8's DynamicLossScaler.update_scale (fp16, these arguments).
+_DS_SCALES = [
+    (dict(initial_scale_power=4, loss_scale_window=3, min_loss_scale=1, hysteresis=1), [0] * 8,
+     [16, 16, 16, 32, 32, 32, 64, 64]),
+    (dict(initial_scale_power=4, loss_scale_window=3, min_loss_scale=1, hysteresis=1), [1] + [0] * 7,
+     [8, 8, 8, 8, 16, 16, 16, 32]),
+    (dict(initial_scale_power=4, loss_scale_window=2, min_loss_scale=1, hysteresis=2), [1, 1, 0, 0, 0, 0, 0],
+     [16, 8, 8, 8, 16, 16, 32]),
+    # DeepSpeed raises at the third overflow: "Current loss scale already at minimum"
+    (dict(initial_scale_power=4, loss_scale_window=100, min_loss_scale=4, hysteresis=1), [1] * 6, [8, 4, "raise"]),
+]
+
+
+@pytest.mark.parametrize("case", range(len(_DS_SCALES)))
+def test_dynamic_loss_scale_follows_deepspeed(case):
+    from zeroinf.runtime.loss_scaler import LossScaler
+    kw, pattern, want = _DS_SCALES[case]
+    s = LossScaler(**kw)
+    got = []
+    for overflow in pattern:
+        try:
+            s.update(bool(overflow))
+        except FloatingPointError as e:
+            assert "min_loss_scale (4)" in str(e)
+            got.append("raise")
+            break
+        got.append(s.scale)
+    assert got == want
+
+
+def test_overflow_at_the_minimum_loss_scale_raises_in_step_and_drops_the_gradients():
+    model = make_mlp()
+    fp16 = {"enabled": True, "initial_scale_power": 1, "min_loss_scale": 1, "hysteresis": 1}
+    engine, *_ = zeroinf.initialize(model.half(), config=config(0, "none", fp16=fp16))
+    before = [p.detach().clone() for p in model.parameters()]
+    x = torch.full((4, 7), float("inf"), dtype=torch.half)
+    engine.backward(engine(x).float().sum())
+    engine.step()  # 2 -> 1
+    assert engine.loss_scale == 1.0 and engine.skipped_steps == 1
+    engine.backward(engine(x).float().sum())
+    with pytest.raises(FloatingPointError, match="min_loss_scale"):
+        engine.step()
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    X, Y = batches(1)
+    engine.backward(F.mse_loss(engine(X[0].half()).float(), Y[0]))  # the inf gradients are gone
+    engine.step()
+    assert engine.was_step_applied() and engine.optimizer_steps == 1
+    engine.close()
+
+
+def test_deepspeed_keywords_of_backward_and_step():
+    X, Y = batches(2)
+    # retain_graph: a second backward through the same graph adds its gradients, as in plain PyTorch;
+    # scale_wrt_gas=False: no division by gradient_accumulation_steps (2 here)
+    ref = make_mlp()
+    opt = torch.optim.AdamW(ref.parameters(), lr=LR, weight_decay=WD, foreach=False)
+    loss = F.mse_loss(ref(X[0]), Y[0])
+    loss.backward(retain_graph=True)
+    (2 * loss).backward()
+    F.mse_loss(ref(X[1]), Y[1]).backward()
+    opt.step()
+    model = make_mlp()
+    engine, *_ = zeroinf.initialize(model, config=config(1, "cpu", gas=2))
+    loss = F.mse_loss(engine(X[0]), Y[0])
+    engine.backward(loss, retain_graph=True, scale_wrt_gas=False)
+    engine.backward(2 * loss, scale_wrt_gas=False)
+    engine.step()
+    engine.backward(F.mse_loss(engine(X[1]), Y[1]), scale_wrt_gas=False)
+    engine.step()
+    assert max_diff(model, ref) <= 1e-6
+    engine.close()
+
+    # lr_kwargs reach the scheduler: ReduceLROnPlateau halves the lr after a metric that does not improve
+    model = make_mlp()
+    engine, opt, *_ = zeroinf.initialize(model, config=config(2, "cpu"), lr_scheduler=lambda o:
+                                         torch.optim.lr_scheduler.ReduceLROnPlateau(o, factor=0.5, patience=0))
+    for metric in (1.0, 2.0):
+        engine.backward(F.mse_loss(engine(X[0]), Y[0]))
+        engine.step(lr_kwargs={"metrics": metric})
+    assert opt.param_groups[0]["lr"] == LR / 2
+    # without them the scheduler raises, once the step is applied and counted: a retry is not
+    # another Adam step
+    engine.backward(F.mse_loss(engine(X[0]), Y[0]))
+    with pytest.raises(TypeError, match="metrics") as ei:
+        engine.step()
+    assert engine.optimizer_steps == 3 and engine.micro_steps == 3
+    assert any("applied and counted" in n for n in getattr(ei.value, "__notes__", []))
+    engine.close()
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_trainable_parameters_left_out_of_the_optimizer_warn_and_stay(stage):
+    X, Y = batches(3)
+    ref = make_mlp()
+    opt = torch.optim.AdamW(list(ref[0].parameters()), lr=LR, weight_decay=WD, foreach=False)
+    for i in range(3):
+        opt.zero_grad()
+        F.mse_loss(ref(X[i]), Y[i]).backward()
+        opt.step()
+    model = make_mlp()
+    with pytest.warns(UserWarning, match=r"2 trainable parameter\(s\) \(2.weight, 2.bias\) are not in the optimizer"):
+        engine, *_ = zeroinf.initialize(model, model_parameters=model[0].parameters(), config=config(stage, "cpu"))
+    train(engine, X, Y, 3)
+    got = {k: v.clone() for k, v in model.state_dict().items()}
+    for k, v in ref.state_dict().items():
+        assert (got[k] - v).abs().max().item() <= 1e-6, k
+    # their gradients did not pile up over the micro-batches (stages 0-2 kept summing them in .grad)
+    assert model[2].weight.grad is None and model[2].bias.grad is None
     engine.close()

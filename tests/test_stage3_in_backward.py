@@ -78,9 +78,10 @@ def test_equals_the_synchronous_step_and_adamw(tmp_path, tiers):
     sa, sb = _state(sync), _state(ib)
     assert all(torch.equal(sa[k], sb[k]) for k in sa)
     assert any(stepped_during_backward)  # groups were updated while the backward still ran
-    # the reference with the same schedule: lr = 1e-2 * min(1, step / 3) before each step, linear warm-up
+    # the reference with the same schedule, linear warm-up: step k (from 1) runs at iteration k - 2
+    # (DeepSpeed's convention: iteration -1, the warm-up's start, for the first step)
     plain = copy.deepcopy(ref)
-    want = _reference(plain, 4, lr_at=lambda step: 1e-2 * min(1.0, (step - 1) / 3))
+    want = _reference(plain, 4, lr_at=lambda step: 1e-2 * min(1.0, max(0, step - 2) / 3))
     _assert_like_reference(ib, plain, b, want)
     sync.close()
     ib.close()

@@ -238,6 +238,12 @@ def save(engine, save_dir: str, tag: Optional[str] = None, client_state: Optiona
                          f"in .saving or .old; got {tag!r}")
     final = os.path.join(save_dir, tag)
     ckpt = final + ".saving"
+    if engine.micro_steps % engine.gas and engine._boundary is None and engine.rank == 0:
+        _log.warning("save_checkpoint(%r) after micro-batch %d of a gradient accumulation window of %d: the window's "
+                     "accumulated gradients are not saved (as in DeepSpeed), so a run resumed from it takes its next "
+                     "optimizer step on the rest of the window only; save after engine.step() at a boundary "
+                     "(engine.is_gradient_accumulation_boundary() was True before it) to resume exactly",
+                     tag, engine.micro_steps % engine.gas, engine.gas)
     engine.synchronize()  # a background optimizer step (stage 3) finishes before its state is read
     if engine.rank == 0 and os.path.isdir(ckpt):
         shutil.rmtree(ckpt)  # left by a save that failed
@@ -417,6 +423,16 @@ def _check_files(engine, load_dir: str, tag: Optional[str]):
     return ckpt, meta, rng, states
 
 
+def _on_every_rank(engine, flag: bool, what: str) -> bool:
+    """Collective with more than one rank: whether ``flag`` is true on every rank."""
+    if engine.world_size == 1:
+        return flag
+    t = torch.tensor([float(flag)], device=getattr(engine.params, "device", "cpu"))
+    with collective(what, engine.rank, engine.world_size):
+        dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    return bool(t.item())
+
+
 def _agree(engine, problem: Optional[BaseException], others, what: str) -> None:
     """Collective (in place of a barrier): raise on every rank if any rank failed: ``problem``
     on the rank that had it, ``others(failed_ranks)`` on the rest. So no rank goes on (loads,
@@ -455,7 +471,9 @@ def _load_stateful(obj, state, what: str, path: str) -> Dict[str, Any]:
 def load(engine, load_dir: str, tag: Optional[str] = None) -> Tuple[str, dict]:
     """Restore ``engine`` from ``load_dir/tag`` (tag None: the ``latest`` file). Collective.
 
-    Returns ``(folder, client_state)``.
+    Returns ``(folder, client_state)``; ``(None, None)`` when ``tag`` is None and no rank finds
+    a ``latest`` file in ``load_dir`` (DeepSpeed's answer: nothing to resume from yet), after a
+    warning on the ``zeroinf`` logger.
 
     Every file is opened and checked (readable, keys and sizes, the module's state-dict keys and
     shapes, the RNG states) on every rank, and the ranks agree, before anything is changed; the
@@ -478,6 +496,12 @@ def load(engine, load_dir: str, tag: Optional[str] = None) -> Tuple[str, dict]:
     """
     engine.synchronize()
     tag = _same_tag(engine, None if tag is None else str(tag), "load_checkpoint")
+    if tag is None and _on_every_rank(engine, not os.path.isfile(os.path.join(load_dir, "latest")), "load_checkpoint"):
+        # DeepSpeed's answer, which its auto-resume scripts test for: a first run has nothing to load
+        if engine.rank == 0:
+            _log.warning("load_checkpoint(%r): no 'latest' file there, so nothing was loaded (returns None, None); "
+                         "pass tag= to load a checkpoint by name", load_dir)
+        return None, None
     problem, found = None, None
     try:
         found = _check_files(engine, load_dir, tag)

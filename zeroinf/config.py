@@ -163,7 +163,8 @@ class SchedulerConfig:
 
     type: str                    #: "WarmupLR" | "WarmupDecayLR" | "WarmupCosineLR"
     warmup_min_lr: float = 0.0
-    warmup_max_lr: float = 1e-3
+    #: None: WarmupLR takes each param group's lr, WarmupDecayLR 1e-3 (DeepSpeed's defaults)
+    warmup_max_lr: Optional[float] = None
     warmup_num_steps: int = 1000
     warmup_type: str = "log"     #: "log" or "linear"
     total_num_steps: Optional[int] = None
@@ -475,12 +476,10 @@ def _parse_scheduler(config: Mapping) -> Optional[SchedulerConfig]:
     total = _int(p, "total_num_steps", pre, None, min_value=1)
     if key != "warmuplr" and total is None:
         raise ConfigError(f"{pre}.total_num_steps", f"required by {_SCHED_NAMES[key]}")
-    warmup = _int(p, "warmup_num_steps", pre, 1000, min_value=0)
-    if total is not None and key == "warmupcosinelr" and total <= warmup:
-        raise ConfigError(f"{pre}.total_num_steps", f"must exceed warmup_num_steps ({warmup}), got {total}")
+    warmup = _int(p, "warmup_num_steps", pre, 1000, min_value=1)  # DeepSpeed raises for 0 too
     cfg = SchedulerConfig(
         type=_SCHED_NAMES[key], warmup_min_lr=_float(p, "warmup_min_lr", pre, 0.0, min_value=0.0),
-        warmup_max_lr=_float(p, "warmup_max_lr", pre, 1e-3, min_value=0.0), warmup_num_steps=warmup,
+        warmup_max_lr=_float(p, "warmup_max_lr", pre, None, min_value=0.0), warmup_num_steps=warmup,
         warmup_type=_choice(p, "warmup_type", pre, "log", ("log", "linear")), total_num_steps=total,
         warmup_min_ratio=_float(p, "warmup_min_ratio", pre, 0.0, min_value=0.0),
         cos_min_ratio=_float(p, "cos_min_ratio", pre, 1e-4, min_value=0.0))

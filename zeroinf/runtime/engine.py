@@ -224,6 +224,17 @@ class ZeroEngine:
         groups = [[p for p in g["params"] if p.requires_grad] for g in optimizer.param_groups]
         # the layout below (flat buffers, sub-groups, optimizer state) is made for these flags
         self._requires_grad = [(n, p, p.requires_grad) for n, p in model.named_parameters()]
+        # trainable but left out of the optimizer (model_parameters a subset: DeepSpeed scripts'
+        # way to freeze a layer): never stepped; their .grad is dropped after each backward, at
+        # every stage (it grew by every micro-batch's gradient at stages 0-2, stayed None at 3)
+        stepped = {p for ps in groups for p in ps}
+        outside = [(n, p) for n, p in model.named_parameters() if p.requires_grad and p not in stepped]
+        self._outside = [p for _, p in outside]
+        if outside and rank == 0:
+            names = ", ".join(n for n, _ in outside[:3]) + (", ..." if len(outside) > 3 else "")
+            warnings.warn(f"zeroinf: {len(outside)} trainable parameter(s) ({names}) are not in the optimizer: they "
+                          "get gradients but are never updated; set requires_grad=False on them to freeze them "
+                          "without computing those gradients", stacklevel=3)
         dtype = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}[cfg.precision]
         fp32_copies = None
         if dtype != torch.float32:
@@ -449,9 +460,12 @@ class ZeroEngine:
         for p in self.module.parameters():
             p.grad = None
 
-    def backward(self, loss: torch.Tensor) -> torch.Tensor:
+    def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True) -> torch.Tensor:
         """Backward of ``loss / gradient_accumulation_steps`` (times the loss scale with fp16),
-        then reduce this micro-batch's gradients into the fp32 accumulation buffers.
+        then reduce this micro-batch's gradients into the fp32 accumulation buffers. Returns
+        ``loss``. DeepSpeed's keywords: ``retain_graph`` is passed to autograd (a second
+        backward through the same graph adds its gradients, as in plain PyTorch);
+        ``scale_wrt_gas=False`` leaves out the division by ``gradient_accumulation_steps``.
 
         Raises:
             ValueError: ``loss`` is not a scalar tensor requiring grad.
@@ -473,11 +487,11 @@ class ZeroEngine:
             if self._in_bwd:
                 self._start_backward_step()
             scaled = loss.float()
-            if self.gas > 1:
+            if self.gas > 1 and scale_wrt_gas:
                 scaled = scaled / self.gas
             if self.loss_scaler is not None:
                 scaled = scaled * self.loss_scaler.scale
-            scaled.backward()
+            scaled.backward(retain_graph=retain_graph)
             if self._in_bwd:
                 self.params.end_backward_step()
         except BaseException as exc:
@@ -490,6 +504,8 @@ class ZeroEngine:
             raise
         t1 = time.perf_counter()
         self._step_stats["backward_s"] += t1 - t0
+        for p in self._outside:
+            p.grad = None
         if self._in_no_sync:
             self._unreduced = True
         else:
@@ -592,20 +608,35 @@ class ZeroEngine:
                                "hands the gradients to the engine and waits for a step still running. The gradients "
                                "of this accumulation window were dropped, and no step was taken")
 
-    def step(self) -> None:
-        """Count a micro-batch; at the accumulation boundary run the optimizer step.
+    def step(self, lr_kwargs: Optional[Dict[str, Any]] = None) -> None:
+        """Count a micro-batch; at the accumulation boundary run the optimizer step, then the LR
+        scheduler's ``step(**lr_kwargs)`` (DeepSpeed's keyword: ``lr_kwargs={"metrics": val_loss}``
+        for ``ReduceLROnPlateau``; not after a skipped fp16 step).
 
         Raises:
             RuntimeError: a parameter's ``requires_grad`` changed since :func:`initialize`, or
                 the micro-batch's backward ran outside :meth:`backward` (``loss.backward()``).
+            FloatingPointError: fp16 gradients overflowed at ``min_loss_scale`` (see
+                :class:`zeroinf.runtime.loss_scaler.LossScaler`).
+            Exception: whatever the LR scheduler's ``step`` raised. The optimizer step was
+                applied and counted by then (the exception says so): do not call step() again
+                for this micro-batch.
         """
         self._check_open()
         self._check_requires_grad()
         self._check_backward_ran()
+        sched_error = None
         if self.is_gradient_accumulation_boundary():
             if self._unreduced:  # no_sync() kept them to the end of the window
                 self._reduce()
             self._optimizer_step()
+            if self._step_applied and self.lr_scheduler is not None:
+                # the engine stepped on the optimizer's behalf: tell torch schedulers so (they warn otherwise)
+                self.optimizer._opt_called = True
+                try:
+                    self.lr_scheduler.step(**(lr_kwargs or {}))
+                except Exception as exc:  # raised below, once this step is counted
+                    sched_error = exc
             self._stats = dict(self._step_stats)
             self._step_stats = self._new_step_stats()
             self._log_step()
@@ -613,6 +644,12 @@ class ZeroEngine:
         self._backwards = 0  # a step that raised keeps them: the retry is not refused
         if getattr(self.params, "manager", None) is not None:
             self.params.manager.reduced_since_check = False
+        if sched_error is not None:
+            if hasattr(sched_error, "add_note"):  # Python 3.11+
+                sched_error.add_note(f"zeroinf: raised by the LR scheduler's step(**{lr_kwargs or {}!r}) after optimizer step "
+                                     f"{self.global_steps}, which was applied and counted; a scheduler whose step() "
+                                     "needs arguments (ReduceLROnPlateau) takes them from engine.step(lr_kwargs={...})")
+            raise sched_error
 
     def _log_step(self) -> None:
         """Every ``steps_per_print`` optimizer steps, rank 0 logs the step count, skipped steps
@@ -687,7 +724,11 @@ class ZeroEngine:
         self._grad_norm = norm
         overflow = not math.isfinite(norm)
         if self.loss_scaler is not None:
-            self.loss_scaler.update(overflow)
+            try:
+                self.loss_scaler.update(overflow)
+            except FloatingPointError:  # at min_loss_scale: the overflowed gradients go, the run stops
+                self.params.zero_grad_acc()
+                raise
         self.global_steps += 1
         self._step_applied = not overflow
         if overflow:
@@ -725,10 +766,6 @@ class ZeroEngine:
             s["io_wait_s"] += st.io_wait_s
             s["nvme_read_bytes"] += st.bytes_read
             s["nvme_write_bytes"] += st.bytes_written
-        if self.lr_scheduler is not None:
-            # the engine stepped on the optimizer's behalf: tell torch schedulers so (they warn otherwise)
-            self.optimizer._opt_called = True
-            self.lr_scheduler.step()
         s["optimizer_s"] += time.perf_counter() - t0
 
     def _adopt_changed_weights(self) -> None:
@@ -955,8 +992,9 @@ class ZeroEngine:
                         load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
                         load_module_only: bool = False):
         """Load from ``load_dir/tag`` (tag default: the ``latest`` file). Returns
-        ``(path, client_state)`` like DeepSpeed. DeepSpeed's keywords are accepted at their
-        defaults: a load restores the whole state, bit-exactly.
+        ``(path, client_state)`` like DeepSpeed, and ``(None, None)`` with a warning when tag is
+        None and there is no ``latest`` file (a first run). DeepSpeed's keywords are accepted at
+        their defaults: a load restores the whole state, bit-exactly.
 
         Raises:
             NotImplementedError: a partial load (``load_optimizer_states`` or

@@ -50,6 +50,7 @@ import torch
 import torch.distributed as dist
 
 from .optimizer import SubGroupSpec
+from . import collectives
 from .streams import transfers_for
 
 __all__ = ["FlatGroup", "FlatParamManager", "STAGING_NUMEL"]
@@ -263,7 +264,7 @@ class FlatParamManager:
             return mine, None
         if self.stage == 2 and self.reduce_scatter:
             out = torch.empty(b, dtype=torch.float32, device=self.device)
-            return out, dist.reduce_scatter_tensor(out, buf.reshape(-1), group=self.pg, async_op=True)
+            return out, collectives.reduce_scatter_single(out, buf.reshape(-1), group=self.pg, async_op=True)
         return mine, dist.all_reduce(buf, group=self.pg, async_op=True)
 
     def _land_bucket(self, g: FlatGroup, first: bool, start: int, b: int, buf: torch.Tensor,
@@ -355,7 +356,7 @@ class FlatParamManager:
             for start in range(0, P, self.gather_bucket):  # chunk k of every rank's slice at once
                 b = min(self.gather_bucket, P - start)
                 out = torch.empty(self.nparts, b, dtype=g.flat.dtype, device=g.flat.device)
-                dist.all_gather_into_tensor(out.view(-1), rows[self.rank, start:start + b].contiguous(), group=self.pg)
+                collectives.all_gather_single(out.view(-1), rows[self.rank, start:start + b].contiguous(), group=self.pg)
                 rows[:, start:start + b].copy_(out)
                 n += out.numel()
         return n

@@ -1,10 +1,14 @@
-"""Loss scaling for fp16 training, with DeepSpeed's semantics (``deepspeed/runtime/fp16/loss_scaler.py``).
+"""Loss scaling for fp16 training, with DeepSpeed's semantics (``deepspeed/runtime/fp16/loss_scaler.py``,
+``DynamicLossScaler.update_scale`` as of 0.19.8).
 
 Dynamic scaling: start at ``2**initial_scale_power``. On a step whose gradients hold inf/nan the
 step is skipped; once ``hysteresis`` such overflows have accumulated the scale is divided by 2
-(never below ``min_loss_scale``). After ``loss_scale_window`` steps without overflow since the last
-one, the scale doubles (and the hysteresis budget is refilled). With ``consecutive_hysteresis`` the
-budget is refilled after every clean step.
+(never below ``min_loss_scale``; an overflow that would lower it while it already is at
+``min_loss_scale`` raises, as DeepSpeed's does: skipping steps there would go on for ever). The
+scale doubles after every ``loss_scale_window`` clean steps in a row: when the number of clean
+steps since the last overflow (or since the start, counting from -1), minus one, is a positive
+multiple of the window; the hysteresis budget is refilled then. With ``consecutive_hysteresis``
+the budget is refilled after every clean step.
 """
 from __future__ import annotations
 
@@ -39,10 +43,20 @@ class LossScaler:
                    fp16.consecutive_hysteresis, fp16.min_loss_scale)
 
     def update(self, overflow: bool) -> None:
-        """Account for one optimizer-step boundary; ``overflow`` says whether it was skipped."""
+        """Account for one optimizer-step boundary; ``overflow`` says whether it was skipped.
+
+        Raises:
+            FloatingPointError: an overflow with the scale at ``min_loss_scale`` and no
+                hysteresis left (the state is left as it was).
+        """
         if self.dynamic:
             if overflow:
                 if self.delayed_shift == 1 or self.cur_hysteresis == 1:
+                    if self.scale == self.min_scale:
+                        raise FloatingPointError(
+                            f"fp16: the gradients overflowed with the loss scale already at fp16.min_loss_scale "
+                            f"({self.min_scale:g}), so it cannot be lowered and every step would be skipped (DeepSpeed "
+                            "stops here too); the run has diverged: lower the lr, clip gradients, or train in bf16")
                     self.scale = max(self.scale / 2.0, self.min_scale)
                 else:
                     self.cur_hysteresis -= 1
@@ -50,7 +64,8 @@ class LossScaler:
             else:
                 if self.consecutive_hysteresis:
                     self.cur_hysteresis = self.delayed_shift
-                if (self.cur_iter - self.last_overflow_iter) % self.window == 0:
+                stable = self.cur_iter - self.last_overflow_iter - 1
+                if stable > 0 and stable % self.window == 0:
                     if not self.consecutive_hysteresis:
                         self.cur_hysteresis = self.delayed_shift
                     self.scale *= 2.0

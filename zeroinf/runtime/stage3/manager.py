@@ -99,6 +99,7 @@ from .released import gathered_class, released_class
 from .stats import Stage3Stats, TraceRecorder
 from .tiers import BufferRecycler, DeviceStore, HostCache, HostStore, NvmeStore, host_empty
 from .units import FlatGroup, ParamSlot, Unit, UnitState, build_units, find_unit_modules
+from .. import collectives
 from ..streams import transfers_for
 
 __all__ = ["Stage3ParameterManager", "managers"]
@@ -829,13 +830,13 @@ class Stage3ParameterManager:
         """All-gather ``g.full`` from every rank's shard (this rank's is in place). Returns the
         work handle with ``async_op`` (``g.full`` is valid after ``work.wait()``), else None.
 
-        NCCL: in place with ``all_gather_into_tensor`` (the input is this rank's chunk of the
+        NCCL: in place with ``all_gather_single`` (the input is this rank's chunk of the
         output, as FSDP2 does). gloo (and any other backend): into the chunks of ``g.full`` from
         a copy of the shard; the work keeps both alive until it completes."""
         lo, hi = self._shard_range(g)
         self.stats.add("bytes_allgather", g.full.numel() * g.full.element_size())
         if self._nccl:
-            return dist.all_gather_into_tensor(g.full, g.full[lo:hi], group=self.group, async_op=async_op)
+            return collectives.all_gather_single(g.full, g.full[lo:hi], group=self.group, async_op=async_op)
         mine = g.full[lo:hi].clone()
         return dist.all_gather(list(g.full.chunk(self.world_size)), mine, group=self.group, async_op=async_op)
 
@@ -1292,7 +1293,7 @@ class Stage3ParameterManager:
         self.stats.add("elements_reduce", full.numel())
         if self._nccl:
             shard = torch.empty(g.shard_numel, dtype=full.dtype, device=full.device)
-            return _Reduction(g, full, shard, dist.reduce_scatter_tensor(shard, full, group=self.group, async_op=True))
+            return _Reduction(g, full, shard, collectives.reduce_scatter_single(shard, full, group=self.group, async_op=True))
         return _Reduction(g, full, full[lo:hi], dist.all_reduce(full, group=self.group, async_op=True))
 
     def _finish_reduce(self, red: _Reduction) -> None:
