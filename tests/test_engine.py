@@ -430,6 +430,11 @@ def test_config_lr_schedules_equal_deepspeeds(case):
     engine.close()
 
 
+@pytest.mark.parametrize("make", [
+    lambda ps: torch.optim.Adam(ps, lr=LR, weight_decay=0.1),
+    lambda ps: torch.optim.Adam(ps, lr=LR, weight_decay=0.1, decoupled_weight_decay=True),
+    lambda ps: torch.optim.AdamW(ps, lr=LR, weight_decay=0.1),
+], ids=["Adam", "Adam-decoupled", "AdamW"])
 def test_client_torch_optimizers_keep_their_weight_decay_rule(make):
     X, Y = batches(3)
     ref = make_mlp()

@@ -845,9 +845,6 @@ class ZeroEngine:
         s["io_wait_s"] += self.params.manager.step_gate.take_wait_s()
         if not self.config.zeroinf.overlap_step:
             self.synchronize()
-        if self.lr_scheduler is not None:
-            self.optimizer._opt_called = True
-            self.lr_scheduler.step()
         s["optimizer_s"] += time.perf_counter() - t0
 
     def save_16bit_model(self, save_dir: str, save_filename: str = "pytorch_model.bin",
