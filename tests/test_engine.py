@@ -649,8 +649,9 @@ def test_trainable_parameters_left_out_of_the_optimizer_warn_and_stay(stage):
         F.mse_loss(ref(X[i]), Y[i]).backward()
         opt.step()
     model = make_mlp()
-    with pytest.warns(UserWarning, match=r"2 trainable parameter\(s\) \(2.weight, 2.bias\) are not in the optimizer"):
+    with pytest.warns(UserWarning, match=r"2 trainable parameter\(s\) \(2.weight, 2.bias\) are not in the optimizer") as rec:
         engine, *_ = zeroinf.initialize(model, model_parameters=model[0].parameters(), config=config(stage, "cpu"))
+    assert rec[0].filename == __file__  # points at the initialize call
     train(engine, X, Y, 3)
     got = {k: v.clone() for k, v in model.state_dict().items()}
     for k, v in ref.state_dict().items():

@@ -234,7 +234,7 @@ class ZeroEngine:
             names = ", ".join(n for n, _ in outside[:3]) + (", ..." if len(outside) > 3 else "")
             warnings.warn(f"zeroinf: {len(outside)} trainable parameter(s) ({names}) are not in the optimizer: they "
                           "get gradients but are never updated; set requires_grad=False on them to freeze them "
-                          "without computing those gradients", stacklevel=3)
+                          "without computing those gradients", stacklevel=4)  # the caller of zeroinf.initialize
         dtype = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}[cfg.precision]
         fp32_copies = None
         if dtype != torch.float32:
