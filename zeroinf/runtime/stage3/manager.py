@@ -79,6 +79,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import functools
 import math
 import os
 import time
@@ -559,6 +560,7 @@ class Stage3ParameterManager:
             for g in u.groups:
                 for s in g.slots:
                     if s.param.requires_grad:
+                        self._param_hooks.append(s.param.register_hook(functools.partial(self._pre_accumulate, s.param)))
                         self._param_hooks.append(s.param.register_post_accumulate_grad_hook(self._post_accumulate))
 
     def _remove_param_hooks(self) -> None:
@@ -1198,6 +1200,24 @@ class Stage3ParameterManager:
             self._request(unit, "bwd")
         finally:
             self._busy -= 1
+
+    def _pre_accumulate(self, param: nn.Parameter, grad: torch.Tensor) -> None:
+        """[Note: gradient of a released parameter] Runs just before autograd accumulates
+        ``grad`` into ``param`` (a tensor hook on a leaf). Autograd builds ``param.grad`` with
+        the parameter's own sizes, so the parameter must be gathered then: a released one failed
+        with "The size of tensor a (0) must match the size of tensor b (32)". A parameter whose
+        uses in the forward lie far apart gets its gradient only once every use's backward ran:
+        a head tied to the embedding, whose single accumulation comes at the very end of the
+        backward, after the root unit was released to make room for the blocks (helper-36,
+        /tmp/tester20/t02c_tied_min.py at the smallest stage3_max_live_parameters the config
+        check allows). Such a unit is gathered again here, on demand."""
+        unit = self._slot_of[param][0]
+        if unit.state is not UnitState.GATHERED:
+            self._busy += 1
+            try:
+                self._request(unit, "bwd", record=False)
+            finally:
+                self._busy -= 1
 
     def _post_accumulate(self, param: nn.Parameter) -> None:
         unit, g, s = self._slot_of[param]
