@@ -111,6 +111,21 @@ def test_same_config_adopts_data_of_earlier_run(tmp_path):
     assert torch.equal(dst, src)
 
 
+def test_a_file_of_the_same_size_never_written_is_not_called_stale(tmp_path):
+    """A run that registered its keys but never swapped out (stage 3 with no backward: its
+    gradient files) left files of the right size marked unwritten; the next run with the same
+    config warned of "stale swap files left by a run with other sizes" (helper-36 t10_stale.py,
+    helper-38 t07b)."""
+    TensorSwapper(tmp_path).register("grad", 224, torch.float32)
+    b = TensorSwapper(tmp_path)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        b.register("grad", 224, torch.float32)
+        assert b.report_stale() == 0
+    with pytest.raises(StaleSwapFileError, match="holds no swapped-out data"):  # still nothing to read
+        b.swap_in([("grad", torch.zeros(224))])
+
+
 def test_truncated_file_detected(swapper):
     k = "rank0/subgroup0/exp_avg"
     swapper.swap_out([(k, torch.randn(4097))], async_op=False)

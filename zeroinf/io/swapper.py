@@ -181,11 +181,12 @@ class TensorSwapper:
         path = self.path_for(key)
         on_disk = self._load_entry(key)
         size = path.stat().st_size if path.exists() else None
-        if (on_disk is not None and on_disk.written and size == nbytes and
-                (on_disk.key, on_disk.numel, on_disk.dtype, on_disk.shape) == (key, numel, want.dtype, shape)):
+        same = (on_disk is not None and size == nbytes and
+                (on_disk.key, on_disk.numel, on_disk.dtype, on_disk.shape) == (key, numel, want.dtype, shape))
+        if same and on_disk.written:
             self._entries[key] = on_disk
             return path
-        if size is not None:
+        if size is not None and not same:  # same sizes never written (a run with no backward): nothing stale
             why = ("no manifest entry" if on_disk is None else
                    f"manifest says {on_disk.numel} x {on_disk.dtype} {tuple(on_disk.shape)}, written={on_disk.written}")
             self._stale.append((path, f"key {key!r}: {size} bytes, {why}; expected {nbytes} bytes of {want.dtype}"))
