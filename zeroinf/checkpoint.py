@@ -238,12 +238,11 @@ def save(engine, save_dir: str, tag: Optional[str] = None, client_state: Optiona
                          f"in .saving or .old; got {tag!r}")
     final = os.path.join(save_dir, tag)
     ckpt = final + ".saving"
-    if engine.micro_steps % engine.gas and engine._boundary is None and engine.rank == 0:
-        _log.warning("save_checkpoint(%r) after micro-batch %d of a gradient accumulation window of %d: the window's "
-                     "accumulated gradients are not saved (as in DeepSpeed), so a run resumed from it takes its next "
-                     "optimizer step on the rest of the window only; save after engine.step() at a boundary "
-                     "(engine.is_gradient_accumulation_boundary() was True before it) to resume exactly",
-                     tag, engine.micro_steps % engine.gas, engine.gas)
+    if engine._window_backwards and engine.rank == 0:
+        _log.warning("save_checkpoint(%r) with the gradients of %d backward(s) not yet stepped (inside a gradient "
+                     "accumulation window, or held by no_sync): they are not saved (as in DeepSpeed), so a run resumed "
+                     "from it takes its next optimizer step without them; save after the engine.step() that steps the "
+                     "optimizer to resume exactly", tag, engine._window_backwards)
     engine.synchronize()  # a background optimizer step (stage 3) finishes before its state is read
     if engine.rank == 0 and os.path.isdir(ckpt):
         shutil.rmtree(ckpt)  # left by a save that failed
@@ -536,7 +535,7 @@ def load(engine, load_dir: str, tag: Optional[str] = None) -> Tuple[str, dict]:
                 g[k] = tuple(v) if k == "betas" else v
         engine.global_steps, engine.micro_steps = meta["global_steps"], meta["micro_steps"]
         engine.skipped_steps, engine.optimizer_steps = meta["skipped_steps"], meta["optimizer_steps"]
-        engine.params.zero_grad_acc()
+        engine._forget_gradients()  # accumulated or held by no_sync before the load: not the saved state's
         engine._mark_weights_current()  # weights and masters came from the same checkpoint
         _set_rng_state(rng)
     except Exception as exc:  # every rank must reach the agreement below

@@ -208,6 +208,7 @@ class ZeroEngine:
         self._step_stats = self._new_step_stats()
         self._step_running = False  # a background optimizer step is in flight (stage 3)
         self._backwards = 0  # engine.backward calls since the last engine.step (_check_backward_ran)
+        self._window_backwards = 0  # engine.backward calls since the last optimizer step (a save warns)
         self._boundary: Optional[bool] = None  # set_gradient_accumulation_boundary's value, if called
         self._in_no_sync = False  # inside no_sync(): backward leaves the gradients in .grad, unreduced
         self._unreduced = False  # .grad holds gradients no_sync() kept from the reduction
@@ -414,19 +415,19 @@ class ZeroEngine:
             return self._boundary
         return (self.micro_steps + 1) % self.gas == 0
 
-    def set_gradient_accumulation_boundary(self, is_boundary: bool) -> None:
+    def set_gradient_accumulation_boundary(self, is_boundary: Optional[bool]) -> None:
         """Decide by hand whether the next :meth:`step` is an optimizer step, instead of counting
-        micro-batches (DeepSpeed's method of the same name; from then on the count no longer
-        decides). The loss is still divided by ``gradient_accumulation_steps`` in
-        :meth:`backward`, as in DeepSpeed.
+        micro-batches (DeepSpeed's method of the same name; the value holds until set again,
+        and None goes back to counting). The loss is still divided by
+        ``gradient_accumulation_steps`` in :meth:`backward`, as in DeepSpeed.
 
         Raises:
-            TypeError: ``is_boundary`` is not a bool.
+            TypeError: ``is_boundary`` is neither a bool nor None.
             ValueError: False with ``zeroinf.optimizer_in_backward``, which steps in every backward.
         """
-        if not isinstance(is_boundary, bool):
-            raise TypeError(f"set_gradient_accumulation_boundary(is_boundary): expected a bool, got {is_boundary!r}")
-        if not is_boundary and self._in_bwd:
+        if is_boundary is not None and not isinstance(is_boundary, bool):
+            raise TypeError(f"set_gradient_accumulation_boundary(is_boundary): expected a bool or None, got {is_boundary!r}")
+        if is_boundary is False and self._in_bwd:
             raise ValueError("set_gradient_accumulation_boundary(False): zeroinf.optimizer_in_backward steps the "
                              "weights during every backward, so there is no accumulation to extend")
         self._boundary = is_boundary
@@ -477,6 +478,7 @@ class ZeroEngine:
             raise ValueError("engine.backward(loss): loss must be a scalar tensor that requires grad")
         self._check_added()
         self._backwards += 1  # also when it raises: its gradients went through the engine
+        self._window_backwards += 1
         t0 = time.perf_counter()
         self.synchronize()  # a background step has finished by now (the forward needed its updates)
         if self._in_bwd:
@@ -598,11 +600,7 @@ class ZeroEngine:
             what = f"parameter '{stray}' has a .grad" if stray is not None else "stage 3 reduced gradients"
             # drop them, and this accumulation window's others: the next step would add them in
             self.synchronize()  # a background step may still read the gradient partitions
-            for _n, p, flag in self._requires_grad:
-                if flag:
-                    p.grad = None
-            self.params.zero_grad_acc()
-            self._unreduced = False
+            self._forget_gradients()
             raise RuntimeError(f"zeroinf: engine.step() after a backward that did not run through engine.backward(loss) "
                                f"({what}); call engine.backward(loss) instead of loss.backward(): it scales the loss, "
                                "hands the gradients to the engine and waits for a step still running. The gradients "
@@ -629,7 +627,13 @@ class ZeroEngine:
         if self.is_gradient_accumulation_boundary():
             if self._unreduced:  # no_sync() kept them to the end of the window
                 self._reduce()
-            self._optimizer_step()
+            try:
+                self._optimizer_step()
+            except FloatingPointError:  # at min_loss_scale: the window was skipped and dropped, and counts
+                self._window_backwards = 0
+                self._count_micro_batch()
+                raise
+            self._window_backwards = 0
             if self._step_applied and self.lr_scheduler is not None:
                 # the engine stepped on the optimizer's behalf: tell torch schedulers so (they warn otherwise)
                 self.optimizer._opt_called = True
@@ -640,16 +644,35 @@ class ZeroEngine:
             self._stats = dict(self._step_stats)
             self._step_stats = self._new_step_stats()
             self._log_step()
-        self.micro_steps += 1
-        self._backwards = 0  # a step that raised keeps them: the retry is not refused
-        if getattr(self.params, "manager", None) is not None:
-            self.params.manager.reduced_since_check = False
+        self._count_micro_batch()
         if sched_error is not None:
             if hasattr(sched_error, "add_note"):  # Python 3.11+
                 sched_error.add_note(f"zeroinf: raised by the LR scheduler's step(**{lr_kwargs or {}!r}) after optimizer step "
                                      f"{self.global_steps}, which was applied and counted; a scheduler whose step() "
                                      "needs arguments (ReduceLROnPlateau) takes them from engine.step(lr_kwargs={...})")
             raise sched_error
+
+    def _count_micro_batch(self) -> None:
+        """The end of :meth:`step` (a step that raised otherwise keeps its backwards: the retry
+        is not refused)."""
+        self.micro_steps += 1
+        self._backwards = 0
+        if getattr(self.params, "manager", None) is not None:
+            self.params.manager.reduced_since_check = False
+
+    def _forget_gradients(self) -> None:
+        """Drop every gradient not yet stepped: the accumulation buffers, ``.grad`` that
+        :meth:`no_sync` kept, and the counts of backwards that made them (a checkpoint load
+        does this, so a load rolls back to the saved state and nothing from before it is
+        added to the next step)."""
+        for _n, p, flag in self._requires_grad:
+            if flag:
+                p.grad = None
+        self.params.zero_grad_acc()
+        self._unreduced = False
+        self._backwards = self._window_backwards = 0
+        if getattr(self.params, "manager", None) is not None:
+            self.params.manager.reduced_since_check = False
 
     def _log_step(self) -> None:
         """Every ``steps_per_print`` optimizer steps, rank 0 logs the step count, skipped steps
@@ -723,18 +746,20 @@ class ZeroEngine:
         norm = self._global_norm(cfg.zeroinf.grad_norm_type)
         self._grad_norm = norm
         overflow = not math.isfinite(norm)
+        at_min = None
         if self.loss_scaler is not None:
             try:
                 self.loss_scaler.update(overflow)
-            except FloatingPointError:  # at min_loss_scale: the overflowed gradients go, the run stops
-                self.params.zero_grad_acc()
-                raise
+            except FloatingPointError as exc:  # at min_loss_scale: skipped like any overflow, then raised
+                at_min = exc
         self.global_steps += 1
         self._step_applied = not overflow
         if overflow:
             self.skipped_steps += 1
             self.params.zero_grad_acc()
             self._step_stats["optimizer_s"] += time.perf_counter() - t0
+            if at_min is not None:
+                raise at_min
             return
         grad_scale = self.loss_scaler.scale if self.loss_scaler is not None else 1.0
         if cfg.gradient_clipping > 0:

@@ -56,7 +56,8 @@ class LossScaler:
                         raise FloatingPointError(
                             f"fp16: the gradients overflowed with the loss scale already at fp16.min_loss_scale "
                             f"({self.min_scale:g}), so it cannot be lowered and every step would be skipped (DeepSpeed "
-                            "stops here too); the run has diverged: lower the lr, clip gradients, or train in bf16")
+                            "stops here too); the run has diverged: lower the lr, clip gradients, or train in bf16. "
+                            "The step was skipped and counted: to go on anyway, carry on with the next micro-batch")
                     self.scale = max(self.scale / 2.0, self.min_scale)
                 else:
                     self.cur_hysteresis -= 1
