@@ -10,7 +10,7 @@ advances a cursor, and the units next in the trace are gathered ahead of use, bo
 A request that differs from the trace (a conditional branch, a different generate length), or an
 iteration that ends before its trace does, is a divergence: everything prefetched and not yet
 used is released, the rest of the iteration is served on demand, the new order is recorded and
-replaces the old trace, and a warning is issued once per cause.
+replaces the old trace, and a warning is issued once per kind of divergence.
 """
 from __future__ import annotations
 
@@ -84,19 +84,23 @@ class PrefetchScheduler:
             else:
                 exp = self.trace[self.pos] if self.pos < len(self.trace) else None
                 want = f"{self.m.units[exp[0]].name} ({exp[1]})" if exp else "the end of the trace"
-                self._diverge(f"{exp}->{entry}",
+                self._diverge("other-unit" if exp else "past-the-end",
                               f"expected {want}, got {unit.name} ({phase})")
         hit = unit.index in self.prefetched
         self.prefetched.discard(unit.index)
         return hit
 
     def _diverge(self, cause: str, text: str) -> None:
+        """A divergence. ``cause`` is its kind ("other-unit", "past-the-end",
+        "iteration-ended-early"), not the units involved: a model whose order changes on
+        purpose (LayerDrop, routing) would otherwise warn anew for every pair of units."""
         self.diverged = True
         self.m.stats.add("invalidations")
         if cause not in self._warned:
             self._warned.add(cause)
             warnings.warn(f"zeroinf stage 3: unit order differs from the recorded trace ({text}); "
-                          "serving on demand and recording a new trace. This warning is shown once per cause.",
+                          "serving on demand and recording a new trace. This warning is shown once per kind of "
+                          "divergence; engine.stats()['stage3'] counts them all as invalidations.",
                           RuntimeWarning, stacklevel=3)
         self.drop_prefetched()
         if self.m._staged:
