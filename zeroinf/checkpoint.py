@@ -388,9 +388,16 @@ def _check_files(engine, load_dir: str, tag: Optional[str]):
     if meta["stage"] != engine.config.zero_optimization.stage:
         raise CheckpointError(f"{ckpt}: saved with zero stage {meta['stage']}, this engine has "
                               f"{engine.config.zero_optimization.stage}")
-    if [list(x) for x in meta["sub_groups"]] != mine:
-        raise CheckpointError(f"{ckpt}: saved with sub-groups {meta['sub_groups'][:4]}..., this engine has "
-                              f"{mine[:4]}... (another model, param groups or sub_group_size)")
+    saved = [list(x) for x in meta["sub_groups"]]
+    if saved != mine:
+        i = next((i for i, (a, b) in enumerate(zip(saved, mine)) if a != b), min(len(saved), len(mine)))
+        at = lambda lay: f"{lay[i]}" if i < len(lay) else "none"  # noqa: E731
+        layout = ("the model, its param groups, sub_group_size, or at stage 3 the units "
+                  "(stage3_param_persistence_threshold, the unit classes)")
+        raise CheckpointError(f"{ckpt}: saved with {len(saved)} optimizer sub-groups, this engine has {len(mine)}; "
+                              f"the first that differs, [key, elements, param group]: saved {at(saved)}, here {at(mine)}. "
+                              f"The layout follows {layout}: use the same settings, or consolidate() the "
+                              "checkpoint and load its fp32 weights")
     files = [_optim_file(ckpt, engine.rank, s.key) for s in engine.sub_optimizer.specs]
     rng_file = os.path.join(ckpt, f"rng_rank{engine.rank}.pt")
     for f in files + [rng_file]:
