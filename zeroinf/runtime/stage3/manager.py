@@ -414,7 +414,7 @@ class Stage3ParameterManager:
                                         f"{opts.buffer_size} elements is smaller than the partition of unit '{name}' "
                                         f"({part.key}, {part.shard_numel} elements); the minimum is {part.shard_numel}")
             need = self.min_buffer_count()
-            if opts.buffer_count < need:
+            if self.param_buffer_count() < need:
                 widest = max(self.units, key=lambda u: len(u.groups))
                 why = (f"one unit read ahead plus one read on demand, {len(widest.groups)} partition(s) each "
                        f"(unit '{widest.name}')" if opts.prefetch_bucket_size > 0 else
@@ -430,15 +430,32 @@ class Stage3ParameterManager:
         widest = max((len(u.groups) for u in self.units), default=1) or 1
         return widest * (2 if self.options.prefetch_bucket_size > 0 else 1)
 
+    def _widest_element(self) -> int:
+        """Bytes per element of the widest parameter dtype (4 without partitions)."""
+        return max((torch.empty(0, dtype=g.dtype).element_size() for u in self.units for g in u.groups), default=4)
+
     def staging_buffer_bytes(self) -> int:
         """Bytes per pinned staging buffer: ``offload_param.buffer_size`` elements of the widest
         dtype, capped at the largest unit partition (bytes, rounded up to 4096) since a buffer
         never holds more than one partition (the DeepSpeed default of 1e8 elements would
         otherwise pin ~2 GB for any model)."""
-        parts = [(g.shard_numel, torch.empty(0, dtype=g.dtype).element_size()) for u in self.units for g in u.groups]
-        elem = max((e for _, e in parts), default=4)
-        largest = max((n * e for n, e in parts), default=1) or 1
-        return min(self.options.buffer_size * elem, -(-largest // 4096) * 4096)
+        parts = [g.shard_numel * torch.empty(0, dtype=g.dtype).element_size() for u in self.units for g in u.groups]
+        largest = max(parts, default=1) or 1
+        return min(self.options.buffer_size * self._widest_element(), -(-largest // 4096) * 4096)
+
+    def param_buffer_count(self) -> int:
+        """Staging buffers in the NVMe pool: ``offload_param.buffer_count``, raised to
+        :meth:`min_buffer_count` when the pinned bytes the config allows (``buffer_count x
+        buffer_size`` elements of the widest dtype) hold that many buffers of
+        :meth:`staging_buffer_bytes`. A DeepSpeed config's 5 buffers of 1e8 elements then serve a
+        unit of 3 partitions (frozen, decayed and not decayed parameters), which needs 6 smaller
+        ones (helper-36, /tmp/tester20/t08_tied_frozen_ckpt.py); the pool never pins more than
+        the config's budget."""
+        opts, need = self.options, self.min_buffer_count()
+        if opts.buffer_count >= need:
+            return opts.buffer_count
+        budget = opts.buffer_count * opts.buffer_size * self._widest_element()
+        return need if need * self.staging_buffer_bytes() <= budget else opts.buffer_count
 
     def pinned_bytes(self) -> int:
         """Bytes page-locked by the NVMe staging buffer pool (0 without NVMe parameters)."""
@@ -460,7 +477,7 @@ class Stage3ParameterManager:
                 handle = zio.AsyncIOHandle.from_config(opts.aio) if opts.aio else zio.AsyncIOHandle()
                 swapper = zio.TensorSwapper(d, handle)
             self._swapper = swapper
-            self._pool = zio.PinnedBufferPool(opts.buffer_count, self.staging_buffer_bytes())
+            self._pool = zio.PinnedBufferPool(self.param_buffer_count(), self.staging_buffer_bytes())
             self._cache = HostCache(opts.max_in_cpu, opts.pin_memory, on_hit=self._count_cache_hit) \
                 if opts.max_in_cpu > 0 else None
             self._io = ThreadPoolExecutor(1, thread_name_prefix="zeroinf-stage3-io")
