@@ -1229,7 +1229,8 @@ class Stage3ParameterManager:
         /tmp/tester20/t02c_tied_min.py at the smallest stage3_max_live_parameters the config
         check allows). Such a unit is gathered again here, on demand."""
         unit = self._slot_of[param][0]
-        if unit.state is not UnitState.GATHERED:
+        # in a backward only: torch.autograd.grad(loss, params) accumulates nothing
+        if self._in_backward and unit.state is not UnitState.GATHERED:
             self._busy += 1
             try:
                 self._request(unit, "bwd", record=False)
