@@ -101,7 +101,8 @@ def test_gradient_accumulation_is_the_mean_of_the_micro_batches(tmp_path):
     ref_mid = make_mlp()
     for s in range(steps):  # global steps 1, 2, 3: check the accumulated gradient before each step
         for k in range(gas):
-            engine.backward(F.mse_loss(engine(X[s * gas + k]), Y[s * gas + k]))
+            loss = F.mse_loss(engine(X[s * gas + k]), Y[s * gas + k])
+            assert torch.equal(engine.backward(loss), loss / gas)  # as DeepSpeed returns it
             if k == gas - 1:
                 acc = torch.cat([engine.params.grad(i) for i in range(len(engine.sub_optimizer.specs))])
                 assert torch.allclose(acc[:ref_grads[s].numel()], ref_grads[s], atol=1e-7, rtol=1e-6), f"step {s + 1}"
@@ -659,8 +660,8 @@ def test_deepspeed_keywords_of_backward_and_step():
     model = make_mlp()
     engine, *_ = zeroinf.initialize(model, config=config(1, "cpu", gas=2))
     loss = F.mse_loss(engine(X[0]), Y[0])
-    engine.backward(loss, retain_graph=True, scale_wrt_gas=False)
-    engine.backward(2 * loss, scale_wrt_gas=False)
+    assert engine.backward(loss, retain_graph=True, scale_wrt_gas=False) is loss
+    assert torch.equal(engine.backward(2 * loss, scale_wrt_gas=False), 2 * loss)
     engine.step()
     engine.backward(F.mse_loss(engine(X[1]), Y[1]), scale_wrt_gas=False)
     engine.step()
@@ -672,7 +673,8 @@ def test_deepspeed_keywords_of_backward_and_step():
     engine, opt, *_ = zeroinf.initialize(model, config=config(2, "cpu"), lr_scheduler=lambda o:
                                          torch.optim.lr_scheduler.ReduceLROnPlateau(o, factor=0.5, patience=0))
     for metric in (1.0, 2.0):
-        engine.backward(F.mse_loss(engine(X[0]), Y[0]))
+        loss = F.mse_loss(engine(X[0]), Y[0])
+        assert engine.backward(loss) is loss  # gradient_accumulation_steps 1: nothing to divide
         engine.step(lr_kwargs={"metrics": metric})
     assert opt.param_groups[0]["lr"] == LR / 2
     # without them the scheduler raises, once the step is applied and counted: a retry is not

@@ -464,7 +464,8 @@ class ZeroEngine:
     def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True) -> torch.Tensor:
         """Backward of ``loss / gradient_accumulation_steps`` (times the loss scale with fp16),
         then reduce this micro-batch's gradients into the fp32 accumulation buffers. Returns
-        ``loss``. DeepSpeed's keywords: ``retain_graph`` is passed to autograd (a second
+        ``loss / gradient_accumulation_steps`` (``loss`` itself with ``scale_wrt_gas=False``),
+        as DeepSpeed does. DeepSpeed's keywords: ``retain_graph`` is passed to autograd (a second
         backward through the same graph adds its gradients, as in plain PyTorch);
         ``scale_wrt_gas=False`` leaves out the division by ``gradient_accumulation_steps``.
 
@@ -512,7 +513,7 @@ class ZeroEngine:
             self._unreduced = True
         else:
             self._reduce()
-        return loss
+        return loss / self.gas if scale_wrt_gas and self.gas > 1 else loss
 
     def _reduce(self) -> None:
         """Reduce the gradients in ``.grad`` into the accumulation buffers (stages 0-2; stage 3
