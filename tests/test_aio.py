@@ -222,6 +222,33 @@ def test_a_handle_dropped_with_pending_requests_finishes_them_and_closes_their_f
         gc.collect()
     assert fds() == before
 
+def test_a_queue_longer_than_the_file_descriptors_allow_is_finished_early(backend, tmp_path, monkeypatch):
+    """Each queued request holds its file open until collected: 125 queued writes ran out of
+    descriptors under a limit of 256 ("Too many open files"). A submission that runs out now
+    finishes the queue first; wait() still reports every request, and every error."""
+    import resource
+
+    src = _rand_bytes(4096 + 7)
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    for fault in ("", "enospc:4096"):
+        monkeypatch.setenv("ZEROINF_AIO_FAULT", fault)
+        h = AsyncIOHandle(block_size=4096, queue_depth=2)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (len(os.listdir("/proc/self/fd")) + 40, hard))
+        try:
+            for i in range(60):
+                h.async_pwrite(src, tmp_path / f"{fault or 'ok'}{i}")
+        finally:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+        if fault:
+            with pytest.raises(AIOError) as ei:
+                h.wait()
+            assert len(ei.value.other_errors) == 59  # none of the early-finished failures is lost
+        else:
+            assert h.wait() == 60
+            assert all((tmp_path / f"ok{i}").read_bytes() == _bytes(src) for i in range(60))
+        h.close()
+
+
 def test_deepspeed_aio_handle_calls_carry_over(backend, tmp_path):
     """DeepSpeed's positional constructor order and its read/write/pread/pwrite; a read at offset
     0 takes the buffer's bytes, as DeepSpeed's sync_pread does (it was a whole-file read: two

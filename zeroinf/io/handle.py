@@ -290,6 +290,9 @@ class AsyncIOHandle:
         self._lock = threading.Lock()      # guards _pending
         self._wait_lock = threading.RLock()  # one collector at a time (sync ops and wait())
         self._pending: Dict[int, _Pending] = {}
+        # requests finished early to free file descriptors (_drain), reported by the next wait()
+        self._drained = 0
+        self._drained_errors: List[AIOError] = []
         self._pid = os.getpid()
         self._closed = False
         _LIVE_HANDLES.add(self)
@@ -419,7 +422,16 @@ class AsyncIOHandle:
             raise ValueError(f"a whole-file read starts at offset 0, got file_offset={file_offset}")
         flat = _byte_view(buffer)
         nbytes = flat.numel()
-        fd, fd_direct = self._open(path, is_read, file_offset, nbytes, whole_file)
+        try:
+            fd, fd_direct = self._open(path, is_read, file_offset, nbytes, whole_file)
+        except AIOError as exc:
+            # each queued request holds its file open (2 descriptors) until it is collected: a
+            # long queue ran out of them ("Too many open files" at the 125th 4 KiB write under
+            # a limit of 256: the ninth session's note). Finish the queue, then open again.
+            if exc.errno not in (errno.EMFILE, errno.ENFILE) or not self.pending():
+                raise
+            self._drain()
+            fd, fd_direct = self._open(path, is_read, file_offset, nbytes, whole_file)
         try:
             rid = self._engine.submit(is_read, flat, nbytes, fd_direct, fd, file_offset)
         except BaseException:
@@ -497,12 +509,14 @@ class AsyncIOHandle:
 
     def async_pread(self, buffer: torch.Tensor, filename, file_offset: int = 0, *, whole_file: bool = False) -> None:
         """Queue a read like :meth:`sync_pread`; returns once submitted. Errors in opening or
-        size checks raise here; transfer errors raise from :meth:`wait`."""
+        size checks raise here; transfer errors raise from :meth:`wait`. Each queued request
+        holds its file open until collected; a submission that finds no free file descriptor
+        first finishes the queue (its count and errors still come from :meth:`wait`)."""
         self._submit(True, buffer, filename, file_offset, whole_file)
 
     def async_pwrite(self, buffer: torch.Tensor, filename, file_offset: int = 0) -> None:
         """Queue a write like :meth:`sync_pwrite`; returns once submitted. Do not modify
-        ``buffer`` before :meth:`wait` returns."""
+        ``buffer`` before :meth:`wait` returns. File descriptors as in :meth:`async_pread`."""
         self._submit(False, buffer, filename, file_offset)
 
     def read(self, buffer: torch.Tensor, filename, validate: bool = False) -> int:
@@ -543,7 +557,8 @@ class AsyncIOHandle:
         """Wait for every queued request.
 
         Returns:
-            The number of requests completed (0 when nothing was pending).
+            The number of requests completed since the last wait (0 when nothing was pending),
+            including those a submission finished early to free file descriptors.
 
         Raises:
             AIOError subclass: the first failed request (in submission order); the other
@@ -552,7 +567,8 @@ class AsyncIOHandle:
         """
         with self._wait_lock:
             recs = self._engine.wait_all()
-            errors: List[AIOError] = []
+            errors, self._drained_errors = self._drained_errors, []
+            count, self._drained = self._drained + len(recs), 0
             for rec in recs:
                 exc = self._finish(rec)
                 if exc is not None:
@@ -560,7 +576,18 @@ class AsyncIOHandle:
         if errors:
             errors[0].other_errors = errors[1:]
             raise errors[0]
-        return len(recs)
+        return count
+
+    def _drain(self) -> None:
+        """Finish every queued request now, closing its files; their count and errors are kept
+        for the next :meth:`wait`, which reports them as if it had collected them."""
+        with self._wait_lock:
+            recs = self._engine.wait_all()
+            for rec in recs:
+                exc = self._finish(rec)
+                if exc is not None:
+                    self._drained_errors.append(exc)
+            self._drained += len(recs)
 
     def pending(self) -> int:
         """Requests submitted and not yet collected by :meth:`wait`."""
