@@ -69,6 +69,14 @@ def test_init_then_initialize_equals_normal_build(tmp_path, tier):
     # a copy would hold the empty placeholders (initialize on it failed: "'weight' must be 2-D")
     with pytest.raises(TypeError, match="zeroinf.Init: this parameter holds an empty placeholder"):
         copy.deepcopy(model)
+    # state_dict before initialize (torch.save, save_pretrained) gives the held values: it gave
+    # the empty placeholders, silently ([Note: state_dict before initialize])
+    early = model.state_dict()
+    assert set(early) == set(ref.state_dict())
+    for name, v in ref.state_dict().items():
+        assert torch.equal(early[name], v), name
+    named = dict(model.named_parameters(remove_duplicate=False))
+    assert all(v is named[k] for k, v in model.state_dict(keep_vars=True).items() if k in named)  # the objects
     engine, *_ = zeroinf.initialize(model=model, config=cfg)
     sd = engine.module.state_dict()
     for name, p in ref.named_parameters():

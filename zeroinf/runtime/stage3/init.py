@@ -13,7 +13,8 @@ a time into the partitions, so at no point does the whole model sit in memory.
 
 Changes made after a constructor returned (a Hugging Face ``post_init``) still apply: see
 [Note: late initialisation]. After the ``with`` block a moved-out parameter is an empty
-placeholder until ``zeroinf.initialize`` takes it; change weights then inside
+placeholder until ``zeroinf.initialize`` takes it (``state_dict()`` gives its held values:
+[Note: state_dict before initialize]); change weights then inside
 ``zeroinf.gathered_parameters(..., modifier_rank=0)`` or load them with ``load_safetensors``.
 """
 from __future__ import annotations
@@ -302,6 +303,9 @@ class Init:
 
     # --- moving values ------------------------------------------------------------------------
     def _move_out(self, module: nn.Module) -> None:
+        if module._parameters and not getattr(module, "_zeroinf_held_hook", False):
+            module._register_state_dict_hook(_held_state_dict_hook)
+            module._zeroinf_held_hook = True
         for p in module._parameters.values():
             if p is None or p in _HELD or p.numel() == 0 or (self._back is not None and p is self._back[0]):
                 continue
@@ -409,6 +413,23 @@ class Init:
             self.held_bytes_nvme -= out.numel() * out.element_size()
         self._one_less()
         return out.view(held.shape)
+
+
+def _held_state_dict_hook(module: nn.Module, state_dict: Dict[str, Any], prefix: str, local_metadata) -> None:
+    """[Note: state_dict before initialize] Between the ``Init`` block and
+    ``zeroinf.initialize`` a moved-out parameter is an empty placeholder, so
+    ``model.state_dict()`` (``torch.save``, ``save_pretrained``) held empty tensors, silently.
+    This hook, on every module whose parameters ``Init`` moved out, puts a copy of the held
+    values in their place (read from the swap file on NVMe). Once the manager took a
+    parameter's values it is no longer held and the hook leaves it to the engine's own."""
+    for name, p in module._parameters.items():
+        key = prefix + name
+        if p is None or state_dict.get(key) is p:  # keep_vars=True: the parameter object stays
+            continue
+        with _LOCK:
+            held = _HELD.get(p)
+        if held is not None and key in state_dict:
+            state_dict[key] = held.owner._peek(held)
 
 
 def _all_module_classes() -> List[type]:
