@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 import zeroinf
-from stage3_models import TinyLM
+from stage3_models import TinyLM, batch
 
 
 def _cfg(tier, path):
@@ -75,6 +75,9 @@ def test_init_then_initialize_equals_normal_build(tmp_path, tier):
     assert set(early) == set(ref.state_dict())
     for name, v in ref.state_dict().items():
         assert torch.equal(early[name], v), name
+    held = r"parameter 'weight' \(shape \(37, 16\)\) of this Embedding is held by zeroinf.Init"
+    with pytest.raises(RuntimeError, match=held):
+        model(batch(0)[0])  # a forward before initialize: "mat2 must be a matrix" or worse
     named = dict(model.named_parameters(remove_duplicate=False))
     assert all(v is named[k] for k, v in model.state_dict(keep_vars=True).items() if k in named)  # the objects
     engine, *_ = zeroinf.initialize(model=model, config=cfg)

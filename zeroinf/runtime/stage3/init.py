@@ -305,6 +305,7 @@ class Init:
     def _move_out(self, module: nn.Module) -> None:
         if module._parameters and not getattr(module, "_zeroinf_held_hook", False):
             module._register_state_dict_hook(_held_state_dict_hook)
+            module.register_forward_pre_hook(_held_forward_pre_hook)
             module._zeroinf_held_hook = True
         for p in module._parameters.values():
             if p is None or p in _HELD or p.numel() == 0 or (self._back is not None and p is self._back[0]):
@@ -430,6 +431,20 @@ def _held_state_dict_hook(module: nn.Module, state_dict: Dict[str, Any], prefix:
             held = _HELD.get(p)
         if held is not None and key in state_dict:
             state_dict[key] = held.owner._peek(held)
+
+
+def _held_forward_pre_hook(module: nn.Module, args) -> None:
+    """A forward of a module whose parameter ``Init`` still holds (before ``zeroinf.initialize``)
+    computed on the empty placeholder: "mat2 must be a matrix, got 1-D tensor". Raise saying so."""
+    for name, p in module._parameters.items():
+        with _LOCK:
+            held = _HELD.get(p) if p is not None else None
+        if held is not None:
+            raise RuntimeError(
+                f"zeroinf.Init: parameter '{name}' (shape {tuple(held.shape)}) of this {type(module).__name__} is held by "
+                "zeroinf.Init until zeroinf.initialize takes it, and is an empty placeholder until then, so this "
+                "forward would compute on nothing: call zeroinf.initialize(model=...) first, or read the weights "
+                "inside zeroinf.gathered_parameters(...)")
 
 
 def _all_module_classes() -> List[type]:
