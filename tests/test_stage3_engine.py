@@ -988,6 +988,27 @@ def test_buffer_size_and_count_checked_at_initialize(tmp_path):
         zeroinf.initialize(model=TinyLM(), config=cfg)
 
 
+def test_two_engines_on_one_nvme_path_keep_their_own_swap_files(tmp_path):
+    """An actor and a reference model with one config: the second initialize wrote into the
+    first engine's parameter swap files, 0.66 off (helper-39, t02_two_engines_same_nvme.py)."""
+    cfg = _config("nvme", "nvme", tmp_path)
+    a_ref, b_ref = TinyLM(), TinyLM()
+    with torch.no_grad():
+        for p in b_ref.parameters():
+            p.add_(1.0)
+    a, *_ = zeroinf.initialize(model=copy.deepcopy(a_ref), config=cfg)
+    b, *_ = zeroinf.initialize(model=copy.deepcopy(b_ref), config=cfg)
+    for engine, ref in ((a, a_ref), (b, b_ref)):
+        sd = _state(engine)
+        for name, p in ref.named_parameters():
+            assert torch.equal(sd[name], p.detach()), name
+    _run(b, 1)  # b's step writes its partitions and optimizer state: a's stay
+    sd = _state(a)
+    assert all(torch.equal(sd[n], p.detach()) for n, p in a_ref.named_parameters())
+    a.close()
+    b.close()
+
+
 def test_buffer_count_below_the_minimum_is_carved_from_the_configured_bytes(tmp_path):
     """Units of several partitions (frozen and trainable) need more staging buffers than a
     DeepSpeed config's buffer_count (helper-36: 5 refused, 6 needed); when buffer_count x

@@ -69,6 +69,7 @@ def test_stale_file_of_other_size_detected(tmp_path):
     a = TensorSwapper(tmp_path)
     a.register("k", 100, torch.float32)
     a.swap_out([("k", torch.ones(100))], async_op=False)
+    a.close()
     b = TensorSwapper(tmp_path)  # a later run with another config
     b.register("k", 200, torch.float32)
     with pytest.warns(RuntimeWarning, match=r"1 stale swap file\(s\) in .*zeroinf-swap"):
@@ -102,6 +103,7 @@ def test_same_config_adopts_data_of_earlier_run(tmp_path):
     a = TensorSwapper(tmp_path)
     a.register("k", 321, torch.float32)
     a.swap_out([("k", src)], async_op=False)
+    a.close()
     b = TensorSwapper(tmp_path)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
@@ -126,6 +128,28 @@ def test_a_file_of_the_same_size_never_written_is_not_called_stale(tmp_path):
         b.swap_in([("grad", torch.zeros(224))])
 
 
+def test_two_live_swappers_on_one_folder_do_not_share_files(tmp_path):
+    """Two engines with one config and one nvme_path (an actor and a reference model) used the
+    same swap files, and the first one's weights changed silently (helper-39,
+    /tmp/tester23/t02_two_engines_same_nvme.py) [Note: one swapper per folder]."""
+    a, b = TensorSwapper(tmp_path), TensorSwapper(tmp_path)
+    assert a.directory != b.directory and b.directory.name == "zeroinf-swap.1"
+    for s, value in ((a, 1.0), (b, 2.0)):
+        s.register("k", 1000, torch.float32)
+        s.swap_out([("k", torch.full((1000,), value))], async_op=False)
+    got = torch.zeros(1000)
+    a.swap_in([("k", got)], async_op=False)
+    assert torch.equal(got, torch.ones(1000))
+    a.close()
+    b.close()
+    c = TensorSwapper(tmp_path)  # a later run takes the first folder again, and its data
+    assert c.directory == a.directory
+    c.register("k", 1000, torch.float32)
+    c.swap_in([("k", got)], async_op=False)
+    assert torch.equal(got, torch.ones(1000))
+    c.close()
+
+
 def test_truncated_file_detected(swapper):
     k = "rank0/subgroup0/exp_avg"
     swapper.swap_out([(k, torch.randn(4097))], async_op=False)
@@ -133,6 +157,7 @@ def test_truncated_file_detected(swapper):
     with pytest.raises(StaleSwapFileError, match="has 4096 bytes, expected 16388"):
         swapper.swap_in([(k, torch.zeros(4097))])
     # and across processes: a fresh swapper refuses the truncated file as well
+    swapper.close()
     again = TensorSwapper(swapper.directory.parent)
     again.register(k, 4097, torch.float32)
     with pytest.warns(RuntimeWarning, match="1 stale swap file"):  # reported at the first swap

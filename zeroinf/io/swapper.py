@@ -3,8 +3,10 @@
 Layout: ``<swap_dir>/zeroinf-swap/`` (mode 0700) holds, per key, ``<name>.swp`` (mode 0600,
 exactly the tensor's bytes) and ``<name>.json`` (its manifest entry: key, numel, dtype, shape,
 nbytes, whether it holds swapped-out data, optional CRC32). ``<name>`` comes from the key alone
-(a readable slug plus a hash of the key), so two processes that register the same keys use the
-same files — never ``id()`` or registration order.
+(a readable slug plus a hash of the key), so a later process that registers the same keys uses
+the same files — never ``id()`` or registration order. Swappers alive at the same time (two
+engines on one ``nvme_path``) get folders of their own: ``zeroinf-swap.1``, ... ([Note: one
+swapper per folder]).
 
 [Note: stale files] A file is read as weights only when its manifest entry says it was written
 for this key with the same numel/dtype/shape *and* the file has exactly that many bytes. Files
@@ -65,6 +67,36 @@ def tensor_crc32(t: torch.Tensor, value: int = 0) -> int:
     return zlib.crc32(memoryview(flat.view(torch.uint8).numpy()), value)
 
 
+def _claim(base: Path) -> Tuple[Path, int]:
+    """[Note: one swapper per folder] The swap folder under ``base`` for a new swapper, and the
+    descriptor that holds its lock: ``zeroinf-swap``, or ``zeroinf-swap.1``, ``.2``, ... when a
+    live swapper (this process or another) holds the first. File names come from the keys alone,
+    so two engines with one config and one ``nvme_path`` (an actor and a reference model, or two
+    jobs) wrote each other's swap files, and the first engine's weights changed silently
+    (helper-39, /tmp/tester23/t02_two_engines_same_nvme.py). The lock is a ``flock`` on
+    ``.lock`` in the folder, released by :meth:`TensorSwapper.close` or when the process ends,
+    so a later run adopts the folder (and the data of the same keys, see [Note: stale files]).
+    A file system without ``flock`` (ENOLCK, EOPNOTSUPP) gets the first folder, unlocked."""
+    import fcntl
+
+    for i in range(1000):
+        d = base / (_SUBDIR if i == 0 else f"{_SUBDIR}.{i}")
+        d.mkdir(mode=0o700, exist_ok=True)
+        os.chmod(d, 0o700)
+        fd = os.open(d / ".lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return d, fd
+        except BlockingIOError:
+            os.close(fd)
+        except OSError as exc:
+            if exc.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS):
+                os.close(fd)
+                raise
+            return d, fd
+    raise make_error(errno.EBUSY, f"swap directory {base}: 1000 swap folders are in use", str(base), 0, 0, 0)
+
+
 class TensorSwapper:
     """Swap named CPU tensors to files and back through an :class:`AsyncIOHandle`.
 
@@ -86,9 +118,7 @@ class TensorSwapper:
             raise make_error(errno.ENOENT, f"swap directory {base} does not exist", str(base), 0, 0, 0)
         if not base.is_dir():
             raise NotADirectoryError(errno.ENOTDIR, "swap_dir is not a directory", str(base))
-        self.directory = base / _SUBDIR
-        self.directory.mkdir(mode=0o700, exist_ok=True)
-        os.chmod(self.directory, 0o700)
+        self.directory, self._lock_fd = _claim(base)
         self._own_handle = handle is None
         self.handle = handle if handle is not None else AsyncIOHandle()
         self.checksum = bool(checksum)
@@ -323,11 +353,23 @@ class TensorSwapper:
                                                 e.nbytes)
         return len(pending)
 
+    def __del__(self) -> None:
+        fd = getattr(self, "_lock_fd", -1)  # dropped unclosed: let the folder go
+        if fd >= 0:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+
     def close(self) -> None:
-        """Wait for queued swaps (raising their errors); files stay for a later run."""
+        """Wait for queued swaps (raising their errors); files stay for a later run, and the
+        folder's lock goes ([Note: one swapper per folder])."""
         self.report_stale()
         try:
             self.wait()
         finally:
             if self._own_handle:
                 self.handle.close()
+            if self._lock_fd >= 0:
+                os.close(self._lock_fd)
+                self._lock_fd = -1
