@@ -419,8 +419,13 @@ class Stage3ParameterManager:
                 why = (f"one unit read ahead plus one read on demand, {len(widest.groups)} partition(s) each "
                        f"(unit '{widest.name}')" if opts.prefetch_bucket_size > 0 else
                        f"unit '{widest.name}' reads {len(widest.groups)} partition(s) at once")
+                parts = [g.shard_numel * torch.empty(0, dtype=g.dtype).element_size() for u in self.units for g in u.groups]
+                per = -(-max(parts) // 4096) * 4096  # a buffer of the largest partition
+                size = -(-need * per // (opts.buffer_count * self._widest_element()))
                 raise Stage3ConfigError("zero_optimization.offload_param.buffer_count",
-                                        f"{opts.buffer_count} is too few for {why}; the minimum is {need}")
+                                        f"{opts.buffer_count} is too few for {why}; the minimum is {need}, or a "
+                                        f"buffer_size of at least {size} elements, whose bytes hold {need} buffers "
+                                        "of the largest partition")
 
     def min_buffer_count(self) -> int:
         """Pinned staging buffers needed for NVMe partitions: one per partition (dtype) of the
@@ -965,6 +970,17 @@ class Stage3ParameterManager:
                 # the next unit's backward hook fires on the very gradient that completes this unit's
                 # inputs, before that input hook: at the live limit the two would not both fit. A
                 # frozen weight still needed is gathered again through the saved-tensor hooks
+                self.release(u)
+        for u in self.units:  # then, in a backward, units whose gradients are still to come
+            if self._live + unit.numel <= limit:
+                break
+            if (self._in_backward and u.state is UnitState.GATHERED and u.gather_works is None and not u.persistent
+                    and u not in self._active and u not in self._foreign):
+                # two forwards and one backward of their sum (DPO, siamese), or a gradient penalty
+                # before the backward, leave a unit waiting for the other call's gradients while the
+                # next one must come in (helper-39, t05_two_fwd.py, t12_gradpen.py). Its weights are
+                # gathered again when a saved tensor or a gradient's accumulation needs them
+                # ([Note: gradient of a released parameter]); its partial gradient stays in grad_full
                 self.release(u)
         if self._live + unit.numel > limit:
             live = [u.name for u in self.units if u.state is not UnitState.RELEASED and not u.persistent]
