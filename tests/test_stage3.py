@@ -229,7 +229,11 @@ def test_limits_checked_at_construction():
                                                buffer_size=2000))
     with pytest.raises(Stage3ConfigError, match=r"offload_param.buffer_count: 1 is too few for one unit read ahead.*minimum is 2"):
         Stage3ParameterManager(TinyLM(), _opts(offload_param_device="nvme", nvme_path="/nonexistent",
-                                               buffer_count=1))
+                                               buffer_count=1, buffer_size=2128))
+    # a buffer_size whose bytes hold the 2 buffers: buffer_count 1 passes (raised to 2), the path is next
+    with pytest.raises(Stage3ConfigError, match=r"nvme_path: '/nonexistent' does not exist"):
+        Stage3ParameterManager(TinyLM(), _opts(offload_param_device="nvme", nvme_path="/nonexistent",
+                                               buffer_count=1, buffer_size=10_000))
     with pytest.raises(Stage3ConfigError, match=r"offload_param.device: 'disk'"):
         _opts(offload_param_device="disk")
 
