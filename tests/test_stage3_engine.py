@@ -1326,6 +1326,21 @@ def test_frozen_weights_used_after_a_units_trainable_ones_in_the_backward(tmp_pa
     engine.close()
 
 
+def _at_smallest_live_limit(ref, cfg):
+    """An engine on a copy of ``ref`` at the smallest stage3_max_live_parameters the config
+    check accepts (read from its refusal of 1); returns (engine, limit)."""
+    import re
+
+    from zeroinf.runtime.stage3.options import Stage3ConfigError
+
+    cfg["zero_optimization"]["stage3_max_live_parameters"] = 1
+    with pytest.raises(Stage3ConfigError, match="the minimum is") as ei:
+        zeroinf.initialize(model=copy.deepcopy(ref), config=cfg)
+    limit = int(re.search(r"minimum is (\d+)", str(ei.value)).group(1))
+    cfg["zero_optimization"]["stage3_max_live_parameters"] = limit
+    return zeroinf.initialize(model=copy.deepcopy(ref), config=cfg)[0], limit
+
+
 @pytest.mark.parametrize("frozen_ln", [False, True])
 def test_training_at_the_smallest_live_parameter_limit_the_config_check_allows(tmp_path, frozen_ln):
     """With units kept until their inputs' gradients are computed (ae991dc), the next unit's
@@ -1333,21 +1348,11 @@ def test_training_at_the_smallest_live_parameter_limit_the_config_check_allows(t
     the config check names (root + largest unit): "would exceed ... in use: ['<root>',
     'blocks.3']" (helper-35, /tmp/tester19/t02_minlive.py). Such a unit is released last, when
     nothing else frees room."""
-    import re
-
-    from zeroinf.runtime.stage3.options import Stage3ConfigError
-
     ref = TinyLM()
     if frozen_ln:
         for b in ref.blocks:
             b.ln.requires_grad_(False)
-    cfg = _config("cpu", "cpu", tmp_path, stage3_max_live_parameters=1, stage3_prefetch_bucket_size=0)
-    with pytest.raises(Stage3ConfigError, match="the minimum is") as ei:
-        zeroinf.initialize(model=copy.deepcopy(ref), config=cfg)
-    limit = int(re.search(r"minimum is (\d+)", str(ei.value)).group(1))
-    cfg["zero_optimization"]["stage3_max_live_parameters"] = limit
-    model = copy.deepcopy(ref)
-    engine, *_ = zeroinf.initialize(model=model, config=cfg)
+    engine, limit = _at_smallest_live_limit(ref, _config("cpu", "cpu", tmp_path, stage3_prefetch_bucket_size=0))
     _assert_like_reference(engine, ref, _run(engine, 3), _reference(ref, 3, [p for p in ref.parameters() if p.requires_grad]))
     assert engine.stats()["stage3"]["live_high_water"] <= limit
     engine.close()
@@ -1415,18 +1420,8 @@ def test_two_forwards_and_one_backward_at_the_smallest_live_parameter_limit(tmp_
     """A unit waiting for the other forward's gradients could not be released, so the next one
     found no room: "would exceed ... in use: ['blocks.2']" (helper-39, /tmp/tester23/t05_two_fwd.py).
     It is released as a last resort and gathered again when its weights are needed."""
-    import re
-
-    from zeroinf.runtime.stage3.options import Stage3ConfigError
-
     ref = TinyLM()
-    cfg = _config("cpu", "cpu", tmp_path, stage3_max_live_parameters=1, stage3_param_persistence_threshold=0)
-    with pytest.raises(Stage3ConfigError, match="the minimum is") as ei:
-        zeroinf.initialize(model=copy.deepcopy(ref), config=cfg)
-    limit = int(re.search(r"minimum is (\d+)", str(ei.value)).group(1))
-    cfg["zero_optimization"]["stage3_max_live_parameters"] = limit
-    model = copy.deepcopy(ref)
-    engine, *_ = zeroinf.initialize(model=model, config=cfg)
+    engine, limit = _at_smallest_live_limit(ref, _config("cpu", "cpu", tmp_path, stage3_param_persistence_threshold=0))
     opt = torch.optim.AdamW(ref.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, foreach=False)
     for step in range(3):
         (x1, y1), (x2, y2) = batch(2 * step), batch(2 * step + 1)

@@ -598,12 +598,10 @@ def _parse_checkpoint(config: Mapping) -> CheckpointConfig:
     c = _block(config, "checkpoint", "")
     _check_keys(c, "checkpoint", ("tag_validation", "load_universal", "use_node_local_storage", "parallel_write"))
     for key in ("load_universal", "use_node_local_storage"):
-        if _bool(c, key, "checkpoint", False):
-            raise ConfigError(f"checkpoint.{key}", "not supported yet (only false is accepted)")
+        _unsupported_if(c, key, "checkpoint", False)
     par = _block(c, "parallel_write", "checkpoint")
     _check_keys(par, "checkpoint.parallel_write", ("pipeline_stage",))
-    if _bool(par, "pipeline_stage", "checkpoint.parallel_write", False):
-        raise ConfigError("checkpoint.parallel_write.pipeline_stage", "not supported yet (only false is accepted)")
+    _unsupported_if(par, "pipeline_stage", "checkpoint.parallel_write", False)
     return CheckpointConfig(tag_validation=_choice(c, "tag_validation", "checkpoint", "warn", ("ignore", "warn", "fail")))
 
 

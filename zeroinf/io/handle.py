@@ -566,21 +566,17 @@ class AsyncIOHandle:
             their files closed before it raises.
         """
         with self._wait_lock:
-            recs = self._engine.wait_all()
+            self._drain()
             errors, self._drained_errors = self._drained_errors, []
-            count, self._drained = self._drained + len(recs), 0
-            for rec in recs:
-                exc = self._finish(rec)
-                if exc is not None:
-                    errors.append(exc)
+            count, self._drained = self._drained, 0
         if errors:
             errors[0].other_errors = errors[1:]
             raise errors[0]
         return count
 
     def _drain(self) -> None:
-        """Finish every queued request now, closing its files; their count and errors are kept
-        for the next :meth:`wait`, which reports them as if it had collected them."""
+        """Finish every queued request now, closing its files; their count and errors (in
+        submission order) are kept for :meth:`wait` to report."""
         with self._wait_lock:
             recs = self._engine.wait_all()
             for rec in recs:

@@ -423,6 +423,8 @@ def _held_state_dict_hook(module: nn.Module, state_dict: Dict[str, Any], prefix:
     This hook, on every module whose parameters ``Init`` moved out, puts a copy of the held
     values in their place (read from the swap file on NVMe). Once the manager took a
     parameter's values it is no longer held and the hook leaves it to the engine's own."""
+    if not _HELD:  # nothing held any more (after initialize): the hooks stay, at the cost of this test
+        return
     for name, p in module._parameters.items():
         key = prefix + name
         if p is None or state_dict.get(key) is p:  # keep_vars=True: the parameter object stays
@@ -435,7 +437,11 @@ def _held_state_dict_hook(module: nn.Module, state_dict: Dict[str, Any], prefix:
 
 def _held_forward_pre_hook(module: nn.Module, args) -> None:
     """A forward of a module whose parameter ``Init`` still holds (before ``zeroinf.initialize``)
-    computed on the empty placeholder: "mat2 must be a matrix, got 1-D tensor". Raise saying so."""
+    computed on the empty placeholder: "mat2 must be a matrix, got 1-D tensor". Raise saying so.
+    On every forward of such a module for good: after initialize ``_HELD`` is empty and the
+    first test returns."""
+    if not _HELD:
+        return
     for name, p in module._parameters.items():
         with _LOCK:
             held = _HELD.get(p) if p is not None else None

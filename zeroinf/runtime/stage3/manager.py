@@ -419,9 +419,7 @@ class Stage3ParameterManager:
                 why = (f"one unit read ahead plus one read on demand, {len(widest.groups)} partition(s) each "
                        f"(unit '{widest.name}')" if opts.prefetch_bucket_size > 0 else
                        f"unit '{widest.name}' reads {len(widest.groups)} partition(s) at once")
-                parts = [g.shard_numel * torch.empty(0, dtype=g.dtype).element_size() for u in self.units for g in u.groups]
-                per = -(-max(parts) // 4096) * 4096  # a buffer of the largest partition
-                size = -(-need * per // (opts.buffer_count * self._widest_element()))
+                size = -(-need * self._largest_partition_bytes() // (opts.buffer_count * self._widest_element()))
                 raise Stage3ConfigError("zero_optimization.offload_param.buffer_count",
                                         f"{opts.buffer_count} is too few for {why}; the minimum is {need}, or a "
                                         f"buffer_size of at least {size} elements, whose bytes hold {need} buffers "
@@ -439,14 +437,18 @@ class Stage3ParameterManager:
         """Bytes per element of the widest parameter dtype (4 without partitions)."""
         return max((torch.empty(0, dtype=g.dtype).element_size() for u in self.units for g in u.groups), default=4)
 
+    def _largest_partition_bytes(self) -> int:
+        """Bytes of the largest unit partition, rounded up to 4096 (O_DIRECT)."""
+        largest = max((g.shard_numel * torch.empty(0, dtype=g.dtype).element_size()
+                       for u in self.units for g in u.groups), default=1) or 1
+        return -(-largest // 4096) * 4096
+
     def staging_buffer_bytes(self) -> int:
         """Bytes per pinned staging buffer: ``offload_param.buffer_size`` elements of the widest
         dtype, capped at the largest unit partition (bytes, rounded up to 4096) since a buffer
         never holds more than one partition (the DeepSpeed default of 1e8 elements would
         otherwise pin ~2 GB for any model)."""
-        parts = [g.shard_numel * torch.empty(0, dtype=g.dtype).element_size() for u in self.units for g in u.groups]
-        largest = max(parts, default=1) or 1
-        return min(self.options.buffer_size * self._widest_element(), -(-largest // 4096) * 4096)
+        return min(self.options.buffer_size * self._widest_element(), self._largest_partition_bytes())
 
     def param_buffer_count(self) -> int:
         """Staging buffers in the NVMe pool: ``offload_param.buffer_count``, raised to
@@ -582,7 +584,7 @@ class Stage3ParameterManager:
             for g in u.groups:
                 for s in g.slots:
                     if s.param.requires_grad:
-                        self._param_hooks.append(s.param.register_hook(functools.partial(self._pre_accumulate, s.param)))
+                        self._param_hooks.append(s.param.register_hook(functools.partial(self._pre_accumulate, u)))
                         self._param_hooks.append(s.param.register_post_accumulate_grad_hook(self._post_accumulate))
 
     def _remove_param_hooks(self) -> None:
@@ -952,41 +954,47 @@ class Stage3ParameterManager:
         if unit.persistent or unit.state is not UnitState.RELEASED or self._live + unit.numel <= limit:
             return
         self.scheduler.drop_prefetched()
-        for u in self.units:
-            if self._live + unit.numel <= limit:
-                break
-            if u.state is not UnitState.RELEASED and not self.is_pinned(u):
-                self.release(u)
-        for u in self.units:  # last resort, alike on every rank: all-gathers launched ahead
-            if self._live + unit.numel <= limit:
-                break
-            if u.gather_works is not None and u not in self._active and u not in self._foreign:
-                self.release(u)
-        for u in self.units:  # then units kept only for their inputs' gradients, with all of their own in
-            if self._live + unit.numel <= limit:
-                break
-            if (u.state is UnitState.GATHERED and u.inputs_pending > 0 and u.grads_seen >= u.trainable
-                    and not u.persistent and u not in self._active and u not in self._foreign):
-                # the next unit's backward hook fires on the very gradient that completes this unit's
-                # inputs, before that input hook: at the live limit the two would not both fit. A
-                # frozen weight still needed is gathered again through the saved-tensor hooks
-                self.release(u)
-        for u in self.units:  # then, in a backward, units whose gradients are still to come
-            if self._live + unit.numel <= limit:
-                break
-            if (self._in_backward and u.state is UnitState.GATHERED and u.gather_works is None and not u.persistent
-                    and u not in self._active and u not in self._foreign):
-                # two forwards and one backward of their sum (DPO, siamese), or a gradient penalty
-                # before the backward, leave a unit waiting for the other call's gradients while the
-                # next one must come in (helper-39, t05_two_fwd.py, t12_gradpen.py). Its weights are
-                # gathered again when a saved tensor or a gradient's accumulation needs them
-                # ([Note: gradient of a released parameter]); its partial gradient stays in grad_full
-                self.release(u)
+        for releasable in self._release_tiers():
+            for u in self.units:
+                if self._live + unit.numel <= limit:
+                    return
+                if releasable(u):
+                    self.release(u)
         if self._live + unit.numel > limit:
             live = [u.name for u in self.units if u.state is not UnitState.RELEASED and not u.persistent]
             raise RuntimeError(f"zeroinf stage 3: gathering unit '{unit.name}' ({unit.numel} elements) would exceed "
                                f"zero_optimization.stage3_max_live_parameters={limit}; in use: {live} "
                                f"({self._live} elements). Raise the limit.")
+
+    def _release_tiers(self):
+        """What :meth:`_make_room` may release, tier by tier: each tier is tried over every unit
+        (in unit order, alike on every rank) before the next, cheapest to give up first."""
+        def free(u: Unit) -> bool:  # not in use: gathered ahead, or kept for reuse
+            return u.state is not UnitState.RELEASED and not self.is_pinned(u)
+
+        def idle(u: Unit) -> bool:  # neither running a forward nor read by another module
+            return not u.persistent and u not in self._active and u not in self._foreign
+
+        def launched(u: Unit) -> bool:  # an all-gather launched ahead
+            return u.gather_works is not None and u not in self._active and u not in self._foreign
+
+        def kept_for_inputs(u: Unit) -> bool:
+            # kept only for its inputs' gradients, its own in: the next unit's backward hook fires
+            # on the very gradient that completes this unit's inputs, before that input hook, so
+            # at the live limit the two would not both fit. A frozen weight still needed is
+            # gathered again through the saved-tensor hooks
+            return u.state is UnitState.GATHERED and u.inputs_pending > 0 and u.grads_seen >= u.trainable and idle(u)
+
+        def awaiting_gradients(u: Unit) -> bool:
+            # in a backward, still waiting for gradients: two forwards and one backward of their
+            # sum (DPO, siamese), or a gradient penalty before the backward, leave a unit waiting
+            # for the other call's gradients while the next one must come in (helper-39,
+            # t05_two_fwd.py, t12_gradpen.py). Its weights are gathered again when a saved tensor
+            # or a gradient's accumulation needs them ([Note: gradient of a released parameter]);
+            # its partial gradient stays in grad_full
+            return self._in_backward and u.state is UnitState.GATHERED and u.gather_works is None and idle(u)
+
+        return free, launched, kept_for_inputs, awaiting_gradients
 
     def _request(self, unit: Unit, phase: str, record: bool = True) -> None:
         """A unit is needed now: count, gather (on demand if not prefetched), prefetch ahead.
@@ -1234,9 +1242,10 @@ class Stage3ParameterManager:
         finally:
             self._busy -= 1
 
-    def _pre_accumulate(self, param: nn.Parameter, grad: torch.Tensor) -> None:
+    def _pre_accumulate(self, unit: Unit, grad: torch.Tensor) -> None:
         """[Note: gradient of a released parameter] Runs just before autograd accumulates
-        ``grad`` into ``param`` (a tensor hook on a leaf). Autograd builds ``param.grad`` with
+        ``grad`` into a parameter of ``unit`` (a tensor hook on the leaf, bound to its unit: one
+        attribute test per gradient in the common case). Autograd builds ``param.grad`` with
         the parameter's own sizes, so the parameter must be gathered then: a released one failed
         with "The size of tensor a (0) must match the size of tensor b (32)". A parameter whose
         uses in the forward lie far apart gets its gradient only once every use's backward ran:
@@ -1244,7 +1253,6 @@ class Stage3ParameterManager:
         backward, after the root unit was released to make room for the blocks (helper-36,
         /tmp/tester20/t02c_tied_min.py at the smallest stage3_max_live_parameters the config
         check allows). Such a unit is gathered again here, on demand."""
-        unit = self._slot_of[param][0]
         # in a backward only: torch.autograd.grad(loss, params) accumulates nothing
         if self._in_backward and unit.state is not UnitState.GATHERED:
             self._busy += 1
