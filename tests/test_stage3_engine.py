@@ -1357,6 +1357,22 @@ def test_training_at_the_smallest_live_parameter_limit_the_config_check_allows(t
     assert engine.stats()["stage3"]["live_high_water"] <= limit
     engine.close()
 
+def _train_beside_adamw(engine, ref, loss_of, steps=3):
+    """``steps`` steps of ``engine`` and of plain ``ref`` + torch AdamW on ``loss_of(model,
+    step)``: no parameter live after each step, every parameter within 1e-6 at the end."""
+    opt = torch.optim.AdamW(ref.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, foreach=False)
+    for step in range(steps):
+        engine.backward(loss_of(engine, step))
+        engine.step()
+        loss_of(ref, step).backward()
+        opt.step()
+        opt.zero_grad()
+        assert engine.params.manager._live == 0
+    sd = _state(engine)
+    for name, p in ref.named_parameters():
+        assert (sd[name] - p.detach()).abs().max().item() <= 1e-6, name
+
+
 class _WideBlock(torch.nn.Module):
     def __init__(self, d):
         super().__init__()
@@ -1399,18 +1415,8 @@ def test_a_tied_weight_whose_unit_was_released_gets_its_gradient(tmp_path, param
         cfg["zero_optimization"]["offload_param"]["buffer_size"] = block
     model = copy.deepcopy(ref)
     engine, *_ = zeroinf.initialize(model=model, config=cfg)
-    opt = torch.optim.AdamW(ref.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, foreach=False)
     x = torch.randint(0, 100, (2, 8), generator=torch.Generator().manual_seed(1))
-    for _ in range(3):
-        engine.backward(engine(x).square().mean())
-        engine.step()
-        ref(x).square().mean().backward()
-        opt.step()
-        opt.zero_grad()
-        assert engine.params.manager._live == 0
-    sd = _state(engine)
-    for name, p in ref.named_parameters():
-        assert (sd[name] - p.detach()).abs().max().item() <= 1e-6, name
+    _train_beside_adamw(engine, ref, lambda m, step: m(x).square().mean())
     assert engine.stats()["stage3"]["live_high_water"] <= root + block
     engine.close()
 
@@ -1422,18 +1428,11 @@ def test_two_forwards_and_one_backward_at_the_smallest_live_parameter_limit(tmp_
     It is released as a last resort and gathered again when its weights are needed."""
     ref = TinyLM()
     engine, limit = _at_smallest_live_limit(ref, _config("cpu", "cpu", tmp_path, stage3_param_persistence_threshold=0))
-    opt = torch.optim.AdamW(ref.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, foreach=False)
-    for step in range(3):
+
+    def two_forwards(m, step):
         (x1, y1), (x2, y2) = batch(2 * step), batch(2 * step + 1)
-        engine.backward(loss_fn(engine(x1), y1) + loss_fn(engine(x2), y2))
-        engine.step()
-        (loss_fn(ref(x1), y1) + loss_fn(ref(x2), y2)).backward()
-        opt.step()
-        opt.zero_grad()
-        assert engine.params.manager._live == 0
-    sd = _state(engine)
-    for name, p in ref.named_parameters():
-        assert (sd[name] - p.detach()).abs().max().item() <= 1e-6, name
+        return loss_fn(m(x1), y1) + loss_fn(m(x2), y2)
+    _train_beside_adamw(engine, ref, two_forwards)
     assert engine.stats()["stage3"]["live_high_water"] <= limit
     engine.close()
 
