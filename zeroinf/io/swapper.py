@@ -97,6 +97,43 @@ def _claim(base: Path) -> Tuple[Path, int]:
     raise make_error(errno.EBUSY, f"swap directory {base}: 1000 swap folders are in use", str(base), 0, 0, 0)
 
 
+def reusable_bytes(swap_dir) -> int:
+    """Bytes already in the swap folder that a :class:`TensorSwapper` on ``swap_dir`` would
+    claim now (the first folder no live swapper holds, see [Note: one swapper per folder]): a
+    run overwrites its own files, so a disk check may count them as free. Folders that live
+    swappers hold, and the other ``zeroinf-swap.N`` siblings, are not counted (they belonged to
+    another engine, whose files stay). Nothing is claimed or created."""
+    import fcntl
+
+    base = Path(swap_dir)
+    for i in range(1000):
+        d = base / (_SUBDIR if i == 0 else f"{_SUBDIR}.{i}")
+        if not d.is_dir():
+            return 0  # _claim would create it: nothing to reuse
+        try:
+            fd = os.open(d / ".lock", os.O_RDONLY | os.O_CLOEXEC)
+        except OSError:
+            fd = None  # no lock file yet: free
+        if fd is not None:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                continue  # a live swapper holds it
+            except OSError:
+                pass  # no flock on this file system: _claim takes the first folder
+            finally:
+                os.close(fd)
+        total = 0
+        for f in d.iterdir():
+            try:
+                if f.is_file():
+                    total += f.stat().st_size
+            except OSError:
+                pass
+        return total
+    return 0
+
+
 class TensorSwapper:
     """Swap named CPU tensors to files and back through an :class:`AsyncIOHandle`.
 

@@ -341,8 +341,11 @@ class ZeroEngine:
     def _check_disk(self, files) -> None:
         """Raise :class:`ConfigError` unless each swap folder's file system has room for every swap
         file this rank will write there. ``files``: ``(config key, nvme_path, swap folder, bytes,
-        what)``; bytes already in a swap folder (a rerun overwrites them) count as free."""
+        what)``; bytes already in the swap folder this engine will take (a rerun overwrites them)
+        count as free, those of a folder another live engine holds do not
+        (:func:`zeroinf.io.swapper.reusable_bytes`)."""
         from zeroinf.io.probe import dir_problem
+        from zeroinf.io.swapper import reusable_bytes
 
         by_dev: Dict[int, Dict[str, Any]] = {}
         for key, path, folder, nbytes, what in files:
@@ -355,7 +358,7 @@ class ZeroEngine:
             e["folders"].add(folder)
             e["what"].append(f"{what}: {nbytes} bytes")
         for e in by_dev.values():
-            have = shutil.disk_usage(e["path"]).free + sum(_dir_bytes(f) for f in e["folders"])
+            have = shutil.disk_usage(e["path"]).free + sum(reusable_bytes(f) for f in e["folders"])
             if have < e["need"]:
                 raise ConfigError(e["key"], f"{e['path']!r} has {have / 1e9:.3f} GB free; this rank's swap files need "
                                   f"{e['need'] / 1e9:.3f} GB ({e['need']} bytes; {'; '.join(e['what'])})")
@@ -1105,18 +1108,6 @@ def destroy_process_group(barrier: bool = True) -> None:
             dist.barrier()
     finally:
         dist.destroy_process_group()
-
-
-def _dir_bytes(path: str) -> int:
-    total = 0
-    if os.path.isdir(path):
-        for root, _, files in os.walk(path):
-            for f in files:
-                try:
-                    total += os.path.getsize(os.path.join(root, f))
-                except OSError:
-                    pass
-    return total
 
 
 def initialize(model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer] = None, model_parameters=None,
