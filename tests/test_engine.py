@@ -616,6 +616,10 @@ def test_overflow_at_the_minimum_loss_scale_raises_in_step_and_drops_the_gradien
     with pytest.raises(FloatingPointError, match="min_loss_scale"):
         engine.step()
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    # a retry of the same micro-batch's step is refused: it took an Adam step on zero gradients
+    with pytest.raises(RuntimeError, match="again after it raised .FloatingPointError"):
+        engine.step()
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters())) and engine.optimizer_steps == 0
     X, Y = batches(1)
     engine.backward(F.mse_loss(engine(X[0].half()).float(), Y[0]))  # the inf gradients are gone
     engine.step()
@@ -686,6 +690,12 @@ def test_deepspeed_keywords_of_backward_and_step():
         engine.step()
     assert engine.optimizer_steps == 3 and engine.micro_steps == 3
     assert any("applied and counted" in n for n in getattr(ei.value, "__notes__", []))
+    with pytest.raises(RuntimeError, match="again after it raised"):
+        engine.step(lr_kwargs={"metrics": 1.0})
+    assert engine.optimizer_steps == 3 and engine.micro_steps == 3
+    engine.backward(F.mse_loss(engine(X[0]), Y[0]))  # the next micro-batch steps as usual
+    engine.step(lr_kwargs={"metrics": 1.0})
+    assert engine.optimizer_steps == 4
     engine.close()
 
 

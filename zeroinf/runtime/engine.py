@@ -213,6 +213,8 @@ class ZeroEngine:
         self._in_no_sync = False  # inside no_sync(): backward leaves the gradients in .grad, unreduced
         self._unreduced = False  # .grad holds gradients no_sync() kept from the reduction
         self._step_applied = False  # was_step_applied()
+        #: why the last step() raised after counting its micro-batch (a retry would step again)
+        self._counted_and_raised: Optional[str] = None
         self._closed = False  # close() ran: every entry point raises (_check_open)
         #: a load_checkpoint that failed part-way (checked by _check_open and by hooks on the model)
         self.load_guard = LoadGuard()
@@ -482,6 +484,7 @@ class ZeroEngine:
             raise ValueError("engine.backward(loss): loss must be a scalar tensor that requires grad")
         self._check_added()
         self._backwards += 1  # also when it raises: its gradients went through the engine
+        self._counted_and_raised = None
         self._window_backwards += 1
         t0 = time.perf_counter()
         self.synchronize()  # a background step has finished by now (the forward needed its updates)
@@ -623,8 +626,16 @@ class ZeroEngine:
             Exception: whatever the LR scheduler's ``step`` raised. The optimizer step was
                 applied and counted by then (the exception says so): do not call step() again
                 for this micro-batch.
+            RuntimeError: step() called again, with no backward in between, after it raised
+                one of the two above: the micro-batch was counted, and the retry would take
+                another optimizer step (on zero gradients).
         """
         self._check_open()
+        if self._counted_and_raised is not None and not self._backwards:
+            raise RuntimeError(f"zeroinf: engine.step() again after it raised ({self._counted_and_raised}) with no "
+                               "engine.backward since: that micro-batch was counted already, and stepping again would "
+                               f"take another optimizer step on zero gradients (step {self.global_steps}). Go on with "
+                               "the next micro-batch's forward and backward.")
         self._check_requires_grad()
         self._check_backward_ran()
         sched_error = None
@@ -633,9 +644,10 @@ class ZeroEngine:
                 self._reduce()
             try:
                 self._optimizer_step()
-            except FloatingPointError:  # at min_loss_scale: the window was skipped and dropped, and counts
+            except FloatingPointError as exc:  # at min_loss_scale: the window was skipped and dropped, and counts
                 self._window_backwards = 0
                 self._count_micro_batch()
+                self._counted_and_raised = f"FloatingPointError: {exc}"[:200]
                 raise
             self._window_backwards = 0
             if self._step_applied and self.lr_scheduler is not None:
@@ -650,6 +662,7 @@ class ZeroEngine:
             self._log_step()
         self._count_micro_batch()
         if sched_error is not None:
+            self._counted_and_raised = f"the LR scheduler's step raised {type(sched_error).__name__}"
             if hasattr(sched_error, "add_note"):  # Python 3.11+
                 sched_error.add_note(f"zeroinf: raised by the LR scheduler's step(**{lr_kwargs or {}!r}) after optimizer step "
                                      f"{self.global_steps}, which was applied and counted; a scheduler whose step() "
