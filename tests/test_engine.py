@@ -536,6 +536,25 @@ def test_deepspeed_engine_calls_and_keys_a_config_brings(tmp_path, caplog):
     engine.close()
 
 
+def test_steps_per_print_shows_without_logging_set_up():
+    """With no logging handler anywhere, the steps_per_print lines go to stderr (DeepSpeed's
+    logger prints them by default; they were logged at INFO only, and nothing showed)."""
+    import subprocess
+    import sys
+    code = ("import torch, zeroinf\n"
+            "m = torch.nn.Linear(3, 2)\n"
+            "cfg = {'train_micro_batch_size_per_gpu': 1, 'steps_per_print': 2,\n"
+            "       'optimizer': {'type': 'AdamW', 'params': {'lr': 0.1}}, 'zero_optimization': {'stage': 1}}\n"
+            "e, *_ = zeroinf.initialize(model=m, config=cfg)\n"
+            "for _ in range(4):\n"
+            "    e.backward(e(torch.ones(1, 3)).sum()); e.step()\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    lines = [ln for ln in out.stderr.splitlines() if ln.startswith("[zeroinf] step=")]
+    assert lines == ["[zeroinf] step=2, skipped=0, lr=[0.1]", "[zeroinf] step=4, skipped=0, lr=[0.1]"], out.stderr
+    assert "step=" not in out.stdout
+
+
 @pytest.mark.parametrize("stage,device", [(0, "cpu"), (1, "cpu"), (2, "cpu"), (2, "nvme")])
 def test_bf16_weights_changed_between_steps_are_stepped_from(tmp_path, stage, device):
     """In bf16 at stages 0-2 the next step put a weight changed between steps (load_state_dict,

@@ -319,7 +319,7 @@ class ZeroInfConfig:
     zero_optimization: ZeroConfig = field(default_factory=ZeroConfig)
     aio: AioConfig = field(default_factory=AioConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
-    steps_per_print: int = 10  #: rank 0 logs step, skipped steps and lr to the ``zeroinf`` logger (INFO)
+    steps_per_print: int = 10  #: rank 0 reports step, skipped steps and lr (engine._progress: the ``zeroinf`` logger, or stderr)
     wall_clock_breakdown: bool = False  #: ... and the last step's seconds per phase
     zeroinf: ZeroInfExtraConfig = field(default_factory=ZeroInfExtraConfig)
 

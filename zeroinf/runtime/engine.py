@@ -31,6 +31,7 @@ import logging
 import math
 import os
 import shutil
+import sys
 import time
 import warnings
 import weakref
@@ -692,16 +693,16 @@ class ZeroEngine:
             self.params.manager.reduced_since_check = False
 
     def _log_step(self) -> None:
-        """Every ``steps_per_print`` optimizer steps, rank 0 logs the step count, skipped steps
-        and learning rates to the ``zeroinf`` logger at INFO, as DeepSpeed prints them; with
-        ``wall_clock_breakdown`` also the last step's seconds per phase."""
+        """Every ``steps_per_print`` optimizer steps, rank 0 reports the step count, skipped
+        steps and learning rates, as DeepSpeed prints them; with ``wall_clock_breakdown`` also
+        the last step's seconds per phase (see :func:`_progress` for where they go)."""
         n = self.config.steps_per_print
-        if self.rank != 0 or not n or self.global_steps % n or not _log.isEnabledFor(logging.INFO):
+        if self.rank != 0 or not n or self.global_steps % n:
             return
-        _log.info("step=%d, skipped=%d, lr=%s", self.global_steps, self.skipped_steps, self.get_lr())
+        _progress("step=%d, skipped=%d, lr=%s", self.global_steps, self.skipped_steps, self.get_lr())
         if self.config.wall_clock_breakdown:
             st = self._stats
-            _log.info("step=%d time (s): backward %.4f, reduce %.4f, optimizer %.4f (adam %.4f, I/O wait %.4f)",
+            _progress("step=%d time (s): backward %.4f, reduce %.4f, optimizer %.4f (adam %.4f, I/O wait %.4f)",
                       self.global_steps, st.get("backward_s", 0.0), st.get("reduce_s", 0.0), st.get("optimizer_s", 0.0),
                       st.get("adam_s", 0.0), st.get("io_wait_s", 0.0))
 
@@ -1100,6 +1101,19 @@ class ZeroEngine:
     def destroy(self) -> None:
         """Alias of :meth:`close` (DeepSpeed's name)."""
         self.close()
+
+
+def _progress(msg: str, *args) -> None:
+    """A ``steps_per_print`` line: to the ``zeroinf`` logger at INFO once logging is configured
+    (a handler on that logger or above it; its level decides), else to stderr as
+    ``[zeroinf] ...`` through ``tqdm.write``, so a progress bar stays whole. DeepSpeed's logger
+    prints these by default; through logging alone they stayed invisible until the user set
+    logging up, and the config key looked ignored."""
+    if _log.hasHandlers():
+        _log.info(msg, *args)
+    else:
+        from tqdm import tqdm
+        tqdm.write("[zeroinf] " + msg % args, file=sys.stderr)
 
 
 def destroy_process_group(barrier: bool = True) -> None:
