@@ -267,6 +267,36 @@ def test_gathered_parameters_between_init_and_initialize_and_a_resized_embedding
 
 
 @pytest.mark.parametrize("tier", ["cpu", "nvme"])
+def test_compute_on_a_held_placeholder_raises_between_init_and_initialize(tmp_path, tier):
+    """After the Init block a held parameter's .data is an empty placeholder: ``w.sum()`` gave 0
+    and ``torch.nn.init.normal_(w)`` changed nothing, silently. Compute on it now raises, naming
+    its shape and gathered_parameters, as for a released stage-3 parameter; ``model.half()``
+    still converts the placeholders; the values were not touched, so initialize trains from them."""
+    cfg = {**_cfg(tier, tmp_path), "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}}
+    torch.manual_seed(0)
+    plain = TinyLM()
+    torch.manual_seed(0)
+    with zeroinf.Init(config=cfg):
+        model = TinyLM()
+    w = model.blocks[0].ff[0].weight
+    assert isinstance(w, nn.Parameter) and w.shape == (0,) and w.ds_shape == plain.blocks[0].ff[0].weight.shape
+    for what, call in (("sum", lambda: w.sum()), ("normal_", lambda: nn.init.normal_(w)), ("add", lambda: w + 1),
+                       ("mul_", lambda: w.mul_(2))):
+        with pytest.raises(RuntimeError, match=rf"shape \({w.ds_shape[0]}, {w.ds_shape[1]}\)\) is held by zeroinf.Init.*"
+                                               rf"'{what}' on it would compute on nothing.*gathered_parameters"):
+            call()
+    model.half()
+    assert w.dtype == torch.float16 and w.shape == (0,)
+    model.float()
+    with zeroinf.gathered_parameters([w]):
+        assert torch.equal(w, plain.blocks[0].ff[0].weight) and torch.equal(w.sum(), plain.blocks[0].ff[0].weight.sum())
+    engine, *_ = zeroinf.initialize(model=model, config=cfg)
+    sd = engine.module.state_dict()
+    assert all(torch.equal(sd[k], v) for k, v in plain.state_dict().items())
+    engine.close()
+
+
+@pytest.mark.parametrize("tier", ["cpu", "nvme"])
 def test_resize_token_embeddings_inside_the_init_block(tmp_path, tier):
     """Inside the Init block a moved-out parameter's .shape was the placeholder's (0,), so
     transformers' resize_token_embeddings set config.vocab_size to 0 while the embedding itself

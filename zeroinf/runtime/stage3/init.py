@@ -14,8 +14,10 @@ a time into the partitions, so at no point does the whole model sit in memory.
 Changes made after a constructor returned (a Hugging Face ``post_init``) still apply: see
 [Note: late initialisation]. After the ``with`` block a moved-out parameter is an empty
 placeholder until ``zeroinf.initialize`` takes it (``state_dict()`` gives its held values:
-[Note: state_dict before initialize]); change weights then inside
-``zeroinf.gathered_parameters(..., modifier_rank=0)`` or load them with ``load_safetensors``.
+[Note: state_dict before initialize]); compute on it raises ([Note: held placeholders refuse
+compute]; ``p.data`` is the bare placeholder and is not guarded). Read or change weights then
+inside ``zeroinf.gathered_parameters(..., modifier_rank=0)`` or load them with
+``load_safetensors``.
 """
 from __future__ import annotations
 
@@ -33,7 +35,9 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils.weak import WeakIdKeyDictionary
 
-__all__ = ["Init", "init_shapes", "init_dtype", "take_init_values", "held_values"]
+from .released import gathered_class, released_class
+
+__all__ = ["Init", "init_shapes", "init_shapes_of", "init_dtype", "take_init_values", "held_values"]
 
 
 @dataclass
@@ -61,16 +65,23 @@ _LOCK = threading.Lock()
 
 
 def _pop(p: nn.Parameter) -> _Held:
-    """Take ``p``'s entry out of ``_HELD`` (call with ``_LOCK`` held)."""
+    """Take ``p``'s entry out of ``_HELD`` (call with ``_LOCK`` held); ``p`` gets its own class
+    back ([Note: held placeholders refuse compute])."""
     held = _HELD.pop(p)
     held.finalizer.detach()
+    p.__class__ = gathered_class(type(p))
     return held
 
 
 def init_shapes(module: nn.Module) -> Dict[nn.Parameter, torch.Size]:
     """True shapes of ``module``'s parameters that ``Init`` moved out."""
+    return init_shapes_of(module.parameters())
+
+
+def init_shapes_of(params) -> Dict[nn.Parameter, torch.Size]:
+    """True shapes of those of ``params`` that ``Init`` moved out."""
     with _LOCK:
-        return {p: _HELD[p].shape for p in module.parameters() if p in _HELD}
+        return {p: _HELD[p].shape for p in params if p in _HELD}
 
 
 def init_dtype(param: nn.Parameter) -> Optional[torch.dtype]:
@@ -116,6 +127,7 @@ def held_values(params: Sequence[nn.Parameter], modifier_rank: Optional[int]) ->
             ph = p.data
             given = held.owner._peek(held).to(device=ph.device, dtype=ph.dtype)
             p.data = given.clone()
+            p.__class__ = gathered_class(type(p))  # computes on its values in the block
             entered.append([p, held, ph, given])
         yield
         if modifier_rank is not None:
@@ -138,6 +150,7 @@ def held_values(params: Sequence[nn.Parameter], modifier_rank: Optional[int]) ->
         for p, _held, ph, _given in entered:
             if ph is not None:
                 p.data = ph
+                p.__class__ = released_class(type(p), held=True)
 
 
 def _refuse_copy(*_args):
@@ -333,6 +346,12 @@ class Init:
             held.host = data.clone() if data.data_ptr() == p.data_ptr() else data
             self.held_bytes_host += data.numel() * data.element_size()
         p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+        # [Note: held placeholders refuse compute] As a released stage-3 parameter does (see
+        # released.py), a held one refuses compute outside the Init block: p.sum() gave 0 and
+        # torch.nn.init.normal_(p) changed nothing, silently. Inside the block _GuardMode
+        # brings the values back first; _pop gives the class back.
+        p.__class__ = released_class(type(p), held=True)
+        p.ds_shape, p.ds_numel = held.shape, held.shape.numel()  # DeepSpeed's names, as for a managed parameter
         for name in ("__deepcopy__", "__reduce_ex__"):  # copy and pickle look both up on the instance
             setattr(p, name, _refuse_copy)
         held.finalizer = weakref.finalize(p, self._forget, held)

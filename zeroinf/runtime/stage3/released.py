@@ -34,16 +34,27 @@ PASS_THROUGH = frozenset({
     "untyped_storage", "storage_offset", "register_hook", "register_post_accumulate_grad_hook", "_is_view",
 })
 
-_CLASSES: Dict[type, type] = {}
+#: what a parameter ``zeroinf.Init`` holds also lets through: the conversions of ``Module._apply``
+#: (``model.half()``, ``model.to(device)`` between the ``Init`` block and ``initialize``), which
+#: make a placeholder of the new dtype or device that ``initialize`` then casts the values to.
+HELD_PASS_THROUGH = PASS_THROUGH | frozenset({"to", "half", "float", "double", "bfloat16", "cpu", "cuda", "type",
+                                              "_has_compatible_shallow_copy_type"})
+
+_CLASSES: Dict[Tuple[type, bool], type] = {}
 
 
 def _describe(p: torch.Tensor) -> Tuple[str, Optional[torch.Size]]:
-    """(qualified name, full shape) of a released parameter, from the manager that owns it."""
+    """(qualified name, full shape) of a released parameter, from the manager that owns it (or
+    ``zeroinf.Init``, which knows no names)."""
+    from .init import init_shapes_of
     from .manager import managers
     for m in managers(include_closed=True):
         rec = m._slot_of.get(p)
         if rec is not None:
             return rec[2].name, rec[2].shape
+    held = init_shapes_of([p])
+    if held:
+        return "a parameter", held[p]
     return "<unmanaged>", getattr(p, "ds_shape", None)
 
 
@@ -51,12 +62,13 @@ class _ReleasedMixin:
     """See [Note: released parameters]."""
 
     _zeroinf_gathered_class: type = nn.Parameter
+    _zeroinf_pass: frozenset = PASS_THROUGH
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         name = getattr(func, "__name__", "")
-        if name not in PASS_THROUGH and not (name == "copy_" and _empty_copy(args)):
+        if name not in cls._zeroinf_pass and not (name == "copy_" and _empty_copy(args)):
             p = _first_released(list(args) + list(kwargs.values()))
             _refuse(p, f"'{name or func}' on it would compute on nothing")
         with torch._C.DisableTorchFunctionSubclass():
@@ -93,9 +105,11 @@ def _refuse(p: Optional[torch.Tensor], why: str) -> None:
     """Raise the RuntimeError naming released parameter ``p``: ``why`` says what would go wrong."""
     pname, shape = _describe(p) if p is not None else ("a released parameter", None)
     shape_s = tuple(shape) if shape is not None else "?"
+    state = ("is held by zeroinf.Init: until zeroinf.initialize takes its values it holds only" if
+             p is not None and type(p)._zeroinf_pass is HELD_PASS_THROUGH else
+             "is released: outside the model's forward it holds only")
     raise RuntimeError(
-        f"zeroinf stage 3: {pname} (shape {shape_s}) is released: outside the model's forward it holds only "
-        f"an empty placeholder, so {why}. Gather it first: "
+        f"zeroinf stage 3: {pname} (shape {shape_s}) {state} an empty placeholder, so {why}. Gather it first: "
         f"`with zeroinf.gathered_parameters([param]):` (add modifier_rank=0 to keep changes); "
         f"`param.ds_shape` / `param.ds_numel` give its full shape and size without gathering")
 
@@ -106,14 +120,15 @@ def _empty_copy(args) -> bool:
     return len(args) >= 2 and all(isinstance(a, torch.Tensor) and a.numel() == 0 for a in args[:2])
 
 
-def released_class(cls: type) -> type:
-    """The released twin of parameter class ``cls`` (made once per class)."""
-    if issubclass(cls, _ReleasedMixin):
-        return cls
-    twin = _CLASSES.get(cls)
+def released_class(cls: type, held: bool = False) -> type:
+    """The released twin of parameter class ``cls`` (made once per class); ``held``: the twin
+    for a parameter ``zeroinf.Init`` holds, which also lets ``HELD_PASS_THROUGH`` through."""
+    cls = gathered_class(cls)
+    twin = _CLASSES.get((cls, held))
     if twin is None:
-        twin = _CLASSES[cls] = type(f"Released{cls.__name__}", (_ReleasedMixin, cls),
-                                    {"_zeroinf_gathered_class": cls, "__module__": __name__})
+        twin = _CLASSES[(cls, held)] = type(f"{'Held' if held else 'Released'}{cls.__name__}", (_ReleasedMixin, cls),
+                                            {"_zeroinf_gathered_class": cls, "__module__": __name__,
+                                             "_zeroinf_pass": HELD_PASS_THROUGH if held else PASS_THROUGH})
     return twin
 
 
