@@ -1255,6 +1255,33 @@ def test_a_trainable_parameter_put_into_the_model_after_initialize_raises(tmp_pa
     _run(engine, 1, start=3)
     engine.close()
 
+def test_resize_token_embeddings_after_initialize_raises_and_changes_nothing(tmp_path):
+    """transformers' resize_token_embeddings on a partitioned model failed inside transformers
+    with "not enough values to unpack (expected 2, got 1)" (it read the placeholder's shape). It
+    raises saying to resize before initialize, with the model untouched; a call that keeps the
+    row count returns the input embedding, as transformers does."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    conf = GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=50, n_positions=32, bos_token_id=0, eos_token_id=0,
+                      resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    model = GPT2LMHeadModel(conf)
+    cfg = _config("cpu", "cpu", tmp_path)
+    engine, *_ = zeroinf.initialize(model=model, config=cfg)
+    x = torch.randint(0, 50, (2, 8), generator=torch.Generator().manual_seed(0))
+    before = engine(x, labels=x).loss.item()
+    with pytest.raises(RuntimeError, match=r"resize_token_embeddings\(60\) after zeroinf.initialize: the embedding "
+                                           r"\(50 rows\).*Nothing was changed. Resize before zeroinf.initialize"):
+        model.resize_token_embeddings(60)
+    with pytest.raises(RuntimeError, match=r"\(50 rows\)"):
+        model.resize_token_embeddings(50, pad_to_multiple_of=64)
+    assert model.resize_token_embeddings(50) is model.get_input_embeddings()
+    assert model.resize_token_embeddings() is model.get_input_embeddings()
+    assert model.config.vocab_size == 50 and engine(x, labels=x).loss.item() == before
+    engine.backward(engine(x, labels=x).loss)
+    engine.step()
+    engine.close()
+
+
 class _CheckpointedLM(TinyLM):
     """TinyLM with each block under torch.utils.checkpoint (activations recomputed in backward)."""
 

@@ -59,7 +59,35 @@ def engine_manager(model: torch.nn.Module, cfg, groups: Sequence[Sequence[torch.
     # the optimizer in backward takes NVMe masters from copies made as the backward's reads land
     glue.manager.snapshot_partitions = (glue.master_in_partitions and cfg.zeroinf.optimizer_in_backward
                                         and cfg.zero_optimization.offload_param.device == "nvme")
+    _refuse_resize_after_partitioning(model)
     return glue
+
+
+def _refuse_resize_after_partitioning(model: torch.nn.Module) -> None:
+    """A Hugging Face model's ``resize_token_embeddings`` after its embedding was partitioned
+    read the placeholder's shape and failed in transformers with "not enough values to unpack
+    (expected 2, got 1)". The partitions keep the shapes they were laid out with, so a resize
+    now raises a RuntimeError saying to resize before ``zeroinf.initialize``; a call that keeps
+    the row count (``resize_token_embeddings(len(tokenizer))`` on a model that has it already)
+    returns the input embedding, as transformers does, and changes nothing."""
+    if not callable(getattr(model, "resize_token_embeddings", None)) or not callable(
+            getattr(model, "get_input_embeddings", None)):
+        return
+
+    def resize_token_embeddings(new_num_tokens=None, pad_to_multiple_of=None, *args, **kwargs):
+        emb = model.get_input_embeddings()
+        rows = int(getattr(emb.weight, "ds_shape", emb.weight.shape)[0])
+        want = rows if new_num_tokens is None else int(new_num_tokens)
+        if pad_to_multiple_of:
+            want = -(-want // int(pad_to_multiple_of)) * int(pad_to_multiple_of)
+        if want == rows:
+            return emb
+        raise RuntimeError(f"zeroinf stage 3: resize_token_embeddings({new_num_tokens}) after zeroinf.initialize: the "
+                           f"embedding ({rows} rows) is partitioned with the shape it had then, and a partition keeps "
+                           "its shape. Nothing was changed. Resize before zeroinf.initialize (for a model built "
+                           "under zeroinf.Init: inside the with block, or inside zeroinf.gathered_parameters(..., "
+                           "modifier_rank=0) of both embeddings before initialize)")
+    model.resize_token_embeddings = resize_token_embeddings
 
 
 def master_in_partitions(cfg) -> bool:
