@@ -1282,6 +1282,28 @@ def test_resize_token_embeddings_after_initialize_raises_and_changes_nothing(tmp
     engine.close()
 
 
+def test_torch_compile_at_stage_3_is_refused_naming_the_module(tmp_path):
+    """torch.compile and stage 3 failed at the first forward with an InternalTorchDynamoError
+    ('is_conj' on a released parameter): dynamo reads the parameters before the hooks gather
+    them. A compiled module (wrapped or compiled in place) is refused at initialize, naming it;
+    a compile after initialize fails at the forward with a message that says the same."""
+    model = TinyLM()
+    model.blocks[1] = torch.compile(model.blocks[1])
+    with pytest.raises(NotImplementedError, match=r"module 'blocks\.1' \(OptimizedModule\) is compiled with torch.compile"):
+        zeroinf.initialize(model=model, config=_config("cpu", "cpu", tmp_path))
+    model = TinyLM()
+    model.norm.compile()
+    with pytest.raises(NotImplementedError, match=r"module 'norm' \(LayerNorm\) is compiled"):
+        zeroinf.initialize(model=model, config=_config("cpu", "cpu", tmp_path))
+    assert model.norm.weight.shape == (16,)  # nothing was partitioned
+    engine, *_ = zeroinf.initialize(model=TinyLM(), config=_config("cpu", "cpu", tmp_path))
+    compiled = torch.compile(engine.module)
+    with pytest.raises(Exception, match=r"torch.compile of a module with partitioned parameters is not supported: "
+                                        r"dynamo reads \S+ \(shape \(\d+(, \d+)*\)\) before the stage-3 hooks"):
+        compiled(batch(0)[0])
+    engine.close()
+
+
 class _CheckpointedLM(TinyLM):
     """TinyLM with each block under torch.utils.checkpoint (activations recomputed in backward)."""
 

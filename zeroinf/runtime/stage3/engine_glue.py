@@ -51,6 +51,7 @@ def engine_manager(model: torch.nn.Module, cfg, groups: Sequence[Sequence[torch.
         cfg: the parsed :class:`zeroinf.config.ZeroInfConfig`.
         groups: trainable parameters of each optimizer param group.
     """
+    _refuse_compiled(model)
     opts = Stage3Options.from_zero_config(cfg.zero_optimization, cfg.aio.as_dict())
     if _grads_on_nvme(cfg):
         opts = dataclasses.replace(opts, grads_on_nvme=True)  # ZeRO-Infinity: host memory flat in model size
@@ -61,6 +62,22 @@ def engine_manager(model: torch.nn.Module, cfg, groups: Sequence[Sequence[torch.
                                         and cfg.zero_optimization.offload_param.device == "nvme")
     _refuse_resize_after_partitioning(model)
     return glue
+
+
+def _refuse_compiled(model: torch.nn.Module) -> None:
+    """Raise NotImplementedError naming a module compiled with ``torch.compile`` (wrapped, or
+    ``module.compile()`` in place) before anything is partitioned: dynamo reads every parameter
+    of the module it compiles when the compiled call starts, before the stage-3 hooks gather
+    them, and failed there with an InternalTorchDynamoError at the first forward."""
+    from torch._dynamo.eval_frame import OptimizedModule
+
+    for name, mod in model.named_modules():
+        if isinstance(mod, OptimizedModule) or getattr(mod, "_compiled_call_impl", None) is not None:
+            raise NotImplementedError(
+                f"zeroinf stage 3: module '{name or '<root>'}' ({type(mod).__name__}) is compiled with torch.compile, "
+                "which stage 3 does not support: dynamo reads the module's parameters before the stage-3 hooks "
+                "gather them. Give zeroinf.initialize the module before torch.compile, or use stages 0-2, which "
+                "keep whole parameters and work with torch.compile")
 
 
 def _refuse_resize_after_partitioning(model: torch.nn.Module) -> None:

@@ -108,6 +108,14 @@ def _refuse(p: Optional[torch.Tensor], why: str) -> None:
     state = ("is held by zeroinf.Init: until zeroinf.initialize takes its values it holds only" if
              p is not None and type(p)._zeroinf_pass is HELD_PASS_THROUGH else
              "is released: outside the model's forward it holds only")
+    if torch.compiler.is_compiling():
+        # dynamo reads every parameter of the module it compiles at entry, before any hook
+        # gathers them (an InternalTorchDynamoError then wraps this message)
+        raise RuntimeError(
+            f"zeroinf stage 3: torch.compile of a module with partitioned parameters is not supported: dynamo "
+            f"reads {pname} (shape {shape_s}) before the stage-3 hooks gather it, and it holds only an empty "
+            f"placeholder then. Train without torch.compile at stage 3, or compile at stages 0-2, which keep "
+            f"whole parameters")
     raise RuntimeError(
         f"zeroinf stage 3: {pname} (shape {shape_s}) {state} an empty placeholder, so {why}. Gather it first: "
         f"`with zeroinf.gathered_parameters([param]):` (add modifier_rank=0 to keep changes); "
