@@ -1524,6 +1524,42 @@ def test_two_forwards_before_one_backward_follow_one_trace(tmp_path, tier):
     engine.close()
 
 
+def test_a_forward_whose_graph_is_dropped_leaves_no_unit_waiting_for_gradients(tmp_path):
+    """A grad-enabled forward whose output is dropped unused (a log line) joins the iteration
+    of the forward and backward after it (one trace, followed). Its unit calls waited for input
+    gradients that never come, which kept those units gathered through the next backward: when
+    its graph dies they stop waiting. A graph dropped after its iteration ended changes nothing
+    in the next one. Training equals AdamW on the backward's losses alone."""
+    ref = TinyLM()
+    engine, *_ = zeroinf.initialize(model=copy.deepcopy(ref), config=_config("cpu", "cpu", tmp_path))
+    mgr = engine.params.manager
+    blocks = [u for u in mgr.units if u.name.startswith("blocks.")]
+    kept = []
+
+    def with_a_dropped_forward(m, step):
+        (x1, _), (x2, y2) = batch(2 * step), batch(2 * step + 1)
+        if m is not engine:
+            return loss_fn(m(x2), y2)
+        if step in (0, 4):
+            m(x1)  # dropped at once
+        else:
+            kept.append(m(x1))
+            assert all(u.inputs_pending == 1 for u in blocks)
+            if step == 3:  # step 2's graph, dropped only now that its iteration ended, changes nothing here
+                del kept[0]
+                assert all(u.inputs_pending == 1 for u in blocks)
+            if step != 2:
+                kept.clear()
+        assert all(u.inputs_pending == 0 for u in blocks) or step == 2, [u.inputs_pending for u in blocks]
+        return loss_fn(m(x2), y2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no divergence warning
+        _train_beside_adamw(engine, ref, with_a_dropped_forward, steps=5)
+    st = engine.stats()["stage3"]
+    assert st["invalidations"] == 0 and st["prefetch_misses"] <= 1, st
+    engine.close()
+
+
 def _locked_bytes() -> int:
     """VmLck of this process (bytes), read from /proc: the kernel's count, not the pool's."""
     with open("/proc/self/status") as f:

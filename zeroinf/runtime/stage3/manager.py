@@ -214,6 +214,25 @@ class _ManagerMode(TorchFunctionMode):
         self.m = manager
 
 
+class _GraphToken:
+    """Lives in an autograd node's metadata; see :meth:`Stage3ParameterManager._note_graph`."""
+
+    __slots__ = ("__weakref__",)
+
+
+def _graph_dropped(manager_ref, calls: List[Tuple["Unit", List[int]]], generation: int) -> None:
+    """A forward's graph is gone with its backward not run: its unit calls no longer wait for
+    their inputs' gradients ([Note: several forwards, one backward]). Nothing to do once the
+    iteration ended (``_end_iteration`` cleared every count) or the manager is gone."""
+    m = manager_ref()
+    if m is None or m._generation != generation:
+        return
+    for unit, left in calls:
+        if left[0] > 0:
+            left[0] = 0
+            unit.inputs_pending = max(0, unit.inputs_pending - 1)
+
+
 class _ForeignAccessMode(_ManagerMode):
     """See [Note: foreign access]."""
 
@@ -329,7 +348,10 @@ class Stage3ParameterManager:
         self.reduced_since_check = False
         self._in_iteration = False
         self._forwards_in_iteration = 0
-        self._awaiting_backward = False  # a forward of this iteration hooked its outputs for a backward
+        #: a forward of this iteration hooked its outputs for a backward ([Note: several forwards, one backward])
+        self._backward_pending = False
+        self._calls: List[Tuple[Unit, List[int]]] = []  # unit calls of this root forward waiting for input gradients
+        self._generation = 0  # iterations ended so far (a dropped graph's callback checks it)
         self._in_backward = False
         self._callback_queued = False
         self._persistent_stale = True
@@ -1119,6 +1141,7 @@ class Stage3ParameterManager:
         try:
             if self._in_iteration and not self._continues_iteration():
                 self._end_iteration()  # a forward that had no backward
+            self._calls = []
             if not self._in_iteration:
                 self._in_iteration = True
                 self._forwards_in_iteration = 0
@@ -1151,12 +1174,33 @@ class Stage3ParameterManager:
         iteration at the second forward instead recorded a trace of one forward, which the next
         step's backward then broke (2 invalidations per step, 7 of 15 requests missed). A
         forward with a backward of its own ends its iteration at the end of that backward, as
-        before; a forward under another grad mode (an eval under ``no_grad``) ends it too, and
-        so does the ``MAX_FORWARDS_PER_ITERATION``-th forward without a backward (a grad-enabled
-        eval loop), which bounds the trace and the counters one iteration keeps."""
+        before. A forward whose graph is dropped unused (``model(x)`` for a log line) is part of
+        the iteration too (the same order every step, followed like the rest), and when its graph
+        dies its unit calls stop waiting for their inputs' gradients (:meth:`_note_graph`), so the
+        next backward releases units as usual. The iteration ends at a forward under another grad
+        mode (an eval under ``no_grad``), and at the ``MAX_FORWARDS_PER_ITERATION``-th forward
+        without a backward (a grad-enabled eval loop), which bounds the trace and the counters
+        one iteration keeps. A unit of a forward whose graph is kept but never run backward
+        stays kept for its inputs' gradients through the next backward, released when room is
+        needed (``_release_tiers``)."""
         return (self._in_iteration and not self._in_backward and self._ctx is None
-                and torch.is_grad_enabled() and self.scheduler.key is True and self._awaiting_backward
+                and torch.is_grad_enabled() and self.scheduler.key is True and self._backward_pending
                 and self._forwards_in_iteration < self.MAX_FORWARDS_PER_ITERATION)
+
+    def _note_graph(self, outputs: List[torch.Tensor]) -> None:
+        """Put one token in the autograd metadata of each output's ``grad_fn``: it lives as long
+        as the forward's graph (which outlives the output tensors: a loss computed from the
+        logits keeps it). When the graph is dropped with its backward not run, the token's
+        finalizer marks this forward's unit calls as done with their inputs' gradients (their
+        hooks died with the graph), unless the iteration ended since."""
+        calls, self._calls = self._calls, []
+        if not calls:
+            return
+        token = _GraphToken()
+        for t in outputs:
+            if t.grad_fn is not None:
+                t.grad_fn.metadata["zeroinf_forward"] = token
+        weakref.finalize(token, _graph_dropped, weakref.ref(self), calls, self._generation)
 
     def _root_post_forward(self, module, args, output):
         self._busy += 1
@@ -1168,7 +1212,7 @@ class Stage3ParameterManager:
                 self._active.remove(self.units[1])
             self._release_foreign()
             self.tracer.span("forward", "unit", self._t_iter, self.tracer.now())
-            backward_follows = torch.is_grad_enabled() and self._hook_outputs(self.units[1], output)
+            backward_follows = self._hook_outputs(self.units[1], output) if torch.is_grad_enabled() else []
             # units gathered ahead for the backward's first requests stay (they count as live
             # parameters, within the prefetch bounds); releasing them here threw their reads away
             # and the backward read them again
@@ -1178,9 +1222,12 @@ class Stage3ParameterManager:
                     if not (backward_follows and self.scheduler.hold_for_next_use(u)):
                         self.release(u)
             if backward_follows:
-                self._awaiting_backward = True
+                self._backward_pending = True
+                self._note_graph(backward_follows)
                 return output
-            if not self._awaiting_backward:
+            _graph_dropped(weakref.ref(self), self._calls, self._generation)  # no backward through it
+            self._calls = []
+            if not self._backward_pending:
                 self._end_iteration()
         finally:
             self._busy -= 1
@@ -1214,6 +1261,7 @@ class Stage3ParameterManager:
                             self._inputs_done(u)
                     for t in ins:
                         t.register_hook(one_done)
+                    self._calls.append((unit, left))
         finally:
             self._busy -= 1
 
@@ -1244,13 +1292,14 @@ class Stage3ParameterManager:
             if u not in self._active and not self.scheduler.keep_after_use(u):
                 self.release(u)
 
-    def _hook_outputs(self, unit: Unit, output) -> bool:
+    def _hook_outputs(self, unit: Unit, output) -> List[torch.Tensor]:
+        """Request ``unit`` for the backward when the first of ``output``'s tensors that require
+        grad gets its gradient; returns those tensors (empty: no backward can follow)."""
         leaves, _ = tree_flatten(output)
         ts = [t for t in leaves if isinstance(t, torch.Tensor) and t.requires_grad]
-        if not ts:
-            return False
-        torch.autograd.graph.register_multi_grad_hook(ts, lambda grads, u=unit: self._pre_backward(u), mode="any")
-        return True
+        if ts:
+            torch.autograd.graph.register_multi_grad_hook(ts, lambda grads, u=unit: self._pre_backward(u), mode="any")
+        return ts
 
     # ------------------------------------------------------------------------ backward hooks
     def _pre_backward(self, unit: Unit) -> None:
@@ -1510,7 +1559,9 @@ class Stage3ParameterManager:
             u.reduces_this_backward = 0
             u.inputs_pending, u.in_backward = 0, False
         self._in_iteration = False
-        self._awaiting_backward = False
+        self._backward_pending = False
+        self._calls = []
+        self._generation += 1
         self._in_backward = False
         self.stats.finish()
         self.tracer.finish()
