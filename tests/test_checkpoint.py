@@ -134,6 +134,61 @@ def test_load_refuses_another_layout_and_incomplete_saves(tmp_path):
         engine.load_checkpoint(str(tmp_path / "a"), "latest")
 
 
+class _UpDown(torch.nn.Module):
+    def __init__(self, down_first=False):
+        super().__init__()
+        for name in (("down", "up") if down_first else ("up", "down")):
+            setattr(self, name, torch.nn.Linear(8, 8))
+
+    def forward(self, x):
+        return self.down(torch.tanh(self.up(x)))
+
+
+class _TwoBlocks(torch.nn.Module):
+    def __init__(self, down_first=False):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(_UpDown(down_first) for _ in range(2))
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = b(x)
+        return x
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+@pytest.mark.parametrize("change", ["model_parameters", "registration"])
+def test_load_refuses_parameters_in_other_flat_positions(tmp_path, stage, change):
+    """The masters and Adam moments are restored by flat position, the module by name: the same
+    model with model_parameters in another order (param groups built from a set), or with its
+    layers registered in another order (inside a stage-3 unit too), loaded silently and every
+    weight was ~0.4 off after one step (helper-40, /tmp/tester24/f04*.py). It is refused."""
+    cfg = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+           "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0}}
+    torch.manual_seed(0)
+    model = _TwoBlocks()
+    engine, *_ = zeroinf.initialize(model=model, config=cfg)
+    engine.backward(engine(torch.ones(2, 8)).square().mean())
+    engine.step()
+    engine.save_checkpoint(str(tmp_path), "t")
+    saved = {k: v.clone() for k, v in model.state_dict().items()}
+    engine.close()
+    other = _TwoBlocks(down_first=change == "registration")
+    params = list(other.parameters())[::-1] if change == "model_parameters" else None
+    engine, *_ = zeroinf.initialize(model=other, model_parameters=params, config=cfg)
+    before = {k: v.clone() for k, v in other.state_dict().items()}
+    if stage == 3 and change == "model_parameters":  # stage 3 lays out by module, whatever the order given
+        engine.load_checkpoint(str(tmp_path), "t")
+        assert all(torch.equal(v, saved[k]) for k, v in other.state_dict().items())
+        engine.close()
+        return
+    with pytest.raises(CheckpointError, match=r"parameter group 0 is laid out differently: position 0 holds "
+                                              r"'blocks\.0\.up\.weight' \[8, 8\] at element 0 in the checkpoint, "
+                                              r"'blocks\.\d\.(down|up)\.(weight|bias)' \[8(, 8)?\] at element 0 here"):
+        engine.load_checkpoint(str(tmp_path), "t")
+    assert all(torch.equal(v, before[k]) for k, v in other.state_dict().items())  # nothing loaded
+    engine.close()
+
+
 def test_load_without_a_latest_file_returns_none_as_deepspeed(tmp_path, caplog):
     """DeepSpeed's auto-resume: ``path, client = engine.load_checkpoint(dir)`` gives (None, None)
     when there is nothing to resume from, and the engine is untouched."""
@@ -504,6 +559,10 @@ def test_a_flipped_bit_in_tensor_data_is_refused(tmp_path, victim):
     with pytest.raises(CheckpointError, match=name + ": .* does not match its CRC-32"):
         engine.load_checkpoint(str(tmp_path), "t")
     assert all(torch.equal(p, w) for p, w in zip(engine.module.parameters(), weights))
+    # consolidate (the way to other world sizes and stages) checks them too: it wrote wrong weights
+    with pytest.raises(CheckpointError, match=name + ": .* does not match its CRC-32"):
+        zeroinf.checkpoint.consolidate(str(tmp_path), "t", str(tmp_path / "fp32.pt"))
+    assert not (tmp_path / "fp32.pt").exists()
 
 
 class _WithExtraState(torch.nn.Linear):

@@ -377,6 +377,31 @@ def _check_module_state(module: torch.nn.Module, sd: Any, path: str, engine_hook
                               f"unexpected {unexpected[:3]}, other shapes {wrong[:3]})")
 
 
+def _check_param_positions(ckpt: str, saved: Optional[list], mine: list) -> None:
+    """Raise CheckpointError unless each parameter sits where the checkpoint's flat layout put
+    it (same names, shape and offset in the same param group). The masters and Adam moments are
+    restored by position in the flat buffers; the module's weights by name. A model whose layers
+    are registered in another order, or ``model_parameters`` in another order (param groups
+    built from a ``set``), passed every other check, and after one step every weight was off
+    (0.4 in helper-40's /tmp/tester24/f04_param_order.py). Checkpoints from before the layout
+    was recorded are not checked."""
+    if saved is None:
+        return
+    for gi, (a, b) in enumerate(zip(saved, mine)):
+        pa = [(tuple(p["names"]), tuple(p["shape"]), p["offset"]) for p in a["params"]]
+        pb = [(tuple(p["names"]), tuple(p["shape"]), p["offset"]) for p in b["params"]]
+        if pa == pb:
+            continue
+        i = next((i for i, (x, y) in enumerate(zip(pa, pb)) if x != y), min(len(pa), len(pb)))
+        what = lambda lst: (f"'{lst[i][0][0]}' {list(lst[i][1])} at element {lst[i][2]}"  # noqa: E731
+                            if i < len(lst) else "nothing")
+        raise CheckpointError(
+            f"{ckpt}: parameter group {gi} is laid out differently: position {i} holds {what(pa)} in the checkpoint, "
+            f"{what(pb)} here. The fp32 masters and Adam moments are restored by position, so they would land on "
+            "other parameters. Pass model_parameters (and param groups) in the saved order and register the "
+            "layers in the same order, or consolidate() the checkpoint and load its fp32 weights")
+
+
 def _check_files(engine, load_dir: str, tag: Optional[str]):
     """Open and check everything :func:`load` will apply on this rank; returns (folder, meta,
     rng state, memory-mapped optimizer states). Raises CheckpointError naming the file."""
@@ -398,6 +423,7 @@ def _check_files(engine, load_dir: str, tag: Optional[str]):
                               f"the first that differs, [key, elements, param group]: saved {at(saved)}, here {at(mine)}. "
                               f"The layout follows {layout}: use the same settings, or consolidate() the "
                               "checkpoint and load its fp32 weights")
+    _check_param_positions(ckpt, meta.get("layout"), _layout(engine))
     files = [_optim_file(ckpt, engine.rank, s.key) for s in engine.sub_optimizer.specs]
     rng_file = os.path.join(ckpt, f"rng_rank{engine.rank}.pt")
     for f in files + [rng_file]:
@@ -416,17 +442,31 @@ def _check_files(engine, load_dir: str, tag: Optional[str]):
             if not isinstance(t, torch.Tensor) or t.numel() != spec.numel:
                 raise CheckpointError(f"{f}: {name} is {getattr(t, 'shape', type(t).__name__)}, expected "
                                       f"{spec.numel} elements")
-            crcs = sd.get("crc32")  # files saved before checksums have none
-            if crcs is not None and (not isinstance(crcs, list) or len(crcs) != 3 or tensor_crc32(t) != crcs[k]):
-                raise CheckpointError(f"{f}: {name} does not match its CRC-32 (the file is corrupt)")
+            _check_crc(sd, k, f)
         states.append(sd)
     meta_file = os.path.join(ckpt, "model_states.pt")
     _check_meta(engine, meta, meta_file)
     _check_module_state(engine.module, meta.get("module"), meta_file, getattr(engine.params, "state_hooks", None))
+    _check_module_crcs(meta, meta_file)
+    return ckpt, meta, rng, states
+
+
+def _check_crc(sd: Dict[str, Any], k: int, path: str) -> None:
+    """Raise CheckpointError naming ``path`` unless tensor ``k`` (0 master, 1 exp_avg,
+    2 exp_avg_sq) of an optimizer file matches the CRC-32 written at save (files saved before
+    checksums have none: not checked)."""
+    name = ("master", "exp_avg", "exp_avg_sq")[k]
+    crcs = sd.get("crc32")
+    if crcs is not None and (not isinstance(crcs, list) or len(crcs) != 3 or tensor_crc32(sd[name]) != crcs[k]):
+        raise CheckpointError(f"{path}: {name} does not match its CRC-32 (the file is corrupt)")
+
+
+def _check_module_crcs(meta: Dict[str, Any], path: str) -> None:
+    """Raise CheckpointError naming ``path`` and the key unless every module tensor matches
+    the CRC-32 written at save."""
     for k, crc in (meta.get("module_crc32") or {}).items():
         if tensor_crc32(meta["module"][k]) != crc:
-            raise CheckpointError(f"{meta_file}: module state {k!r} does not match its CRC-32 (the file is corrupt)")
-    return ckpt, meta, rng, states
+            raise CheckpointError(f"{path}: module state {k!r} does not match its CRC-32 (the file is corrupt)")
 
 
 def _on_every_rank(engine, flag: bool, what: str) -> bool:
@@ -567,9 +607,11 @@ def consolidate(load_dir: str, tag: Optional[str], out: str) -> Dict[str, torch.
     else ``torch.save``). Runs in one process, no torch.distributed needed. Returns the dict.
 
     Raises:
-        CheckpointError: a rank's optimizer file is missing.
+        CheckpointError: a rank's optimizer file is missing, or a tensor it reads does not match
+            the CRC-32 written at save (as :func:`load` checks; corrupt data gave wrong weights).
     """
     ckpt, meta = _load_meta(load_dir, tag)
+    _check_module_crcs(meta, os.path.join(ckpt, "model_states.pt"))
     sd = {k: (v.float() if v.is_floating_point() else v).clone() for k, v in meta["module"].items()}
     subs: Dict[int, list] = {}
     for key, numel, gi in meta["sub_groups"]:
@@ -584,7 +626,9 @@ def consolidate(load_dir: str, tag: Optional[str], out: str) -> Dict[str, torch.
                 f = _optim_file(ckpt, r, key)
                 if not os.path.isfile(f):
                     raise CheckpointError(f"{f}: missing; consolidate needs every rank's optimizer files")
-                flat[pos:pos + numel].copy_(_read(f, mmap=True)["master"])
+                opt = _read(f, mmap=True)
+                _check_crc(opt, 0, f)
+                flat[pos:pos + numel].copy_(opt["master"])
                 pos += numel
         for p in lay["params"]:
             n = 1
