@@ -189,6 +189,29 @@ def test_load_refuses_parameters_in_other_flat_positions(tmp_path, stage, change
     engine.close()
 
 
+def test_a_client_state_load_could_not_read_is_refused_at_save(tmp_path):
+    """client_state={"args": argparse.Namespace(...)} (or a numpy scalar) saved "successfully" into
+    a checkpoint that load_checkpoint (weights_only) and consolidate could never read (helper-40,
+    /tmp/tester24/f02). The save refuses it, naming the key, and writes nothing; a class allowed
+    with torch.serialization's safe globals is saved and comes back."""
+    import argparse
+
+    import numpy as np
+
+    engine, _ = _small_engine()
+    engine.backward(engine(torch.randn(4, 7)).square().mean())
+    engine.step()
+    for bad, typ in (({"args": argparse.Namespace(lr=0.1), "step": 3}, "argparse.Namespace"),
+                     ({"step": 3, "args": np.float64(0.5)}, "numpy.float64")):
+        with pytest.raises(TypeError, match=rf"client_state\['args'\] \({typ}\) could not be read back"):
+            engine.save_checkpoint(str(tmp_path), "t", client_state=bad)
+        assert not os.listdir(tmp_path)
+    with torch.serialization.safe_globals([argparse.Namespace]):
+        engine.save_checkpoint(str(tmp_path), "t", client_state={"args": argparse.Namespace(lr=0.1)})
+        _, got = engine.load_checkpoint(str(tmp_path), "t")
+    assert got == {"args": argparse.Namespace(lr=0.1)}
+
+
 def test_load_without_a_latest_file_returns_none_as_deepspeed(tmp_path, caplog):
     """DeepSpeed's auto-resume: ``path, client = engine.load_checkpoint(dir)`` gives (None, None)
     when there is nothing to resume from, and the engine is untouched."""
