@@ -139,10 +139,24 @@ def test_interrupt_and_resume_reproduce_the_trajectory(main_run, tmp_path):
     stopped = len(_log(tmp_path / "cut"))
     assert proc.returncode == 130 and 3 <= stopped < 20, (proc.returncode, stopped, err[-2000:])
     assert "Traceback" not in err and f"--resume {Path('cut')}" in out
+    # a flag the resumed run cannot honour was dropped silently (helper-40 f07): refused, naming it
+    bad = _train(["--resume", "cut", "--offload", "cpu", "--lr", "0.5"], tmp_path, check=False)
+    assert bad.returncode == 2 and "--offload 'cpu' (the run has 'infinity'), --lr 0.5 (the run has " in bad.stderr, bad.stderr
+    run_json = tmp_path / "cut" / "run.json"
+    run = json.loads(run_json.read_text())
+    run_json.write_text(json.dumps({**run, "completed_steps": stopped + 1}))  # run.json and checkpoint disagree
+    bad = _train(["--resume", "cut"], tmp_path, check=False)
+    assert bad.returncode == 2 and f"holds step {stopped}, but run.json says {stopped + 1}" in bad.stderr, bad.stderr
+    run_json.write_text(json.dumps(run))
     _train(["--resume", "cut"], tmp_path)
     full, cut = _log(main_run[0] / "out"), _log(tmp_path / "cut")
     assert [r["step"] for r in cut] == list(range(1, 21))
     np.testing.assert_allclose([r["loss"] for r in cut], [r["loss"] for r in full], rtol=0, atol=1e-6)
+    # the run completed: its interruption's checkpoint no longer says where it stands. A --resume
+    # --steps 30 took it up and numbered its steps 21.. from run.json, 10 steps of training lost
+    # silently (helper-40 f06); it is refused now
+    more = _train(["--resume", "cut", "--steps", "30"], tmp_path, check=False)
+    assert more.returncode == 2 and "no checkpoint/latest there" in more.stderr, more.stderr
 
 
 def test_batches_are_deterministic_and_split_over_ranks():

@@ -352,7 +352,14 @@ class _Run:
                 raise TrainError(f"--resume {a.resume}: no run.json there (is it the --out of an earlier run?)")
             saved = json.loads(run_json.read_text())
             if not (Path(a.resume) / "checkpoint" / "latest").exists():
-                raise TrainError(f"--resume {a.resume}: no checkpoint/latest there (the run was not interrupted)")
+                raise TrainError(f"--resume {a.resume}: no checkpoint/latest there (the run was not interrupted, "
+                                 "or it completed after its last interruption)")
+            changed = [f"--{k.replace('_', '-')} {getattr(a, k)!r} (the run has {v!r})" for k, v in saved["args"].items()
+                       if k not in _RESUME_OVERRIDABLE and k != "out" and getattr(a, k, None) not in (None, False, v)]
+            if changed:  # they were dropped silently: the run went on with its own settings
+                raise TrainError(f"--resume {a.resume}: {', '.join(changed)}: a resumed run keeps the settings of the "
+                                 f"run it continues; only --{', --'.join(k.replace('_', '-') for k in _RESUME_OVERRIDABLE)} "
+                                 "may change")
             for k, v in saved["args"].items():
                 if k not in _RESUME_OVERRIDABLE or getattr(a, k, None) is None:
                     setattr(a, k, v)
@@ -520,6 +527,10 @@ class _Run:
             engine = self._make_engine(a, cfg, model, device)
             if a.resume:
                 engine.load_checkpoint(str(out / "checkpoint"), None)
+                if engine.global_steps != self.start_step - 1:  # run.json and the checkpoint must tell one story
+                    raise TrainError(f"--resume {a.resume}: checkpoint/latest holds step {engine.global_steps}, but "
+                                     f"run.json says {self.start_step - 1} steps were completed; the two no longer "
+                                     "belong to one run")
             dtype = self.zcfg.precision
             if rank0:
                 print(f"zeroinf train: {a.model} {a.size if a.model in ('llama', 'gpt2') else ''} "
@@ -600,6 +611,10 @@ class _Run:
                 log.close()
         if interrupted:
             engine.save_checkpoint(str(out / "checkpoint"), f"step{self.completed}")
+        elif rank0:
+            # completed: the interruption's checkpoint is not where the run stands any more (a later
+            # --resume --steps M took it up and numbered its steps from run.json: helper-40 f06)
+            (out / "checkpoint" / "latest").unlink(missing_ok=True)
         self.dist.barrier()
         if rank0:
             run = {"args": {k: v for k, v in vars(a).items() if k != "resume"},
