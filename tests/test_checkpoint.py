@@ -212,6 +212,33 @@ def test_a_client_state_load_could_not_read_is_refused_at_save(tmp_path):
     assert got == {"args": argparse.Namespace(lr=0.1)}
 
 
+def test_global_samples_are_counted_saved_and_restored(tmp_path):
+    """global_samples was global_steps x train_batch_size(): after a resume with another batch
+    size it rewrote the past (48 where 12 were consumed, helper-40 f05), and it ignored windows
+    whose boundaries the caller sets. It is counted per step and checkpointed, as in DeepSpeed."""
+    engine, model = _small_engine()
+    x = torch.randn(4, 7)
+    for _ in range(3):
+        engine.backward(engine(x).square().mean())
+        engine.step()
+    assert engine.global_samples == 12
+    engine.save_checkpoint(str(tmp_path), "t")
+    cfg = {"train_micro_batch_size_per_gpu": 8, "gradient_accumulation_steps": 2,
+           "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}, "zero_optimization": {"stage": 1, "sub_group_size": 50}}
+    bigger, *_ = zeroinf.initialize(copy.deepcopy(model), config=cfg)
+    bigger.load_checkpoint(str(tmp_path), "t")
+    assert bigger.global_samples == 12
+    bigger.backward(bigger(torch.randn(8, 7)).square().mean())
+    bigger.step()  # micro-batch 4 of the run: a boundary with gradient_accumulation_steps 2
+    assert bigger.global_samples == 12 + 16 and bigger.global_steps == 4
+    for n in (3, 1):  # windows the caller closes: one micro-batch of 8 per backward
+        for k in range(n):
+            bigger.set_gradient_accumulation_boundary(k == n - 1)
+            bigger.backward(bigger(torch.randn(8, 7)).square().mean())
+            bigger.step()
+    assert bigger.global_samples == 28 + 8 * 4 and bigger.global_steps == 6
+
+
 def test_load_without_a_latest_file_returns_none_as_deepspeed(tmp_path, caplog):
     """DeepSpeed's auto-resume: ``path, client = engine.load_checkpoint(dir)`` gives (None, None)
     when there is nothing to resume from, and the engine is untouched."""

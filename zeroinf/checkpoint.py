@@ -283,6 +283,7 @@ def save(engine, save_dir: str, tag: Optional[str] = None, client_state: Optiona
             "precision": engine.config.precision,
             "sub_groups": [[s.key, s.numel, s.param_group] for s in opt.specs],
             "global_steps": engine.global_steps, "micro_steps": engine.micro_steps,
+            "global_samples": engine.global_samples,
             "skipped_steps": engine.skipped_steps, "optimizer_steps": engine.optimizer_steps,
             "loss_scaler": engine.loss_scaler.state_dict() if engine.loss_scaler is not None else None,
             "lr_scheduler": engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None,
@@ -335,7 +336,9 @@ def _check_meta(engine, meta: Dict[str, Any], path: str) -> None:
     """Raise CheckpointError naming ``path`` unless the counters, the param groups'
     hyper-parameters (keys this engine's groups have) and the other entries load applies are
     there and of the right kind."""
-    for k in ("global_steps", "micro_steps", "skipped_steps", "optimizer_steps"):
+    for k in ("global_steps", "micro_steps", "skipped_steps", "optimizer_steps", "global_samples"):
+        if k == "global_samples" and k not in meta:  # saved before it was counted
+            continue
         if not isinstance(meta.get(k), int) or isinstance(meta.get(k), bool) or meta[k] < 0:
             raise CheckpointError(f"{path}: {k} is {meta.get(k)!r}, expected a count")
     for k in ("loss_scaler", "lr_scheduler", "client_state"):
@@ -628,6 +631,8 @@ def load(engine, load_dir: str, tag: Optional[str] = None) -> Tuple[str, dict]:
             for k, v in h.items():
                 g[k] = tuple(v) if k == "betas" else v
         engine.global_steps, engine.micro_steps = meta["global_steps"], meta["micro_steps"]
+        # checkpoints from before it was saved: as DeepSpeed, from the steps and this batch size
+        engine._global_samples = meta.get("global_samples", meta["global_steps"] * engine.train_batch_size())
         engine.skipped_steps, engine.optimizer_steps = meta["skipped_steps"], meta["optimizer_steps"]
         engine._forget_gradients()  # accumulated or held by no_sync before the load: not the saved state's
         engine._mark_weights_current()  # weights and masters came from the same checkpoint

@@ -208,6 +208,7 @@ class ZeroEngine:
         self._stats: Dict[str, Any] = {}
         self._step_stats = self._new_step_stats()
         self._step_running = False  # a background optimizer step is in flight (stage 3)
+        self._global_samples = 0  # global_samples
         self._backwards = 0  # engine.backward calls since the last engine.step (_check_backward_ran)
         self._window_backwards = 0  # engine.backward calls since the last optimizer step (a save warns)
         self._boundary: Optional[bool] = None  # set_gradient_accumulation_boundary's value, if called
@@ -646,10 +647,12 @@ class ZeroEngine:
             try:
                 self._optimizer_step()
             except FloatingPointError as exc:  # at min_loss_scale: the window was skipped and dropped, and counts
+                self._count_samples()
                 self._window_backwards = 0
                 self._count_micro_batch()
                 self._counted_and_raised = f"FloatingPointError: {exc}"[:200]
                 raise
+            self._count_samples()
             self._window_backwards = 0
             if self._step_applied and self.lr_scheduler is not None:
                 # the engine stepped on the optimizer's behalf: tell torch schedulers so (they warn otherwise)
@@ -669,6 +672,15 @@ class ZeroEngine:
                                      f"{self.global_steps}, which was applied and counted; a scheduler whose step() "
                                      "needs arguments (ReduceLROnPlateau) takes them from engine.step(lr_kwargs={...})")
             raise sched_error
+
+    def _count_samples(self) -> None:
+        """An optimizer step (applied or skipped) consumed a window: ``train_batch_size()``
+        samples, or, once the caller sets the boundaries (:meth:`set_gradient_accumulation_boundary`),
+        one micro-batch per rank for each backward of the window, as DeepSpeed counts them."""
+        if self._boundary is None:
+            self._global_samples += self.train_batch_size()
+        else:
+            self._global_samples += self.train_micro_batch_size_per_gpu() * self.world_size * self._window_backwards
 
     def _count_micro_batch(self) -> None:
         """The end of :meth:`step` (a step that raised otherwise keeps its backwards: the retry
@@ -954,8 +966,11 @@ class ZeroEngine:
 
     @property
     def global_samples(self) -> int:
-        """Samples consumed by optimizer steps so far (``global_steps x train_batch_size()``)."""
-        return self.global_steps * self.train_batch_size()
+        """Samples consumed by optimizer steps so far, counted at each step as DeepSpeed counts
+        them (see :meth:`_count_samples`) and restored by ``load_checkpoint``: it stays right
+        across a change of batch size on resume (it was ``global_steps x train_batch_size()``,
+        which rewrote the past: helper-40, /tmp/tester24/f05_global_samples.py)."""
+        return self._global_samples
 
     @property
     def device(self) -> torch.device:
