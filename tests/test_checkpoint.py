@@ -4,6 +4,7 @@ import copy
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -237,6 +238,40 @@ def test_global_samples_are_counted_saved_and_restored(tmp_path):
             bigger.backward(bigger(torch.randn(8, 7)).square().mean())
             bigger.step()
     assert bigger.global_samples == 28 + 8 * 4 and bigger.global_steps == 6
+
+
+def test_a_stage_3_checkpoint_in_another_precision_is_refused_naming_it(tmp_path):
+    """bf16 -> fp32 at stage 3 was refused as 'saved with 3 optimizer sub-groups, this engine has
+    3', blaming the model or sub_group_size (helper-40 f03); the message names the precisions."""
+    cfg = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+           "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}, "bf16": {"enabled": True}}
+    engine, *_ = zeroinf.initialize(model=_TwoBlocks(), config=cfg)
+    engine.save_checkpoint(str(tmp_path), "t")
+    engine.close()
+    del cfg["bf16"]
+    engine, *_ = zeroinf.initialize(model=_TwoBlocks(), config=cfg)
+    with pytest.raises(CheckpointError, match=r"saved training in bf16, this engine trains in fp32.*consolidate\(\)"):
+        engine.load_checkpoint(str(tmp_path), "t")
+    engine.close()
+
+
+def test_files_of_two_saves_in_one_folder_are_refused(tmp_path):
+    """Every per-file check passed when an optimizer file of an earlier save was copied into a
+    later save's folder (a partial restore): the masters jumped back (helper-40 f11). Each file
+    carries the save's id; a renamed folder still loads."""
+    engine, _ = _small_engine()
+    x = torch.randn(4, 7)
+    for tag in ("early", "late"):
+        engine.backward(engine(x).square().mean())
+        engine.step()
+        engine.save_checkpoint(str(tmp_path), tag)
+    os.rename(tmp_path / "late", tmp_path / "renamed")
+    engine.load_checkpoint(str(tmp_path), "renamed")
+    name = sorted(f for f in os.listdir(tmp_path / "early") if f.startswith("optim_"))[0]
+    shutil.copy(tmp_path / "early" / name, tmp_path / "renamed" / name)
+    with pytest.raises(CheckpointError, match=rf"{name}: written by another save \('early@steps=1,.*'\) than "
+                                              r"model_states.pt \('late@steps=2,.*'\); the folder mixes"):
+        engine.load_checkpoint(str(tmp_path), "renamed")
 
 
 def test_load_without_a_latest_file_returns_none_as_deepspeed(tmp_path, caplog):

@@ -70,8 +70,8 @@ def _read(path: str, mmap: bool = False) -> Any:
     try:
         return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
     except Exception as exc:
-        raise CheckpointError(f"{path}: unreadable ({type(exc).__name__}: {str(exc).strip()[:300]}); "
-                              "nothing was loaded") from exc
+        raise CheckpointError(f"{path}: unreadable: truncated, corrupt or not a torch file ({type(exc).__name__}: "
+                              f"{str(exc).strip()[:300]}); nothing was loaded") from exc
 
 
 def _optim_file(ckpt: str, rank: int, key: str) -> str:
@@ -111,6 +111,14 @@ def _same_tag(engine, tag: Optional[str], what: str) -> Optional[str]:
         _log.warning("%s: the ranks passed different tags (%s); every rank uses rank 0's (checkpoint.tag_validation "
                      "\"Warn\")", what, listing)
     return tags[0]
+
+
+def _save_id(engine, tag: str) -> str:
+    """What every file of one save carries (the same on every rank): the tag and the engine's
+    counters. A file from another save put into the folder (a partial restore) loaded with
+    every per-file check passing, and the weights jumped back (helper-40, /tmp/tester24/f11)."""
+    return (f"{tag}@steps={engine.global_steps},micro={engine.micro_steps},applied={engine.optimizer_steps},"
+            f"skipped={engine.skipped_steps},samples={engine.global_samples}")
 
 
 def _rng_state() -> Dict[str, Any]:
@@ -258,15 +266,16 @@ def save(engine, save_dir: str, tag: Optional[str] = None, client_state: Optiona
         shutil.rmtree(ckpt)  # left by a save that failed
     _barrier(engine, "save_checkpoint")
     opt = engine.sub_optimizer
+    save_id = _save_id(engine, tag)
     problem = None
     try:
         os.makedirs(ckpt, exist_ok=True)
         for i, spec in enumerate(opt.specs):
             with opt.state(i) as (master, m, v):
                 _atomic_save({"key": spec.key, "numel": spec.numel, "master": master.clone(), "exp_avg": m.clone(),
-                              "exp_avg_sq": v.clone(), "crc32": [tensor_crc32(t) for t in (master, m, v)]},
-                             _optim_file(ckpt, engine.rank, spec.key))
-        _atomic_save(_rng_state(), os.path.join(ckpt, f"rng_rank{engine.rank}.pt"))
+                              "exp_avg_sq": v.clone(), "crc32": [tensor_crc32(t) for t in (master, m, v)],
+                              "save_id": save_id}, _optim_file(ckpt, engine.rank, spec.key))
+        _atomic_save({**_rng_state(), "save_id": save_id}, os.path.join(ckpt, f"rng_rank{engine.rank}.pt"))
     except Exception as exc:
         problem = exc
     _agree(engine, problem, _write_failed, "save_checkpoint")
@@ -279,7 +288,8 @@ def save(engine, save_dir: str, tag: Optional[str] = None, client_state: Optiona
         hyper = [{k: (list(v) if isinstance(v, tuple) else v) for k, v in g.items() if k != "params"}
                  for g in engine.optimizer.param_groups]
         meta = {
-            "format": _FORMAT, "world_size": engine.world_size, "stage": engine.config.zero_optimization.stage,
+            "format": _FORMAT, "save_id": save_id,
+            "world_size": engine.world_size, "stage": engine.config.zero_optimization.stage,
             "precision": engine.config.precision,
             "sub_groups": [[s.key, s.numel, s.param_group] for s in opt.specs],
             "global_steps": engine.global_steps, "micro_steps": engine.micro_steps,
@@ -462,8 +472,13 @@ def _check_files(engine, load_dir: str, tag: Optional[str]):
                               f"{engine.world_size}; consolidate() it and load the fp32 weights instead")
     if meta["stage"] != engine.config.zero_optimization.stage:
         raise CheckpointError(f"{ckpt}: saved with zero stage {meta['stage']}, this engine has "
-                              f"{engine.config.zero_optimization.stage}")
+                              f"{engine.config.zero_optimization.stage}; consolidate() it and load the fp32 weights "
+                              "instead")
     saved = [list(x) for x in meta["sub_groups"]]
+    if saved != mine and meta.get("precision") not in (None, engine.config.precision):
+        raise CheckpointError(f"{ckpt}: saved training in {meta['precision']}, this engine trains in "
+                              f"{engine.config.precision}; at stage 3 the partitions are laid out per dtype, so "
+                              "load it with the same precision, or consolidate() it and load the fp32 weights")
     if saved != mine:
         i = next((i for i, (a, b) in enumerate(zip(saved, mine)) if a != b), min(len(saved), len(mine)))
         at = lambda lay: f"{lay[i]}" if i < len(lay) else "none"  # noqa: E731
@@ -481,12 +496,21 @@ def _check_files(engine, load_dir: str, tag: Optional[str]):
             raise CheckpointError(f"{f}: missing from the checkpoint")
     rng = _read(rng_file)
     _check_rng_state(rng, rng_file)
+    want_id = meta.get("save_id")  # checkpoints from before save ids have none
+
+    def check_id(sd, path):
+        if want_id is not None and isinstance(sd, dict) and sd.get("save_id") != want_id:
+            raise CheckpointError(f"{path}: written by another save ({sd.get('save_id')!r}) than model_states.pt "
+                                  f"({want_id!r}); the folder mixes the files of two saves (a partial copy or "
+                                  "restore?)")
+    check_id(rng, rng_file)
     states = []  # memory-mapped: checked now, read when loaded
     for spec, f in zip(engine.sub_optimizer.specs, files):
         sd = _read(f, mmap=True)
         if not isinstance(sd, dict) or sd.get("key") != spec.key or sd.get("numel") != spec.numel:
             got = (sd.get("key"), sd.get("numel")) if isinstance(sd, dict) else type(sd).__name__
             raise CheckpointError(f"{f}: holds {got}, expected {spec.key!r} ({spec.numel} elements)")
+        check_id(sd, f)
         for k, name in enumerate(("master", "exp_avg", "exp_avg_sq")):
             t = sd.get(name)
             if not isinstance(t, torch.Tensor) or t.numel() != spec.numel:
