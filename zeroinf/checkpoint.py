@@ -278,7 +278,7 @@ def save(engine, save_dir: str, tag: Optional[str] = None, client_state: Optiona
         _atomic_save({**_rng_state(), "save_id": save_id}, os.path.join(ckpt, f"rng_rank{engine.rank}.pt"))
     except Exception as exc:
         problem = exc
-    _agree(engine, problem, _write_failed, "save_checkpoint")
+    _agree_or_drop(engine, problem, ckpt)
     # every rank builds the module state dict: under stage 3 it all-gathers each partition (a
     # collective), so rank 0 alone would wait forever for the others
     module_sd = _module_state(engine.module)
@@ -307,7 +307,7 @@ def save(engine, save_dir: str, tag: Optional[str] = None, client_state: Optiona
             _replace_dir(ckpt, final)
         except Exception as exc:
             problem = exc
-    _agree(engine, problem, _write_failed, "save_checkpoint")
+    _agree_or_drop(engine, problem, ckpt)
     if engine.rank != 0 and os.path.isdir(ckpt):  # a folder rank 0 does not see (no shared file system)
         _replace_dir(ckpt, final)
     if engine.rank == 0 and save_latest:
@@ -568,6 +568,17 @@ def _agree(engine, problem: Optional[BaseException], others, what: str) -> None:
             raise others(bad)
     if problem is not None:
         raise problem
+
+
+def _agree_or_drop(engine, problem: Optional[BaseException], work: str) -> None:
+    """:func:`_agree` on a save's writes; when any rank failed, each removes the unfinished
+    folder ``work`` first: left on a full disk, it kept the space that the next save (under
+    another tag, global_stepN) needed, so every retry failed too (helper-40)."""
+    try:
+        _agree(engine, problem, _write_failed, "save_checkpoint")
+    except BaseException:
+        shutil.rmtree(work, ignore_errors=True)
+        raise
 
 
 def _write_failed(bad) -> OSError:
