@@ -62,7 +62,11 @@ def test_step_counters_cover_every_micro_batch(tmp_path, overlap):
 
 
 def test_host_cache_hits_are_counted(tmp_path):
-    got = {}
+    """... and the trace shows them as reads from the host cache (they were NVMe reads of 0
+    bytes: helper-40 f08): per iteration, the read spans' bytes equal the counters'."""
+    import json
+
+    got, spans = {}, {}
     for cache in (0, 10**6):
         d = tmp_path / f"c{cache}"
         d.mkdir()
@@ -70,7 +74,15 @@ def test_host_cache_hits_are_counted(tmp_path):
         cfg["zero_optimization"]["offload_param"]["max_in_cpu"] = cache
         engine, *_ = zeroinf.initialize(model=copy.deepcopy(TinyLM()), config=cfg)
         got[cache] = _steps(engine, 2, 1)[0][-1]
+        engine.trace(str(d / "trace.json"))
+        last = engine.params.manager.stats.last
+        reads = [e["args"] for e in json.loads((d / "trace.json").read_text())["traceEvents"]
+                 if e.get("name", "").startswith("read ")]
+        assert sum(a["bytes"] for a in reads) == last["bytes_nvme_read"]
+        assert sum(a["cache_bytes"] for a in reads) == last.get("bytes_host_read", 0)
+        spans[cache] = {a["tier"] for a in reads}
         engine.close()
+    assert spans == {0: {"nvme"}, 10**6: {"host cache"}}
     cold, hot = got[0], got[10**6]
     assert cold["bytes_nvme_read"] > 0 and cold["host_cache_hits"] == 0 and cold["bytes_host_read"] == 0
     # every partition read came from the cache: the same bytes, now from host memory
