@@ -405,7 +405,15 @@ class ZeroEngine:
         if torch.is_grad_enabled():
             self._check_requires_grad()
             self._check_added()
-        return self.module(*args, **kwargs)
+        try:
+            return self.module(*args, **kwargs)
+        except Exception:
+            raise  # the forward hooks ran (always_call)
+        except BaseException:  # KeyboardInterrupt, SystemExit: torch skips always_call hooks
+            manager = getattr(self.params, "manager", None)
+            if manager is not None:
+                manager.abort_forward()  # [Note: interrupted forward]
+            raise
 
     def train(self, mode: bool = True) -> "ZeroEngine":
         self.module.train(mode)

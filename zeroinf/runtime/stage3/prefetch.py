@@ -72,6 +72,12 @@ class PrefetchScheduler:
         self.drop_prefetched()
         self.active = False
 
+    def abort(self) -> None:
+        """Drop the iteration unrecorded (an interrupted forward): what it prefetched is
+        released, and the trace stays as it was."""
+        self.drop_prefetched()
+        self.active = False
+
     # --- requests -------------------------------------------------------------------------
     def on_request(self, unit, phase: str) -> bool:
         """Note a request; returns True when the unit was prefetched for it."""
