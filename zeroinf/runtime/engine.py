@@ -488,6 +488,8 @@ class ZeroEngine:
             ValueError: ``loss`` is not a scalar tensor requiring grad.
             RuntimeError: a trainable parameter was put into the model after :func:`initialize`
                 ([Note: parameters added after initialize]).
+            Exception: whatever the autograd backward raised part-way; none of its gradients
+                stays (see :meth:`_drop_partial_gradients`).
         """
         self._check_open()
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or not loss.requires_grad:
@@ -520,6 +522,8 @@ class ZeroEngine:
             if self._bwd_pending:
                 self._bwd_pending = False
                 self.params.abort_backward_step(exc)
+            elif not self._in_bwd:
+                self._drop_partial_gradients(exc)
             raise
         t1 = time.perf_counter()
         self._step_stats["backward_s"] += t1 - t0
@@ -530,6 +534,33 @@ class ZeroEngine:
         else:
             self._reduce()
         return loss / self.gas if scale_wrt_gas and self.gas > 1 else loss
+
+    def _drop_partial_gradients(self, exc: BaseException) -> None:
+        """A backward that raised part-way left some of its gradients and not others. At stages
+        0-2 they are in ``.grad`` only (the window's earlier micro-batches are reduced already):
+        they are dropped, and the backward counts for nothing. At stage 3 each unit's gradient
+        was reduced into the accumulation buffers as its backward finished, where it cannot be
+        told from the window's others, and ``zero_grad()`` could not reach it: the next step
+        added part of the failed batch (helper-41, /tmp/tester25/t06_bwd_exc.py: 0.036 off). So
+        the whole window's gradients are dropped there, with a warning (with ``no_sync`` too,
+        whose ``.grad`` sums the window's backwards)."""
+        manager = getattr(self.params, "manager", None)
+        if manager is None and not self._unreduced:
+            for _n, p, flag in self._requires_grad:
+                if flag:
+                    p.grad = None
+            self._backwards -= 1
+            self._window_backwards -= 1
+            return
+        n = self._window_backwards
+        self.synchronize()
+        if manager is not None:
+            manager.abort_forward()  # the failed backward's unreduced flat gradients and gathered units go too
+        self._forget_gradients()
+        warnings.warn(f"zeroinf: engine.backward raised part-way ({type(exc).__name__}); the gradients of this "
+                      f"accumulation window ({n} backward(s)) were dropped, since the ones it had reduced cannot be "
+                      "told from the window's others. The next step() without a new backward steps on none.",
+                      RuntimeWarning, stacklevel=3)
 
     def _reduce(self) -> None:
         """Reduce the gradients in ``.grad`` into the accumulation buffers (stages 0-2; stage 3

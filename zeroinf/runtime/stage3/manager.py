@@ -1154,7 +1154,9 @@ class Stage3ParameterManager:
         weights, silently (helper-41, /tmp/tester25/t12_kbint_fwd_weights.py: every weight
         0.8e-2 to 2.2e-2 off). This closes the contexts, releases every unit and drops the
         iteration unrecorded. ``engine.forward`` calls it on such an exception; a forward of the
-        model itself finds the stale context at its next root pre-hook and calls it there."""
+        model itself finds the stale context at its next root pre-hook and calls it there.
+        ``engine.backward`` calls it too when the backward raised part-way: its flat gradients
+        not reduced yet are dropped with the iteration (the engine drops the reduced ones)."""
         self._busy += 1
         try:
             while self._recompute_modes:
