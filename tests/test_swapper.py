@@ -46,6 +46,38 @@ def test_round_trip_exact(swapper, async_op):
         assert swapper.path_for(k).read_bytes() == src[k].reshape(-1).view(torch.uint8).numpy().tobytes()
 
 
+def test_a_ctrl_c_while_waiting_loses_no_outcome(swapper):
+    """A Ctrl-C landing while the engine waits was raised as soon as wait_all() returned, before
+    the handle recorded the outcomes: the writes stayed pending for good and every file of the
+    batch was stale, so each later optimizer step and a rescue save_checkpoint failed
+    (helper-41, /tmp/tester25/t31). The KeyboardInterrupt now comes after the bookkeeping; the
+    batch is finished by the next wait and reads back exact."""
+    import signal
+
+    class CtrlCWhileWaiting:
+        def __init__(self, engine):
+            self.engine = engine
+
+        def wait_all(self):
+            out = self.engine.wait_all()
+            os.kill(os.getpid(), signal.SIGINT)  # delivered as the C call returns
+            return out
+
+        def __getattr__(self, name):
+            return getattr(self.engine, name)
+    src = {k: _make(*v) for k, v in KEYS.items()}
+    swapper.swap_out(src.items(), async_op=True)
+    h = swapper.handle
+    h._engine = CtrlCWhileWaiting(h._engine)
+    with pytest.raises(KeyboardInterrupt):
+        swapper.wait()
+    h._engine = h._engine.engine
+    assert h.pending() == 0 and swapper.wait() == len(src)
+    dst = {k: torch.zeros_like(t) for k, t in src.items()}
+    swapper.swap_in(dst.items(), async_op=False)
+    assert all(torch.equal(src[k].view(torch.uint8), dst[k].view(torch.uint8)) for k in src)
+
+
 def test_files_private_and_preallocated(swapper):
     assert stat.S_IMODE(swapper.directory.stat().st_mode) == 0o700
     for k, (n, dt, _sh) in KEYS.items():

@@ -40,16 +40,18 @@ there (its threads exist only in the parent): it raises ``RuntimeError``; create
 from __future__ import annotations
 
 import atexit
+import contextlib
 import errno
 import mmap
 import os
+import signal
 import stat
 import sys
 import threading
 import warnings
 import weakref
 from dataclasses import dataclass
-from typing import Dict, List, Optional
+from typing import Dict, Iterator, List, Optional
 
 import torch
 
@@ -233,6 +235,31 @@ def _byte_view(buffer, name: str = "buffer") -> torch.Tensor:
     if not buffer.is_contiguous():
         raise ValueError(f"{name} must be contiguous (a .contiguous() copy would not receive the data)")
     return buffer.reshape(-1).view(torch.uint8)
+
+
+@contextlib.contextmanager
+def _interrupts_deferred() -> Iterator[None]:
+    """[Note: Ctrl-C between the engine and the bookkeeping] A request's outcome lives in one
+    place at a time: the engine's queue, then the handle's ``_pending`` and counters. A
+    KeyboardInterrupt raised between the two (right after ``wait_all()`` returned) lost the
+    outcomes: the requests stayed pending for good, and the swapper above called their files
+    stale, so every later optimizer step and the rescue ``save_checkpoint`` failed (helper-41,
+    /tmp/tester25/t31_kbint_in_drain.py). In the main thread, while SIGINT has Python's default
+    handler, a Ctrl-C inside the block is held and raised as KeyboardInterrupt when it ends
+    (the block is short: the engine's waits do not run Python signal handlers anyway). A
+    handler of the user's own runs as usual."""
+    if threading.current_thread() is not threading.main_thread() or \
+            signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+        yield
+        return
+    held = []
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: held.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    if held:
+        raise KeyboardInterrupt
 
 
 class AsyncIOHandle:
@@ -432,15 +459,16 @@ class AsyncIOHandle:
                 raise
             self._drain()
             fd, fd_direct = self._open(path, is_read, file_offset, nbytes, whole_file)
-        try:
-            rid = self._engine.submit(is_read, flat, nbytes, fd_direct, fd, file_offset)
-        except BaseException:
-            os.close(fd)
-            if fd_direct >= 0:
-                os.close(fd_direct)
-            raise
-        with self._lock:
-            self._pending[rid] = _Pending(path, is_read, file_offset, nbytes, fd, fd_direct, buffer)
+        with _interrupts_deferred():  # a request the engine runs is always in _pending
+            try:
+                rid = self._engine.submit(is_read, flat, nbytes, fd_direct, fd, file_offset)
+            except BaseException:
+                os.close(fd)
+                if fd_direct >= 0:
+                    os.close(fd_direct)
+                raise
+            with self._lock:
+                self._pending[rid] = _Pending(path, is_read, file_offset, nbytes, fd, fd_direct, buffer)
         return rid
 
     def _finish(self, rec: tuple) -> Optional[AIOError]:
@@ -500,7 +528,7 @@ class AsyncIOHandle:
         return self._sync(False, buffer, filename, file_offset)
 
     def _sync(self, is_read: bool, buffer, filename, file_offset: int, whole_file: bool = False) -> int:
-        with self._wait_lock:
+        with self._wait_lock, _interrupts_deferred():
             rid = self._submit(is_read, buffer, filename, file_offset, whole_file)
             exc = self._finish(self._engine.wait_one(rid))
         if exc is not None:
@@ -577,7 +605,7 @@ class AsyncIOHandle:
     def _drain(self) -> None:
         """Finish every queued request now, closing its files; their count and errors (in
         submission order) are kept for :meth:`wait` to report."""
-        with self._wait_lock:
+        with self._wait_lock, _interrupts_deferred():
             recs = self._engine.wait_all()
             for rec in recs:
                 exc = self._finish(rec)

@@ -377,6 +377,12 @@ class TensorSwapper:
                 if op == "out":
                     self._entries[key].written = False
             raise
+        except BaseException:
+            # a KeyboardInterrupt: the requests are finished or still queued in the handle, which
+            # keeps their outcome for its next wait; they stay pending here (dropped, every file
+            # of the batch was stale for good: helper-41 t31)
+            self._pending = pending + self._pending
+            raise
         for op, key, tensor, crc in pending:
             e = self._entries[key]
             if op == "out":
