@@ -274,6 +274,46 @@ def test_files_of_two_saves_in_one_folder_are_refused(tmp_path):
         engine.load_checkpoint(str(tmp_path), "renamed")
 
 
+def test_a_save_from_an_atexit_hook_at_stage_3_on_nvme(tmp_path):
+    """At interpreter exit concurrent.futures stops its workers before atexit hooks run: the
+    background optimizer step and a save_checkpoint from an atexit hook (stage 3, NVMe) failed
+    on "cannot schedule new futures after shutdown" (helper-41, /tmp/tester25/t25). The
+    checkpoint now holds the 3 steps: equal to the same steps run here."""
+    script = textwrap.dedent(f"""
+        import atexit, sys, torch, zeroinf
+        sys.path.insert(0, {os.path.dirname(__file__)!r})
+        from stage3_models import TinyLM, batch, loss_fn
+        from test_stage3_engine import _config
+        torch.manual_seed(0)
+        engine, *_ = zeroinf.initialize(model=TinyLM(), config=_config("nvme", "nvme", {str(tmp_path)!r}))
+        atexit.register(lambda: (engine.save_checkpoint({str(tmp_path / 'ck')!r}, "final"), engine.close()))
+        for step in range(3):
+            x, y = batch(step)
+            engine.backward(loss_fn(engine(x), y))
+            engine.step()  # overlap_step: the last one still runs as the script ends
+        """)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and "Traceback" not in out.stderr, out.stderr[-3000:]
+    sys.path.insert(0, os.path.dirname(__file__))
+    from stage3_models import TinyLM, batch, loss_fn
+    from test_stage3_engine import _config
+    (tmp_path / "here").mkdir()
+    torch.manual_seed(0)
+    engine, *_ = zeroinf.initialize(model=TinyLM(), config=_config("nvme", "nvme", tmp_path / "here"))
+    for step in range(3):
+        x, y = batch(step)
+        engine.backward(loss_fn(engine(x), y))
+        engine.step()
+    want = {k: v.clone() for k, v in engine.module.state_dict().items()}
+    engine.close()
+    torch.manual_seed(1)
+    engine, *_ = zeroinf.initialize(model=TinyLM(), config=_config("nvme", "nvme", tmp_path / "here"))
+    engine.load_checkpoint(str(tmp_path / "ck"), "final")
+    got = engine.module.state_dict()
+    assert all(torch.equal(got[k], v) for k, v in want.items())
+    engine.close()
+
+
 def test_load_without_a_latest_file_returns_none_as_deepspeed(tmp_path, caplog):
     """DeepSpeed's auto-resume: ``path, client = engine.load_checkpoint(dir)`` gives (None, None)
     when there is nothing to resume from, and the engine is untouched."""
