@@ -314,7 +314,7 @@ class AsyncIOHandle:
         self.backend = choose_backend(backend)
         self._engine = make_engine(self.backend, block_size, queue_depth, intra_op_parallelism,
                                    self.single_submit, self.overlap_events, self._fault)
-        self._lock = threading.Lock()      # guards _pending
+        self._lock = threading.RLock()     # guards _pending; re-entered by close() from a signal handler
         self._wait_lock = threading.RLock()  # one collector at a time (sync ops and wait())
         self._pending: Dict[int, _Pending] = {}
         # requests finished early to free file descriptors (_drain), reported by the next wait()

@@ -161,7 +161,7 @@ class PinnedBufferPool:
                 raise PinnedMemoryError(
                     f"pinned buffer pool of {budget} exceeds the memlock limit (RLIMIT_MEMLOCK soft = {limit} "
                     f"bytes, {_locked_bytes()} already locked); raise it with `ulimit -l` or use fewer/smaller buffers")
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # re-entered by close() from a signal handler
         self._mmap = None
         self._addr = 0
         slot = _slot_bytes(buffer_size, alignment)

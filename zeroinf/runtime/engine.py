@@ -565,6 +565,8 @@ class ZeroEngine:
         added part of the failed batch (helper-41, /tmp/tester25/t06_bwd_exc.py: 0.036 off). So
         the whole window's gradients are dropped there, with a warning (with ``no_sync`` too,
         whose ``.grad`` sums the window's backwards)."""
+        if self._closed:  # close() ran meanwhile (a signal handler): nothing is left to drop
+            return
         manager = getattr(self.params, "manager", None)
         if manager is None and not self._unreduced:
             for _n, p, flag in self._requires_grad:

@@ -442,12 +442,19 @@ class Stage3EngineParams:
                 return
             m.step_gate.finish()
 
-        m.step_gate.begin(last.keys())
         # not a daemon: the interpreter joins it before tearing down. A daemon thread still in the
         # C++ Adam op at exit was killed mid-frame ("terminate called without an active exception",
         # exit code 134, when a script ends right after engine.step() without engine.close())
         self._worker = threading.Thread(target=run, name="zeroinf-optimizer-step")
-        self._worker.start()
+        m.step_gate.starting(self._worker)
+        m.step_gate.begin(last.keys())
+        try:
+            self._worker.start()
+        except BaseException as exc:  # nothing runs the step: its waits raise instead of blocking for good
+            m.step_gate.fail(exc)
+            raise
+        finally:
+            m.step_gate.started()
 
     def step_target(self, g: FlatGroup, master: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Where a background step writes group ``g``'s new partition: the partition itself on

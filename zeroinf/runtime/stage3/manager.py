@@ -82,6 +82,7 @@ import contextlib
 import functools
 import math
 import os
+import threading
 import time
 import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -219,7 +220,16 @@ class _IOThread(ThreadPoolExecutor):
     its workers before ``atexit`` hooks run, and a checkpoint saved from one (stage 3 with NVMe)
     failed on "cannot schedule new futures after shutdown" (helper-41,
     /tmp/tester25/t25_atexit_save.py). The worker has finished everything queued by then, so
-    a task submitted after that runs inline, in order, and still never beside another."""
+    a task submitted after that runs inline, in order, and still never beside another.
+
+    ``close()`` from a signal handler that interrupted a ``submit`` blocked for good on the
+    executor's own lock, which ``submit`` held (helper-41, t16_close_in_handler_chaos.py): it is
+    re-entrant here."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        if hasattr(self, "_shutdown_lock"):  # CPython's ThreadPoolExecutor: a plain Lock
+            self._shutdown_lock = threading.RLock()
 
     def submit(self, fn, /, *args, **kwargs):
         try:
@@ -1948,9 +1958,24 @@ class Stage3ParameterManager:
         """Release everything: gathered units, the I/O thread, the swapper, the pinned (locked)
         staging buffers and the host cache; :func:`managers` no longer lists it (but with
         ``include_closed``), and a later forward or gather raises RuntimeError. Idempotent. Raises a background step's failure
-        (:class:`~zeroinf.runtime.stage3.overlap.StepFailedError`) after releasing."""
+        (:class:`~zeroinf.runtime.stage3.overlap.StepFailedError`) after releasing.
+
+        Raises:
+            RuntimeError: called on a thread that is inside this manager's own call and holds
+                one of its locks (a signal handler that interrupted it): closing waits for the
+                I/O thread, which may need that lock, and hung for good (helper-41,
+                t16_close_in_handler_chaos.py). Nothing is closed then; set a flag in the
+                handler and close after the interrupted call, as ``zeroinf train`` does.
+        """
         if self._closed:
             return
+        if self._busy and self._io is not None and any(
+                getattr(getattr(obj, "_lock", None), "_is_owned", lambda: False)()
+                for obj in (self.stats, self.tracer, self.scratch, self._cache, self._pool)):
+            raise RuntimeError("zeroinf stage 3: engine.close() was called from inside the engine's own call on this "
+                               "thread (a signal handler that interrupted it), which holds a lock the I/O thread may "
+                               "need: closing here could wait for ever. Nothing was closed. Set a flag in the handler "
+                               "and call engine.close() after the interrupted call returns")
         self._closed = True
         try:
             self.step_gate.wait()

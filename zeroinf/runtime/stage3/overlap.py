@@ -45,6 +45,8 @@ class StepGate:
         self._pending: Set[str] = set()
         self._error: Optional[BaseException] = None
         self._worker: Optional[int] = None  # thread ident of the step's worker: it never waits on itself
+        self._starter: Optional[int] = None  # the thread starting the worker, until :meth:`started`
+        self._thread: Optional[threading.Thread] = None  # that worker
         #: called before a wait blocks; raises when blocking could never end (the optimizer in
         #: backward sets it while the backward that feeds its step runs: BackwardStep.check_can_wait)
         self.before_block: Optional[Callable[[], None]] = None
@@ -68,6 +70,18 @@ class StepGate:
     def set_worker(self, ident: int) -> None:
         with self._cv:
             self._worker = ident
+
+    def starting(self, thread: threading.Thread) -> None:
+        """The calling thread is about to start ``thread``, the worker of a step about to begin:
+        a wait on this thread before ``thread`` runs (a signal handler calling ``engine.close()``
+        while it is being started) would never end, and fails the step instead."""
+        with self._cv:
+            self._starter, self._thread = threading.get_ident(), thread
+
+    def started(self) -> None:
+        """The worker thread is running (or the start raised: then :meth:`fail` too)."""
+        with self._cv:
+            self._starter = None
 
     def done(self, key: str) -> None:
         """Group ``key`` has its new values in its home tier."""
@@ -108,6 +122,12 @@ class StepGate:
             return
         keys = None if keys is None else list(keys)
         with self._cv:
+            if self._starter == threading.get_ident() and self._pending and not self._thread.is_alive():
+                # the worker that would end this wait is not started, and only this thread starts it
+                self._error = self._error or RuntimeError("the background optimizer step was interrupted before "
+                                                          "its thread started (a signal handler waited for it)")
+                self._pending.clear()
+                self._cv.notify_all()
             t0 = None
             while self._error is None and (self._pending if keys is None else
                                            any(k in self._pending for k in keys)):

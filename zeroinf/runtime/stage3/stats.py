@@ -60,7 +60,7 @@ class Stage3Stats:
     """
 
     def __init__(self):
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # re-entered by close() from a signal handler
         self.current: Dict[str, float] = {}
         self.last: Dict[str, float] = {}
         self.totals: Dict[str, float] = {}
@@ -132,7 +132,7 @@ class TraceRecorder:
     iteration for :meth:`write`. Times are microseconds since the recorder was made."""
 
     def __init__(self):
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # re-entered by close() from a signal handler
         self._t0 = time.perf_counter()
         self._current: List[Dict[str, Any]] = []
         self.last: List[Dict[str, Any]] = []

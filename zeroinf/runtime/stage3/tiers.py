@@ -48,7 +48,7 @@ class BufferRecycler:
         self.max_free_bytes = int(max_free_bytes)
         self._free: dict = {}
         self._free_bytes = 0
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # re-entered by close() from a signal handler
 
     def take(self, numel: int, dtype: torch.dtype, device: Optional[torch.device] = None) -> torch.Tensor:
         """A contiguous tensor of ``numel`` elements of ``dtype``, contents undefined: a reused
@@ -142,7 +142,7 @@ class HostCache:
 
     def __init__(self, max_elements: int, pin: bool, on_hit: Optional[Callable[[int], None]] = None):
         self.max_elements, self.pin, self.on_hit = max_elements, pin, on_hit
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # re-entered by close() from a signal handler
         self._entries: "OrderedDict[str, torch.Tensor]" = OrderedDict()
         self._used = 0
 
