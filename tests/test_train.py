@@ -140,8 +140,12 @@ def test_interrupt_and_resume_reproduce_the_trajectory(main_run, tmp_path):
     assert proc.returncode == 130 and 3 <= stopped < 20, (proc.returncode, stopped, err[-2000:])
     assert "Traceback" not in err and f"--resume {Path('cut')}" in out
     # a flag the resumed run cannot honour was dropped silently (helper-40 f07): refused, naming it
-    bad = _train(["--resume", "cut", "--offload", "cpu", "--lr", "0.5"], tmp_path, check=False)
+    bad = _train(["--resume", "cut", "--offload", "cpu", "--lr", "0.5", "--out", "other"], tmp_path, check=False)
     assert bad.returncode == 2 and "--offload 'cpu' (the run has 'infinity'), --lr 0.5 (the run has " in bad.stderr, bad.stderr
+    assert "--out 'other' (a resumed run writes to its own folder" in bad.stderr
+    # --steps at or below the steps done ran nothing and dropped the resume point (helper-42 f03)
+    bad = _train(["--resume", "cut", "--steps", str(stopped)], tmp_path, check=False)
+    assert bad.returncode == 2 and f"has completed {stopped} steps already" in bad.stderr, bad.stderr
     run_json = tmp_path / "cut" / "run.json"
     run = json.loads(run_json.read_text())
     run_json.write_text(json.dumps({**run, "completed_steps": stopped + 1}))  # run.json and checkpoint disagree

@@ -117,8 +117,10 @@ def _save_id(engine, tag: str) -> str:
     """What every file of one save carries (the same on every rank): the tag and the engine's
     counters. A file from another save put into the folder (a partial restore) loaded with
     every per-file check passing, and the weights jumped back (helper-40, /tmp/tester24/f11)."""
-    return (f"{tag}@steps={engine.global_steps},micro={engine.micro_steps},applied={engine.optimizer_steps},"
-            f"skipped={engine.skipped_steps},samples={engine.global_samples}")
+    # optimizer steps only: they are collective, so every rank counts them alike (micro-batches and
+    # samples are counted per rank, and a rank that ran fewer made every load refuse the save:
+    # helper-42, /tmp/tester26/t19_samples_ranks.py)
+    return f"{tag}@steps={engine.global_steps},applied={engine.optimizer_steps},skipped={engine.skipped_steps}"
 
 
 def _rng_state() -> Dict[str, Any]:
@@ -257,7 +259,7 @@ def save(engine, save_dir: str, tag: Optional[str] = None, client_state: Optiona
     problem = None
     try:
         _check_client_state(client_state)
-    except TypeError as exc:
+    except Exception as exc:  # every rank must reach the agreement (a PicklingError left the others waiting)
         problem = exc
     _agree(engine, problem, lambda bad: TypeError(
         f"rank(s) {bad} passed a client_state that load_checkpoint could not read (their errors name the key); "
@@ -278,7 +280,7 @@ def save(engine, save_dir: str, tag: Optional[str] = None, client_state: Optiona
         _atomic_save({**_rng_state(), "save_id": save_id}, os.path.join(ckpt, f"rng_rank{engine.rank}.pt"))
     except Exception as exc:
         problem = exc
-    _agree_or_drop(engine, problem, ckpt)
+    _agree_or_drop(engine, problem, ckpt, final)
     # every rank builds the module state dict: under stage 3 it all-gathers each partition (a
     # collective), so rank 0 alone would wait forever for the others
     module_sd = _module_state(engine.module)
@@ -307,7 +309,7 @@ def save(engine, save_dir: str, tag: Optional[str] = None, client_state: Optiona
             _replace_dir(ckpt, final)
         except Exception as exc:
             problem = exc
-    _agree_or_drop(engine, problem, ckpt)
+    _agree_or_drop(engine, problem, ckpt, final)
     if engine.rank != 0 and os.path.isdir(ckpt):  # a folder rank 0 does not see (no shared file system)
         _replace_dir(ckpt, final)
     if engine.rank == 0 and save_latest:
@@ -433,7 +435,6 @@ def _check_client_state(client_state: Optional[dict]) -> None:
     consolidated (helper-40, /tmp/tester24/f02_client_state_unloadable.py). The error names the
     first top-level key whose value fails."""
     import io
-    import pickle
 
     if not client_state:
         return
@@ -444,8 +445,8 @@ def _check_client_state(client_state: Optional[dict]) -> None:
             torch.save(obj, buf)
             buf.seek(0)
             torch.load(buf, weights_only=True)
-        except (pickle.UnpicklingError, RuntimeError, AttributeError, TypeError) as exc:
-            return f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}"
+        except Exception as exc:  # noqa: BLE001 - UnpicklingError, PicklingError (a lambda), TypeError, ...
+            return f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:300]}"
         return None
     if fails(client_state) is None:
         return
@@ -570,14 +571,17 @@ def _agree(engine, problem: Optional[BaseException], others, what: str) -> None:
         raise problem
 
 
-def _agree_or_drop(engine, problem: Optional[BaseException], work: str) -> None:
+def _agree_or_drop(engine, problem: Optional[BaseException], work: str, final: str) -> None:
     """:func:`_agree` on a save's writes; when any rank failed, each removes the unfinished
     folder ``work`` first: left on a full disk, it kept the space that the next save (under
-    another tag, global_stepN) needed, so every retry failed too (helper-40)."""
+    another tag, global_stepN) needed, so every retry failed too (helper-40). Not once the
+    earlier save of the tag was moved aside (``final.old``): ``work`` is then the complete new
+    save, and the renames failed between the two (helper-42, t22_save_fail.py)."""
     try:
         _agree(engine, problem, _write_failed, "save_checkpoint")
     except BaseException:
-        shutil.rmtree(work, ignore_errors=True)
+        if not os.path.isdir(final + ".old"):
+            shutil.rmtree(work, ignore_errors=True)
         raise
 
 

@@ -89,7 +89,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--keep", action="store_true", help="keep the default swap directory")
     g.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default=None,
                    help="training precision (default: the config's; fp32 for the presets)")
-    g.add_argument("--engine", choices=("zeroinf", "torch"), default="zeroinf",
+    g.add_argument("--engine", choices=("zeroinf", "torch"), default=None,
                    help="torch = plain PyTorch + torch.optim.AdamW, no offload (a baseline)")
     g = p.add_argument_group("training")
     g.add_argument("--steps", type=int, default=None, help="optimizer steps (default 40)")
@@ -109,7 +109,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 #: options a --resume may change; everything else is taken from the interrupted run
 _RESUME_OVERRIDABLE = ("steps", "compare", "trace", "keep", "no_plot", "nvme_path")
-_DEFAULTS = dict(model="llama", size="tiny", steps=40, seq_len=128, seed=0, out="zeroinf-train")
+_DEFAULTS = dict(model="llama", size="tiny", steps=40, seq_len=128, seed=0, out="zeroinf-train", engine="zeroinf")
 
 
 def main(args: argparse.Namespace) -> int:
@@ -354,8 +354,11 @@ class _Run:
             if not (Path(a.resume) / "checkpoint" / "latest").exists():
                 raise TrainError(f"--resume {a.resume}: no checkpoint/latest there (the run was not interrupted, "
                                  "or it completed after its last interruption)")
-            changed = [f"--{k.replace('_', '-')} {getattr(a, k)!r} (the run has {v!r})" for k, v in saved["args"].items()
+            changed = [f"--{k.replace('_', '-')} {getattr(a, k)!r} (the run has "
+                       f"{'its config default' if v is None else repr(v)})" for k, v in saved["args"].items()
                        if k not in _RESUME_OVERRIDABLE and k != "out" and getattr(a, k, None) not in (None, False, v)]
+            if a.out is not None and Path(a.out).resolve() != Path(a.resume).resolve():
+                changed.append(f"--out {a.out!r} (a resumed run writes to its own folder, {a.resume!r})")
             if changed:  # they were dropped silently: the run went on with its own settings
                 raise TrainError(f"--resume {a.resume}: {', '.join(changed)}: a resumed run keeps the settings of the "
                                  f"run it continues; only --{', --'.join(k.replace('_', '-') for k in _RESUME_OVERRIDABLE)} "
@@ -365,6 +368,10 @@ class _Run:
                     setattr(a, k, v)
             a.out = a.resume
             self.start_step = int(saved["completed_steps"]) + 1
+            if a.steps is not None and a.steps < self.start_step:
+                # it ran no step and dropped checkpoint/latest as a completed run does: the resume point was lost
+                raise TrainError(f"--resume {a.resume} --steps {a.steps}: the run has completed {self.start_step - 1} "
+                                 f"steps already; give --steps above that (or leave it out: {saved['args'].get('steps')})")
         for k, v in _DEFAULTS.items():
             if getattr(a, k) is None:
                 setattr(a, k, v)
