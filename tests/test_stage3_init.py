@@ -240,7 +240,8 @@ def test_gathered_parameters_between_init_and_initialize_and_a_resized_embedding
     with torch.no_grad():
         plain.transformer.h[0].ln_1.weight.add_(0.5)
     torch.manual_seed(1)  # the new rows are drawn around the old rows' mean
-    with zeroinf.gathered_parameters(model.get_input_embeddings().weight, modifier_rank=0):
+    emb = [model.get_input_embeddings().weight, model.get_output_embeddings().weight]  # tied: one parameter twice
+    with zeroinf.gathered_parameters(emb, modifier_rank=0):  # the README's recipe (KeyError: helper-42, t16)
         model.resize_token_embeddings(60)
     torch.manual_seed(1)
     plain.resize_token_embeddings(60)
@@ -288,6 +289,16 @@ def test_compute_on_a_held_placeholder_raises_between_init_and_initialize(tmp_pa
     model.half()
     assert w.dtype == torch.float16 and w.shape == (0,)
     model.float()
+    # a new parameter built from a held one's class (accelerate's set_module_tensor_to_device)
+    # is whole and plain (it refused compute as held: helper-42, t33_paramcls.py)
+    fresh = type(w)(torch.ones(2, 3))
+    assert type(fresh) is nn.Parameter and float(fresh.detach().sum()) == 6.0
+    # new data put in with p.data = t was dropped by initialize, silently (helper-42, t34)
+    other = model.blocks[1].ff[0].weight
+    other.data = torch.zeros(other.ds_shape)
+    with pytest.raises(RuntimeError, match=r"was given new data \(p.data = a tensor of shape \(32, 16\)\)"):
+        zeroinf.initialize(model=model, config=cfg)
+    other.data = torch.empty(0)
     with zeroinf.gathered_parameters([w]):
         assert torch.equal(w, plain.blocks[0].ff[0].weight) and torch.equal(w.sum(), plain.blocks[0].ff[0].weight.sum())
     engine, *_ = zeroinf.initialize(model=model, config=cfg)

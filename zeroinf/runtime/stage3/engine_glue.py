@@ -52,6 +52,8 @@ def engine_manager(model: torch.nn.Module, cfg, groups: Sequence[Sequence[torch.
         groups: trainable parameters of each optimizer param group.
     """
     _refuse_compiled(model)
+    from .init import check_placeholders
+    check_placeholders(model.parameters())  # before any value is taken
     opts = Stage3Options.from_zero_config(cfg.zero_optimization, cfg.aio.as_dict())
     if _grads_on_nvme(cfg):
         opts = dataclasses.replace(opts, grads_on_nvme=True)  # ZeRO-Infinity: host memory flat in model size
@@ -87,9 +89,14 @@ def _refuse_resize_after_partitioning(model: torch.nn.Module) -> None:
     now raises a RuntimeError saying to resize before ``zeroinf.initialize``; a call that keeps
     the row count (``resize_token_embeddings(len(tokenizer))`` on a model that has it already)
     returns the input embedding, as transformers does, and changes nothing."""
-    if not callable(getattr(model, "resize_token_embeddings", None)) or not callable(
-            getattr(model, "get_input_embeddings", None)):
-        return
+    for mod in model.modules():  # a wrapper's Hugging Face model too (helper-42, t18_resize_compile.py)
+        if callable(getattr(mod, "resize_token_embeddings", None)) and callable(
+                getattr(mod, "get_input_embeddings", None)):
+            _guard_resize(mod)
+
+
+def _guard_resize(model: torch.nn.Module) -> None:
+    """Put :func:`_refuse_resize_after_partitioning`'s ``resize_token_embeddings`` on ``model``."""
 
     def resize_token_embeddings(new_num_tokens=None, pad_to_multiple_of=None, *args, **kwargs):
         emb = model.get_input_embeddings()

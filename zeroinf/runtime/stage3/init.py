@@ -37,7 +37,8 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from .released import gathered_class, released_class
 
-__all__ = ["Init", "init_shapes", "init_shapes_of", "init_dtype", "take_init_values", "held_values"]
+__all__ = ["Init", "init_shapes", "init_shapes_of", "init_dtype", "take_init_values", "held_values",
+           "check_placeholders"]
 
 
 @dataclass
@@ -70,6 +71,8 @@ def _pop(p: nn.Parameter) -> _Held:
     held = _HELD.pop(p)
     held.finalizer.detach()
     p.__class__ = gathered_class(type(p))
+    for name in ("ds_shape", "ds_numel"):  # whole again (a stage-3 manager sets its own)
+        p.__dict__.pop(name, None)
     return held
 
 
@@ -97,11 +100,31 @@ def take_init_values(param: nn.Parameter) -> torch.Tensor:
 
     Raises:
         KeyError: ``param`` was not created under ``Init`` (or was taken already).
+        RuntimeError: ``param.data`` was replaced after the ``Init`` block (``p.data = t``): the
+            held values would silently win over the new ones (helper-42, t34_data_assign.py).
     """
+    check_placeholders([param])
     with _LOCK:
         held = _pop(param)
     _allow_copies(param)
     return held.owner._take(held)
+
+
+def check_placeholders(params) -> None:
+    """Raise RuntimeError naming the first parameter ``Init`` holds whose ``.data`` is no longer
+    its empty placeholder (``p.data = t`` after the block): the held values would silently win
+    over the new ones (helper-42, /tmp/tester26/t34_data_assign.py). ``zeroinf.initialize``
+    checks every parameter before it takes any value, so a refusal loses nothing."""
+    for p in params:
+        if p.data.numel() != 0:
+            with _LOCK:
+                held = _HELD.get(p)
+            if held is not None:
+                raise RuntimeError(f"zeroinf.Init: a held parameter (shape {tuple(held.shape)}) was given new data "
+                                   f"(p.data = a tensor of shape {tuple(p.data.shape)}) after the Init block; Init "
+                                   "still holds its old values, which initialize would take. Change weights inside "
+                                   "zeroinf.gathered_parameters([p], modifier_rank=0), or load them after initialize; "
+                                   "nothing was taken")
 
 
 @contextlib.contextmanager
@@ -119,6 +142,7 @@ def held_values(params: Sequence[nn.Parameter], modifier_rank: Optional[int]) ->
     Parameters ``Init`` does not hold are skipped. Inside an active ``Init`` block the held
     parameters come back on their own ([Note: late initialisation]); nothing is done here.
     """
+    params = list({id(p): p for p in params}.values())  # a tied pair listed twice (helper-42, t16_resize_init.py)
     with _LOCK:
         todo = [(p, _HELD[p]) for p in params if p in _HELD and Init._active is not _HELD[p].owner]
     entered = []  # [param, held, placeholder, values as given]

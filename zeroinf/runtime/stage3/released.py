@@ -64,6 +64,12 @@ class _ReleasedMixin:
     _zeroinf_gathered_class: type = nn.Parameter
     _zeroinf_pass: frozenset = PASS_THROUGH
 
+    def __new__(cls, *args, **kwargs):
+        # type(p)(tensor) on a released or held parameter (accelerate's set_module_tensor_to_device
+        # does that) builds a new, whole parameter: of the plain class, which computes (it refused,
+        # as "<unmanaged> ... is held": helper-42, t33_paramcls.py). Class swaps do not come here.
+        return cls._zeroinf_gathered_class(*args, **kwargs)
+
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
