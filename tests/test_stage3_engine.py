@@ -1647,6 +1647,36 @@ def test_a_backward_that_raises_part_way_leaves_none_of_its_gradients(tmp_path, 
     assert all(torch.equal(runs[0][k], runs[1][k]) for k in runs[0]), [k for k in runs[0] if not torch.equal(runs[0][k], runs[1][k])]
 
 
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_backward_of_a_forward_from_before_the_step_raises_as_in_pytorch(tmp_path, overlap):
+    """a = loss(model(x1)); b = loss(model(x2)); backward(b); step(); backward(a): plain PyTorch
+    raises "modified by an inplace operation" (the step changed weights a's graph saved); stage 3
+    rebuilt them from the updated partitions and backpropagated through the new weights, silently
+    (helper-42, /tmp/tester26/t04_stale.py). It raises the same now."""
+    ref = TinyLM()
+    cfg = _config("cpu", "cpu", tmp_path)
+    cfg["zeroinf"] = {"overlap_step": overlap}
+    engine, *_ = zeroinf.initialize(model=copy.deepcopy(ref), config=cfg)
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    (x1, y1), (x2, y2) = batch(1), batch(2)
+    a_ref, b_ref = loss_fn(ref(x1), y1), loss_fn(ref(x2), y2)
+    b_ref.backward()
+    opt.step()
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        a_ref.backward()
+    a, b = loss_fn(engine(x1), y1), loss_fn(engine(x2), y2)
+    engine.backward(b)
+    engine.step()
+    with pytest.warns(RuntimeWarning, match="raised part-way"), \
+            pytest.raises(RuntimeError, match=r"modified by an inplace operation: parameter \S+ was updated by an "
+                                              r"optimizer step \(engine.step\) after the forward that saved it"):
+        engine.backward(a)
+    x3, y3 = batch(3)  # training goes on
+    engine.backward(loss_fn(engine(x3), y3))
+    engine.step()
+    engine.close()
+
+
 def _locked_bytes() -> int:
     """VmLck of this process (bytes), read from /proc: the kernel's count, not the pool's."""
     with open("/proc/self/status") as f:

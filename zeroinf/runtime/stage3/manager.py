@@ -162,12 +162,12 @@ class _SavedRef:
     the parameter its offset lies in, whose ``_version`` was ``version`` when saved (None: in
     the padding)."""
 
-    __slots__ = ("group", "offset", "size", "stride", "slot", "version")
+    __slots__ = ("group", "offset", "size", "stride", "slot", "version", "epoch")
 
     def __init__(self, group: FlatGroup, offset: int, size, stride, slot: Optional[ParamSlot] = None,
-                 version: int = 0):
+                 version: int = 0, epoch: int = 0):
         self.group, self.offset, self.size, self.stride = group, offset, size, stride
-        self.slot, self.version = slot, version
+        self.slot, self.version, self.epoch = slot, version, epoch
 
 
 class _SavedTensor:
@@ -379,6 +379,7 @@ class Stage3ParameterManager:
         #: a gradient was reduced since the engine last looked (ZeroEngine._check_backward_ran)
         self.reduced_since_check = False
         self._in_iteration = False
+        self._param_epoch = 0  # params_updated() calls so far (saved weights remember it)
         self._forwards_in_iteration = 0
         #: a forward of this iteration hooked its outputs for a backward ([Note: several forwards, one backward])
         self._backward_pending = False
@@ -1116,7 +1117,7 @@ class Stage3ParameterManager:
                 off = t.storage_offset() - g.full.storage_offset()
                 slot = self._slot_at(g, t, off)
                 return _SavedRef(g, off, tuple(t.shape), tuple(t.stride()), slot,
-                                 0 if slot is None else slot.param._version)
+                                 0 if slot is None else slot.param._version, self._param_epoch)
         # detached: autograd puts the grad_fn back on unpack. Kept as is, an op's saved output
         # would hold its own grad_fn through this hook, a cycle through C++ the collector cannot
         # see: every graph not run backward (a grad-enabled eval, a backward that raised) would
@@ -1141,6 +1142,14 @@ class Stage3ParameterManager:
                     f"operation: parameter {x.slot.name} (shape {tuple(x.slot.shape)}) is at version "
                     f"{x.slot.param._version}; expected version {x.version} instead (zeroinf stage 3: an "
                     "in-place change of a gathered weight between its forward and its backward)")
+            if x.epoch != self._param_epoch:
+                # the optimizer stepped the partitions since this forward: the backward would use the
+                # new weights, silently (plain PyTorch raises here: helper-42, /tmp/tester26/t04_stale.py)
+                raise RuntimeError(
+                    "one of the variables needed for gradient computation has been modified by an inplace "
+                    f"operation: {'parameter ' + x.slot.name if x.slot is not None else 'a parameter of ' + x.group.key} "
+                    "was updated by an optimizer step (engine.step) after the forward that saved it (zeroinf stage "
+                    "3; plain PyTorch raises the same). Run each forward's backward before the step")
             g = x.group
             unit = self._unit_of_group(g)
             # g.full exists from issue() on, but holds the values only once GATHERED: a unit
@@ -1722,7 +1731,9 @@ class Stage3ParameterManager:
 
     def params_updated(self, groups: Optional[List[FlatGroup]] = None) -> None:
         """Partitions changed outside a forward (optimizer step): gather the persistent unit
-        afresh before the next forward; staged reads are stale."""
+        afresh before the next forward; staged reads are stale; a saved weight of a forward
+        before this refuses its backward (``_unpack``)."""
+        self._param_epoch += 1
         self.drop_staged()
         self.persistent_updated()
 
