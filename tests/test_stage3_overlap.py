@@ -162,3 +162,16 @@ def test_a_script_ending_right_after_step_exits_cleanly(tmp_path):
     for _ in range(4):  # the abort depended on timing
         proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
         assert proc.returncode == 0 and "done" in proc.stdout, (proc.returncode, proc.stderr[-500:])
+
+
+def test_a_failed_step_names_the_file_of_its_os_error():
+    """StepFailedError gave repr(cause), which leaves an OSError's file name out (helper-41,
+    /tmp/tester25/t20_rmtree_cause.py): the path was only in __cause__."""
+    from zeroinf.runtime.stage3.overlap import StepFailedError, StepGate
+
+    gate = StepGate()
+    gate.begin(["g0"])
+    gate.fail(FileNotFoundError(2, "No such file or directory", "/nvme/zeroinf-swap/rank0_g0.swp"))
+    with pytest.raises(StepFailedError, match=r"FileNotFoundError: \[Errno 2\] No such file or directory: "
+                                              r"'/nvme/zeroinf-swap/rank0_g0.swp'"):
+        gate.wait()

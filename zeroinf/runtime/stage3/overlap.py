@@ -148,4 +148,6 @@ class StepGate:
 
     def _raise(self) -> None:
         if self._error is not None:
-            raise StepFailedError(f"the background optimizer step failed: {self._error!r}") from self._error
+            # str(), not repr(): an OSError's repr leaves out its file name (helper-41, t20_rmtree_cause.py)
+            raise StepFailedError(f"the background optimizer step failed: {type(self._error).__name__}: "
+                                  f"{self._error}") from self._error
