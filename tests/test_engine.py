@@ -553,6 +553,10 @@ def test_steps_per_print_shows_without_logging_set_up():
     lines = [ln for ln in out.stderr.splitlines() if ln.startswith("[zeroinf] step=")]
     assert lines == ["[zeroinf] step=2, skipped=0, lr=[0.1]", "[zeroinf] step=4, skipped=0, lr=[0.1]"], out.stderr
     assert "step=" not in out.stdout
+    # 0 turns them off (it was refused, so they could not be: helper-42)
+    out = subprocess.run([sys.executable, "-c", code.replace("'steps_per_print': 2", "'steps_per_print': 0")],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and "step=" not in out.stderr, out.stderr
 
 
 @pytest.mark.parametrize("stage,device", [(0, "cpu"), (1, "cpu"), (2, "cpu"), (2, "nvme")])

@@ -319,7 +319,7 @@ class ZeroInfConfig:
     zero_optimization: ZeroConfig = field(default_factory=ZeroConfig)
     aio: AioConfig = field(default_factory=AioConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
-    steps_per_print: int = 10  #: rank 0 reports step, skipped steps and lr (engine._progress: the ``zeroinf`` logger, or stderr)
+    steps_per_print: int = 10  #: rank 0 reports step, skipped steps and lr (engine._progress: the ``zeroinf`` logger, or stderr); 0: never
     wall_clock_breakdown: bool = False  #: ... and the last step's seconds per phase
     zeroinf: ZeroInfExtraConfig = field(default_factory=ZeroInfExtraConfig)
 
@@ -714,7 +714,7 @@ def parse_config(config: "Mapping[str, Any] | str | os.PathLike", world_size: in
         world_size=world_size, optimizer=_parse_optimizer(config), scheduler=_parse_scheduler(config),
         fp16=fp16, bf16=bf16, gradient_clipping=clipping,
         zero_optimization=zero, aio=_parse_aio(config), checkpoint=_parse_checkpoint(config),
-        steps_per_print=_int(config, "steps_per_print", "", 10, min_value=1),
+        steps_per_print=_int(config, "steps_per_print", "", 10, min_value=0),
         wall_clock_breakdown=_bool(config, "wall_clock_breakdown", "", False),
         zeroinf=ZeroInfExtraConfig(grad_norm_type=norm_type,
                                    overlap_step=_bool(extra, "overlap_step", "zeroinf", True),
