@@ -131,6 +131,16 @@ def _finished(value: Any) -> Future:
     return f
 
 
+def _run_inline(fn, *args, **kwargs) -> Future:
+    """Run ``fn`` now, on this thread; a finished future holding its result or exception."""
+    f: Future = Future()
+    try:
+        f.set_result(fn(*args, **kwargs))
+    except BaseException as exc:  # noqa: BLE001 - handed to the caller through the future
+        f.set_exception(exc)
+    return f
+
+
 def _sole_owner(t: torch.Tensor) -> bool:
     """True when ``t`` is the only tensor on its storage (no view of it survives), so the
     memory can be reused without changing values someone still reads. False when torch
@@ -253,12 +263,7 @@ class _IOThread(ThreadPoolExecutor):
             import concurrent.futures.thread as cft
             if not getattr(cft, "_shutdown", False):
                 raise  # an executor we shut down ourselves (close): not an interpreter exit
-        f: Future = Future()
-        try:
-            f.set_result(fn(*args, **kwargs))
-        except BaseException as exc:  # noqa: BLE001 - handed to the caller through the future
-            f.set_exception(exc)
-        return f
+        return _run_inline(fn, *args, **kwargs)
 
 
 class _GraphToken:
@@ -693,12 +698,7 @@ class Stage3ParameterManager:
         its future; inline (a finished future) without NVMe partitions."""
         if self._io is not None:
             return self._io.submit(fn, *args)
-        f: Future = Future()
-        try:
-            f.set_result(fn(*args))
-        except BaseException as exc:  # noqa: BLE001 - handed to the caller through the future
-            f.set_exception(exc)
-        return f
+        return _run_inline(fn, *args)
 
     def _read_partitions(self, unit: Unit, staged: Optional["_Staged"] = None, after: Any = None,
                          snapshot: bool = False) -> Any:
