@@ -1505,7 +1505,9 @@ def test_two_forwards_before_one_backward_follow_one_trace(tmp_path, tier):
     iteration before: 2 invalidations per step and 7 of 15 requests missed the prefetch. A
     forward under no_grad in between ends it, and training is unaffected."""
     ref = TinyLM()
-    engine, *_ = zeroinf.initialize(model=copy.deepcopy(ref), config=_config(tier, "cpu", tmp_path))
+    cfg = _config(tier, "cpu", tmp_path)
+    cfg["zeroinf"] = {"overlap_step": False}  # a step still running defers reads ahead: misses would depend on timing
+    engine, *_ = zeroinf.initialize(model=copy.deepcopy(ref), config=cfg)
     per_step = []
 
     def two_forwards(m, step):
@@ -1534,7 +1536,9 @@ def test_a_forward_whose_graph_is_dropped_leaves_no_unit_waiting_for_gradients(t
     its graph dies they stop waiting. A graph dropped after its iteration ended changes nothing
     in the next one. Training equals AdamW on the backward's losses alone."""
     ref = TinyLM()
-    engine, *_ = zeroinf.initialize(model=copy.deepcopy(ref), config=_config("cpu", "cpu", tmp_path))
+    cfg = _config("cpu", "cpu", tmp_path)
+    cfg["zeroinf"] = {"overlap_step": False}  # a step still running defers reads ahead: misses would depend on timing
+    engine, *_ = zeroinf.initialize(model=copy.deepcopy(ref), config=cfg)
     mgr = engine.params.manager
     blocks = [u for u in mgr.units if u.name.startswith("blocks.")]
     kept = []
