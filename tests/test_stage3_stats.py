@@ -83,6 +83,25 @@ def test_host_cache_hits_are_counted(tmp_path):
         spans[cache] = {a["tier"] for a in reads}
         engine.close()
     assert spans == {0: {"nvme"}, 10**6: {"host cache"}}
+    # the optimizer's reads on NVMe (parameter partitions, gradient files) are spans too: they
+    # were left out, and the spans did not add up to the counters (helper-42, t28_trace.py)
+    for cache in (0, 3000):
+        d = tmp_path / f"opt{cache}"
+        d.mkdir()
+        cfg = _config("nvme", "nvme", d)
+        cfg["zero_optimization"]["offload_param"]["max_in_cpu"] = cache
+        # the background step (the default) reads during the next iteration, where both count
+        # it; every read of it ends before that iteration's forward has its last unit
+        engine, *_ = zeroinf.initialize(model=copy.deepcopy(TinyLM()), config=cfg)
+        _steps(engine, 3, 1)
+        engine.trace(str(d / "trace.json"))
+        last = engine.params.manager.stats.last
+        reads = [e["args"] for e in json.loads((d / "trace.json").read_text())["traceEvents"]
+                 if e.get("name", "").startswith("read ")]
+        assert last["bytes_nvme_read"] > 0
+        assert sum(a["bytes"] for a in reads) == last["bytes_nvme_read"]
+        assert sum(a.get("cache_bytes", 0) for a in reads) == last.get("bytes_host_read", 0)
+        engine.close()
     cold, hot = got[0], got[10**6]
     assert cold["bytes_nvme_read"] > 0 and cold["host_cache_hits"] == 0 and cold["bytes_host_read"] == 0
     # every partition read came from the cache: the same bytes, now from host memory

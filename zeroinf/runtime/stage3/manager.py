@@ -753,14 +753,28 @@ class Stage3ParameterManager:
                          args=self._read_args(unit, nbytes, tier))
 
     @staticmethod
-    def _read_args(unit: Unit, nbytes: int, tier: str) -> Dict[str, Any]:
-        """A read span's arguments: on NVMe the partitions the ``max_in_cpu`` host cache served
-        are ``cache_bytes``, and a read served by it alone is tier ``host cache`` (it showed as an
-        NVMe read of 0 bytes: helper-40 f08)."""
+    def _read_args(unit: Unit, nbytes: int, tier: str, groups: Optional[List[FlatGroup]] = None) -> Dict[str, Any]:
+        """A read span's arguments (of ``unit``'s groups, or of ``groups``): on NVMe the
+        partitions the ``max_in_cpu`` host cache served are ``cache_bytes``, and a read served by
+        it alone is tier ``host cache`` (it showed as an NVMe read of 0 bytes: helper-40 f08)."""
         if tier != "nvme":
             return {"bytes": nbytes, "tier": tier}
-        cached = sum(g.store.nbytes for g in unit.groups) - nbytes
+        cached = sum(g.store.nbytes for g in (unit.groups if groups is None else groups)) - nbytes
         return {"bytes": nbytes, "cache_bytes": cached, "tier": "nvme" if nbytes else "host cache"}
+
+    def _optimizer_read(self, what: str, g: FlatGroup, nbytes: int, t0: float, param: bool = True) -> None:
+        """Count and trace a read the optimizer step asked for (a parameter partition, or a
+        gradient file: ``param=False``), as the forward's reads are (the trace left them out,
+        so its read spans did not add up to the counters with the optimizer on NVMe: helper-42
+        f14)."""
+        tier = self.options.offload_param_device if param else "nvme"
+        if nbytes:
+            self.stats.add("bytes_nvme_read" if tier == "nvme" else "bytes_host_read", nbytes)
+        if tier == "nvme" or not param:
+            args = self._read_args(None, nbytes, "nvme", [g]) if param else {"bytes": nbytes, "cache_bytes": 0,
+                                                                              "tier": "nvme"}
+            self.tracer.span(f"read {what} {g.key}", "transfer", t0, self.tracer.now(),
+                             thread="io" if self._io is not None else "compute", args=args)
 
     def _h2d_partitions(self, unit: Unit, staged: Optional["_Staged"], after: Any) -> Any:
         """CUDA, host tiers: :meth:`_read_partitions` with the copies on the H2D stream; returns
@@ -1674,9 +1688,9 @@ class Stage3ParameterManager:
     def read_param_shard(self, g: FlatGroup, dst: torch.Tensor) -> None:
         """Copy this rank's partition of ``g`` (``shard_numel`` elements) into ``dst``."""
         self.step_gate.wait()
+        t0 = self.tracer.now()
         n = self._run_io(g.store.read_into, dst)
-        if n:  # counted like the forward's reads (a host-cache hit counts itself, n = 0)
-            self.stats.add("bytes_nvme_read" if self.options.offload_param_device == "nvme" else "bytes_host_read", n)
+        self._optimizer_read("param", g, n, t0)  # counted like the forward's reads (a cache hit counts itself, n = 0)
 
     @torch.inference_mode(False)  # [Note: outside inference mode]
     def param_shard(self, g: FlatGroup) -> torch.Tensor:
@@ -1697,7 +1711,8 @@ class Stage3ParameterManager:
         tensor of ``shard_numel`` elements, e.g. from ``self.scratch``), counted as a parameter
         read; no waits, for the I/O thread (see :meth:`submit_io`) on behalf of a background
         optimizer step, whose group is pending in the step gate."""
-        self.stats.add("bytes_nvme_read", g.store.read_raw(dst))
+        t0 = self.tracer.now()
+        self._optimizer_read("param", g, g.store.read_raw(dst), t0)
 
     def partition_copy(self, g: FlatGroup) -> Optional[torch.Tensor]:
         """This rank's partition of ``g`` as its tier read it when the unit was gathered for the
@@ -1835,7 +1850,8 @@ class Stage3ParameterManager:
         acc = None
         if g.grad_on_nvme:
             acc = self.scratch.take(part.numel(), torch.float32)
-            self.stats.add("bytes_nvme_read", self._read_grad_file(g, acc))
+            t1 = self.tracer.now()
+            self._optimizer_read("grad", g, self._read_grad_file(g, acc), t1, param=False)
             acc.add_(part)
             part = acc
         if self.grad_norm_type is not None:
@@ -1880,7 +1896,8 @@ class Stage3ParameterManager:
         """The swap-file read of :meth:`read_grad_shard` alone, for the I/O thread (see
         :meth:`submit_io`): no waits; the caller has completed the gradient writes first."""
         if g.grad_on_nvme:
-            self.stats.add("bytes_nvme_read", self._read_grad_file(g, dst))
+            t0 = self.tracer.now()
+            self._optimizer_read("grad", g, self._read_grad_file(g, dst), t0, param=False)
         else:
             dst.zero_()
 
