@@ -1706,7 +1706,9 @@ def test_an_engine_dropped_without_close_is_collected(tmp_path, tiers):
         refs = train_and_drop()
         gc.collect()
         assert [r() is None for r in refs] == [True] * 3
-    time.sleep(0.2)  # an executor's worker leaves once its executor is gone
+    deadline = time.monotonic() + 10  # an executor's worker leaves once its executor is gone, soon after
+    while io_threads() != threads0 and time.monotonic() < deadline:
+        time.sleep(0.05)
     assert io_threads() == threads0
 
 

@@ -27,7 +27,7 @@ import warnings
 import zlib
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Dict, Iterable, List, Optional, Tuple
+from typing import Dict, Iterable, Iterator, List, Optional, Tuple
 
 import torch
 
@@ -67,6 +67,13 @@ def tensor_crc32(t: torch.Tensor, value: int = 0) -> int:
     return zlib.crc32(memoryview(flat.view(torch.uint8).numpy()), value)
 
 
+def _swap_folders(base: Path) -> Iterator[Path]:
+    """The candidate swap folders under ``base``, in the order swappers take them:
+    ``zeroinf-swap``, ``zeroinf-swap.1``, ... (1000 in all)."""
+    for i in range(1000):
+        yield base / (_SUBDIR if i == 0 else f"{_SUBDIR}.{i}")
+
+
 def _claim(base: Path) -> Tuple[Path, int]:
     """[Note: one swapper per folder] The swap folder under ``base`` for a new swapper, and the
     descriptor that holds its lock: ``zeroinf-swap``, or ``zeroinf-swap.1``, ``.2``, ... when a
@@ -79,8 +86,7 @@ def _claim(base: Path) -> Tuple[Path, int]:
     A file system without ``flock`` (ENOLCK, EOPNOTSUPP) gets the first folder, unlocked."""
     import fcntl
 
-    for i in range(1000):
-        d = base / (_SUBDIR if i == 0 else f"{_SUBDIR}.{i}")
+    for d in _swap_folders(base):
         d.mkdir(mode=0o700, exist_ok=True)
         os.chmod(d, 0o700)
         fd = os.open(d / ".lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
@@ -105,9 +111,7 @@ def reusable_bytes(swap_dir) -> int:
     another engine, whose files stay). Nothing is claimed or created."""
     import fcntl
 
-    base = Path(swap_dir)
-    for i in range(1000):
-        d = base / (_SUBDIR if i == 0 else f"{_SUBDIR}.{i}")
+    for d in _swap_folders(Path(swap_dir)):
         if not d.is_dir():
             return 0  # _claim would create it: nothing to reuse
         try:

@@ -26,6 +26,7 @@ by providing an object with the same methods from ``zeroinf.runtime.stage3.engin
 """
 from __future__ import annotations
 
+import concurrent.futures.thread  # noqa: F401 - registers its exit hook before ours, so ours runs first
 import contextlib
 import logging
 import math
@@ -124,8 +125,6 @@ def _finish_background_steps() -> None:
         except Exception:  # noqa: BLE001 - kept by the engine and raised at its next call
             pass
 
-
-import concurrent.futures.thread  # noqa: E402,F401 - its exit hook is registered first, so it runs after ours
 
 if hasattr(threading, "_register_atexit"):  # CPython 3.9+
     threading._register_atexit(_finish_background_steps)
@@ -433,7 +432,7 @@ class ZeroEngine:
         except BaseException:  # KeyboardInterrupt, SystemExit: torch skips always_call hooks
             manager = getattr(self.params, "manager", None)
             if manager is not None:
-                manager.abort_forward()  # [Note: interrupted forward]
+                manager.abort_iteration()  # [Note: interrupted forward]
             raise
 
     def train(self, mode: bool = True) -> "ZeroEngine":
@@ -578,7 +577,7 @@ class ZeroEngine:
         n = self._window_backwards
         self.synchronize()
         if manager is not None:
-            manager.abort_forward()  # the failed backward's unreduced flat gradients and gathered units go too
+            manager.abort_iteration()  # the failed backward's unreduced flat gradients and gathered units go too
         self._forget_gradients()
         warnings.warn(f"zeroinf: engine.backward raised part-way ({type(exc).__name__}); the gradients of this "
                       f"accumulation window ({n} backward(s)) were dropped, since the ones it had reduced cannot be "

@@ -273,16 +273,12 @@ class _GraphToken:
 
 
 def _graph_dropped(manager_ref, calls: List[Tuple["Unit", List[int]]], generation: int) -> None:
-    """A forward's graph is gone with its backward not run: its unit calls no longer wait for
-    their inputs' gradients ([Note: several forwards, one backward]). Nothing to do once the
-    iteration ended (``_end_iteration`` cleared every count) or the manager is gone."""
+    """A forward's graph is gone with its backward not run (the finalizer of its token, see
+    :meth:`Stage3ParameterManager._note_graph`). Nothing to do once the iteration ended
+    (``_end_iteration`` cleared every count) or the manager is gone."""
     m = manager_ref()
-    if m is None or m._generation != generation:
-        return
-    for unit, left in calls:
-        if left[0] > 0:
-            left[0] = 0
-            unit.inputs_pending = max(0, unit.inputs_pending - 1)
+    if m is not None and m._generation == generation:
+        m._inputs_never_come(calls)
 
 
 class _ForeignAccessMode(_ManagerMode):
@@ -750,31 +746,30 @@ class Stage3ParameterManager:
         elif tier == "cpu":
             self.stats.add("bytes_host_read", nbytes)
         self.tracer.span(f"read {unit.name}", "transfer", t0, t1, thread="io" if self._io is not None else "compute",
-                         args=self._read_args(unit, nbytes, tier))
+                         args=self._read_args(unit.groups, nbytes, tier))
 
     @staticmethod
-    def _read_args(unit: Unit, nbytes: int, tier: str, groups: Optional[List[FlatGroup]] = None) -> Dict[str, Any]:
-        """A read span's arguments (of ``unit``'s groups, or of ``groups``): on NVMe the
-        partitions the ``max_in_cpu`` host cache served are ``cache_bytes``, and a read served by
-        it alone is tier ``host cache`` (it showed as an NVMe read of 0 bytes: helper-40 f08)."""
+    def _read_args(groups: Sequence[FlatGroup], nbytes: int, tier: str) -> Dict[str, Any]:
+        """A read span's arguments for the partitions of ``groups``: on NVMe the ones the
+        ``max_in_cpu`` host cache served are ``cache_bytes``, and a read served by it alone is
+        tier ``host cache`` (it showed as an NVMe read of 0 bytes: helper-40 f08)."""
         if tier != "nvme":
             return {"bytes": nbytes, "tier": tier}
-        cached = sum(g.store.nbytes for g in (unit.groups if groups is None else groups)) - nbytes
+        cached = sum(g.store.nbytes for g in groups) - nbytes
         return {"bytes": nbytes, "cache_bytes": cached, "tier": "nvme" if nbytes else "host cache"}
 
-    def _optimizer_read(self, what: str, g: FlatGroup, nbytes: int, t0: float, param: bool = True) -> None:
-        """Count and trace a read the optimizer step asked for (a parameter partition, or a
-        gradient file: ``param=False``), as the forward's reads are (the trace left them out,
-        so its read spans did not add up to the counters with the optimizer on NVMe: helper-42
-        f14)."""
-        tier = self.options.offload_param_device if param else "nvme"
+    def _optimizer_read(self, what: str, g: FlatGroup, nbytes: int, t0: float) -> None:
+        """Count and trace a read the optimizer step asked for, ``what`` = "param" (a partition,
+        from its tier) or "grad" (a gradient file, on NVMe), as the forward's reads are (the
+        trace left them out, so its read spans did not add up to the counters with the optimizer
+        on NVMe: helper-42 f14). ``nbytes``: bytes read from the tier (0 when the host cache
+        served a partition, which counts itself); ``t0``: when the read began (``tracer.now()``)."""
+        tier = self.options.offload_param_device if what == "param" else "nvme"
         if nbytes:
             self.stats.add("bytes_nvme_read" if tier == "nvme" else "bytes_host_read", nbytes)
-        if tier == "nvme" or not param:
-            args = self._read_args(None, nbytes, "nvme", [g]) if param else {"bytes": nbytes, "cache_bytes": 0,
-                                                                              "tier": "nvme"}
-            self.tracer.span(f"read {what} {g.key}", "transfer", t0, self.tracer.now(),
-                             thread="io" if self._io is not None else "compute", args=args)
+        args = self._read_args([g], nbytes, tier) if what == "param" else {"bytes": nbytes, "tier": tier}
+        self.tracer.span(f"read {what} {g.key}", "transfer", t0, self.tracer.now(),
+                         thread="io" if self._io is not None else "compute", args=args)
 
     def _h2d_partitions(self, unit: Unit, staged: Optional["_Staged"], after: Any) -> Any:
         """CUDA, host tiers: :meth:`_read_partitions` with the copies on the H2D stream; returns
@@ -889,7 +884,7 @@ class Stage3ParameterManager:
         t1 = self.tracer.now()
         self.stats.add("bytes_nvme_read", nbytes)
         self.stats.add("io_busy_s", t1 - t0)
-        self.tracer.span(f"read {unit.name}", "transfer", t0, t1, thread="io", args=self._read_args(unit, nbytes, "nvme"))
+        self.tracer.span(f"read {unit.name}", "transfer", t0, t1, thread="io", args=self._read_args(unit.groups, nbytes, "nvme"))
 
     def _free_staged(self, st: "_Staged") -> None:
         for b in st.bufs:
@@ -1220,7 +1215,7 @@ class Stage3ParameterManager:
                                "Build a new engine (zeroinf.initialize) on a newly built model, and save a checkpoint "
                                "before closing to carry the state over.")
 
-    def abort_forward(self) -> None:
+    def abort_iteration(self) -> None:
         """[Note: interrupted forward] Torch runs ``always_call`` forward hooks on an
         ``Exception`` only: a ``KeyboardInterrupt`` (Ctrl-C) or ``SystemExit`` raised inside the
         forward skipped the root's post-hook, so its saved-tensor hooks and foreign-access mode
@@ -1250,7 +1245,7 @@ class Stage3ParameterManager:
     def _root_pre_forward(self, module, args):
         self._check_open()
         if self._ctx is not None:  # the last forward was interrupted past its post-hook
-            self.abort_forward()
+            self.abort_iteration()
         self._busy += 1
         try:
             if self._in_iteration and not self._continues_iteration():
@@ -1316,6 +1311,15 @@ class Stage3ParameterManager:
                 t.grad_fn.metadata["zeroinf_forward"] = token
         weakref.finalize(token, _graph_dropped, weakref.ref(self), calls, self._generation)
 
+    @staticmethod
+    def _inputs_never_come(calls: List[Tuple[Unit, List[int]]]) -> None:
+        """``calls``' units no longer wait for their inputs' gradients: no backward will run
+        through the forward that made them ([Note: several forwards, one backward])."""
+        for unit, left in calls:
+            if left[0] > 0:
+                left[0] = 0
+                unit.inputs_pending = max(0, unit.inputs_pending - 1)
+
     def _root_post_forward(self, module, args, output):
         self._busy += 1
         try:
@@ -1339,7 +1343,7 @@ class Stage3ParameterManager:
                 self._backward_pending = True
                 self._note_graph(backward_follows)
                 return output
-            _graph_dropped(weakref.ref(self), self._calls, self._generation)  # no backward through it
+            self._inputs_never_come(self._calls)  # no output needs a gradient: no backward through it
             self._calls = []
             if not self._backward_pending:
                 self._end_iteration()
@@ -1851,7 +1855,7 @@ class Stage3ParameterManager:
         if g.grad_on_nvme:
             acc = self.scratch.take(part.numel(), torch.float32)
             t1 = self.tracer.now()
-            self._optimizer_read("grad", g, self._read_grad_file(g, acc), t1, param=False)
+            self._optimizer_read("grad", g, self._read_grad_file(g, acc), t1)
             acc.add_(part)
             part = acc
         if self.grad_norm_type is not None:
@@ -1897,7 +1901,7 @@ class Stage3ParameterManager:
         :meth:`submit_io`): no waits; the caller has completed the gradient writes first."""
         if g.grad_on_nvme:
             t0 = self.tracer.now()
-            self._optimizer_read("grad", g, self._read_grad_file(g, dst), t0, param=False)
+            self._optimizer_read("grad", g, self._read_grad_file(g, dst), t0)
         else:
             dst.zero_()
 
