@@ -272,7 +272,8 @@ def test_compute_on_a_held_placeholder_raises_between_init_and_initialize(tmp_pa
     """After the Init block a held parameter's .data is an empty placeholder: ``w.sum()`` gave 0
     and ``torch.nn.init.normal_(w)`` changed nothing, silently. Compute on it now raises, naming
     its shape and gathered_parameters, as for a released stage-3 parameter; ``model.half()``
-    still converts the placeholders; the values were not touched, so initialize trains from them."""
+    still converts the placeholders (and ``.float()`` after it rounds the values, as for a plain
+    model); initialize trains from the values."""
     cfg = {**_cfg(tier, tmp_path), "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}}
     torch.manual_seed(0)
     plain = TinyLM()
@@ -288,7 +289,8 @@ def test_compute_on_a_held_placeholder_raises_between_init_and_initialize(tmp_pa
             call()
     model.half()
     assert w.dtype == torch.float16 and w.shape == (0,)
-    model.float()
+    model.float()  # rounds the held values through fp16, as it rounds plain ones
+    plain.half().float()
     # a new parameter built from a held one's class (accelerate's set_module_tensor_to_device)
     # is whole and plain (it refused compute as held: helper-42, t33_paramcls.py)
     fresh = type(w)(torch.ones(2, 3))
@@ -301,6 +303,36 @@ def test_compute_on_a_held_placeholder_raises_between_init_and_initialize(tmp_pa
     other.data = torch.empty(0)
     with zeroinf.gathered_parameters([w]):
         assert torch.equal(w, plain.blocks[0].ff[0].weight) and torch.equal(w.sum(), plain.blocks[0].ff[0].weight.sum())
+    engine, *_ = zeroinf.initialize(model=model, config=cfg)
+    sd = engine.module.state_dict()
+    assert all(torch.equal(sd[k], v) for k, v in plain.state_dict().items())
+    engine.close()
+
+
+@pytest.mark.parametrize("tier", ["cpu", "nvme"])
+def test_held_data_refuses_compute_and_casts_round_as_for_a_plain_model(tmp_path, tier):
+    """Between the Init block and initialize: ``nn.init.normal_(p.data)`` on a held parameter
+    changed nothing, silently (helper-42, t34); it raises now. ``model.half().float()`` kept the
+    fp32 values exact where a plain model's are rounded to fp16 (helper-42, f9); they are
+    rounded now, and ``model.half()`` alone still keeps fp32 masters ([Note: Init masters])."""
+    cfg = {**_cfg(tier, tmp_path), "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}}
+    torch.manual_seed(0)
+    plain = TinyLM()
+    exact = copy.deepcopy(plain)
+    torch.manual_seed(0)
+    with zeroinf.Init(config=cfg):
+        model = TinyLM()
+    w = model.blocks[0].ff[0].weight
+    for what, call in (("normal_", lambda: nn.init.normal_(w.data)), ("sum", lambda: w.detach().sum()),
+                       ("uniform_", lambda: w.data.uniform_())):
+        with pytest.raises(RuntimeError, match=rf"shape \(32, 16\)\) is held by zeroinf.Init.*'{what}'"):
+            call()
+    model.half().float()
+    plain.half().float()
+    assert w.dtype == torch.float32 and w.data.dtype == torch.float32
+    sd = model.state_dict()  # Init's hook: the held values, rounded as the casts round them
+    assert all(torch.equal(sd[k], v) for k, v in plain.state_dict().items())
+    assert not torch.equal(plain.blocks[0].ff[0].weight, exact.blocks[0].ff[0].weight)  # fp16 rounded them
     engine, *_ = zeroinf.initialize(model=model, config=cfg)
     sd = engine.module.state_dict()
     assert all(torch.equal(sd[k], v) for k, v in plain.state_dict().items())

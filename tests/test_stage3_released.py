@@ -57,6 +57,37 @@ def test_compute_on_released_parameter_raises_naming_it(tmp_path, tier):
     engine.close()
 
 
+@pytest.mark.parametrize("tier", ["cpu", "nvme"])
+def test_data_and_detach_of_a_released_parameter_refuse_compute(tmp_path, tier):
+    """``p.detach()`` and ``p.data`` of a released parameter were plain empty tensors:
+    ``head.weight.detach().norm()`` gave 0 and ``nn.init.normal_(p.data)`` changed nothing,
+    silently. They are placeholders that refuse compute too, naming the parameter; their
+    metadata still reads, and ``state_dict`` / ``load_state_dict`` (which detach) still work."""
+    ref = TinyLM(tied=True)
+    model = copy.deepcopy(ref)
+    engine, *_ = zeroinf.initialize(model=model, config=_config(tier, "cpu", tmp_path))
+    w = model.blocks[1].ff[0].weight
+    for what, call in (("norm", lambda: w.detach().norm()), ("sum", lambda: w.data.sum()),
+                       ("normal_", lambda: nn.init.normal_(w.data)), ("sum", lambda: w.detach().detach().sum()),
+                       ("copy_", lambda: w.data.copy_(torch.ones(w.ds_shape))),
+                       ("to", lambda: w.detach().to(torch.float64))):
+        with pytest.raises(RuntimeError, match=rf"blocks\.1\.ff\.0\.weight \(shape \(32, 16\)\) is released.*'{what}'"):
+            call()
+    d = w.detach()
+    assert d.shape == (0,) and d.dtype == torch.float32 and not isinstance(d, nn.Parameter) and w.data.numel() == 0
+    assert "placeholder of released stage-3 parameter blocks.1.ff.0.weight" in repr(w.data)
+    with zeroinf.gathered_parameters([w]):  # gathered, they are the values
+        assert torch.equal(w.detach(), ref.blocks[1].ff[0].weight) and torch.equal(w.data, w.detach())
+    assert max(abs(a - b) for a, b in zip(_run(engine, 2), _reference(ref, 2))) <= 1e-6
+    sd = model.state_dict()
+    for name, p in ref.named_parameters():
+        assert (sd[name] - p.detach()).abs().max().item() <= 1e-6, name
+    model.load_state_dict({k: v + 1 for k, v in sd.items()})
+    with zeroinf.gathered_parameters([w]):
+        assert torch.equal(w.detach(), sd["blocks.1.ff.0.weight"] + 1)
+    engine.close()
+
+
 @pytest.mark.parametrize("tier", ["none", "cpu", "nvme"])
 def test_load_state_dict_after_a_forward(tmp_path, tier):
     """After any forward the persistent unit (parameters under the persistence threshold) stays

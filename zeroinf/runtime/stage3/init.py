@@ -15,7 +15,7 @@ Changes made after a constructor returned (a Hugging Face ``post_init``) still a
 [Note: late initialisation]. After the ``with`` block a moved-out parameter is an empty
 placeholder until ``zeroinf.initialize`` takes it (``state_dict()`` gives its held values:
 [Note: state_dict before initialize]); compute on it raises ([Note: held placeholders refuse
-compute]; ``p.data`` is the bare placeholder and is not guarded). Read or change weights then
+compute]; so does ``p.data``, its placeholder: [Note: released parameters]). Read or change weights then
 inside ``zeroinf.gathered_parameters(..., modifier_rank=0)`` or load them with
 ``load_safetensors``.
 """
@@ -27,7 +27,7 @@ import shutil
 import tempfile
 import threading
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
@@ -52,6 +52,7 @@ class _Held:
     owner: "Init"
     host: Optional[torch.Tensor] = None  # values kept in host memory (tiers none/cpu)
     finalizer: Any = None  # drops the values when the parameter is freed unread
+    casts: List[torch.dtype] = field(default_factory=list)  # dtypes its placeholder took since (note_cast)
 
     @property
     def nbytes(self) -> int:
@@ -85,6 +86,19 @@ def init_shapes_of(params) -> Dict[nn.Parameter, torch.Size]:
     """True shapes of those of ``params`` that ``Init`` moved out."""
     with _LOCK:
         return {p: _HELD[p].shape for p in params if p in _HELD}
+
+
+def note_cast(param: nn.Parameter, dtype: torch.dtype) -> None:
+    """Record that held ``param``'s placeholder became ``dtype`` (``model.half()``, ``.to()``
+    between the ``Init`` block and ``initialize``). [Note: casts of held parameters] The held
+    values then pass through every dtype but the last, as a plain parameter's would:
+    ``model.half().float()`` rounds them to fp16 (it kept them exact: helper-42, f9). The last
+    cast is the caller's: the engine keeps fp32 values of a model cast to bf16/fp16 as its
+    masters ([Note: Init masters]). A no-op for a parameter ``Init`` does not hold."""
+    with _LOCK:
+        held = _HELD.get(param)
+        if held is not None and dtype != (held.casts[-1] if held.casts else held.dtype):
+            held.casts.append(dtype)
 
 
 def init_dtype(param: nn.Parameter) -> Optional[torch.dtype]:
@@ -175,6 +189,16 @@ def held_values(params: Sequence[nn.Parameter], modifier_rank: Optional[int]) ->
             if ph is not None:
                 p.data = ph
                 p.__class__ = released_class(type(p), held=True)
+
+
+def _rounded(held: _Held, values: torch.Tensor) -> torch.Tensor:
+    """``values`` (held dtype) passed through every cast of the placeholder but the last."""
+    if len(held.casts) < 2:
+        return values
+    out = values
+    for dtype in held.casts[:-1]:
+        out = out.to(dtype)
+    return out.to(held.dtype)
 
 
 def _refuse_copy(*_args):
@@ -432,12 +456,13 @@ class Init:
             shutil.rmtree(self._dir, ignore_errors=True)
 
     def _peek(self, held: _Held) -> torch.Tensor:
-        """A copy of the values held for one parameter (CPU, held dtype); they stay held."""
+        """A copy of the values held for one parameter (CPU, held dtype, rounded through its
+        placeholder's casts: [Note: casts of held parameters]); they stay held."""
         if held.host is not None:
-            return held.host.clone()
+            return _rounded(held, held.host.clone())
         out = torch.empty(held.shape, dtype=held.dtype)
         self._swapper.swap_in([(held.key, out.view(-1))], async_op=False)
-        return out
+        return _rounded(held, out)
 
     def _rewrite(self, held: _Held, values: torch.Tensor) -> None:
         """Replace the values held for one parameter (same shape; cast to the held dtype)."""
@@ -456,7 +481,7 @@ class Init:
             self._swapper.swap_in([(held.key, out.view(-1))], async_op=False)
             self.held_bytes_nvme -= out.numel() * out.element_size()
         self._one_less()
-        return out.view(held.shape)
+        return _rounded(held, out.view(held.shape))
 
 
 def _held_state_dict_hook(module: nn.Module, state_dict: Dict[str, Any], prefix: str, local_metadata) -> None:

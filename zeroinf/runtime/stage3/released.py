@@ -11,6 +11,13 @@ the parameter for anything else. When the unit is gathered the original class co
 the forward and backward compute on plain parameters and pay nothing for this. ``isinstance(p,
 nn.Parameter)`` holds in both states.
 
+``p.data`` and ``p.detach()`` of such a parameter are its empty placeholder too, and plain
+tensors would compute on nothing again (``model.head.weight.detach().norm()`` gave 0, and
+``nn.init.normal_(p.data)`` on a parameter ``zeroinf.Init`` holds changed nothing). So they
+come back as a ``ReleasedTensor`` (``HeldTensor``): a plain-tensor twin with the same rules,
+which names the parameter it came from. Only empty results are wrapped: a ``.data`` the user
+replaced with whole values computes as given (``initialize`` then checks it).
+
 Every managed parameter also carries DeepSpeed's ``ds_shape`` (``torch.Size``, the full shape)
 and ``ds_numel`` (int, the full element count), gathered or not.
 """
@@ -20,6 +27,9 @@ from typing import Dict, Optional, Tuple
 
 import torch
 from torch import nn
+
+import math
+import weakref
 
 __all__ = ["released_class", "gathered_class", "is_released", "PASS_THROUGH"]
 
@@ -44,10 +54,15 @@ _CLASSES: Dict[Tuple[type, bool], type] = {}
 
 
 def _describe(p: torch.Tensor) -> Tuple[str, Optional[torch.Size]]:
-    """(qualified name, full shape) of a released parameter, from the manager that owns it (or
-    ``zeroinf.Init``, which knows no names)."""
+    """(qualified name, full shape) of a released parameter, or of the parameter a placeholder
+    view came from, from the manager that owns it (or ``zeroinf.Init``, which knows no names)."""
     from .init import init_shapes_of
     from .manager import managers
+    source = getattr(p, "_zeroinf_source", None)
+    if source is not None:
+        p = source()
+        if p is None:
+            return "a freed parameter", None
     for m in managers(include_closed=True):
         rec = m._slot_of.get(p)
         if rec is not None:
@@ -78,7 +93,15 @@ class _ReleasedMixin:
             p = _first_released(list(args) + list(kwargs.values()))
             _refuse(p, f"'{name or func}' on it would compute on nothing")
         with torch._C.DisableTorchFunctionSubclass():
-            return func(*args, **kwargs)
+            out = func(*args, **kwargs)
+        if name in ("detach", "__get__", "__set__") and args and isinstance(args[0], _ReleasedMixin):
+            attr = "" if name == "detach" else getattr(getattr(func, "__self__", None), "__name__", "")
+            if name == "detach" or (name == "__get__" and attr == "data"):
+                out = _placeholder_view(out, args[0])
+            elif attr == "data" and cls._zeroinf_pass is HELD_PASS_THROUGH and len(args) > 1:
+                from .init import note_cast  # model.half() etc. set .data to a placeholder of the new dtype
+                note_cast(args[0], args[1].dtype)
+        return out
 
     def __deepcopy__(self, memo):
         _refuse(self, "a copy would hold nothing (copy.deepcopy)")
@@ -89,8 +112,26 @@ class _ReleasedMixin:
     def __repr__(self, *args, **kwargs) -> str:
         pname, shape = _describe(self)
         shape_s = tuple(shape) if shape is not None else "?"
-        return (f"Parameter(released stage-3 parameter {pname}, shape {shape_s}, dtype {self.dtype}; "
-                f"read it inside zeroinf.gathered_parameters(...))")
+        what = ("Tensor(the empty placeholder of released stage-3 parameter" if
+                getattr(self, "_zeroinf_source", None) is not None else "Parameter(released stage-3 parameter")
+        return f"{what} {pname}, shape {shape_s}, dtype {self.dtype}; read it inside zeroinf.gathered_parameters(...))"
+
+
+def _placeholder_view(out, src: torch.Tensor):
+    """``out`` (``.data`` or ``.detach()`` of ``src``, a released or held parameter or a view
+    made here) as the refusing tensor twin when it is the empty placeholder; else ``out``."""
+    source = getattr(src, "_zeroinf_source", None)
+    p = source() if source is not None else src
+    if not isinstance(out, torch.Tensor) or out.numel() != 0 or p is None:
+        return out
+    shape = getattr(p, "ds_shape", None)
+    if shape is None:
+        shape = _describe(p)[1]
+    if shape is None or math.prod(shape) == 0:
+        return out  # an empty parameter: its placeholder is its whole value
+    view = out.as_subclass(released_class(torch.Tensor, held=type(src)._zeroinf_pass is HELD_PASS_THROUGH))
+    view._zeroinf_source = weakref.ref(p)
+    return view
 
 
 def _first_released(values) -> Optional[torch.Tensor]:
