@@ -396,6 +396,70 @@ def test_cpuadam_16bit_params_changed_between_steps_are_stepped_from_the_new_val
     again = step()  # the masters from the state, exact: not the loaded weights' rounded values
     assert all(torch.equal(a, b) for a, b in zip(once, again))
 
+@pytest.mark.parametrize("order", ["optimizer_first", "weights_first"])
+def test_cpuadam_16bit_weights_other_than_the_loaded_masters_are_stepped_from(order):
+    """A fresh CPUAdam that loaded a state dict took its masters over the bf16 weights loaded
+    beside it when they differed (other weights, before or after the optimizer state): the weights
+    went from 3.0 to -0.017 in one step, silently (helper-43, t12_bf16_master_after_load.py).
+    torch.optim.AdamW steps from the weights; so does CPUAdam now."""
+    torch.manual_seed(0)
+    src = torch.nn.Linear(8, 8).to(torch.bfloat16)
+    opt = zo.CPUAdam(src.parameters(), lr=1e-2)
+    x = torch.randn(4, 8).to(torch.bfloat16)
+    src(x).float().square().sum().backward()
+    opt.step()
+    state = opt.state_dict()  # each load below reads its own copy (torch's load shares the step tensors)
+    new = {"weight": torch.full((8, 8), 3.0, dtype=torch.bfloat16), "bias": torch.full((8,), -1.0, dtype=torch.bfloat16)}
+
+    def fresh(cls):
+        lin = torch.nn.Linear(8, 8).to(torch.bfloat16)
+        o = cls(lin.parameters(), lr=1e-2)
+        if order == "weights_first":
+            lin.load_state_dict(new)
+        o.load_state_dict(_save_load(state))
+        if order == "optimizer_first":
+            lin.load_state_dict(new)
+        lin(x).float().square().sum().backward()
+        o.step()
+        return lin
+    got = fresh(zo.CPUAdam)
+    # the reference: torch's AdamW on fp32 copies of the weights, rounded to bf16 after the step
+    ref = torch.nn.Linear(8, 8)
+    ref.load_state_dict({k: v.float() for k, v in new.items()})
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    ref_opt.load_state_dict(_save_load(state))
+    for p, q in zip(ref.parameters(), got.parameters()):
+        p.grad = q.grad.float()
+    ref_opt.step()
+    for (name, a), b in zip(got.named_parameters(), ref.parameters()):
+        assert torch.equal(a, b.detach().to(torch.bfloat16)), name
+        assert (a.float() - new[name].float()).abs().max().item() < 0.05, name
+
+
+def test_cpuadam_refuses_groups_whose_decay_keys_disagree():
+    """CPUAdam exposes torch's ``decoupled_weight_decay`` but stepped by its own ``adamw_mode``:
+    setting torch's key to False kept AdamW's decay, 0.021 off torch.optim.Adam after 6 steps
+    (helper-43, t15_cpuadam_adam_sd.py). A disagreement is refused, naming both keys; set alike,
+    both give torch.optim.Adam's L2 penalty."""
+    torch.manual_seed(0)
+    w = torch.nn.Parameter(torch.randn(16))
+    ref = torch.nn.Parameter(w.detach().clone())
+    opt = zo.CPUAdam([w], lr=1e-2, weight_decay=0.1)
+    ref_opt = torch.optim.Adam([ref], lr=1e-2, weight_decay=0.1)
+    opt.param_groups[0]["decoupled_weight_decay"] = False
+    w.grad = torch.randn(16)
+    with pytest.raises(ValueError, match=r"param_groups\[0\] has adamw_mode=True but torch's decoupled_weight_decay=False"):
+        opt.step()
+    opt.param_groups[0]["adamw_mode"] = False
+    for _ in range(6):
+        g = torch.randn(16)
+        w.grad, ref.grad = g, g.clone()
+        opt.step()
+        ref_opt.step()
+    assert (w.detach() - ref.detach()).abs().max().item() <= TOL
+    assert opt.state_dict()["param_groups"][0]["decoupled_weight_decay"] is False
+
+
 def test_cpuadam_closure_zero_grad_and_noncontiguous_param():
     w = torch.nn.Parameter(torch.randn(6, 4).t())  # a transposed, non-contiguous parameter
     w_ref = torch.nn.Parameter(w.detach().clone())

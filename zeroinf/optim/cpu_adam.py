@@ -63,7 +63,8 @@ class CPUAdam(torch.optim.Optimizer):
 
     Raises:
         ValueError: a hyper-parameter out of range, ``amsgrad``, ``capturable`` or
-            ``differentiable`` True, a parameter that is not a
+            ``differentiable`` True, a group whose ``adamw_mode`` and ``decoupled_weight_decay``
+            disagree (at ``step``), a parameter that is not a
             floating CPU tensor of dtype fp32/bf16/fp16 (at ``step``), or a sparse gradient.
     """
 
@@ -102,10 +103,11 @@ class CPUAdam(torch.optim.Optimizer):
             _check_hyper(group)
 
     def state_dict(self) -> Dict[str, Any]:
-        """torch's optimizer state dict; each group's ``decoupled_weight_decay`` mirrors ``adamw_mode``."""
+        """torch's optimizer state dict; each group's ``decoupled_weight_decay`` mirrors ``adamw_mode``
+        (``step`` refuses groups where the two disagree)."""
         sd = super().state_dict()
         for group in sd["param_groups"]:
-            group["decoupled_weight_decay"] = bool(group.get("adamw_mode", True))
+            group.setdefault("decoupled_weight_decay", bool(group.get("adamw_mode", True)))
         return sd
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
@@ -127,6 +129,9 @@ class CPUAdam(torch.optim.Optimizer):
             if p.dtype != torch.float32 and saved.get(pid):
                 for k, v in saved[pid].items():
                     self.state[p][k] = v.detach().to(device="cpu", dtype=torch.float32, copy=True).contiguous()
+            # the loaded master may not be this parameter's value (weights loaded from elsewhere,
+            # before or after): the next step compares them (helper-43, t12_bf16_master_after_load.py)
+            self._written.pop(p, None)
 
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], Any]] = None):
@@ -147,6 +152,11 @@ class CPUAdam(torch.optim.Optimizer):
                 loss = closure()
         for gi, group in enumerate(self.param_groups):
             _check_hyper(group)
+            if "decoupled_weight_decay" in group and bool(group["decoupled_weight_decay"]) != bool(group["adamw_mode"]):
+                # torch.optim.Adam honours its key; this optimizer steps by adamw_mode (helper-43, t15)
+                raise ValueError(f"CPUAdam: param_groups[{gi}] has adamw_mode={group['adamw_mode']!r} but torch's "
+                                 f"decoupled_weight_decay={group['decoupled_weight_decay']!r}; set both to the same "
+                                 "value (True: AdamW's decoupled decay, False: Adam's L2 penalty)")
             self._step_group(gi, group)
         return loss
 
@@ -208,9 +218,10 @@ class CPUAdam(torch.optim.Optimizer):
             state["exp_avg_sq"] = torch.zeros(p.shape, dtype=torch.float32)
         if p.dtype != torch.float32 and "master_param" not in state:
             state["master_param"] = p.detach().to(torch.float32, copy=True).contiguous()
-        elif p.dtype != torch.float32 and self._written.get(p, (p._version, p.data_ptr())) != (p._version, p.data_ptr()):
-            # changed since this optimizer wrote it: step from the new value (kept exact when it
-            # is only the master rounded, e.g. a checkpoint's weights loaded beside its masters)
+        elif p.dtype != torch.float32 and self._written.get(p) != (p._version, p.data_ptr()):
+            # changed since this optimizer wrote it, or never written by it (a loaded master): step
+            # from the parameter's value (the master kept exact when it is only the master rounded,
+            # e.g. a checkpoint's weights loaded beside its masters)
             master = state["master_param"]
             if not torch.equal(p.detach(), master.to(p.dtype)):
                 master.copy_(p.detach())
