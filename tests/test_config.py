@@ -84,7 +84,14 @@ def test_unimplemented_keys_at_their_noop_value_are_accepted_and_others_still_re
                   "zero_allow_untested_optimizer": True,
                   "zero_optimization": {"stage": 2, "ignore_unused_parameters": True,
                                         "load_from_fp32_weights": True}})
-    for cfg, path in [({"prescale_gradients": True}, "prescale_gradients"),
+    # DeepSpeed's precision defaults, spelled out (helper-43, t06_config_matrix.py)
+    parse_config({**BASE, "fp16": {"enabled": False, "loss_scale": 0, "fp16_master_weights_and_grads": False},
+                  "bf16": {"enabled": False, "immediate_grad_update": False, "bf16_master_weights_and_grads": False,
+                           "bf16_optimizer_states": False}})
+    for cfg, path in [({"fp16": {"enabled": True, "fp16_master_weights_and_grads": True}},
+                       "fp16.fp16_master_weights_and_grads"),
+                      ({"bf16": {"enabled": True, "immediate_grad_update": True}}, "bf16.immediate_grad_update"),
+                      ({"prescale_gradients": True}, "prescale_gradients"),
                       ({"zero_optimization": {"ignore_unused_parameters": False}},
                        "zero_optimization.ignore_unused_parameters"),
                       ({"zero_optimization": {"zero_hpz_partition_size": 8}}, "zero_optimization.zero_hpz_partition_size"),

@@ -362,6 +362,10 @@ _NOOP_VALUES = {
     "stage3_module_granularity_threshold": (0,),
     "ratio": (1.0, 1),  # offload_optimizer: the whole state, what zeroinf offloads
     "auto_cast": (False,),  # fp16: DeepSpeed's default
+    # fp16 / bf16: DeepSpeed's defaults (fp32 masters, gradients and states; delayed updates),
+    # which is what zeroinf does (helper-43, t06_config_matrix.py)
+    "fp16_master_weights_and_grads": (False,), "fp16_optimizer_states": (False,),
+    "bf16_master_weights_and_grads": (False,), "bf16_optimizer_states": (False,), "immediate_grad_update": (False,),
 }
 _TOP_ALLOWED = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
                 "optimizer", "scheduler", "fp16", "bf16", "bfloat16", "gradient_clipping",
