@@ -86,7 +86,7 @@ import threading
 import time
 import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Callable, Deque, Dict, List, NamedTuple, Optional, Sequence, Tuple
+from typing import Any, Callable, Deque, Dict, List, NamedTuple, Optional, Sequence, Set, Tuple
 
 import torch
 import torch.distributed as dist
@@ -428,6 +428,9 @@ class Stage3ParameterManager:
         #: keep a copy of each partition read for the backward (partition_copy): set by the engine
         #: for the optimizer in backward when the partitions are the masters
         self.snapshot_partitions = False
+        #: units still gathered when the last backward began (read in the forward and kept for the
+        #: backward): with snapshot_partitions their forward reads keep the copy too
+        self._held_into_backward: Set[int] = set()
         self.scratch = BufferRecycler()  # unit-sized CPU scratch tensors, reused (no page faults)
 
         from .init import init_shapes  # parameters partitioned at construction (zeroinf.Init)
@@ -845,7 +848,13 @@ class Stage3ParameterManager:
             g.full = self.scratch.take(g.padded_numel, g.dtype, self.device)
         after = self.transfers.mark()  # [Note: CUDA streams]: earlier kernels may still use g.full's block
         unit.state = UnitState.FETCHING
-        snapshot = self.snapshot_partitions and (for_backward or self._in_backward)
+        # [Note: snapshots of held units] a unit the forward gathers and the backward finds still
+        # gathered had no copy, so the optimizer in backward read its master from NVMe at the
+        # start of the backward, when the disk is busiest (2 x 33 MB on the bench model, one read
+        # 96 ms); the units held last time keep a copy from their forward read (a memcpy on the
+        # I/O thread; dropped on release if the unit is not held after all)
+        snapshot = self.snapshot_partitions and (for_backward or self._in_backward
+                                                 or unit.index in self._held_into_backward)
         self.stats.add("gathers")
         staged = self._staged.pop(unit.index, None)
         if staged is not None:
@@ -1427,6 +1436,8 @@ class Stage3ParameterManager:
                 self._callback_queued = True
                 self._in_backward = True
                 self._t_bwd = self.tracer.now()
+                self._held_into_backward = {u.index for u in self.units
+                                            if not u.persistent and u.state is not UnitState.RELEASED}
                 torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
             unit._t0 = self.tracer.now()
             unit.in_backward = True
@@ -1984,6 +1995,7 @@ class Stage3ParameterManager:
                     g.full[off:off + v.numel()].copy_(v)
                 elif a < b:
                     g.full[a:b].copy_(v[a - off:b - off])
+        self._drop_snapshot(g)  # it holds the old values: partition_copy must not hand them over
         if local is None:
             self.write_param_shard(g, shard)
 
