@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import zeroinf
-from stage3_models import D, V, TinyLM, batch
+from stage3_models import D, V, TinyLM, batch, loss_fn
 from test_stage3_engine import _config, _reference, _run
 
 
@@ -58,6 +58,40 @@ def test_compute_on_released_parameter_raises_naming_it(tmp_path, tier):
 
 
 @pytest.mark.parametrize("tier", ["cpu", "nvme"])
+def test_persistent_parameters_are_released_between_iterations(tmp_path, tier):
+    """Parameters under the persistence threshold (the LayerNorms here) stayed gathered after a
+    forward with no backward (an eval, a generate) and between a backward and its step: an
+    in-place edit then went through silently, the next forward computed on it and the next step
+    discarded it (helper-44, t08_gathered_after_eval.py: a weight 0.78 off). They are released
+    like every other parameter: the edit raises, naming the parameter, and training equals AdamW."""
+    ref = TinyLM()
+    model = copy.deepcopy(ref)
+    engine, *_ = zeroinf.initialize(model=model, config=_config(tier, "cpu", tmp_path))
+    mgr = engine.params.manager
+    assert mgr.units[0].persistent and any(s.param is model.norm.weight for g in mgr.units[0].groups for s in g.slots)
+    got = _run(engine, 1)
+    with torch.no_grad():
+        engine(batch(9)[0])  # an eval forward: no backward follows
+    for p, name in ((model.norm.weight, r"norm\.weight"), (model.blocks[0].ln.bias, r"blocks\.0\.ln\.bias")):
+        with pytest.raises(RuntimeError, match=rf"{name} \(shape \(16,\)\) is released"):
+            with torch.no_grad():
+                p.mul_(0.5)
+    x, y = batch(2)
+    engine.backward(loss_fn(engine(x), y))
+    with pytest.raises(RuntimeError, match=r"norm\.weight \(shape \(16,\)\) is released"):
+        with torch.no_grad():
+            model.norm.weight.add_(1.0)  # between the backward and its step
+    engine.step()
+    got += [_run(engine, 1, start=3)[0]]
+    want = _reference(ref, 3)
+    assert max(abs(a - b) for a, b in zip(got, [want[0], want[2]])) <= 1e-6
+    sd = model.state_dict()
+    for name, p in ref.named_parameters():
+        assert (sd[name] - p.detach()).abs().max().item() <= 1e-6, name
+    engine.close()
+
+
+@pytest.mark.parametrize("tier", ["cpu", "nvme"])
 def test_data_and_detach_of_a_released_parameter_refuse_compute(tmp_path, tier):
     """``p.detach()`` and ``p.data`` of a released parameter were plain empty tensors:
     ``head.weight.detach().norm()`` gave 0 and ``nn.init.normal_(p.data)`` changed nothing,
@@ -90,11 +124,12 @@ def test_data_and_detach_of_a_released_parameter_refuse_compute(tmp_path, tier):
 
 @pytest.mark.parametrize("tier", ["none", "cpu", "nvme"])
 def test_load_state_dict_after_a_forward(tmp_path, tier):
-    """After any forward the persistent unit (parameters under the persistence threshold) stays
+    """After a forward the persistent unit (parameters under the persistence threshold) stayed
     gathered, with full shapes; load_state_dict then failed torch's shape check against the
     empty placeholders its pre-hook left ("size mismatch for blocks.0.ln.weight: ... [0] ...
-    [16]") after every value had already been written. It must load, and the values must be
-    those of the dict, in later forwards too."""
+    [16]") after every value had already been written. It is released after the iteration now,
+    like every unit; load_state_dict must load, and the values must be those of the dict, in
+    later forwards too."""
     engine, *_ = zeroinf.initialize(model=TinyLM(), config=_config(tier, "cpu", tmp_path))
     other = TinyLM()
     want = {k: v.clone() for k, v in other.state_dict().items()}
@@ -102,7 +137,7 @@ def test_load_state_dict_after_a_forward(tmp_path, tier):
         engine.eval()
         engine(batch(1)[0])
         engine.train()
-    assert engine.module.blocks[0].ln.weight.shape == (16,)  # persistent: gathered
+    assert engine.module.blocks[0].ln.weight.shape == (0,)  # persistent, released after the iteration
     engine.module.load_state_dict(other.state_dict())
     got = engine.module.state_dict()
     assert all(torch.equal(got[k], want[k]) for k in want)

@@ -1680,7 +1680,12 @@ class Stage3ParameterManager:
         self.scheduler.end()
         self._active.clear()
         self._foreign.clear()
-        for u in self.units[1:]:
+        # the persistent unit too: gathered between iterations (after a forward with no backward,
+        # or between a backward and its step) its parameters took in-place edits silently, the
+        # next forward computed on them and the next step discarded them (helper-44,
+        # t08_gathered_after_eval.py: 0.78 off after an eval forward); released, they refuse as
+        # every other parameter does, and the next forward gathers it again (it is small)
+        for u in self.units:
             self.release(u)
         self.last_reduce_counts = {u.name: u.reduces_this_backward for u in self.units if u.groups}
         for u in self.units:
