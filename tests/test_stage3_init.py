@@ -327,7 +327,11 @@ def test_held_data_refuses_compute_and_casts_round_as_for_a_plain_model(tmp_path
                        ("uniform_", lambda: w.data.uniform_())):
         with pytest.raises(RuntimeError, match=rf"shape \(32, 16\)\) is held by zeroinf.Init.*'{what}'"):
             call()
-    model.half().float()
+    assert repr(w).startswith("Parameter(a parameter held by zeroinf.Init until zeroinf.initialize, shape (32, 16)")
+    model.half()
+    sd = model.state_dict()  # the placeholders' dtype, as a plain model's (it gave fp32: helper-44, t03)
+    assert all(torch.equal(sd[k], v) for k, v in copy.deepcopy(plain).half().state_dict().items())
+    model.float()
     plain.half().float()
     assert w.dtype == torch.float32 and w.data.dtype == torch.float32
     sd = model.state_dict()  # Init's hook: the held values, rounded as the casts round them

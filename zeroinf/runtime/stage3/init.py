@@ -500,7 +500,9 @@ def _held_state_dict_hook(module: nn.Module, state_dict: Dict[str, Any], prefix:
         with _LOCK:
             held = _HELD.get(p)
         if held is not None and key in state_dict:
-            state_dict[key] = held.owner._peek(held)
+            # in the placeholder's dtype, as a plain model's state_dict after model.half() (it gave
+            # the fp32 values: helper-44, t03_init_half_sd.py)
+            state_dict[key] = held.owner._peek(held).to(p.dtype)
 
 
 def _held_forward_pre_hook(module: nn.Module, args) -> None:

@@ -112,9 +112,13 @@ class _ReleasedMixin:
     def __repr__(self, *args, **kwargs) -> str:
         pname, shape = _describe(self)
         shape_s = tuple(shape) if shape is not None else "?"
-        what = ("Tensor(the empty placeholder of released stage-3 parameter" if
-                getattr(self, "_zeroinf_source", None) is not None else "Parameter(released stage-3 parameter")
-        return f"{what} {pname}, shape {shape_s}, dtype {self.dtype}; read it inside zeroinf.gathered_parameters(...))"
+        if type(self)._zeroinf_pass is HELD_PASS_THROUGH:  # Init knows no names (it said "released ... a parameter")
+            state = "a parameter held by zeroinf.Init until zeroinf.initialize"
+        else:
+            state = f"released stage-3 parameter {pname}"
+        what = (f"Tensor(the empty placeholder of {state}" if getattr(self, "_zeroinf_source", None) is not None
+                else f"Parameter({state}")
+        return f"{what}, shape {shape_s}, dtype {self.dtype}; read it inside zeroinf.gathered_parameters(...))"
 
 
 def _placeholder_view(out, src: torch.Tensor):
