@@ -463,6 +463,46 @@ def test_gathered_parameters_between_a_forward_and_its_backward(tmp_path, tiers)
     engine.close()
 
 
+@pytest.mark.parametrize("tiers", [("cpu", "cpu"), ("nvme", "nvme")])
+def test_submodules_called_on_their_own_compute_as_in_plain_pytorch(tmp_path, tiers):
+    """[Note: entry modules] A submodule called outside the model's forward (Hugging Face's inner
+    model, a head, a block, peft's generate() calling the wrapped model) raised "unit ... was
+    called outside the managed model's forward", and so did the wrapping the message advised
+    (helper-44, t05_submodule_call.py). It computes as plain PyTorch, with gradients too, and
+    training is unaffected."""
+    ref = TinyLM()
+    model = copy.deepcopy(ref)
+    engine, *_ = zeroinf.initialize(model=model, config=_config(*tiers, tmp_path))
+    opt = torch.optim.AdamW(ref.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, foreach=False)
+    got, want = [], []
+
+    def both_step(engine_loss, ref_loss):
+        engine.backward(engine_loss)
+        engine.step()
+        ref_loss.backward()
+        for p in ref.parameters():  # the engine steps a parameter without a gradient with zeros
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        opt.step()
+        opt.zero_grad()
+        got.append(engine_loss.item())
+        want.append(ref_loss.item())
+    x, y = batch(1)
+    both_step(loss_fn(engine(x), y), loss_fn(ref(x), y))
+    x = batch(7)[0]
+    with torch.no_grad():
+        for call in (lambda m: m.emb(x), lambda m: m.blocks[2](m.emb(x)), lambda m: m.head(m.norm(m.emb(x))),
+                     lambda m: m.blocks[3](m.blocks[2](m.emb(x)))):
+            assert (call(model) - call(ref)).abs().max().item() <= 1e-6
+    # grad-enabled: a loss from submodule calls alone trains what it reached
+    both_step(model.blocks[1](model.emb(x)).square().mean(), ref.blocks[1](ref.emb(x)).square().mean())
+    for step in (2, 3):
+        x, y = batch(step)
+        both_step(loss_fn(engine(x), y), loss_fn(ref(x), y))
+    _assert_like_reference(engine, ref, got, want)
+    engine.close()
+
+
 def test_an_in_place_change_of_a_saved_activation_raises_as_in_plain_pytorch(tmp_path):
     """Saved-tensor hooks switch off autograd's version check: a block's output changed in place
     after the next block saved it went into the gradients silently (l1 weight gradient norm

@@ -405,6 +405,7 @@ class Stage3ParameterManager:
         self._callback_queued = False
         self._persistent_stale = True
         self._ctx: Optional[contextlib.ExitStack] = None
+        self._entry: Optional[nn.Module] = None  # the module whose forward opened the running one
         self._placeholders: Dict[torch.dtype, torch.Tensor] = {}
         self._listeners: List[Callable[[List[FlatGroup]], None]] = []
         self._storage_of: Dict[int, FlatGroup] = {}
@@ -649,13 +650,21 @@ class Stage3ParameterManager:
 
     def _install_hooks(self) -> None:
         root = self.module
-        self._handles.append(root.register_forward_pre_hook(self._root_pre_forward))
-        self._handles.append(root.register_forward_hook(self._root_post_forward, always_call=True))
         for u in self.units[2:]:
             self._handles.append(u.module.register_forward_pre_hook(
                 lambda m, a, kw, u=u: self._pre_forward(u, a, kw), with_kwargs=True))
             self._handles.append(u.module.register_forward_hook(lambda m, a, o, u=u: self._post_forward(u, o),
                                                                 always_call=True))
+        # [Note: entry modules] the model's forward is one way in; a submodule called on its
+        # own is another (Hugging Face's inner model, a head, peft's generate() calling the
+        # wrapped model's): DeepSpeed hooks every module, so these work there. Here every module
+        # that is a unit's or outside the units may open the forward when none is running;
+        # inside a forward (or a backward, or with a backward pending) only the model does.
+        inside = {id(m) for u in self.units[2:] for m in u.module.modules() if m is not u.module}
+        for mod in root.modules():
+            if id(mod) not in inside:
+                self._handles.append(mod.register_forward_pre_hook(self._entry_pre, prepend=True))
+                self._handles.append(mod.register_forward_hook(self._entry_post, always_call=True))
         me = weakref.ref(self)  # see _remove_param_hooks: the hooks reach the manager weakly
         for u in self.units:
             for g in u.groups:
@@ -1241,6 +1250,7 @@ class Stage3ParameterManager:
             while self._recompute_modes:
                 self._recompute_modes.pop()[1].__exit__(None, None, None)
             ctx, self._ctx = self._ctx, None
+            self._entry = None
             if ctx is not None:
                 ctx.close()
             self._active.clear()
@@ -1250,6 +1260,21 @@ class Stage3ParameterManager:
                 self._end_iteration()
         finally:
             self._busy -= 1
+
+    def _entry_pre(self, module, args) -> None:
+        """Forward pre-hook of every entry module ([Note: entry modules])."""
+        if module is not self.module and (self._entry is not None or self._ctx is not None or self._busy
+                                          or self._in_backward or self._backward_pending):
+            return
+        self._root_pre_forward(module, args)  # (a stale forward's abort_iteration clears _entry)
+        self._entry = module
+
+    def _entry_post(self, module, args, output):
+        """Forward hook of every entry module: closes the forward the same module opened."""
+        if self._entry is not module:
+            return None
+        self._entry = None
+        return self._root_post_forward(module, args, output)
 
     def _root_pre_forward(self, module, args):
         self._check_open()
@@ -1365,8 +1390,8 @@ class Stage3ParameterManager:
         try:
             if not self._in_iteration:
                 raise RuntimeError(f"zeroinf stage 3: unit '{unit.name}' was called outside the managed model's "
-                                   "forward; call the model itself, or wrap the call in "
-                                   "zeroinf.gathered_parameters(module.parameters())")
+                                   "forward where it cannot open one (inside a zeroinf hook, or after a forward "
+                                   "interrupted past its hooks); call the model itself")
             self._active.append(unit)
             unit._t0 = self.tracer.now()
             self._request(unit, "fwd")
