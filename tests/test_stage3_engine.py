@@ -494,12 +494,62 @@ def test_submodules_called_on_their_own_compute_as_in_plain_pytorch(tmp_path, ti
         for call in (lambda m: m.emb(x), lambda m: m.blocks[2](m.emb(x)), lambda m: m.head(m.norm(m.emb(x))),
                      lambda m: m.blocks[3](m.blocks[2](m.emb(x)))):
             assert (call(model) - call(ref)).abs().max().item() <= 1e-6
+    # inside gathered_parameters the block's units stay gathered through such calls (a forward
+    # inside the block released them: reading a weight afterwards raised)
+    w = model.blocks[0].ff[0].weight
+    with zeroinf.gathered_parameters(list(model.parameters())):
+        with torch.no_grad():
+            model.blocks[0](model.emb(x))
+            model(x)
+        assert (w - ref.blocks[0].ff[0].weight).abs().max().item() <= 1e-6
+    assert w.shape == (0,)
     # grad-enabled: a loss from submodule calls alone trains what it reached
     both_step(model.blocks[1](model.emb(x)).square().mean(), ref.blocks[1](ref.emb(x)).square().mean())
     for step in (2, 3):
         x, y = batch(step)
         both_step(loss_fn(engine(x), y), loss_fn(ref(x), y))
     _assert_like_reference(engine, ref, got, want)
+    engine.close()
+
+
+@pytest.mark.parametrize("earlier", ["dropped", "kept"])
+def test_a_grad_enabled_forward_never_run_backward_loses_no_later_gradient(tmp_path, earlier):
+    """A grad-enabled forward whose backward never runs (output dropped, or kept unused) left
+    its iteration open: its units stayed gathered, so an in-place edit went through, was used
+    by the next forward and discarded by the step (0.74 off); and a grad-enabled submodule call
+    after it was not hooked, so its gradient was lost (lm_head 0.16 off; helper-45, t02, t05).
+    A dropped forward now releases what it kept gathered (the edit raises; the iteration stays
+    open for a next forward to join); a submodule called with gradients joins the pending
+    iteration; both equal plain PyTorch."""
+    ref = TinyLM()
+    model = copy.deepcopy(ref)
+    engine, *_ = zeroinf.initialize(model=model, config=_config("cpu", "cpu", tmp_path))
+    opt = torch.optim.AdamW(ref.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, foreach=False)
+    x, y = batch(1)
+    engine.backward(loss_fn(engine(x), y))
+    engine.step()
+    loss_fn(ref(x), y).backward()
+    opt.step()
+    opt.zero_grad()
+    out = engine(batch(5)[0])  # grad-enabled, never run backward
+    if earlier == "dropped":
+        del out
+        assert all(p.numel() == 0 for p in model.parameters())
+        with pytest.raises(RuntimeError, match=r"blocks\.0\.ff\.0\.weight \(shape \(32, 16\)\) is released"):
+            with torch.no_grad():
+                model.blocks[0].ff[0].weight.mul_(0.5)
+    h = torch.randn(2, 5, 16)
+    loss = model.head(model.norm(h)).square().mean()  # the head's (root unit's) gradient must count
+    engine.backward(loss)
+    engine.step()
+    ref.head(ref.norm(h)).square().mean().backward()
+    for p in ref.parameters():  # the engine steps a parameter without a gradient with zeros
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    opt.step()
+    sd = _state(engine)
+    for name, p in ref.named_parameters():
+        assert (sd[name] - p.detach()).abs().max().item() <= 1e-6, name
     engine.close()
 
 

@@ -72,15 +72,26 @@ def _gathered(params, modifier_rank: Optional[int], loading: bool = False) -> It
             units.sort(key=lambda u: u.index)  # the same order, hence the same collectives, on every rank
             for u in units:
                 plan.append((m, u, u.state is UnitState.GATHERED))
-    for m, u, was in plan:
-        if not was:
-            m._busy += 1
-            try:
-                with collective("zeroinf.gathered_parameters (it all-gathers the partitions)", m.rank, m.world_size):
-                    m._make_room(u)
-                    m._complete(u)
-            finally:
-                m._busy -= 1
+    held = []
+    try:
+        for m, u, was in plan:
+            if not was:
+                m._busy += 1
+                try:
+                    with collective("zeroinf.gathered_parameters (it all-gathers the partitions)", m.rank, m.world_size):
+                        m._make_room(u)
+                        m._complete(u)
+                finally:
+                    m._busy -= 1
+            u.user_holds += 1
+            held.append(u)
+    except BaseException:  # a gather failed: nothing stays gathered for a block that never ran
+        for u in held:
+            u.user_holds -= 1
+        for m, u, was in plan:
+            if not was:
+                m.release(u)
+        raise
     try:
         with held_values(wanted, modifier_rank):  # before initialize: values zeroinf.Init holds
             yield
@@ -94,6 +105,8 @@ def _gathered(params, modifier_rank: Optional[int], loading: bool = False) -> It
                             dist.broadcast(g.full, src=modifier_rank, group=m.group)
                         m.write_group_values(g, [(s, g.full[s.offset:s.offset + s.numel]) for s in g.slots])
         finally:
+            for u in held:
+                u.user_holds -= 1
             for m, u, was in plan:
                 if not was:
                     m.release(u)

@@ -279,6 +279,15 @@ def _graph_dropped(manager_ref, calls: List[Tuple["Unit", List[int]]], generatio
     m = manager_ref()
     if m is not None and m._generation == generation:
         m._inputs_never_come(calls)
+        m._graphs_alive -= 1
+        if m._graphs_alive == 0 and not m._in_backward and not m._busy and m._ctx is None and m._entry is None:
+            # no forward of the iteration can be run backward any more: the units it kept gathered
+            # for that backward go (they took in-place edits the step then discarded: helper-45,
+            # t05), the persistent one too; the iteration stays open, so a next grad-enabled
+            # forward still joins it and follows the trace
+            for u in m.units:
+                if u.state is not UnitState.RELEASED and (u.persistent or not m.is_pinned(u)):
+                    m.release(u)
 
 
 class _ForeignAccessMode(_ManagerMode):
@@ -406,6 +415,7 @@ class Stage3ParameterManager:
         self._persistent_stale = True
         self._ctx: Optional[contextlib.ExitStack] = None
         self._entry: Optional[nn.Module] = None  # the module whose forward opened the running one
+        self._graphs_alive = 0  # this iteration's forward graphs not dropped (_note_graph, _graph_dropped)
         self._placeholders: Dict[torch.dtype, torch.Tensor] = {}
         self._listeners: List[Callable[[List[FlatGroup]], None]] = []
         self._storage_of: Dict[int, FlatGroup] = {}
@@ -1037,8 +1047,11 @@ class Stage3ParameterManager:
                          args={"ahead": True, "used": used, "wait_s": t1 - t0})
 
     def release(self, unit: Unit) -> None:
-        """Drop the unit's full buffers; parameters become empty placeholders."""
-        if unit.state is UnitState.RELEASED:
+        """Drop the unit's full buffers; parameters become empty placeholders. A no-op while a
+        ``gathered_parameters`` block holds the unit (``user_holds``): a forward run inside the
+        block (of the model or of a submodule: [Note: entry modules]) released what the block
+        had gathered."""
+        if unit.state is UnitState.RELEASED or unit.user_holds:
             return
         if unit.gather_works is not None:  # gloo/NCCL still write into g.full
             self._wait_allgather(unit, used=False)
@@ -1263,11 +1276,21 @@ class Stage3ParameterManager:
 
     def _entry_pre(self, module, args) -> None:
         """Forward pre-hook of every entry module ([Note: entry modules])."""
+        # with a backward pending, a grad-enabled call joins its iteration as the model's second
+        # forward would ([Note: several forwards, one backward]); skipped, its weights were not
+        # hooked and their gradients lost (helper-45, t02_graddrop.py: lm_head 0.16 off)
         if module is not self.module and (self._entry is not None or self._ctx is not None or self._busy
-                                          or self._in_backward or self._backward_pending):
+                                          or self._in_backward
+                                          or (self._backward_pending and not torch.is_grad_enabled())):
             return
-        self._root_pre_forward(module, args)  # (a stale forward's abort_iteration clears _entry)
+        self._check_open()
+        if self._ctx is not None:  # the last forward was interrupted past its post-hook
+            self.abort_iteration()
+        # set before opening: a pre-hook that raises after the contexts opened still gets its
+        # post-hook (always_call), which closes them (a failed read left the mode on: the
+        # keyboard-interrupt test saw it from an earlier test)
         self._entry = module
+        self._root_pre_forward(module, args)
 
     def _entry_post(self, module, args, output):
         """Forward hook of every entry module: closes the forward the same module opened."""
@@ -1337,12 +1360,11 @@ class Stage3ParameterManager:
         finalizer marks this forward's unit calls as done with their inputs' gradients (their
         hooks died with the graph), unless the iteration ended since."""
         calls, self._calls = self._calls, []
-        if not calls:
-            return
         token = _GraphToken()
         for t in outputs:
             if t.grad_fn is not None:
                 t.grad_fn.metadata["zeroinf_forward"] = token
+        self._graphs_alive += 1
         weakref.finalize(token, _graph_dropped, weakref.ref(self), calls, self._generation)
 
     @staticmethod
@@ -1719,6 +1741,7 @@ class Stage3ParameterManager:
             u.inputs_pending, u.in_backward = 0, False
         self._in_iteration = False
         self._backward_pending = False
+        self._graphs_alive = 0
         self._calls = []
         self._generation += 1
         self._in_backward = False

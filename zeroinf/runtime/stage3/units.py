@@ -108,6 +108,7 @@ class Unit:
     trainable: int = 0  # parameters with requires_grad
     grads_seen: int = 0  # post-accumulate hooks fired this backward
     reduces_this_backward: int = 0
+    user_holds: int = 0  # open gathered_parameters blocks holding it gathered: no release meanwhile
     inputs_pending: int = 0  # forward calls whose input gradients the backward has not computed yet
     in_backward: bool = False  # its backward started (manager._pre_backward) this iteration
 
