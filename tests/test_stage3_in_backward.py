@@ -29,6 +29,22 @@ def _engine(path, model, in_backward, tiers=("nvme", "nvme"), zero=None, **extra
     return engine
 
 
+def _spy_masters(monkeypatch, mgr):
+    """Lists that fill with the flat-group keys whose optimizer master was read from the tier
+    (``read_param_raw``) or handed over as a copy (``partition_copy``)."""
+    raw_reads, copies = [], []
+    read_param_raw, partition_copy = mgr.read_param_raw, mgr.partition_copy
+
+    def copy_of(g):
+        t = partition_copy(g)
+        if t is not None:
+            copies.append(g.key)
+        return t
+    monkeypatch.setattr(mgr, "read_param_raw", lambda g, t: (raw_reads.append(g.key), read_param_raw(g, t))[1])
+    monkeypatch.setattr(mgr, "partition_copy", copy_of)
+    return raw_reads, copies
+
+
 @pytest.mark.parametrize("key,value,says", [
     ("stage", 2, "needs zero_optimization.stage 3, got 2"),
     ("gradient_accumulation_steps", 2, "needs gradient_accumulation_steps 1, got 2"),
@@ -108,11 +124,7 @@ def test_gradients_never_reach_nvme_and_the_counters_equal_the_bytes_moved(tmp_p
     monkeypatch.setattr(TensorSwapper, "swap_out", spy("write", swap_out))
     engine = _engine(tmp_path, copy.deepcopy(TinyLM()), True)
     mgr = engine.params.manager
-    raw_reads, copies = [], []
-    read_param_raw, partition_copy = mgr.read_param_raw, mgr.partition_copy
-    monkeypatch.setattr(mgr, "read_param_raw", lambda g, t: (raw_reads.append(g.key), read_param_raw(g, t))[1])
-    monkeypatch.setattr(mgr, "partition_copy", lambda g: (lambda t: (copies.append(g.key) if t is not None else None, t)[1])(
-        partition_copy(g)))
+    raw_reads, copies = _spy_masters(monkeypatch, mgr)
     assert not mgr.options.grads_on_nvme
     assert not [f for *_, f in zeroinf.runtime.stage3.engine_glue.swap_file_bytes(
         engine.module, engine.config, [list(engine.module.parameters())]) if "gradient" in f]
@@ -158,11 +170,7 @@ def test_units_held_from_the_forward_hand_over_a_copy_and_a_write_before_the_bac
     model = copy.deepcopy(ref)
     engine = _engine(tmp_path, model, True)
     mgr = engine.params.manager
-    raw_reads, copies = [], []
-    read_param_raw, partition_copy = mgr.read_param_raw, mgr.partition_copy
-    monkeypatch.setattr(mgr, "read_param_raw", lambda g, t: (raw_reads.append(g.key), read_param_raw(g, t))[1])
-    monkeypatch.setattr(mgr, "partition_copy", lambda g: (lambda t: (copies.append(g.key) if t is not None else None, t)[1])(
-        partition_copy(g)))
+    raw_reads, copies = _spy_masters(monkeypatch, mgr)
     persistent = sorted(g.key for u in mgr.units if u.persistent for g in u.groups)  # small: always read
     trainable = sorted({g.key for g, *_ in engine.params._subs} - set(persistent))
     got = []
