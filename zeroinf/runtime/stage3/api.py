@@ -72,7 +72,7 @@ def _gathered(params, modifier_rank: Optional[int], loading: bool = False) -> It
             units.sort(key=lambda u: u.index)  # the same order, hence the same collectives, on every rank
             for u in units:
                 plan.append((m, u, u.state is UnitState.GATHERED))
-    held = []
+    held = []  # units this block holds gathered (user_holds), released again on the way out
     try:
         for m, u, was in plan:
             if not was:
@@ -85,18 +85,10 @@ def _gathered(params, modifier_rank: Optional[int], loading: bool = False) -> It
                     m._busy -= 1
             u.user_holds += 1
             held.append(u)
-    except BaseException:  # a gather failed: nothing stays gathered for a block that never ran
-        for u in held:
-            u.user_holds -= 1
-        for m, u, was in plan:
-            if not was:
-                m.release(u)
-        raise
-    try:
-        with held_values(wanted, modifier_rank):  # before initialize: values zeroinf.Init holds
-            yield
-    finally:
         try:
+            with held_values(wanted, modifier_rank):  # before initialize: values zeroinf.Init holds
+                yield
+        finally:
             reshaped = _adopt_replaced_data(plan, keep=modifier_rank is not None)
             if modifier_rank is not None:
                 for m, u, _ in plan:
@@ -104,12 +96,12 @@ def _gathered(params, modifier_rank: Optional[int], loading: bool = False) -> It
                         if m.world_size > 1:
                             dist.broadcast(g.full, src=modifier_rank, group=m.group)
                         m.write_group_values(g, [(s, g.full[s.offset:s.offset + s.numel]) for s in g.slots])
-        finally:
-            for u in held:
-                u.user_holds -= 1
-            for m, u, was in plan:
-                if not was:
-                    m.release(u)
+    finally:  # also when a gather failed: nothing stays gathered for a block that never ran
+        for u in held:
+            u.user_holds -= 1
+        for m, u, was in plan:
+            if not was:
+                m.release(u)
     if reshaped:
         raise RuntimeError(f"zeroinf.gathered_parameters: {reshaped} inside the block; a stage-3 parameter keeps "
                            "the shape it was partitioned with, so that change was not kept, but whatever else the "

@@ -35,7 +35,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils.weak import WeakIdKeyDictionary
 
-from .released import gathered_class, released_class
+from .released import attribute_of, gathered_class, released_class
 
 __all__ = ["Init", "init_shapes", "init_shapes_of", "init_dtype", "take_init_values", "held_values",
            "check_placeholders"]
@@ -234,7 +234,7 @@ class _GuardMode(TorchFunctionMode):
         kwargs = kwargs or {}
         name = getattr(func, "__name__", "")
         if name in ("__get__", "__set__"):  # metadata (shape, grad_fn, ...) needs no values; .data does
-            attr = getattr(getattr(func, "__self__", None), "__name__", "")
+            attr = attribute_of(func)
             if name == "__get__" and attr == "shape" and args and isinstance(args[0], nn.Parameter):
                 held = _HELD.get(args[0])
                 if held is not None and held.owner is self.owner:
@@ -459,9 +459,10 @@ class Init:
         """A copy of the values held for one parameter (CPU, held dtype, rounded through its
         placeholder's casts: [Note: casts of held parameters]); they stay held."""
         if held.host is not None:
-            return _rounded(held, held.host.clone())
-        out = torch.empty(held.shape, dtype=held.dtype)
-        self._swapper.swap_in([(held.key, out.view(-1))], async_op=False)
+            out = held.host.clone()
+        else:
+            out = torch.empty(held.shape, dtype=held.dtype)
+            self._swapper.swap_in([(held.key, out.view(-1))], async_op=False)
         return _rounded(held, out)
 
     def _rewrite(self, held: _Held, values: torch.Tensor) -> None:

@@ -280,7 +280,7 @@ def _graph_dropped(manager_ref, calls: List[Tuple["Unit", List[int]]], generatio
     if m is not None and m._generation == generation:
         m._inputs_never_come(calls)
         m._graphs_alive -= 1
-        if m._graphs_alive == 0 and not m._in_backward and not m._busy and m._ctx is None and m._entry is None:
+        if m._graphs_alive == 0 and m._idle():
             # no forward of the iteration can be run backward any more: the units it kept gathered
             # for that backward go (they took in-place edits the step then discarded: helper-45,
             # t05), the persistent one too; the iteration stays open, so a next grad-enabled
@@ -1274,14 +1274,18 @@ class Stage3ParameterManager:
         finally:
             self._busy -= 1
 
+    def _idle(self) -> bool:
+        """No forward, backward or hook of this manager is running now."""
+        return self._entry is None and self._ctx is None and not self._busy and not self._in_backward
+
     def _entry_pre(self, module, args) -> None:
         """Forward pre-hook of every entry module ([Note: entry modules])."""
-        # with a backward pending, a grad-enabled call joins its iteration as the model's second
-        # forward would ([Note: several forwards, one backward]); skipped, its weights were not
-        # hooked and their gradients lost (helper-45, t02_graddrop.py: lm_head 0.16 off)
-        if module is not self.module and (self._entry is not None or self._ctx is not None or self._busy
-                                          or self._in_backward
-                                          or (self._backward_pending and not torch.is_grad_enabled())):
+        # with a forward's graph alive (its backward may come), a grad-enabled call joins its
+        # iteration as the model's second forward would ([Note: several forwards, one
+        # backward]; skipped, its weights were not hooked and their gradients lost: helper-45,
+        # t02_graddrop.py, lm_head 0.16 off), and a no-grad call computes on what is gathered;
+        # once every such graph is dropped, a call opens its own forward
+        if module is not self.module and (not self._idle() or (self._graphs_alive and not torch.is_grad_enabled())):
             return
         self._check_open()
         if self._ctx is not None:  # the last forward was interrupted past its post-hook

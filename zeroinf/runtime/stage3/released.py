@@ -23,13 +23,12 @@ and ``ds_numel`` (int, the full element count), gathered or not.
 """
 from __future__ import annotations
 
+import math
+import weakref
 from typing import Dict, Optional, Tuple
 
 import torch
 from torch import nn
-
-import math
-import weakref
 
 __all__ = ["released_class", "gathered_class", "is_released", "PASS_THROUGH"]
 
@@ -95,10 +94,9 @@ class _ReleasedMixin:
         with torch._C.DisableTorchFunctionSubclass():
             out = func(*args, **kwargs)
         if name in ("detach", "__get__", "__set__") and args and isinstance(args[0], _ReleasedMixin):
-            attr = "" if name == "detach" else getattr(getattr(func, "__self__", None), "__name__", "")
-            if name == "detach" or (name == "__get__" and attr == "data"):
+            if name == "detach" or (name == "__get__" and attribute_of(func) == "data"):
                 out = _placeholder_view(out, args[0])
-            elif attr == "data" and cls._zeroinf_pass is HELD_PASS_THROUGH and len(args) > 1:
+            elif name == "__set__" and attribute_of(func) == "data" and cls._zeroinf_pass is HELD_PASS_THROUGH:
                 from .init import note_cast  # model.half() etc. set .data to a placeholder of the new dtype
                 note_cast(args[0], args[1].dtype)
         return out
@@ -119,6 +117,12 @@ class _ReleasedMixin:
         what = (f"Tensor(the empty placeholder of {state}" if getattr(self, "_zeroinf_source", None) is not None
                 else f"Parameter({state}")
         return f"{what}, shape {shape_s}, dtype {self.dtype}; read it inside zeroinf.gathered_parameters(...))"
+
+
+def attribute_of(func) -> str:
+    """The attribute a ``__get__`` / ``__set__`` that ``__torch_function__`` receives reads or
+    writes (``"data"``, ``"shape"``, ...); ``""`` for anything else."""
+    return getattr(getattr(func, "__self__", None), "__name__", "")
 
 
 def _placeholder_view(out, src: torch.Tensor):
