@@ -3,6 +3,7 @@ import io
 import os
 import subprocess
 import sys
+import threading
 
 import pytest
 import torch
@@ -567,3 +568,40 @@ def test_list_form_equals_single_calls_and_checks_all_first():
     with pytest.raises(ValueError, match=r"exp_avg_sq\[2\]"):
         zo.adam_step_list([t[0] for t in mine], gs, [t[1] for t in mine], bad_v, steps=[1, 2, 3], **kw)
     assert all(torch.equal(t[0], b) for t, b in zip(mine, before)), "nothing written before the check failed"
+
+
+def test_limit_thread_parallelism_caps_the_calling_thread_only():
+    """A background thread capped at one thread steps the same bits as the main thread on four;
+    the main thread and threads started afterwards keep the process's count (torch.set_num_threads
+    called from the background thread would have changed theirs)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(4)
+    try:
+        n = 2**20 + 3
+        init, grad = torch.randn(n), torch.randn(n)
+        kw = dict(step=1, lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01)
+        main = [init.clone(), torch.zeros(n), torch.zeros(n)]
+        zo.adam_step(main[0], grad, main[1], main[2], **kw)
+        seen, capped = {}, [init.clone(), torch.zeros(n), torch.zeros(n)]
+
+        def work():
+            seen["returned"] = zo.limit_thread_parallelism(1)
+            seen["threads"] = torch.get_num_threads()
+            zo.adam_step(capped[0], grad, capped[1], capped[2], **kw)
+            seen["after_step"] = torch.get_num_threads()
+
+        t = threading.Thread(target=work)
+        t.start()
+        t.join()
+        assert seen == {"returned": 1, "threads": 1, "after_step": 1}
+        assert torch.get_num_threads() == 4
+        later = threading.Thread(target=lambda: seen.update(later=torch.get_num_threads()))
+        later.start()
+        later.join()
+        assert seen["later"] == 4
+        for a, b in zip(main, capped):
+            assert torch.equal(a.view(torch.int32), b.view(torch.int32))
+        with pytest.raises(ValueError, match="n must be >= 1, got 0"):
+            zo.limit_thread_parallelism(0)
+    finally:
+        torch.set_num_threads(before)

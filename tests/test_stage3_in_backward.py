@@ -6,6 +6,7 @@ import copy
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 import warnings
 
@@ -43,6 +44,42 @@ def _spy_masters(monkeypatch, mgr):
     monkeypatch.setattr(mgr, "read_param_raw", lambda g, t: (raw_reads.append(g.key), read_param_raw(g, t))[1])
     monkeypatch.setattr(mgr, "partition_copy", copy_of)
     return raw_reads, copies
+
+
+@pytest.mark.parametrize("in_backward", [True, False])
+def test_the_worker_beside_a_cpu_backward_runs_adam_on_half_its_threads(tmp_path, monkeypatch, in_backward):
+    """[Note: worker threads] the optimizer in backward caps its OpenMP threads at half the
+    backward's; the overlapped step, whose update is longer than the forward it hides behind,
+    keeps them all, and so does the compute thread. Bit-equality with the synchronous step,
+    which runs Adam on every thread, is test_equals_the_synchronous_step_and_adamw's."""
+    import zeroinf.optim as zo
+
+    seen, adam_step = set(), zo.adam_step
+
+    def spy(*a, **k):
+        seen.add((threading.current_thread().name, torch.get_num_threads()))
+        return adam_step(*a, **k)
+
+    monkeypatch.setattr(zo, "adam_step", spy)
+    before = torch.get_num_threads()
+    torch.set_num_threads(4)
+    try:
+        cfg = _config("nvme", "nvme", tmp_path, sub_group_size=700)
+        cfg["zeroinf"] = {"optimizer_in_backward": in_backward, "overlap_step": True}
+        engine, *_ = zeroinf.initialize(model=TinyLM(), config=cfg)
+        for step in range(2):
+            x, y = batch(step)
+            engine.backward(loss_fn(engine(x), y))
+            engine.step()
+        engine.synchronize()
+        if in_backward:
+            assert seen == {("zeroinf-optimizer-in-backward", 2)}
+        else:
+            assert seen == {("zeroinf-optimizer-step", 4)}
+        assert torch.get_num_threads() == 4
+        engine.close()
+    finally:
+        torch.set_num_threads(before)
 
 
 @pytest.mark.parametrize("key,value,says", [

@@ -7,6 +7,10 @@
 #include <string>
 #include <vector>
 
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
 #include "cpu_adam.h"
 
 namespace za = zeroinf::adam;
@@ -155,6 +159,18 @@ void stream_rmw(at::Tensor params, at::Tensor grads, at::Tensor exp_avg, at::Ten
                  exp_avg_sq.data_ptr<float>(), c.out, c.ot, params.numel(), threads);
 }
 
+// Caps the OpenMP team of parallel regions started from the calling thread (this op's kernels and
+// torch's CPU ops there); other threads keep theirs. Torch's per-thread initialisation runs first,
+// or its first parallel op in this thread would reset the cap to the process-wide count.
+int64_t limit_thread_parallelism(int64_t n) {
+  TORCH_CHECK_VALUE(n >= 1, "n must be >= 1, got ", n);
+  (void)at::get_num_threads();
+#ifdef _OPENMP
+  omp_set_num_threads(static_cast<int>(n));
+#endif
+  return at::get_num_threads();
+}
+
 py::dict isa_info() {
   py::dict d;
   d["chosen"] = za::isa_name(za::best_isa());
@@ -182,5 +198,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("stream_rmw", &stream_rmw, "Bandwidth roof: the Adam step's loads and stores, one add each",
         py::arg("params"), py::arg("grads"), py::arg("exp_avg"), py::arg("exp_avg_sq"),
         py::arg("params_out"), py::arg("isa"));
+  m.def("limit_thread_parallelism", &limit_thread_parallelism,
+        "Cap the OpenMP threads of parallel regions started from the calling thread; returns torch's count there",
+        py::arg("n"));
   m.def("isa_info", &isa_info, "{'chosen': name, 'unsupported': {name: reason or ''}}");
 }

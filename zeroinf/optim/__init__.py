@@ -6,8 +6,12 @@
 * :func:`adam_step_list` — the same over lists of tensors in one call.
 * :func:`adam_step_reference` — the same in PyTorch ops (fallback and test reference).
 * :class:`CPUAdam` — a ``torch.optim.Optimizer`` drop-in for ``torch.optim.AdamW``.
+* :func:`limit_thread_parallelism` — cap the op's (and torch's) CPU threads in the calling thread,
+  for background threads that step beside the training loop's compute.
 """
 from .cpu_adam import CPUAdam
-from .functional import ISA_ENV, adam_step, adam_step_list, adam_step_reference, isa_info, stream_rmw
+from .functional import (ISA_ENV, adam_step, adam_step_list, adam_step_reference, isa_info,
+                         limit_thread_parallelism, stream_rmw)
 
-__all__ = ["CPUAdam", "ISA_ENV", "adam_step", "adam_step_list", "adam_step_reference", "isa_info", "stream_rmw"]
+__all__ = ["CPUAdam", "ISA_ENV", "adam_step", "adam_step_list", "adam_step_reference", "isa_info",
+           "limit_thread_parallelism", "stream_rmw"]

@@ -20,8 +20,8 @@ import torch
 
 from ..ops import try_load_op
 
-__all__ = ["adam_step", "adam_step_list", "adam_step_reference", "isa_info", "load_adam_op", "stream_rmw",
-           "ISA_ENV"]
+__all__ = ["adam_step", "adam_step_list", "adam_step_reference", "isa_info", "limit_thread_parallelism",
+           "load_adam_op", "stream_rmw", "ISA_ENV"]
 
 #: Environment variable that forces an instruction-set path of the C++ op.
 ISA_ENV = "ZEROINF_ADAM_ISA"
@@ -238,3 +238,29 @@ def isa_info() -> dict:
         info["chosen"] = forced
     info["forced"] = forced
     return info
+
+
+def limit_thread_parallelism(n: int) -> Optional[int]:
+    """Cap at ``n`` the threads of the OpenMP parallel regions started from the calling thread:
+    the Adam op's and torch's intra-op CPU work there. Other threads, and ``torch.set_num_threads``
+    for the process, are left alone (``torch.set_num_threads`` called from a worker would change
+    the count every thread started later inherits).
+
+    For background threads that run beside the training loop's compute: two OpenMP teams of the
+    full width on the same cores oversubscribe them, and the compute slows more than the
+    background work gains (stage 3's optimizer in backward, ``bench/stage3_step.py``).
+
+    Returns:
+        ``torch.get_num_threads()`` in the calling thread afterwards (``n`` where torch and the
+        op share one OpenMP runtime), or None when the op is unavailable and nothing changed.
+
+    Raises:
+        ValueError: ``n < 1``.
+    """
+    n = int(n)
+    if n < 1:
+        raise ValueError(f"n must be >= 1, got {n}")
+    op = try_load_op("adam", _FALLBACK)
+    if op is None:
+        return None
+    return int(op.limit_thread_parallelism(n))

@@ -29,6 +29,14 @@ taken where it first lies on the host: at the hand-over on the CPU, so ``engine.
 norm at once; on CUDA on the worker after the copy lands, so ``engine.step()`` waits until the
 worker has reached the last group (untested here: no GPU). The step gate marks each group pending from its hand-over
 until its new partition is stored, so the next forward's gathers wait for their own groups only.
+
+[Note: worker threads] With the compute on the CPU, the worker's Adam ran an OpenMP team as wide
+as the backward's (``torch.get_num_threads()``) on the same cores, and the backward, the step's
+critical path here, slowed more than the updates gained. The worker caps its own threads at half
+the count (:func:`worker_threads`, through ``limit_thread_parallelism``, which leaves every other
+thread's count alone). The overlapped step ([Note: overlapped step]) keeps the full count: there
+the update is longer than the forward it hides behind, and the cap made that step slower. On CUDA
+the backward's compute is on the device and nothing is capped.
 """
 from __future__ import annotations
 
@@ -37,9 +45,16 @@ from typing import Any, Dict, List, Optional, Set, Tuple
 
 import torch
 
+from ...optim import limit_thread_parallelism
 from .manager import _norm_part
 
-__all__ = ["BackwardStep", "OptimizerInBackwardError"]
+__all__ = ["BackwardStep", "OptimizerInBackwardError", "worker_threads"]
+
+
+def worker_threads(compute_threads: int) -> int:
+    """OpenMP threads of the optimizer-in-backward worker beside a CPU backward running
+    ``compute_threads`` ([Note: worker threads]): half, at least one."""
+    return max(1, int(compute_threads) // 2)
 
 
 class OptimizerInBackwardError(RuntimeError):
@@ -216,6 +231,8 @@ class BackwardStep:
     def _run(self, indices: List[int], last: Dict[str, int]) -> None:
         m, subs = self.m, self.glue._subs
         m.step_gate.set_worker(threading.get_ident())
+        if m.device.type == "cpu":
+            limit_thread_parallelism(worker_threads(torch.get_num_threads()))
         cur: Dict[str, Any] = {}
 
         def enter(g) -> None:
