@@ -243,8 +243,9 @@ def isa_info() -> dict:
 def limit_thread_parallelism(n: int) -> Optional[int]:
     """Cap at ``n`` the threads of the OpenMP parallel regions started from the calling thread:
     the Adam op's and torch's intra-op CPU work there. Other threads, and ``torch.set_num_threads``
-    for the process, are left alone (``torch.set_num_threads`` called from a worker would change
-    the count every thread started later inherits).
+    for the process, are left alone (``torch.set_num_threads`` called from a worker thread changes
+    the count ``torch.get_num_threads()`` gives in the main thread and in every thread started
+    later, torch 2.13).
 
     For background threads that run beside the training loop's compute: two OpenMP teams of the
     full width on the same cores oversubscribe them, and the compute slows more than the
