@@ -603,5 +603,43 @@ def test_limit_thread_parallelism_caps_the_calling_thread_only():
             assert torch.equal(a.view(torch.int32), b.view(torch.int32))
         with pytest.raises(ValueError, match="n must be >= 1, got 0"):
             zo.limit_thread_parallelism(0)
+        for bad in (2.5, True, "3"):
+            with pytest.raises(TypeError, match="n must be an int"):
+                zo.limit_thread_parallelism(bad)
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads in /proc/self/task")
+def test_a_capped_thread_starts_no_wider_team_for_matmuls_or_element_wise_ops():
+    """A fresh thread's first parallel op starts its team's threads (OpenMP's for element-wise
+    ops, MKL's for matmuls where torch has MKL): capped at one, it starts none, and a cap above
+    the thread's count leaves the count as it was (helper-47 t01, t02)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(4)
+    try:
+        a, b, big = torch.randn(512, 512), torch.randn(512, 512), torch.randn(1 << 22)
+        seen = {}
+
+        def started(fn):
+            n0 = len(os.listdir("/proc/self/task"))
+            fn()
+            return len(os.listdir("/proc/self/task")) - n0
+
+        def capped():
+            seen["cap"] = zo.limit_thread_parallelism(1)
+            seen["matmul"] = started(lambda: torch.mm(a, b))
+            seen["add"] = started(lambda: big.add_(1.0))
+
+        def uncapped():
+            seen["above"] = zo.limit_thread_parallelism(64)
+            seen["matmul_uncapped"] = started(lambda: torch.mm(a, b))
+
+        for fn in (capped, uncapped):
+            t = threading.Thread(target=fn)
+            t.start()
+            t.join()
+        assert seen["above"] == 4 and seen["matmul_uncapped"] > 0, seen  # the count test can see teams start
+        assert (seen["cap"], seen["matmul"], seen["add"]) == (1, 0, 0), seen
     finally:
         torch.set_num_threads(before)

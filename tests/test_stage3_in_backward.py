@@ -46,12 +46,13 @@ def _spy_masters(monkeypatch, mgr):
     return raw_reads, copies
 
 
-@pytest.mark.parametrize("in_backward", [True, False])
-def test_the_worker_beside_a_cpu_backward_runs_adam_on_half_its_threads(tmp_path, monkeypatch, in_backward):
+@pytest.mark.parametrize("in_backward,loop_cap", [(True, None), (True, 2), (False, None)])
+def test_the_worker_beside_a_cpu_backward_runs_adam_on_half_its_threads(tmp_path, monkeypatch, in_backward, loop_cap):
     """[Note: worker threads] the optimizer in backward caps its OpenMP threads at half the
-    backward's; the overlapped step, whose update is longer than the forward it hides behind,
-    keeps them all, and so does the compute thread. Bit-equality with the synchronous step,
-    which runs Adam on every thread, is test_equals_the_synchronous_step_and_adamw's."""
+    count of the thread running the backward (the process's, or the loop thread's own cap:
+    helper-47 t03); the overlapped step, whose update is longer than the forward it hides
+    behind, keeps them all, and so does the compute thread. Bit-equality with the synchronous
+    step, which runs Adam on every thread, is test_equals_the_synchronous_step_and_adamw's."""
     import zeroinf.optim as zo
 
     seen, adam_step = set(), zo.adam_step
@@ -60,10 +61,9 @@ def test_the_worker_beside_a_cpu_backward_runs_adam_on_half_its_threads(tmp_path
         seen.add((threading.current_thread().name, torch.get_num_threads()))
         return adam_step(*a, **k)
 
-    monkeypatch.setattr(zo, "adam_step", spy)
-    before = torch.get_num_threads()
-    torch.set_num_threads(4)
-    try:
+    def train():
+        if loop_cap is not None:
+            assert zo.limit_thread_parallelism(loop_cap) == loop_cap
         cfg = _config("nvme", "nvme", tmp_path, sub_group_size=700)
         cfg["zeroinf"] = {"optimizer_in_backward": in_backward, "overlap_step": True}
         engine, *_ = zeroinf.initialize(model=TinyLM(), config=cfg)
@@ -72,14 +72,62 @@ def test_the_worker_beside_a_cpu_backward_runs_adam_on_half_its_threads(tmp_path
             engine.backward(loss_fn(engine(x), y))
             engine.step()
         engine.synchronize()
+        engine.close()
+
+    monkeypatch.setattr(zo, "adam_step", spy)
+    before = torch.get_num_threads()
+    torch.set_num_threads(4)
+    try:
+        _in_thread(train)
         if in_backward:
-            assert seen == {("zeroinf-optimizer-in-backward", 2)}
+            assert seen == {("zeroinf-optimizer-in-backward", 2 if loop_cap is None else 1)}
         else:
             assert seen == {("zeroinf-optimizer-step", 4)}
         assert torch.get_num_threads() == 4
-        engine.close()
     finally:
         torch.set_num_threads(before)
+
+
+def _in_thread(fn, timeout=120):
+    """Run ``fn`` on a thread of its own; re-raise its error, fail if it has not returned in
+    ``timeout`` seconds (a hang)."""
+    out = {}
+
+    def run():
+        try:
+            fn()
+        except BaseException as exc:
+            out["error"] = exc
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(timeout)
+    assert not t.is_alive(), f"{fn.__name__} still running after {timeout} s"
+    if "error" in out:
+        raise out["error"]
+
+
+def test_a_worker_failing_before_its_first_update_fails_the_step_instead_of_hanging(tmp_path, monkeypatch):
+    """The worker's first call (its thread cap) raised outside the code that reports a failure
+    to the step gate: the thread died and the backward waited for it forever (helper-47 t04)."""
+    import zeroinf.runtime.stage3.in_backward as ib
+
+    def fail(n):
+        raise RuntimeError("injected cap failure")
+
+    monkeypatch.setattr(ib, "limit_thread_parallelism", fail)
+    engine = _engine(tmp_path, TinyLM(), True, ("none", "none"))
+    x, y = batch(0)
+
+    def train():
+        with pytest.raises(StepFailedError) as info:
+            engine.backward(loss_fn(engine(x), y))
+            engine.step()
+        assert "injected cap failure" in repr(info.value.__cause__) + str(info.value)
+
+    _in_thread(train)
+    with pytest.raises(StepFailedError):
+        engine.close()
 
 
 @pytest.mark.parametrize("key,value,says", [

@@ -3,6 +3,9 @@
 // kernel runs. The kernels themselves are in cpu_adam.cpp.
 #include <torch/extension.h>
 
+#include <dlfcn.h>
+
+#include <algorithm>
 #include <cmath>
 #include <string>
 #include <vector>
@@ -159,15 +162,32 @@ void stream_rmw(at::Tensor params, at::Tensor grads, at::Tensor exp_avg, at::Ten
                  exp_avg_sq.data_ptr<float>(), c.out, c.ot, params.numel(), threads);
 }
 
-// Caps the OpenMP team of parallel regions started from the calling thread (this op's kernels and
-// torch's CPU ops there); other threads keep theirs. Torch's per-thread initialisation runs first,
-// or its first parallel op in this thread would reset the cap to the process-wide count.
+// MKL's matmuls keep a per-thread count of their own. Torch reaches MKL through libtorch_cpu when
+// built with it (x86-64 wheels); elsewhere the symbol is absent and there is nothing to cap.
+using MklSetLocal = int (*)(int);
+
+MklSetLocal mkl_set_local() {
+  static const MklSetLocal fn = []() -> MklSetLocal {
+    void* lib = dlopen("libtorch_cpu.so", RTLD_LAZY | RTLD_NOLOAD);
+    // the C entry point (mkl.h maps mkl_set_num_threads_local to it); the lower-case symbol
+    // exported beside it is the Fortran one, which takes a pointer
+    return lib ? reinterpret_cast<MklSetLocal>(dlsym(lib, "MKL_Set_Num_Threads_Local")) : nullptr;
+  }();
+  return fn;
+}
+
+// Caps the threads of parallel regions started from the calling thread (OpenMP: this op's kernels
+// and torch's element-wise ops; MKL: torch's matmuls) at n, never above the thread's count now;
+// other threads keep theirs. Torch's per-thread initialisation runs first, or its first parallel
+// op in this thread would reset the cap to the process-wide count.
 int64_t limit_thread_parallelism(int64_t n) {
   TORCH_CHECK_VALUE(n >= 1, "n must be >= 1, got ", n);
-  (void)at::get_num_threads();
+  const int now = at::get_num_threads();
+  const int cap = static_cast<int>(std::min<int64_t>(n, now));
 #ifdef _OPENMP
-  omp_set_num_threads(static_cast<int>(n));
+  omp_set_num_threads(cap);
 #endif
+  if (MklSetLocal set_local = mkl_set_local()) set_local(cap);
   return at::get_num_threads();
 }
 
@@ -199,7 +219,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("params"), py::arg("grads"), py::arg("exp_avg"), py::arg("exp_avg_sq"),
         py::arg("params_out"), py::arg("isa"));
   m.def("limit_thread_parallelism", &limit_thread_parallelism,
-        "Cap the OpenMP threads of parallel regions started from the calling thread; returns torch's count there",
+        "Cap the OpenMP and MKL threads of parallel regions started from the calling thread; returns torch's count there",
         py::arg("n"));
   m.def("isa_info", &isa_info, "{'chosen': name, 'unsupported': {name: reason or ''}}");
 }

@@ -118,6 +118,7 @@ OPS = {
         # -ffp-contract=off: no fused multiply-add contraction, so the AVX-512, AVX2 and scalar
         # paths round identically (tests compare them bit for bit).
         cflags=("-O3", "-std=c++17", "-fopenmp", "-ffp-contract=off"),
+        ldflags=("-fopenmp", "-ldl"),  # -ldl: limit_thread_parallelism looks up torch's MKL
     ),
     "aio": OpSpec(
         name="aio",

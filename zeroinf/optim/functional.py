@@ -13,6 +13,7 @@ PyTorch ops, also the tests' second reference — only when ops are unavailable
 from __future__ import annotations
 
 import math
+import operator
 import os
 from typing import Optional, Sequence
 
@@ -241,27 +242,36 @@ def isa_info() -> dict:
 
 
 def limit_thread_parallelism(n: int) -> Optional[int]:
-    """Cap at ``n`` the threads of the OpenMP parallel regions started from the calling thread:
-    the Adam op's and torch's intra-op CPU work there. Other threads, and ``torch.set_num_threads``
-    for the process, are left alone (``torch.set_num_threads`` called from a worker thread changes
-    the count ``torch.get_num_threads()`` gives in the main thread and in every thread started
-    later, torch 2.13).
+    """Cap at ``n`` the threads of the parallel regions started from the calling thread: OpenMP
+    (the Adam op, torch's element-wise and reduction ops) and MKL (torch's matmuls, where torch
+    is built with MKL). A cap never raises the thread's count, and lasts as long as the thread:
+    run the capped work on a thread of its own. Other threads, and the count
+    ``torch.get_num_threads()`` gives in them, are left alone (``torch.set_num_threads`` called
+    from a worker thread changes it in the main thread and in every thread started later,
+    torch 2.13).
 
     For background threads that run beside the training loop's compute: two OpenMP teams of the
     full width on the same cores oversubscribe them, and the compute slows more than the
     background work gains (stage 3's optimizer in backward, ``bench/stage3_step.py``).
 
     Returns:
-        ``torch.get_num_threads()`` in the calling thread afterwards (``n`` where torch and the
-        op share one OpenMP runtime), or None when the op is unavailable and nothing changed.
+        ``torch.get_num_threads()`` in the calling thread afterwards: ``min(n, its count
+        before)``. None when the C++ op is unavailable (``ZEROINF_DISABLE_OPS=1``, no compiler),
+        and then nothing is capped.
 
     Raises:
+        TypeError: ``n`` is not an ``int`` (``bool`` included).
         ValueError: ``n < 1``.
     """
-    n = int(n)
+    if isinstance(n, bool):
+        raise TypeError(f"n must be an int, got bool {n!r}")
+    try:
+        n = operator.index(n)
+    except TypeError:
+        raise TypeError(f"n must be an int, got {type(n).__name__} {n!r}") from None
     if n < 1:
         raise ValueError(f"n must be >= 1, got {n}")
     op = try_load_op("adam", _FALLBACK)
     if op is None:
         return None
-    return int(op.limit_thread_parallelism(n))
+    return int(op.limit_thread_parallelism(min(n, torch.get_num_threads())))

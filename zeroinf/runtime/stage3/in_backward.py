@@ -33,10 +33,11 @@ until its new partition is stored, so the next forward's gathers wait for their 
 [Note: worker threads] With the compute on the CPU, the worker's Adam ran an OpenMP team as wide
 as the backward's (``torch.get_num_threads()``) on the same cores, and the backward, the step's
 critical path here, slowed more than the updates gained. The worker caps its own threads at half
-the count (:func:`worker_threads`, through ``limit_thread_parallelism``, which leaves every other
-thread's count alone). The overlapped step ([Note: overlapped step]) keeps the full count: there
+the count of the thread running the backward (:func:`worker_threads`, through
+``limit_thread_parallelism``, which leaves every other thread's count alone). The overlapped step ([Note: overlapped step]) keeps the full count: there
 the update is longer than the forward it hides behind, and the cap made that step slower. On CUDA
-the backward's compute is on the device and nothing is capped.
+the backward's compute is on the device, and without the C++ ops (``ZEROINF_DISABLE_OPS=1``) there
+is no per-thread cap to set: nothing is capped then.
 """
 from __future__ import annotations
 
@@ -101,6 +102,7 @@ class BackwardStep:
         self._abort: Optional[BaseException] = None
         self._keys = set(order)
         self.thread: Optional[threading.Thread] = None
+        self._threads: Optional[int] = None  # the backward thread's count, CPU compute only
 
     # --- compute thread -------------------------------------------------------------------
     def start(self) -> None:
@@ -113,6 +115,8 @@ class BackwardStep:
         indices = [i for k in self.order for i in by_key[k]]
         last = {subs[i][0].key: i for i in indices}
         self.opt.prefetch(indices)
+        # [Note: worker threads] the backward runs on this thread, with this thread's count
+        self._threads = torch.get_num_threads() if self.m.device.type == "cpu" else None
         self.m.step_gate.begin(())
         self.m.step_gate.before_block = self.check_can_wait
         try:
@@ -231,8 +235,6 @@ class BackwardStep:
     def _run(self, indices: List[int], last: Dict[str, int]) -> None:
         m, subs = self.m, self.glue._subs
         m.step_gate.set_worker(threading.get_ident())
-        if m.device.type == "cpu":
-            limit_thread_parallelism(worker_threads(torch.get_num_threads()))
         cur: Dict[str, Any] = {}
 
         def enter(g) -> None:
@@ -283,6 +285,8 @@ class BackwardStep:
             m.step_gate.done(g.key)
 
         try:
+            if self._threads is not None:
+                limit_thread_parallelism(worker_threads(self._threads))
             self.opt.step(step=self.step, hyper=self.hyper, grad=grad, out=out, indices=indices, on_done=done)
         except _Cancelled:  # nothing was handed over, so nothing was stepped: the state is whole
             m.step_gate.finish()
