@@ -138,11 +138,15 @@ def test_interrupt_and_resume_reproduce_the_trajectory(main_run, tmp_path):
     out, err = proc.communicate(timeout=120)
     stopped = len(_log(tmp_path / "cut"))
     assert proc.returncode == 130 and 3 <= stopped < 20, (proc.returncode, stopped, err[-2000:])
-    assert "Traceback" not in err and f"--resume {Path('cut')}" in out
+    assert "Traceback" not in err and f"--resume {tmp_path / 'cut'}" in out
+    # a fresh run into it kept the old run.json and checkpoint until it ended: killed before, a
+    # --resume went on from the old checkpoint with the new run's log (helper-46 t09)
+    bad = _train([*args, "--seed", "1", "--out", "cut"], tmp_path, check=False)
+    assert bad.returncode == 2 and "holds an interrupted run" in bad.stderr, bad.stderr
     # a flag the resumed run cannot honour was dropped silently (helper-40 f07): refused, naming it
     bad = _train(["--resume", "cut", "--offload", "cpu", "--lr", "0.5", "--out", "other"], tmp_path, check=False)
     assert bad.returncode == 2 and "--offload 'cpu' (the run has 'infinity'), --lr 0.5 (the run has " in bad.stderr, bad.stderr
-    assert "--out 'other' (a resumed run writes to its own folder" in bad.stderr
+    assert f"--out {str(tmp_path / 'other')!r} (a resumed run writes to its own folder" in bad.stderr
     # --steps at or below the steps done ran nothing and dropped the resume point (helper-42 f03)
     bad = _train(["--resume", "cut", "--steps", str(stopped)], tmp_path, check=False)
     assert bad.returncode == 2 and f"has completed {stopped} steps already" in bad.stderr, bad.stderr
@@ -178,6 +182,9 @@ def test_jsonl_corpus_and_its_errors(tmp_path):
     good.write_text(json.dumps({"text": "héllo"}) + "\n\n" + json.dumps({"text": "world"}) + "\n")
     ids = load_tokens(str(good), ByteTokenizer(), 4)
     assert bytes(ids.tolist()) == "héllo\nworld".encode()
+    mangled = tmp_path / "mangled.jsonl"  # invalid UTF-8 is replaced, as in .txt files (helper-46 t04)
+    mangled.write_bytes(b'{"text": "a\xffb"}\n')
+    assert bytes(load_tokens(str(mangled), ByteTokenizer(), 1).tolist()) == "a\ufffdb".encode()
     bad = tmp_path / "bad.jsonl"
     bad.write_text(json.dumps({"text": "a"}) + "\n" + json.dumps({"body": "b"}) + "\n")
     with pytest.raises(DataError, match=r"bad.jsonl:2: .*\"text\""):
@@ -208,3 +215,98 @@ def test_loss_windows_never_overlap(n, k):
     assert got_k == k and (n == 1 or 2 * k <= n)
     assert first == sum(losses[:k]) / k and last == sum(losses[n - k:]) / k
     assert loss_label(k, n) == ("loss (1 step)" if n == 1 else f"loss first {k} -> last {k}")
+
+
+def _resolved(argv, cwd, monkeypatch):
+    """``zeroinf train`` arguments as the run resolves them in ``cwd`` (no training)."""
+    import argparse
+
+    from zeroinf.train import _Run, add_arguments
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    monkeypatch.chdir(cwd)
+    return _Run(p.parse_args(argv))._resolve_args()
+
+
+def test_resume_from_another_directory_reads_the_files_the_run_read(tmp_path, monkeypatch):
+    """Paths were stored in run.json as typed: a --resume from another directory holding a file
+    of the same relative name trained on it, the loss jumping 0.15 -> 8.3 (helper-46 t05)."""
+    from zeroinf.train import TrainError
+    (tmp_path / "a" / "data").mkdir(parents=True)
+    (tmp_path / "b" / "data").mkdir(parents=True)
+    a = _resolved(["--data", "data/d.txt", "--out", "run"], tmp_path / "a", monkeypatch)
+    assert a.data == str(tmp_path / "a" / "data" / "d.txt") and a.out == str(tmp_path / "a" / "run")
+    run = tmp_path / "a" / "run"
+    (run / "checkpoint").mkdir(parents=True)
+    (run / "checkpoint" / "latest").write_text("step3")
+    (run / "run.json").write_text(json.dumps({"args": {k: v for k, v in vars(a).items() if k != "resume"},
+                                              "completed_steps": 3}))
+    resumed = _resolved(["--resume", str(run)], tmp_path / "b", monkeypatch)
+    assert resumed.data == a.data and resumed.out == str(run)
+    assert _resolved(["--resume", str(run), "--data", "../a/data/d.txt"], tmp_path / "b", monkeypatch).data == a.data
+    with pytest.raises(TrainError, match=r"--data .*b/data/d.txt"):
+        _resolved(["--resume", str(run), "--data", "data/d.txt"], tmp_path / "b", monkeypatch)
+
+
+@pytest.mark.parametrize("argv,says", [
+    (["--seed", "-1"], "--seed -1: must be in [0, 2**32)"),     # a numpy traceback after the log was wiped
+    (["--out", ""], "--out '': give a folder"),                 # wrote the outputs into the working directory
+    (["--out", "a-file"], "exists and is not a folder"),         # FileExistsError traceback after the model was built
+    (["--out", "a-file/sub"], "cannot be created"),              # NotADirectoryError traceback
+])
+def test_bad_seed_and_out_exit_with_one_line(argv, says, tmp_path, capsys, monkeypatch):
+    """helper-46 t10, t11."""
+    from zeroinf.cli import main
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "a-file").write_text("x")
+    code = main(["train", "--offload", "none", "--steps", "1", *argv])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and says in err[0], err
+    assert (tmp_path / "a-file").read_text() == "x" and sorted(p.name for p in tmp_path.iterdir()) == ["a-file"]
+
+
+def test_dtype_keeps_the_configs_precision_blocks_and_nvme_in_any_case_takes_nvme_path(tmp_path, monkeypatch):
+    """--dtype fp16 replaced the config's fp16 block (its loss scaling lost: helper-46 t02), with
+    DeepSpeed's "bfloat16" alias it made a pair the check refuses (t03), and a device spelt "NVMe"
+    ignored --nvme-path (t07)."""
+    from zeroinf.config import parse_config
+    from zeroinf.train import _Run
+    cfg = {"train_micro_batch_size_per_gpu": 2, "fp16": {"enabled": False, "initial_scale_power": 3},
+           "bfloat16": {"enabled": True},
+           "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "NVMe", "nvme_path": "/elsewhere"}}}
+    path = tmp_path / "c.json"
+    path.write_text(json.dumps(cfg))
+    for dtype in ("fp16", "fp32", "bf16"):
+        a = _resolved(["--config", str(path), "--dtype", dtype, "--nvme-path", "nv"], tmp_path, monkeypatch)
+        run = _Run(a)
+        built = run._build_config(a)
+        parsed = parse_config(built)
+        assert parsed.precision == dtype
+        if dtype == "fp16":
+            assert built["fp16"] == {"enabled": True, "initial_scale_power": 3}
+            assert parsed.fp16.initial_scale_power == 3
+        assert built["zero_optimization"]["offload_optimizer"]["nvme_path"] == str(tmp_path / "nv")
+        assert run.nvme_paths == [str(tmp_path / "nv")] and run.uses_nvme
+
+
+def test_a_diverged_run_exits_4_and_a_warmup_schedule_passes_compare(tmp_path):
+    """A run whose loss went NaN exited 0 (helper-46 t08); log.jsonl's lr was the next step's, so
+    --compare replayed a warm-up one step early and failed (exit 3: helper-46 t01)."""
+    opt = {"type": "AdamW", "params": {"lr": 0.01, "weight_decay": 0.01}}
+    warm = {"train_micro_batch_size_per_gpu": 4, "optimizer": opt, "zero_optimization": {"stage": 2},
+            "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 0.01,
+                                                         "warmup_num_steps": 4, "warmup_type": "linear"}}}
+    (tmp_path / "warm.json").write_text(json.dumps(warm))
+    proc = _train(["--config", "warm.json", "--steps", "6", "--size", "tiny", "--seq-len", "64", "--compare",
+                   "--no-plot", "--out", "warm"], tmp_path, check=False)
+    assert proc.returncode == 0 and "PASS" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-2000:]
+    # DeepSpeed's WarmupLR: steps 1 and 2 at the minimum, then up by 1/4 of the range a step
+    assert [r["lr"] for r in _log(tmp_path / "warm")] == pytest.approx([0.0, 0.0, 0.0025, 0.005, 0.0075, 0.01])
+    nan = {"train_micro_batch_size_per_gpu": 4, "optimizer": {"type": "AdamW", "params": {"lr": 0.002, "eps": 0}},
+           "zero_optimization": {"stage": 2}}
+    (tmp_path / "nan.json").write_text(json.dumps(nan))
+    proc = _train(["--config", "nan.json", "--steps", "3", "--size", "tiny", "--seq-len", "64", "--no-plot",
+                   "--out", "nan"], tmp_path, check=False)
+    losses = [r["loss"] for r in _log(tmp_path / "nan")]
+    assert proc.returncode == 4 and not all(np.isfinite(losses)), (proc.returncode, losses)
+    assert "the run diverged" in proc.stderr and (tmp_path / "nan" / "summary.json").is_file()

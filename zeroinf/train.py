@@ -17,6 +17,7 @@ weights when the run is bf16/fp16, same clipping, same learning rate per step, a
 process) and fails (exit 3) when the two loss curves differ by more than :data:`COMPARE_ATOL`.
 
 Exit codes: 0 done; 2 bad input (one line on stderr naming the culprit); 3 ``--compare`` mismatch;
+4 the loss became NaN or infinite (the step is named on stderr; outputs are written);
 130 interrupted (checkpoint saved; ``--resume OUT`` continues).
 """
 from __future__ import annotations
@@ -59,7 +60,10 @@ LOG_FIELDS = (
 #: 20 steps of the tiny model in bf16).
 COMPARE_ATOL = {"fp32": 2e-3, "bf16": 0.03, "fp16": 0.03}
 
-EXIT_BAD_INPUT, EXIT_MISMATCH, EXIT_INTERRUPTED = 2, 3, 130
+EXIT_BAD_INPUT, EXIT_MISMATCH, EXIT_NONFINITE, EXIT_INTERRUPTED = 2, 3, 4, 130
+#: path arguments stored absolute in run.json, so ``--resume`` from another directory reads the
+#: same files (they were stored as typed: helper-46 t05)
+_PATH_ARGS = ("data", "config", "init", "tokenizer", "nvme_path", "out")
 
 
 class TrainError(ValueError):
@@ -346,6 +350,13 @@ class _Run:
     def _resolve_args(self) -> argparse.Namespace:
         a = argparse.Namespace(**vars(self.args))
         self.start_step = 1
+        if a.out is not None and not str(a.out).strip():
+            raise TrainError("--out '': give a folder (it held the outputs in the working directory)")
+        for k in _PATH_ARGS:
+            if getattr(a, k, None) is not None:
+                setattr(a, k, os.path.abspath(getattr(a, k)))
+        if a.seed is not None and not 0 <= a.seed < 2**32:
+            raise TrainError(f"--seed {a.seed}: must be in [0, 2**32)")
         if a.resume:
             run_json = Path(a.resume) / "run.json"
             if not run_json.is_file():
@@ -354,8 +365,10 @@ class _Run:
             if not (Path(a.resume) / "checkpoint" / "latest").exists():
                 raise TrainError(f"--resume {a.resume}: no checkpoint/latest there (the run was not interrupted, "
                                  "or it completed after its last interruption)")
+            saved_args = {k: (os.path.abspath(v) if k in _PATH_ARGS and isinstance(v, str) else v)
+                          for k, v in saved["args"].items()}
             changed = [f"--{k.replace('_', '-')} {getattr(a, k)!r} (the run has "
-                       f"{'its config default' if v is None else repr(v)})" for k, v in saved["args"].items()
+                       f"{'its default' if v is None else repr(v)})" for k, v in saved_args.items()
                        if k not in _RESUME_OVERRIDABLE and k != "out" and getattr(a, k, None) not in (None, False, v)]
             if a.out is not None and Path(a.out).resolve() != Path(a.resume).resolve():
                 changed.append(f"--out {a.out!r} (a resumed run writes to its own folder, {a.resume!r})")
@@ -374,7 +387,15 @@ class _Run:
                                  f"steps already; give --steps above that (or leave it out: {saved['args'].get('steps')})")
         for k, v in _DEFAULTS.items():
             if getattr(a, k) is None:
-                setattr(a, k, v)
+                setattr(a, k, os.path.abspath(v) if k in _PATH_ARGS else v)
+        out = Path(a.out)
+        if not a.resume and (out / "checkpoint" / "latest").exists() and (out / "run.json").is_file():
+            # a fresh run there kept the old run.json and checkpoint until it ended: killed before,
+            # a --resume went on from the old checkpoint with the new run's log (helper-46 t09)
+            raise TrainError(f"--out {out}: holds an interrupted run (its checkpoint); continue it with "
+                             f"zeroinf train --resume {out}, or give another --out")
+        if out.exists() and not out.is_dir():
+            raise TrainError(f"--out {out}: exists and is not a folder")
         for name in ("steps", "seq_len", "micro_batch", "grad_accum"):
             v = getattr(a, name)
             if v is not None and v < 1:
@@ -434,23 +455,25 @@ class _Run:
         if a.lr is not None and isinstance(cfg["optimizer"], dict):
             cfg["optimizer"].setdefault("params", {})["lr"] = a.lr
         if a.dtype is not None:
-            cfg["bf16"] = {"enabled": a.dtype == "bf16"}
+            # the blocks' other keys stay (loss scaling: helper-46 t02); DeepSpeed's "bfloat16" alias
+            # is the bf16 block (the check refused the pair --dtype made: t03)
+            bf16 = cfg.pop("bfloat16", None) if "bf16" not in cfg else cfg.get("bf16")
+            cfg["bf16"] = {**(bf16 if isinstance(bf16, dict) else {}), "enabled": a.dtype == "bf16"}
             if a.dtype == "fp16":
-                cfg["fp16"] = {"enabled": True}
+                fp16 = cfg.get("fp16")
+                cfg["fp16"] = {**(fp16 if isinstance(fp16, dict) else {}), "enabled": True}
             else:
                 cfg.pop("fp16", None)
         zo = cfg.get("zero_optimization", {})
-        uses_nvme = any(isinstance(zo.get(k), dict) and zo[k].get("device") == "nvme"
-                        for k in ("offload_param", "offload_optimizer"))
-        if uses_nvme and (a.nvme_path is not None or a.config is None):
+        # the config check takes the device in any case: "NVMe" ignored --nvme-path (helper-46 t07)
+        on_nvme = [k for k in ("offload_param", "offload_optimizer")
+                   if isinstance(zo.get(k), dict) and str(zo[k].get("device", "")).lower() == "nvme"]
+        if on_nvme and (a.nvme_path is not None or a.config is None):
             nvme = str(self._nvme_dir(a))
-            for k in ("offload_param", "offload_optimizer"):
-                if isinstance(zo.get(k), dict) and zo[k].get("device") == "nvme":
-                    zo[k]["nvme_path"] = nvme
-        self.uses_nvme = uses_nvme
-        self.nvme_paths = sorted({str(zo[k]["nvme_path"]) for k in ("offload_param", "offload_optimizer")
-                                  if isinstance(zo.get(k), dict) and zo[k].get("device") == "nvme"
-                                  and zo[k].get("nvme_path")})
+            for k in on_nvme:
+                zo[k]["nvme_path"] = nvme
+        self.uses_nvme = bool(on_nvme)
+        self.nvme_paths = sorted({str(zo[k]["nvme_path"]) for k in on_nvme if zo[k].get("nvme_path")})
         return cfg
 
     def _build_model(self, a, mcfg, cfg: dict):
@@ -519,6 +542,11 @@ class _Run:
                              "--engine torch trains at the constant optimizer.params.lr")
         tokenizer = HFTokenizer(a.tokenizer) if a.tokenizer else ByteTokenizer()
         tokens = load_tokens(a.data, tokenizer, a.seq_len + 1)
+        if rank0:
+            try:
+                out.mkdir(parents=True, exist_ok=True)
+            except OSError as exc:  # a traceback after the model was built (helper-46 t10)
+                raise TrainError(f"--out {out}: cannot be created ({exc.strerror or exc})") from exc
         mcfg = build_config(a.model, a.size, tokenizer.vocab_size, a.seq_len, a.init)
         model, shapes = self._build_model(a, mcfg, cfg)
         n_params = self.n_params = sum(shapes[p].numel() if p in shapes else p.numel()
@@ -526,8 +554,6 @@ class _Run:
         micro_batch, grad_accum = self.zcfg.train_micro_batch_size_per_gpu, self.zcfg.gradient_accumulation_steps
         batches = Batches(tokens, a.seq_len, micro_batch, a.seed)
         device = f"cuda:{self.dist.local_rank}" if torch.cuda.is_available() else "cpu"
-        if rank0:
-            out.mkdir(parents=True, exist_ok=True)
         engine = None
         ended = False  # every rank got through without an exception: the closing barrier is safe
         try:
@@ -543,7 +569,7 @@ class _Run:
                 print(f"zeroinf train: {a.model} {a.size if a.model in ('llama', 'gpt2') else ''} "
                       f"{n_params / 1e6:.2f}M params, {dtype}, {self.config_source}, "
                       f"{self.dist.world_size} rank(s) x micro-batch {micro_batch} x accum {grad_accum} x "
-                      f"seq {a.seq_len}, {tokens.numel() / 1e6:.1f}M tokens of "
+                      f"seq {a.seq_len}, {_count(tokens.numel())} tokens of "
                       f"{a.data or 'Python standard library'}; out {out}", flush=True)
             records, interrupted = self._loop(a, engine, batches, grad_accum, device, out)
             code = 0
@@ -558,6 +584,14 @@ class _Run:
                           f"{out / 'checkpoint'}; continue with: zeroinf train --resume {out}", flush=True)
                 ended = True
                 return EXIT_INTERRUPTED
+            diverged = next((r for r in records if not math.isfinite(r["loss"])), None)
+            if diverged is not None:  # reported as a success before (helper-46 t08)
+                if rank0:
+                    print(f"zeroinf train: error: the loss is {diverged['loss']} from step {diverged['step']} on: "
+                          "the run diverged (look at the learning rate, optimizer eps, loss scaling)",
+                          file=sys.stderr, flush=True)
+                ended = True
+                return EXIT_NONFINITE
             if a.compare:
                 code = self._compare(a, cfg, mcfg, batches, grad_accum, out)
             ended = True
@@ -660,13 +694,14 @@ class _Run:
             out = engine(input_ids=x, labels=x)
             engine.backward(out.loss)
             losses.append(float(out.loss.detach().float()))
+            if micro == grad_accum - 1:  # the rate this step applies; after it, the next step's (helper-46 t01)
+                lr = engine.get_lr()
             t = time.perf_counter()
             engine.step()
             if micro == grad_accum - 1:
                 opt_s = time.perf_counter() - t
         step_s = time.perf_counter() - t0
         norm = engine.get_global_grad_norm()
-        lr = engine.get_lr()
         return {"step": step, "loss": self.dist.all_mean(sum(losses) / len(losses)),
                 "lr": float(lr[0] if isinstance(lr, (list, tuple)) else lr),
                 "grad_norm": None if norm is None else float(norm), "step_s": step_s, "optimizer_s": opt_s}
@@ -834,6 +869,11 @@ def _engine_stats(engine) -> dict:
         return {k: v for k, v in dict(d).items() if isinstance(v, (int, float, str, bool)) or v is None}
     return {k: (plain(v) if isinstance(v, dict) else v) for k, v in fn().items()
             if isinstance(v, (int, float, str, bool, dict)) or v is None}
+
+
+def _count(n: int) -> str:
+    """``n`` as 32.0M, 41.5k or 812 (a small corpus printed as "0.0M": helper-46)."""
+    return f"{n / 1e6:.1f}M" if n >= 100_000 else f"{n / 1e3:.1f}k" if n >= 1000 else str(n)
 
 
 def _pick(d: dict, names) -> Optional[float]:
