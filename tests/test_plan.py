@@ -171,3 +171,14 @@ def test_param_buffer_holds_the_largest_unit_partition(tmp_path):
     cfg = make_config(Placement(3, "nvme", "nvme"), nvme_path=str(tmp_path),
                       swap=swap_for(ModelInfo("m", params=10**9, largest_unit=1001), 4))
     assert parse_config(cfg, world_size=4).zero_optimization.offload_param.buffer_size == 251
+
+
+@pytest.mark.parametrize("out", [".", "existing-dir"])
+def test_cli_out_a_folder_exits_2_and_leaves_nothing(tmp_path, capsys, monkeypatch, out):
+    """``--out .`` raised "PosixPath('.') has an empty name"; ``--out DIR`` exited 2 but left
+    DIR.tmp behind (helper-46 t06)."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "existing-dir").mkdir()
+    rc = cli.main(["plan", "--params", "1e9", "--gpu-mem", "80GB", "--cpu-mem", "1TB", "--out", out])
+    assert rc == 2 and "is a folder; give a file name" in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["existing-dir"] and not list((tmp_path / "existing-dir").iterdir())

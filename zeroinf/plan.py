@@ -384,13 +384,20 @@ def main(args: argparse.Namespace) -> int:
         print("(give --adam-gbps, --adam-params-per-s or --adam-json for the optimizer's lower bound)")
     if "nvme" in (pl.offload_optimizer, pl.offload_param) and "nvme" not in bounds:
         print("(give --nvme-bw or --nvme-json for the NVMe lower bound)")
-    out = Path(args.out)
+    out = Path(args.out).absolute()  # "." has no name to add ".tmp" to (a traceback: helper-46 t06)
+    if out.is_dir():  # the rename failed and left OUT.tmp behind
+        print(f"zeroinf plan: error: --out {args.out}: is a folder; give a file name", file=sys.stderr)
+        return 2
+    tmp = out.with_name(out.name + ".tmp")
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = out.with_name(out.name + ".tmp")
         tmp.write_text(json.dumps(cfg, indent=2) + "\n")
         tmp.replace(out)
     except OSError as exc:
+        try:
+            tmp.unlink(missing_ok=True)
+        except OSError:  # its folder could not be made: nothing was written
+            pass
         print(f"zeroinf plan: error: cannot write {out}: {exc}", file=sys.stderr)
         return 2
     print(f"wrote {out}")
