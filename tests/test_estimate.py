@@ -4,6 +4,7 @@ References are independent of the code under test: byte counts worked out by han
 paper's rules, the article's own inputs, published parameter counts, and a closed-form Llama count.
 """
 import json
+from pathlib import Path
 
 import pytest
 
@@ -328,3 +329,13 @@ def test_optimizer_state_bytes_agree_with_the_engines_swap_files(tmp_path, preci
     files = swap_file_bytes(model, cfg, [list(model.parameters())])
     (opt,) = [f for f in files if f[-1].startswith("optimizer state")]
     assert opt[3] == want * sum(p.numel() for p in model.parameters()), opt
+
+
+def test_cli_config_parameter_buffers_hold_one_partition_at_most(capsys):
+    """A config's buffer_size (the infinity preset's 1e8 elements) was taken as is: 2.00 GB of
+    parameter buffers per host for a 133,440-parameter model whose run pins 3.6 MiB; the engine
+    sizes a buffer at the largest partition (helper-46)."""
+    preset = Path(__file__).parents[1] / "zeroinf" / "presets" / "infinity.json"
+    assert cli.main(["estimate", "--params", "133440", "--config", str(preset), "--json", "--terms"]) == 0
+    (row,) = json.loads(capsys.readouterr().out)["rows"]
+    assert (row["offload_param"], row["per_host_bytes"] < 16 << 20) == ("nvme", True), row

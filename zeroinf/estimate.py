@@ -778,6 +778,10 @@ def main(args: argparse.Namespace) -> int:
         info, act, act_formula = resolve_model(args, persistence_threshold=threshold)
         if not args.config:  # the parameter buffers zeroinf plan would write for this model
             swap = swap_for(info, n)
+        else:  # the engine pins no more per buffer than one partition holds (a config's 1e8 elements
+            # gave 2 GB for a 133k-parameter model that pins 3.6 MiB: helper-46)
+            swap = dataclasses.replace(swap, param_buffer_size=min(swap.param_buffer_size,
+                                                                   swap_for(info, n).param_buffer_size))
         if args.stage is not None:
             placements = [p for p in placements if p.stage == args.stage]
         rows = [estimate(info.params, pl, world_size=n, gpus_per_node=args.gpus, precision=precision,
