@@ -69,6 +69,8 @@ def test_png_and_summary(main_run):
     assert img.ndim == 3 and img.shape[0] > 100 and img.shape[1] > 100
     summary = json.loads((cwd / "out" / "summary.json").read_text())
     assert summary["steps"] == 20 and summary["params"] == 133440
+    # the kernel's high-water mark lagged a step's sample (helper-46)
+    assert summary["peak_rss_bytes"] >= max(r["rss_bytes"] for r in _log(cwd / "out"))
     assert "tokens/s" in proc.stdout and "loss first 5 -> last 5" in proc.stdout
 
 

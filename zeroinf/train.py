@@ -339,6 +339,7 @@ class _Run:
         self.args = args
         self.dist = _Dist()
         self.tmp_nvme: Optional[Path] = None
+        self.trace_files = ""  # the --trace files written, for the summary
 
     def remove_tmp_nvme(self) -> None:
         """Remove the default private swap directory (not a user's --nvme-path), unless --keep."""
@@ -631,7 +632,7 @@ class _Run:
                     with prof as p:
                         rec = self._one_step(engine, batches, step, grad_accum, device)
                     if step == trace_step and rank0:
-                        self._write_trace(engine, p, out)
+                        self.trace_files = ", ".join(map(str, self._write_trace(engine, p, out)))
                     rec.update(self._tiers(engine, _engine_stats(engine), rec))
                     rec["tokens"] = tokens_per_step
                     rec["tokens_per_s"] = tokens_per_step / rec["step_s"]
@@ -667,10 +668,10 @@ class _Run:
         return records, interrupted
 
     @staticmethod
-    def _write_trace(engine, prof, out: Path) -> None:
+    def _write_trace(engine, prof, out: Path) -> List[Path]:
         """Perfetto/Chrome JSON of one step: the engine's own transfer trace with stage 3
         (``engine.trace``) as ``trace.json``, and torch.profiler's operator trace as
-        ``trace_ops.json`` (``trace.json`` when the engine records none)."""
+        ``trace_ops.json`` (``trace.json`` when the engine records none). Returns the files."""
         has_engine_trace = False
         if hasattr(engine, "trace"):
             try:
@@ -678,7 +679,9 @@ class _Run:
                 has_engine_trace = True
             except NotImplementedError:
                 pass
-        prof.export_chrome_trace(str(out / ("trace_ops.json" if has_engine_trace else "trace.json")))
+        ops = out / ("trace_ops.json" if has_engine_trace else "trace.json")
+        prof.export_chrome_trace(str(ops))
+        return [out / "trace.json", ops] if has_engine_trace else [ops]
 
     @staticmethod
     def _profiler():
@@ -746,7 +749,8 @@ class _Run:
         med = sorted(r["step_s"] for r in timed)[len(timed) // 2]
         mean = lambda k: sum(r[k] for r in timed) / len(timed)  # noqa: E731
         k, loss_first, loss_last = loss_windows([r["loss"] for r in records])
-        peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        # the kernel's high-water mark can lag a sample taken after it (it was below a step's rss_bytes: helper-46)
+        peak_rss = max(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, max(r["rss_bytes"] for r in records))
         s = {
             "params": n_params, "dtype": dtype, "config": self.config_source, "ranks": self.dist.world_size,
             "steps": len(records), "tokens_per_step": records[-1]["tokens"],
@@ -766,10 +770,12 @@ class _Run:
             f"{loss_label(k, len(records)):<26}{loss_first:.4f} -> {loss_last:.4f}",
             f"{'step time (median)':<26}{med:.3f} s   {s['tokens_per_s']:.0f} tokens/s",
             f"{'  compute / io wait / opt':<26}{s['compute_s']:.3f} / {s['io_wait_s']:.3f} / {s['optimizer_s']:.3f} s (mean)",
-            f"{'peak memory (MiB)':<26}device {s['peak_device_bytes'] / mib:.1f}  pinned CPU "
+            # device: the model's parameters and gradients there after a step, not activations or
+            # optimizer state ("peak memory ... device" read as the device's peak: helper-46 t12)
+            f"{'peak memory (MiB)':<26}params+grads on device {s['peak_device_bytes'] / mib:.1f}  pinned CPU "
             f"{s['peak_pinned_cpu_bytes'] / mib:.1f}  NVMe {s['peak_nvme_bytes'] / mib:.1f}  RSS {peak_rss / mib:.1f}",
             f"{'written':<26}{out / 'log.jsonl'}" + ("" if a.no_plot else f", {out / 'loss.png'}")
-            + f", {out / 'summary.json'}" + (f", {out / 'trace.json'}" if a.trace else ""),
+            + f", {out / 'summary.json'}" + (f", {self.trace_files}" if a.trace and self.trace_files else ""),
         ]
         text = "\n".join(lines)
         (out / "summary.txt").write_text(text + "\n")
