@@ -248,6 +248,21 @@ def test_resume_from_another_directory_reads_the_files_the_run_read(tmp_path, mo
     assert _resolved(["--resume", str(run), "--data", "../a/data/d.txt"], tmp_path / "b", monkeypatch).data == a.data
     with pytest.raises(TrainError, match=r"--data .*b/data/d.txt"):
         _resolved(["--resume", str(run), "--data", "data/d.txt"], tmp_path / "b", monkeypatch)
+    # named through a symlink: the same file, not a change (helper-48 P8)
+    (tmp_path / "link").symlink_to(tmp_path / "a")
+    assert _resolved(["--resume", str(run), "--data", str(tmp_path / "link" / "data" / "d.txt")], tmp_path / "b",
+                     monkeypatch).data == a.data
+    # run.json of an older version: paths as typed, relative to a working directory it did not
+    # record; resolved against today's, the resume trained on b's file (helper-48 P1). The
+    # directory is the run folder less its stored relative out
+    old = {**json.loads((run / "run.json").read_text())}
+    old["args"] = {**old["args"], "data": "data/d.txt", "out": "run"}
+    (run / "run.json").write_text(json.dumps(old))
+    assert _resolved(["--resume", str(run)], tmp_path / "b", monkeypatch).data == a.data
+    old["args"]["out"] = "elsewhere/run"  # not the run folder's tail: cannot tell
+    (run / "run.json").write_text(json.dumps(old))
+    with pytest.raises(TrainError, match=r"run.json stores --data relative to a working directory"):
+        _resolved(["--resume", str(run)], tmp_path / "b", monkeypatch)
 
 
 @pytest.mark.parametrize("argv,says", [

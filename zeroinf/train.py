@@ -366,21 +366,21 @@ class _Run:
             if not (Path(a.resume) / "checkpoint" / "latest").exists():
                 raise TrainError(f"--resume {a.resume}: no checkpoint/latest there (the run was not interrupted, "
                                  "or it completed after its last interruption)")
-            saved_args = {k: (os.path.abspath(v) if k in _PATH_ARGS and isinstance(v, str) else v)
-                          for k, v in saved["args"].items()}
+            saved_args = _absolute_saved_args(a.resume, saved["args"])
             changed = [f"--{k.replace('_', '-')} {getattr(a, k)!r} (the run has "
                        f"{'its default' if v is None else repr(v)})" for k, v in saved_args.items()
-                       if k not in _RESUME_OVERRIDABLE and k != "out" and getattr(a, k, None) not in (None, False, v)]
+                       if k not in _RESUME_OVERRIDABLE and k != "out" and getattr(a, k, None) not in (None, False)
+                       and not _same_arg(k, getattr(a, k), v)]
             if a.out is not None and Path(a.out).resolve() != Path(a.resume).resolve():
                 changed.append(f"--out {a.out!r} (a resumed run writes to its own folder, {a.resume!r})")
             if changed:  # they were dropped silently: the run went on with its own settings
                 raise TrainError(f"--resume {a.resume}: {', '.join(changed)}: a resumed run keeps the settings of the "
                                  f"run it continues; only --{', --'.join(k.replace('_', '-') for k in _RESUME_OVERRIDABLE)} "
                                  "may change")
-            for k, v in saved["args"].items():
+            for k, v in saved_args.items():
                 if k not in _RESUME_OVERRIDABLE or getattr(a, k, None) is None:
                     setattr(a, k, v)
-            a.out = a.resume
+            a.out = os.path.abspath(a.resume)
             self.start_step = int(saved["completed_steps"]) + 1
             if a.steps is not None and a.steps < self.start_step:
                 # it ran no step and dropped checkpoint/latest as a completed run does: the resume point was lost
@@ -875,6 +875,37 @@ def _engine_stats(engine) -> dict:
         return {k: v for k, v in dict(d).items() if isinstance(v, (int, float, str, bool)) or v is None}
     return {k: (plain(v) if isinstance(v, dict) else v) for k, v in fn().items()
             if isinstance(v, (int, float, str, bool, dict)) or v is None}
+
+
+def _absolute_saved_args(run_dir: str, args: dict) -> dict:
+    """``run.json``'s arguments with the path arguments absolute. Older versions stored them as
+    typed, relative to a working directory they did not record: it is recovered from the stored
+    relative ``out`` (the run's folder was ``cwd/out``), else the run is refused, since resolving
+    against today's working directory trained on whatever file has that name there (helper-48 P1).
+
+    Raises:
+        TrainError: a relative path whose working directory cannot be told.
+    """
+    relative = [k for k in _PATH_ARGS if k != "out" and isinstance(args.get(k), str) and not os.path.isabs(args[k])]
+    if not relative:
+        return dict(args)
+    here, out = Path(os.path.abspath(run_dir)), Path(args.get("out") or "")
+    base = None
+    if not out.is_absolute() and out.parts and ".." not in out.parts and here.parts[-len(out.parts):] == out.parts:
+        base = Path(*here.parts[:len(here.parts) - len(out.parts)])
+    if base is None:
+        raise TrainError(f"--resume {run_dir}: run.json stores {', '.join('--' + k.replace('_', '-') for k in relative)} "
+                         "relative to a working directory it does not record; edit run.json to give "
+                         f"absolute paths ({', '.join(repr(args[k]) for k in relative)})")
+    return {k: (os.path.normpath(base / v) if k in relative else v) for k, v in args.items()}
+
+
+def _same_arg(key: str, given, saved) -> bool:
+    """Whether a resumed run's ``--key given`` is the stored value (paths: the same file, through
+    symlinks too: helper-48 P8)."""
+    if key in _PATH_ARGS and isinstance(given, str) and isinstance(saved, str):
+        return os.path.realpath(given) == os.path.realpath(saved)
+    return given == saved
 
 
 def _count(n: int) -> str:
