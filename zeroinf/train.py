@@ -474,7 +474,6 @@ class _Run:
             for k in on_nvme:
                 zo[k]["nvme_path"] = nvme
         self.uses_nvme = bool(on_nvme)
-        self.nvme_paths = sorted({str(zo[k]["nvme_path"]) for k in on_nvme if zo[k].get("nvme_path")})
         return cfg
 
     def _build_model(self, a, mcfg, cfg: dict):
@@ -738,7 +737,7 @@ class _Run:
         pinned = _pick(stats, ("pinned_bytes",)) or 0  # the engine counts stage 3's staging pool
         return {"compute_s": max(0.0, rec["step_s"] - optimizer_s - io_wait), "io_wait_s": io_wait,
                 "optimizer_s": optimizer_s, "device_bytes": device_bytes,
-                "pinned_cpu_bytes": int(pinned or 0), "nvme_bytes": _dir_bytes(self.nvme_paths),
+                "pinned_cpu_bytes": int(pinned or 0), "nvme_bytes": _files_bytes(engine.swap_files() if hasattr(engine, "swap_files") else []),
                 "rss_bytes": psutil.Process().memory_info().rss, "engine": stats}
 
     # ---- reporting -------------------------------------------------------------------------
@@ -920,12 +919,11 @@ def _pick(d: dict, names) -> Optional[float]:
     return None
 
 
-def _dir_bytes(paths: List[str]) -> int:
-    """Bytes allocated on disk (st_blocks * 512) by the files under ``paths``."""
+def _files_bytes(paths: List[str]) -> int:
+    """Bytes allocated on disk (st_blocks * 512) by the files ``paths`` (the engine's swap files:
+    the whole swap folders counted an earlier run's files too, 4.6 MiB against 2.6: helper-48 P2)."""
     total = 0
-    for root in paths:
-        for dirpath, _dirs, files in os.walk(root):
-            for f in files:
-                with contextlib.suppress(OSError):
-                    total += os.stat(os.path.join(dirpath, f)).st_blocks * 512
+    for path in paths:
+        with contextlib.suppress(OSError):  # not written yet
+            total += os.stat(path).st_blocks * 512
     return total

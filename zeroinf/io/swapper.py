@@ -206,6 +206,11 @@ class TensorSwapper:
         """Registered keys -> {numel, dtype, shape, nbytes, written, crc32, path}."""
         return {k: {**asdict(e), "path": str(self.path_for(k))} for k, e in self._entries.items()}
 
+    def files(self) -> List[Path]:
+        """The swap files and manifest files of the registered keys (whether written yet or not);
+        other files in the folder (an earlier run's, with other keys) are not this swapper's."""
+        return [p for k in self._entries for p in (self.path_for(k), self._meta_path(k))]
+
     # -- set-up -------------------------------------------------------------------------------
     def register(self, key: str, numel: int, dtype: torch.dtype, shape=None) -> Path:
         """Declare ``key`` and preallocate its file (``fallocate``) so later writes overwrite.

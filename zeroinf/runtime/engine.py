@@ -1057,6 +1057,15 @@ class ZeroEngine:
         """Current loss scale (1.0 without fp16)."""
         return self.loss_scaler.scale if self.loss_scaler is not None else 1.0
 
+    def swap_files(self) -> List[str]:
+        """Paths of this engine's NVMe swap and manifest files on this rank: the optimizer's
+        and (stage 3) the parameter manager's swappers' registered keys. Other files in the
+        ``nvme_path`` folders (an earlier run's, left there: swap files outlive ``close``) are not
+        included. Empty without NVMe offload or after ``close``."""
+        swappers = [getattr(self.sub_optimizer, "_swapper", None),
+                    getattr(getattr(self.params, "manager", None), "_swapper", None)]
+        return sorted({str(p) for sw in swappers if sw is not None for p in sw.files()})
+
     def stats(self) -> Dict[str, Any]:
         """Counters of the last optimizer step: seconds in backward, gradient reduction, optimizer
         (of which Adam compute and waiting on NVMe I/O) and all-gather; elements communicated;
