@@ -173,7 +173,7 @@ def test_param_buffer_holds_the_largest_unit_partition(tmp_path):
     assert parse_config(cfg, world_size=4).zero_optimization.offload_param.buffer_size == 251
 
 
-@pytest.mark.parametrize("out", [".", "existing-dir"])
+@pytest.mark.parametrize("out", [".", "existing-dir", "new-dir/", ""])
 def test_cli_out_a_folder_exits_2_and_leaves_nothing(tmp_path, capsys, monkeypatch, out):
     """``--out .`` raised "PosixPath('.') has an empty name"; ``--out DIR`` exited 2 but left
     DIR.tmp behind (helper-46 t06)."""

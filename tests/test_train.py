@@ -323,10 +323,11 @@ def test_a_diverged_run_exits_4_and_a_warmup_schedule_passes_compare(tmp_path):
            "zero_optimization": {"stage": 2}}
     (tmp_path / "nan.json").write_text(json.dumps(nan))
     proc = _train(["--config", "nan.json", "--steps", "3", "--size", "tiny", "--seq-len", "64", "--no-plot",
-                   "--out", "nan"], tmp_path, check=False)
+                   "--compare", "--out", "nan"], tmp_path, check=False)
     losses = [r["loss"] for r in _log(tmp_path / "nan")]
     assert proc.returncode == 4 and not all(np.isfinite(losses)), (proc.returncode, losses)
     assert "the run diverged" in proc.stderr and (tmp_path / "nan" / "summary.json").is_file()
+    assert "--compare skipped" in proc.stderr  # it was skipped without a word (helper-48 P6)
 
 
 def test_nvme_column_counts_this_runs_swap_files_only(tmp_path):

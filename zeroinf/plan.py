@@ -25,6 +25,7 @@ import argparse
 import dataclasses
 import json
 import math
+import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -385,8 +386,9 @@ def main(args: argparse.Namespace) -> int:
     if "nvme" in (pl.offload_optimizer, pl.offload_param) and "nvme" not in bounds:
         print("(give --nvme-bw or --nvme-json for the NVMe lower bound)")
     out = Path(args.out).absolute()  # "." has no name to add ".tmp" to (a traceback: helper-46 t06)
-    if out.is_dir():  # the rename failed and left OUT.tmp behind
-        print(f"zeroinf plan: error: --out {args.out}: is a folder; give a file name", file=sys.stderr)
+    # the rename failed and left OUT.tmp behind; "newdir/" wrote a file named newdir (helper-48 P9)
+    if out.is_dir() or str(args.out).endswith(("/", os.sep)) or not str(args.out).strip():
+        print(f"zeroinf plan: error: --out {args.out!r}: is a folder; give a file name", file=sys.stderr)
         return 2
     tmp = out.with_name(out.name + ".tmp")
     try:

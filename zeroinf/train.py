@@ -578,18 +578,18 @@ class _Run:
                 if not a.no_plot:
                     self._plot(records, out, title=f"{a.model} {n_params / 1e6:.1f}M, {self.config_source}")
                 print(summary, flush=True)
+            diverged = next((r for r in records if not math.isfinite(r["loss"])), None)
+            if diverged is not None and rank0:  # also before an interruption's checkpoint (helper-48 P4)
+                print(f"zeroinf train: error: the loss is {diverged['loss']} from step {diverged['step']} on: "
+                      "the run diverged (look at the learning rate, optimizer eps, loss scaling)"
+                      + ("; --compare skipped" if a.compare and not interrupted else ""), file=sys.stderr, flush=True)
             if interrupted:
                 if rank0:
                     print(f"zeroinf train: interrupted after step {self.completed}; checkpoint in "
                           f"{out / 'checkpoint'}; continue with: zeroinf train --resume {out}", flush=True)
                 ended = True
                 return EXIT_INTERRUPTED
-            diverged = next((r for r in records if not math.isfinite(r["loss"])), None)
             if diverged is not None:  # reported as a success before (helper-46 t08)
-                if rank0:
-                    print(f"zeroinf train: error: the loss is {diverged['loss']} from step {diverged['step']} on: "
-                          "the run diverged (look at the learning rate, optimizer eps, loss scaling)",
-                          file=sys.stderr, flush=True)
                 ended = True
                 return EXIT_NONFINITE
             if a.compare:
