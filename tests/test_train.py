@@ -303,7 +303,7 @@ def test_dtype_keeps_the_configs_precision_blocks_and_nvme_in_any_case_takes_nvm
             assert built["fp16"] == {"enabled": True, "initial_scale_power": 3}
             assert parsed.fp16.initial_scale_power == 3
         assert built["zero_optimization"]["offload_optimizer"]["nvme_path"] == str(tmp_path / "nv")
-        assert run.uses_nvme
+        assert parsed.zero_optimization.offload_optimizer.device == "nvme"
 
 
 def test_a_diverged_run_exits_4_and_a_warmup_schedule_passes_compare(tmp_path):

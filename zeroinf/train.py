@@ -473,7 +473,6 @@ class _Run:
             nvme = str(self._nvme_dir(a))
             for k in on_nvme:
                 zo[k]["nvme_path"] = nvme
-        self.uses_nvme = bool(on_nvme)
         return cfg
 
     def _build_model(self, a, mcfg, cfg: dict):
@@ -696,11 +695,12 @@ class _Run:
             out = engine(input_ids=x, labels=x)
             engine.backward(out.loss)
             losses.append(float(out.loss.detach().float()))
-            if micro == grad_accum - 1:  # the rate this step applies; after it, the next step's (helper-46 t01)
+            last = micro == grad_accum - 1
+            if last:  # the rate this step applies; after it, the next step's (helper-46 t01)
                 lr = engine.get_lr()
             t = time.perf_counter()
             engine.step()
-            if micro == grad_accum - 1:
+            if last:
                 opt_s = time.perf_counter() - t
         step_s = time.perf_counter() - t0
         norm = engine.get_global_grad_norm()

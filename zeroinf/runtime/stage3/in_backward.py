@@ -34,10 +34,11 @@ until its new partition is stored, so the next forward's gathers wait for their 
 as the backward's (``torch.get_num_threads()``) on the same cores, and the backward, the step's
 critical path here, slowed more than the updates gained. The worker caps its own threads at half
 the count of the thread running the backward (:func:`worker_threads`, through
-``limit_thread_parallelism``, which leaves every other thread's count alone). The overlapped step ([Note: overlapped step]) keeps the full count: there
-the update is longer than the forward it hides behind, and the cap made that step slower. On CUDA
-the backward's compute is on the device, and without the C++ ops (``ZEROINF_DISABLE_OPS=1``) there
-is no per-thread cap to set: nothing is capped then.
+``limit_thread_parallelism``, which leaves every other thread's count alone). The overlapped step
+([Note: overlapped step]) keeps the full count: there the update is longer than the forward it
+hides behind, and the cap made that step slower. On CUDA the backward's compute is on the device,
+and without the C++ ops (``ZEROINF_DISABLE_OPS=1``) there is no per-thread cap to set: nothing is
+capped then.
 """
 from __future__ import annotations
 

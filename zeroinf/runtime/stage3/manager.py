@@ -1304,9 +1304,8 @@ class Stage3ParameterManager:
         return self._root_post_forward(module, args, output)
 
     def _root_pre_forward(self, module, args):
-        self._check_open()
-        if self._ctx is not None:  # the last forward was interrupted past its post-hook
-            self.abort_iteration()
+        """Open the forward of the entry module ``module`` (after :meth:`_entry_pre` checked the
+        engine is open and aborted a forward interrupted past its post-hook)."""
         self._busy += 1
         try:
             if self._in_iteration and not self._continues_iteration():

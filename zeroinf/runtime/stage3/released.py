@@ -94,9 +94,10 @@ class _ReleasedMixin:
         with torch._C.DisableTorchFunctionSubclass():
             out = func(*args, **kwargs)
         if name in ("detach", "__get__", "__set__") and args and isinstance(args[0], _ReleasedMixin):
-            if name == "detach" or (name == "__get__" and attribute_of(func) == "data"):
+            data = name != "detach" and attribute_of(func) == "data"
+            if name == "detach" or (name == "__get__" and data):
                 out = _placeholder_view(out, args[0])
-            elif name == "__set__" and attribute_of(func) == "data" and cls._zeroinf_pass is HELD_PASS_THROUGH:
+            elif name == "__set__" and data and cls._zeroinf_pass is HELD_PASS_THROUGH:
                 from .init import note_cast  # model.half() etc. set .data to a placeholder of the new dtype
                 note_cast(args[0], args[1].dtype)
         return out
