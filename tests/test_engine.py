@@ -345,10 +345,15 @@ def test_config_scheduler_and_client_optimizer_with_torch_scheduler():
 
 
 def test_initialize_checks_the_machine(tmp_path):
-    missing = tmp_path / "nope"
+    missing = tmp_path / "made" / "by" / "initialize"  # made with its parents, as DeepSpeed's swappers do
+    engine, *_ = zeroinf.initialize(make_mlp(), config=config(2, "nvme", missing))
+    assert any(missing.rglob("*.swp")), sorted(missing.rglob("*"))
+    engine.close()
+    (tmp_path / "a-file").write_text("x")
     with pytest.raises(ConfigError) as ei:
-        zeroinf.initialize(make_mlp(), config=config(2, "nvme", missing))
-    assert str(ei.value).startswith("zero_optimization.offload_optimizer.nvme_path: ") and "does not exist" in str(ei.value)
+        zeroinf.initialize(make_mlp(), config=config(2, "nvme", tmp_path / "a-file" / "swap"))
+    assert str(ei.value).startswith("zero_optimization.offload_optimizer.nvme_path: ") and \
+        f"cannot be created: {tmp_path / 'a-file'} is not a directory" in str(ei.value)
     f = tmp_path / "file"
     f.write_text("x")
     with pytest.raises(ConfigError, match="nvme_path"):

@@ -1,7 +1,8 @@
-"""An ``nvme_path`` that cannot hold swap files fails at set-up with the config key (or the CLI
-flag) and the real reason, from every entry point: ``zeroinf.initialize``, ``zeroinf.Init``, the
-stage-3 manager built directly, and ``zeroinf train``. ``/proc/sys`` exists, but creating a file
-there fails with ENOENT ("No such file or directory"), which misleads."""
+"""A missing ``nvme_path`` is made, as DeepSpeed's swappers make theirs. One that cannot hold swap
+files fails at set-up with the config key (or the CLI flag) and the real reason, from every entry
+point: ``zeroinf.initialize``, ``zeroinf.Init``, the stage-3 manager built directly, and
+``zeroinf train``. ``/proc/sys`` exists, but creating a file there fails with ENOENT ("No such
+file or directory"), which misleads."""
 import os
 
 import pytest
@@ -35,14 +36,21 @@ def test_dir_problem_reasons(tmp_path):
     (tmp_path / "f").write_text("x")
     assert dir_problem(str(tmp_path / "f")) == "is not a directory"
     assert not list(tmp_path.glob(".zeroinf-probe-*"))  # the probe file is gone
+    assert dir_problem(str(tmp_path / "made" / "here"), create=True) is None  # with its parents
+    assert (tmp_path / "made" / "here").is_dir()
+    assert dir_problem(str(tmp_path / "f" / "sub"), create=True) == f"cannot be created: {tmp_path / 'f'} is not a directory"
+    os.symlink(tmp_path / "gone", tmp_path / "dangling")  # a dangling link is not followed into a new folder
+    assert dir_problem(str(tmp_path / "dangling"), create=True) == "does not exist"
+    assert not (tmp_path / "gone").exists()
 
 
 @needs_proc
 @pytest.mark.parametrize("opt", ["cpu", "nvme"])
-def test_initialize_raises_config_error_naming_the_key(opt):
+@pytest.mark.parametrize("path", [PROC, PROC + "/zeroinf/swap"])
+def test_initialize_raises_config_error_naming_the_key(opt, path):
     with pytest.raises(ConfigError) as ei:
-        zeroinf.initialize(model=TinyLM(), config=_cfg(PROC, opt))
-    assert str(ei.value).startswith(f"{KEY}: '/proc/sys' ")
+        zeroinf.initialize(model=TinyLM(), config=_cfg(path, opt))
+    assert str(ei.value).startswith(f"{KEY}: '{path}' ")
     _assert_real_reason(str(ei.value))
 
 
@@ -53,17 +61,19 @@ def test_init_raises_config_error_and_leaves_no_context_behind(tmp_path):
             TinyLM()
     assert str(ei.value).startswith(f"{KEY}: ")
     _assert_real_reason(str(ei.value))
-    with zeroinf.Init(config=_cfg(tmp_path)) as init:  # a failed enter does not block the next one
-        model = TinyLM()
+    with zeroinf.Init(config=_cfg(tmp_path / "new")) as init:  # a failed enter does not block the next one,
+        model = TinyLM()                                        # and a missing nvme_path is made
+    assert any((tmp_path / "new").rglob("*.swp"))
     assert init.held_bytes_nvme > 0
     del model  # Init holds values while their parameters live
     assert init.held_bytes_nvme == 0
 
 
 @needs_proc
-def test_manager_built_directly_raises_stage3_config_error():
+@pytest.mark.parametrize("path", [PROC, PROC + "/zeroinf/swap"])
+def test_manager_built_directly_raises_stage3_config_error(path):
     with pytest.raises(Stage3ConfigError) as ei:
-        Stage3ParameterManager(TinyLM(), Stage3Options(offload_param_device="nvme", nvme_path=PROC))
+        Stage3ParameterManager(TinyLM(), Stage3Options(offload_param_device="nvme", nvme_path=path))
     assert str(ei.value).startswith(f"{KEY}: ")
     _assert_real_reason(str(ei.value))
 

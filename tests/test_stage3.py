@@ -226,7 +226,7 @@ def test_live_parameters_never_exceed_limit(limit):
     assert mgr.stats_dict()["prefetch_hits"] > 0
 
 
-def test_limits_checked_at_construction():
+def test_limits_checked_at_construction(tmp_path):
     with pytest.raises(Stage3ConfigError, match=r"stage3_max_live_parameters: .*'blocks.0'.*minimum is 3344"):
         Stage3ParameterManager(TinyLM(), _opts(max_live_parameters=3000))
     with pytest.raises(Stage3ConfigError, match=r"offload_param.buffer_size: .*unit 'blocks.0'.*minimum is 2128"):
@@ -235,9 +235,12 @@ def test_limits_checked_at_construction():
     with pytest.raises(Stage3ConfigError, match=r"offload_param.buffer_count: 1 is too few for one unit read ahead.*minimum is 2"):
         Stage3ParameterManager(TinyLM(), _opts(offload_param_device="nvme", nvme_path="/nonexistent",
                                                buffer_count=1, buffer_size=2128))
-    # a buffer_size whose bytes hold the 2 buffers: buffer_count 1 passes (raised to 2), the path is next
-    with pytest.raises(Stage3ConfigError, match=r"nvme_path: '/nonexistent' does not exist"):
-        Stage3ParameterManager(TinyLM(), _opts(offload_param_device="nvme", nvme_path="/nonexistent",
+    # a buffer_size whose bytes hold the 2 buffers: buffer_count 1 passes (raised to 2), the path is next:
+    # a missing one is created as DeepSpeed's swapper does, one under a file cannot be
+    (tmp_path / "a-file").write_text("x")
+    bad = str(tmp_path / "a-file" / "swap")
+    with pytest.raises(Stage3ConfigError, match=rf"nvme_path: '{bad}' cannot be created: {tmp_path}/a-file is not a directory"):
+        Stage3ParameterManager(TinyLM(), _opts(offload_param_device="nvme", nvme_path=bad,
                                                buffer_count=1, buffer_size=10_000))
     with pytest.raises(Stage3ConfigError, match=r"offload_param.device: 'disk'"):
         _opts(offload_param_device="disk")

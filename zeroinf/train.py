@@ -415,14 +415,7 @@ class _Run:
             return self.tmp_nvme
         from zeroinf.io.probe import dir_problem
         path = Path(a.nvme_path)
-        try:
-            path.mkdir(parents=True, exist_ok=True)
-        except OSError as exc:
-            parent = next(p for p in path.absolute().parents if p.exists())  # "/" always exists
-            why = dir_problem(str(parent))
-            raise TrainError(f"--nvme-path {a.nvme_path}: cannot be created: "
-                             + (f"{parent} {why}" if why else exc.strerror or str(exc))) from exc
-        why = dir_problem(str(path))
+        why = dir_problem(str(path), create=True)
         if why is not None:
             raise TrainError(f"--nvme-path {a.nvme_path}: {why}")
         return path

@@ -11,6 +11,7 @@ from __future__ import annotations
 import errno
 import os
 import tempfile
+from pathlib import Path
 from typing import Optional
 
 __all__ = ["dir_problem", "fs_type"]
@@ -42,10 +43,23 @@ def fs_type(path: str) -> Optional[str]:
     return kind
 
 
-def dir_problem(path: str) -> Optional[str]:
+def dir_problem(path: str, create: bool = False) -> Optional[str]:
     """Why swap files cannot be created in directory ``path``, in words (for an error message
     that starts with the path or its config key); None when a probe file could be created,
-    written and removed there."""
+    written and removed there.
+
+    With ``create``, a missing ``path`` is made first, with its missing parents (as DeepSpeed's
+    swappers make their ``nvme_path`` folders); when that fails, the reason names the nearest
+    existing parent and what is wrong with it.
+    """
+    if create and not os.path.lexists(path):
+        try:
+            os.makedirs(path, exist_ok=True)
+        except OSError as exc:
+            parent = next((str(p) for p in Path(path).absolute().parents if p.exists()), "/")
+            why = dir_problem(parent)
+            return f"cannot be created: {parent} {why}" if why else \
+                f"cannot be created: {exc.strerror or exc}"
     if not os.path.exists(path):
         return "does not exist"
     if not os.path.isdir(path):

@@ -373,7 +373,7 @@ class ZeroEngine:
 
         by_dev: Dict[int, Dict[str, Any]] = {}
         for key, path, folder, nbytes, what in files:
-            problem = dir_problem(path)  # a real write: permission bits say nothing for root or a read-only mount
+            problem = dir_problem(path, create=True)  # a real write: permission bits say nothing for root or a read-only mount
             if problem is not None:
                 raise ConfigError(key, f"{path!r} {problem}")
             e = by_dev.setdefault(os.stat(path).st_dev, {"key": key, "path": path, "need": 0, "folders": set(),
@@ -1244,8 +1244,8 @@ def initialize(model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer
         ``(engine, optimizer, dataloader_or_None, lr_scheduler)``.
 
     Raises:
-        ConfigError: invalid config, or a machine check failed (``nvme_path`` missing or not
-            writable, not enough free disk, pinned budget over RAM or ``ulimit -l``); the message
+        ConfigError: invalid config, or a machine check failed (``nvme_path`` not writable, or
+            missing and impossible to create, as DeepSpeed creates it; not enough free disk, pinned budget over RAM or ``ulimit -l``); the message
             starts with the key path.
     """
     if config is None:

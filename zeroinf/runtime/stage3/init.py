@@ -299,7 +299,7 @@ class Init:
             from zeroinf.config import ConfigError
             from zeroinf.io import TensorSwapper
             from zeroinf.io.probe import dir_problem
-            problem = dir_problem(self.nvme_path)
+            problem = dir_problem(self.nvme_path, create=True)
             if problem is not None:
                 raise ConfigError("zero_optimization.offload_param.nvme_path", f"{self.nvme_path!r} {problem}")
             self._dir = tempfile.mkdtemp(prefix="zeroinf_init_", dir=self.nvme_path)

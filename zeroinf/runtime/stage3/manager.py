@@ -563,7 +563,7 @@ class Stage3ParameterManager:
             if swapper is None:
                 d = os.path.join(opts.nvme_path, f"zeroinf_params_rank{self.rank}")
                 from zeroinf.io.probe import dir_problem
-                problem = dir_problem(opts.nvme_path)
+                problem = dir_problem(opts.nvme_path, create=True)
                 if problem is not None:
                     raise Stage3ConfigError("zero_optimization.offload_param.nvme_path",
                                             f"{opts.nvme_path!r} {problem}")
