@@ -342,3 +342,36 @@ def test_nvme_column_counts_this_runs_swap_files_only(tmp_path):
                and not p.name.startswith("earlier_run"))
     assert 0 < ours < 8 << 20
     assert [r["nvme_bytes"] for r in _log(tmp_path / "o")] == [ours, ours]
+
+
+def test_a_killed_runs_private_swap_folder_is_removed_by_the_next_run(tmp_path):
+    """A run killed outright (SIGKILL; a second SIGTERM) cannot remove its private swap folder; the
+    next run in that directory does, and leaves a live run's and a --keep run's alone."""
+    from zeroinf.train import make_private_dir, remove_stale_private_dirs
+    args = ["--offload", OFFLOAD, "--steps", "200", *TINY, "--no-plot"]
+    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+    proc = subprocess.Popen([sys.executable, "-m", "zeroinf", "train", *args, "--out", "killed"], cwd=tmp_path,
+                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    log = tmp_path / "killed" / "log.jsonl"
+    deadline = time.time() + 180
+    while (not log.exists() or not log.read_text().strip()) and proc.poll() is None:
+        assert time.time() < deadline, "the run wrote no step in time"
+        time.sleep(0.01)
+    proc.kill()
+    proc.communicate(timeout=60)
+    (stale,) = tmp_path.glob(".zeroinf-nvme-r0-*")
+    nbytes = sum(f.stat().st_size for f in stale.rglob("*") if f.is_file())
+    assert nbytes > 0
+    live, fd = make_private_dir(tmp_path, 0)            # a run still going: its folder stays
+    kept, kfd = make_private_dir(tmp_path, 0, keep=True)
+    os.close(kfd)                                        # a --keep run that ended: its folder stays
+    try:
+        proc = _train(["--offload", OFFLOAD, "--steps", "1", *TINY, "--no-plot", "--out", "next"], tmp_path)
+        assert f"removed {stale.name} ({nbytes / 2**20:.1f} MiB), the private swap folder of a run that was killed" \
+            in proc.stderr, proc.stderr
+        assert sorted(tmp_path.glob(".zeroinf-*")) == sorted([live, kept])
+    finally:
+        os.close(fd)
+    assert remove_stale_private_dirs(tmp_path, 1) == []  # another rank's folders are that rank's to remove
+    assert [d for d, _ in remove_stale_private_dirs(tmp_path, 0)] == [live]
+    assert sorted(tmp_path.glob(".zeroinf-*")) == [kept]

@@ -304,6 +304,70 @@ class PlainEngine:
         self.global_steps, self.micro_steps = state["global_steps"], state["micro_steps"]
 
 
+# ---------------------------------------------------------------------------- the private swap folder
+# [Note: private swap folders] Without --nvme-path each rank swaps into a folder of its own,
+# .zeroinf-nvme-r{rank}-XXXX under the working directory, removed when the run ends. A run
+# killed outright (a second Ctrl-C or SIGTERM gets the default action, SIGKILL, OOM) cannot
+# remove it, and its swap files can be gigabytes in a hidden folder. So the folder is flock()ed
+# for the run's lifetime (the kernel drops the lock when the process dies however it dies), and
+# a later run in the same directory removes the folders of its rank that nobody holds. A folder
+# is created under another prefix and renamed once locked, so no scan can see it unlocked; a
+# --keep run's folder carries a KEPT file and is never removed; where flock is not supported
+# nothing is removed.
+PRIVATE_PREFIX = ".zeroinf-nvme-r"
+_KEPT = "KEPT"
+
+
+def make_private_dir(parent: Path, rank: int, keep: bool = False) -> Tuple[Path, int]:
+    """Create rank ``rank``'s private swap folder under ``parent`` and lock it ([Note: private swap
+    folders]). Returns ``(folder, fd)``; the lock holds until ``fd`` is closed.
+
+    Raises:
+        OSError: the folder cannot be created or opened in ``parent``.
+    """
+    import fcntl
+    d = Path(tempfile.mkdtemp(prefix=f".zeroinf-new-r{rank}-", dir=parent))
+    fd = os.open(d, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        pass  # no flock on this file system: remove_stale_private_dirs cannot take it either
+    if keep:
+        (d / _KEPT).write_text("written by zeroinf train --keep: a later run leaves this folder alone\n")
+    final = parent / (PRIVATE_PREFIX + f"{rank}-" + d.name.rsplit("-", 1)[1])
+    os.rename(d, final)
+    return final, fd
+
+
+def remove_stale_private_dirs(parent: Path, rank: int) -> List[Tuple[Path, int]]:
+    """Remove rank ``rank``'s private swap folders under ``parent`` that no live run holds and no
+    --keep run left ([Note: private swap folders]). Returns ``(folder, bytes of its files)`` for
+    each one removed; a folder that cannot be opened or locked is left as it is."""
+    import fcntl
+    removed = []
+    for d in sorted(parent.glob(f"{PRIVATE_PREFIX}{rank}-*")):
+        if d.is_symlink() or not d.is_dir() or (d / _KEPT).exists():
+            continue
+        try:
+            fd = os.open(d, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        except OSError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:  # held by a live run (EWOULDBLOCK), or no flock here
+            os.close(fd)
+            continue
+        try:
+            nbytes = sum(f.stat().st_size for f in d.rglob("*") if f.is_file() and not f.is_symlink())
+            shutil.rmtree(d)
+            removed.append((d, nbytes))
+        except OSError:
+            pass  # removed by hand meanwhile, or a file we may not delete: not ours to force
+        finally:
+            os.close(fd)
+    return removed
+
+
 # ---------------------------------------------------------------------------- the run itself
 class _Stop:
     """SIGINT/SIGTERM -> stop after the current step.
@@ -339,6 +403,7 @@ class _Run:
         self.args = args
         self.dist = _Dist()
         self.tmp_nvme: Optional[Path] = None
+        self._tmp_lock: Optional[int] = None  # the fd whose flock marks tmp_nvme as in use
         self.trace_files = ""  # the --trace files written, for the summary
 
     def remove_tmp_nvme(self) -> None:
@@ -346,6 +411,9 @@ class _Run:
         if self.tmp_nvme is not None and not getattr(self.args, "keep", False):
             shutil.rmtree(self.tmp_nvme, ignore_errors=True)
             self.tmp_nvme = None
+        if self._tmp_lock is not None:
+            os.close(self._tmp_lock)
+            self._tmp_lock = None
 
     # ---- set-up ----------------------------------------------------------------------------
     def _resolve_args(self) -> argparse.Namespace:
@@ -411,7 +479,11 @@ class _Run:
 
     def _nvme_dir(self, a) -> Path:
         if a.nvme_path is None:
-            self.tmp_nvme = Path(tempfile.mkdtemp(prefix=f".zeroinf-nvme-r{self.dist.rank}-", dir=os.getcwd()))
+            here = Path(os.getcwd())
+            for d, nbytes in remove_stale_private_dirs(here, self.dist.rank):
+                print(f"zeroinf train: removed {d.name} ({nbytes / 2**20:.1f} MiB), the private swap folder of a "
+                      "run that was killed", file=sys.stderr)
+            self.tmp_nvme, self._tmp_lock = make_private_dir(here, self.dist.rank, keep=a.keep)
             return self.tmp_nvme
         from zeroinf.io.probe import dir_problem
         path = Path(a.nvme_path)
