@@ -88,3 +88,16 @@ def test_train_cli_exits_with_one_line_naming_flag_and_reason(path, tmp_path, ca
     assert code != 0 and len(err) == 1, err
     assert f"--nvme-path {path}" in err[0]
     _assert_real_reason(err[0])
+
+
+@needs_proc
+def test_train_cli_in_a_working_directory_without_room_for_its_private_swap_folder(tmp_path, capsys, monkeypatch):
+    """Without --nvme-path the swap folder goes under the working directory (a traceback there)."""
+    from zeroinf.cli import main
+    monkeypatch.chdir(PROC)
+    code = main(["train", "--offload", "infinity", "--steps", "1", "--out", str(tmp_path / "o")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1, err
+    assert f"the working directory {PROC} " in err[0] and err[0].endswith("give --nvme-path DIR")
+    _assert_real_reason(err[0])
+    assert not (tmp_path / "o").exists()

@@ -483,7 +483,13 @@ class _Run:
             for d, nbytes in remove_stale_private_dirs(here, self.dist.rank):
                 print(f"zeroinf train: removed {d.name} ({nbytes / 2**20:.1f} MiB), the private swap folder of a "
                       "run that was killed", file=sys.stderr)
-            self.tmp_nvme, self._tmp_lock = make_private_dir(here, self.dist.rank, keep=a.keep)
+            try:
+                self.tmp_nvme, self._tmp_lock = make_private_dir(here, self.dist.rank, keep=a.keep)
+            except OSError as exc:
+                from zeroinf.io.probe import dir_problem
+                why = dir_problem(str(here)) or (exc.strerror or str(exc))
+                raise TrainError(f"the working directory {here} {why}, so it cannot hold the private swap folder; "
+                                 "give --nvme-path DIR") from exc
             return self.tmp_nvme
         from zeroinf.io.probe import dir_problem
         path = Path(a.nvme_path)
