@@ -1854,3 +1854,43 @@ def test_close_releases_the_parameter_side(tmp_path):
         gc.collect()
     assert len(managers()) == managers0
     assert _locked_bytes() <= locked0
+
+
+@pytest.mark.filterwarnings("ignore:zeroinf stage 3. unit order differs")  # the forward the hook broke off
+@pytest.mark.parametrize("in_backward", [False, True])
+def test_empty_partition_cache_frees_read_ahead_and_scratch_and_training_goes_on(tmp_path, in_backward):
+    """DeepSpeed's engine.empty_partition_cache(): between steps it frees the read-ahead NVMe
+    partitions and the recycled scratch buffers; the steps after it still equal AdamW. Inside a
+    forward, or with a forward's graph waiting for its backward, it raises and changes nothing."""
+    ref = TinyLM()
+    model = copy.deepcopy(ref)
+    cfg = _config("nvme", "cpu", tmp_path)
+    cfg["zero_optimization"]["offload_param"]["buffer_count"] = 8
+    cfg["zeroinf"] = {"optimizer_in_backward": in_backward}
+    engine, *_ = zeroinf.initialize(model=model, config=cfg)
+    manager = engine.params.manager
+    got = _run(engine, 2)
+    engine.synchronize()
+    staged, scratch = len(manager._staged), manager.scratch.free_bytes
+    assert staged > 0 and scratch > 0, (staged, scratch)  # else this test shows nothing
+    x, y = batch(3)
+    out = engine(x)
+    with pytest.raises(RuntimeError, match="graph alive"):
+        engine.empty_partition_cache()
+    engine.backward(loss_fn(out, y))
+    engine.step()
+    got.append(loss_fn(out, y).item())
+
+    hook = model.blocks[0].register_forward_hook(lambda *_: engine.empty_partition_cache())
+    with pytest.raises(RuntimeError, match="during a forward"):
+        engine(x)
+    hook.remove()
+    engine.synchronize()
+    freed = engine.empty_partition_cache()
+    assert freed > 0 and not manager._staged and manager.scratch.free_bytes == 0
+    assert manager.stats_dict()["live_now"] == 0
+    got += _run(engine, 2, start=4)
+    _assert_like_reference(engine, ref, got, _reference(ref, 5))
+    engine.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        engine.empty_partition_cache()

@@ -963,6 +963,29 @@ class ZeroEngine:
             self.synchronize()
         s["optimizer_s"] += time.perf_counter() - t0
 
+    def empty_partition_cache(self) -> int:
+        """Free the memory stage 3 keeps between steps for speed (DeepSpeed's method of the same
+        name, called e.g. before generation): NVMe partitions read ahead for the next step (their
+        pinned staging buffers return to the engine's pool, which stays allocated), the recycled
+        unit-sized host scratch buffers (at most 512 MiB), and on CUDA the caching allocator's
+        unused blocks (``torch.cuda.empty_cache``). No parameter stays gathered between
+        iterations here, so none is released. The next step reads and allocates these again.
+
+        Returns:
+            Host scratch bytes freed (0 below stage 3, which keeps no such cache).
+
+        Raises:
+            RuntimeError: the engine is closed, or it is called inside a forward or backward, or
+                while a training forward's graph waits for its backward.
+            OSError: a read-ahead had failed; its data was never used, and nothing else changed.
+        """
+        self._check_open()
+        manager = getattr(self.params, "manager", None)
+        freed = manager.empty_cache() if manager is not None else 0
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        return freed
+
     def save_16bit_model(self, save_dir: str, save_filename: str = "pytorch_model.bin",
                          exclude_frozen_parameters: bool = False) -> bool:
         """DeepSpeed's ``save_16bit_model``: the model's state dict in its training dtype (bf16 or

@@ -937,6 +937,23 @@ class Stage3ParameterManager:
         if errors:
             raise errors[0]
 
+    def empty_cache(self) -> int:
+        """Free what is kept between iterations for speed: read-ahead NVMe partitions (their pinned
+        staging buffers go back to the pool) and the recycled host scratch buffers. Returns the
+        scratch bytes freed.
+
+        Raises:
+            RuntimeError: the manager is closed, or a forward, backward or hook is running, or a
+                forward's graph is alive (its backward would gather the units again).
+            OSError: a read-ahead had failed (:meth:`drop_staged`; its data was never used).
+        """
+        self._check_open()
+        if not self._idle() or self._graphs_alive:
+            raise RuntimeError("empty_partition_cache: called during a forward or backward, or with a forward's "
+                               "graph alive (run its backward, or drop its output, first)")
+        self.drop_staged()
+        return self.scratch.clear()
+
     def _complete(self, unit: Unit) -> None:
         """Finish gathering ``unit`` (issuing it first if released): wait for its tier read and
         all-gather it, or wait for the all-gather launched ahead; then point its parameters

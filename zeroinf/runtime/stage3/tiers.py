@@ -88,6 +88,13 @@ class BufferRecycler:
         """Bytes held by the free buffers now."""
         return self._free_bytes
 
+    def clear(self) -> int:
+        """Drop every free buffer (memory goes back to the allocator); returns the bytes dropped.
+        Buffers taken and not given back are untouched."""
+        with self._lock:
+            freed, self._free, self._free_bytes = self._free_bytes, {}, 0
+        return freed
+
 
 class DeviceStore:
     """Partition on the compute device (``offload_param.device: none``)."""
