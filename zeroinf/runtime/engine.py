@@ -1092,8 +1092,11 @@ class ZeroEngine:
     def stats(self) -> Dict[str, Any]:
         """Counters of the last optimizer step: seconds in backward, gradient reduction, optimizer
         (of which Adam compute and waiting on NVMe I/O) and all-gather; elements communicated;
-        NVMe bytes read/written; pinned bytes (optimizer swap buffers plus stage 3's parameter
-        staging pool); plus step counters and the loss scale.
+        NVMe bytes read/written; ``pinned_bytes``, the page-locked host memory held now (the
+        optimizer's swap buffers and stage 3's parameter staging pool, locked on any host; with
+        CUDA also the gradient accumulation, parameter copies, staging buffers and CPU-resident
+        optimizer state torch pins: :mod:`zeroinf.runtime.pinned`); plus step counters and the
+        loss scale.
 
         With a background step (stage 3, ``zeroinf.overlap_step`` or
         ``zeroinf.optimizer_in_backward``) a step's Adam time and optimizer NVMe bytes land in the
@@ -1101,16 +1104,11 @@ class ZeroEngine:
         ``io_wait_s`` counts the time the forward waited for its updates."""
         out = dict(self._stats)
         out.update(global_steps=self.global_steps, skipped_steps=self.skipped_steps, loss_scale=self.loss_scale,
-                   pinned_bytes=self.sub_optimizer.pinned_bytes() + self._param_pinned_bytes(),
+                   pinned_bytes=self.sub_optimizer.pinned_bytes() + self.params.pinned_bytes(),
                    grad_norm=self._grad_norm)
         if hasattr(self.params, "stats"):  # stage 3: transfer counters of the last optimizer step
             out["stage3"] = self.params.stats()
         return out
-
-    def _param_pinned_bytes(self) -> int:
-        """Stage 3: bytes of the parameters' pinned NVMe staging pool; 0 below stage 3."""
-        m = getattr(self.params, "manager", None)
-        return m.pinned_bytes() if m is not None else 0
 
     def trace(self, path) -> int:
         """Stage 3: write the last iteration's transfers and unit executions as Chrome/Perfetto

@@ -51,6 +51,7 @@ import torch.distributed as dist
 
 from .optimizer import SubGroupSpec
 from . import collectives
+from .pinned import PinnedHost
 from .streams import transfers_for
 
 __all__ = ["FlatGroup", "FlatParamManager", "STAGING_NUMEL"]
@@ -123,7 +124,7 @@ class FlatParamManager:
         self._staging: List[torch.Tensor] = []  # two pinned fp32 buffers, used in turn
         self._staged = 0  # staging buffers handed out so far (the next is _staging[_staged % 2])
         self._param_ready: Any = None  # event of the last H2D copy out of the host_part buffers
-        pin = torch.cuda.is_available()
+        self._pinned = PinnedHost()  # grad_acc, host_part and the staging buffers: pinned with CUDA
         self.groups: List[FlatGroup] = []
         self._fresh = False  # True: grad_acc holds stale values that count as zero
         for ps in param_groups:
@@ -142,9 +143,16 @@ class FlatParamManager:
             part_start = 0 if stage == 0 else rank * part_numel
             subs = [(s, min(sub_group_size, part_numel - s)) for s in range(0, part_numel, sub_group_size)]
             self.groups.append(FlatGroup(ps, offsets, n, padded, flat, part_start, part_numel,
-                                         torch.zeros(part_numel, dtype=torch.float32, pin_memory=pin), subs))
+                                         self._pinned.zeros(part_numel, torch.float32), subs))
 
     # ------------------------------------------------------------------------------------------
+
+    def pinned_bytes(self) -> int:
+        """Bytes of page-locked host memory held: the ``grad_acc`` buffers (fp32, ``part_numel``
+        each), the ``host_part`` copies (model dtype) and the two staging buffers (fp32,
+        ``STAGING_NUMEL`` at most), those allocated so far; all pinned only with CUDA, so 0 on a
+        CPU-only host."""
+        return self._pinned.nbytes
 
     def sub_group_specs(self) -> List[SubGroupSpec]:
         """One :class:`SubGroupSpec` per sub-group, keys ``g{group}/s{index}``."""
@@ -183,7 +191,7 @@ class FlatParamManager:
         if not self.transfers.side_streams:
             return g.flat[a:a + n]
         if g.host_part is None:
-            g.host_part = torch.empty(g.part_numel, dtype=g.flat.dtype, pin_memory=torch.cuda.is_available())
+            g.host_part = self._pinned.empty(g.part_numel, g.flat.dtype)
             g.host_part.copy_(g.flat[g.part_start:g.part_start + g.part_numel])  # once; the sub-group's padding too
         self.transfers.host_wait(self._param_ready)  # the last H2D copy out of it is done
         return g.host_part[s:s + n]
@@ -294,7 +302,7 @@ class FlatParamManager:
         after the bucket piece that used it last has been added into ``grad_acc``."""
         if len(self._staging) < 2:
             n = min(STAGING_NUMEL, max(g.part_numel for g in self.groups))
-            self._staging.append(torch.empty(n, dtype=torch.float32, pin_memory=torch.cuda.is_available()))
+            self._staging.append(self._pinned.empty(n, torch.float32))
             buf = self._staging[-1]
         else:
             buf = self._staging[self._staged % 2]

@@ -55,6 +55,8 @@ from typing import Callable, Iterator, List, Mapping, Optional, Protocol, Sequen
 
 import torch
 
+from .pinned import PinnedHost
+
 __all__ = ["MasterIO", "SubGroupSpec", "SubGroupOptimizer", "optimizer_buffer_count"]
 
 
@@ -156,7 +158,8 @@ class SubGroupOptimizer:
         self.pipeline_read, self.pipeline_write = bool(pipeline_read), bool(pipeline_write)
         self.stats = OptimizerStats()
         self._records = [_Record(s) for s in self.specs]
-        self._pin = bool(pin_memory) and torch.cuda.is_available()
+        self._pin = bool(pin_memory)
+        self._pinned = PinnedHost()  # CPU-resident state: pinned with pin_memory and CUDA
         self._swapper = None
         self._buffers: List[torch.Tensor] = []
         self._pool = None
@@ -208,7 +211,7 @@ class SubGroupOptimizer:
         return [(self._file_key(rec.spec), flat[:self._swapped * rec.spec.numel])]
 
     def _new_cpu_state(self, numel: int) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        return tuple(torch.zeros(numel, dtype=torch.float32, pin_memory=self._pin) for _ in range(3))
+        return tuple(self._pinned.zeros(numel, torch.float32, pin=self._pin) for _ in range(3))
 
     def init_master(self, index: int, values: Optional[torch.Tensor], storage: Optional[torch.Tensor] = None) -> None:
         """Set sub-group ``index``'s master weights to ``values`` (any float dtype, numel as the
@@ -497,8 +500,9 @@ class SubGroupOptimizer:
     # ------------------------------------------------------------------------------------------
 
     def pinned_bytes(self) -> int:
-        """Bytes of pinned swap buffers held (0 unless device is "nvme")."""
-        return sum(b.numel() * b.element_size() for b in self._buffers)
+        """Bytes of page-locked host memory held: the swap buffers (device "nvme", pinned on any
+        host) and the CPU-resident state (pinned only with ``pin_memory`` and CUDA)."""
+        return sum(b.numel() * b.element_size() for b in self._buffers) + self._pinned.nbytes
 
     def close(self) -> None:
         """Release the swap buffers (their pinned, locked memory too) and close the swapper

@@ -271,6 +271,11 @@ class Stage3EngineParams:
         return _PartitionMaster(self) if self.master_in_partitions else None
 
     # --- the seam -------------------------------------------------------------------------
+    def pinned_bytes(self) -> int:
+        """Bytes of page-locked host memory the parameter manager holds
+        (:meth:`Stage3ParameterManager.pinned_bytes`)."""
+        return self.manager.pinned_bytes()
+
     def sub_group_specs(self):
         from zeroinf.runtime.optimizer import SubGroupSpec
         return [SubGroupSpec(k, hi - lo, gi) for k, (g, lo, hi, gi) in zip(self._keys, self._subs)]

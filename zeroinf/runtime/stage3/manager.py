@@ -99,9 +99,10 @@ from .overlap import StepGate
 from .prefetch import PrefetchScheduler
 from .released import gathered_class, released_class
 from .stats import Stage3Stats, TraceRecorder
-from .tiers import BufferRecycler, DeviceStore, HostCache, HostStore, NvmeStore, host_empty
+from .tiers import BufferRecycler, DeviceStore, HostCache, HostStore, NvmeStore
 from .units import FlatGroup, ParamSlot, Unit, UnitState, build_units, find_unit_modules
 from .. import collectives
+from ..pinned import PinnedHost
 from ..streams import transfers_for
 
 __all__ = ["Stage3ParameterManager", "managers"]
@@ -459,6 +460,7 @@ class Stage3ParameterManager:
         self._io: Optional[ThreadPoolExecutor] = None
         self._swapper = None
         self._pool = None
+        self._pinned = PinnedHost()  # host partitions, max_in_cpu cache, gradient shards: pinned with CUDA
         self._closed = False  #: see :attr:`closed`
         #: the engine's zeroinf.runtime.engine.LoadGuard (gathered_parameters refuses a half-loaded state)
         self.load_guard = None
@@ -552,8 +554,12 @@ class Stage3ParameterManager:
         return need if need * self.staging_buffer_bytes() <= budget else opts.buffer_count
 
     def pinned_bytes(self) -> int:
-        """Bytes page-locked by the NVMe staging buffer pool (0 without NVMe parameters)."""
-        return int(self._pool.pinned_bytes) if self._pool is not None else 0
+        """Bytes of page-locked host memory held: the NVMe staging buffer pool (pinned on any host;
+        0 without NVMe parameters) plus, only with CUDA, the host partitions
+        (``offload_param.device: cpu`` with ``pin_memory``), the ``max_in_cpu`` cache's copies
+        and the fp32 gradient shards still landing from the device."""
+        pool = int(self._pool.pinned_bytes) if self._pool is not None else 0
+        return pool + self._pinned.nbytes
 
     def _make_stores(self, swapper) -> None:
         opts = self.options
@@ -572,7 +578,7 @@ class Stage3ParameterManager:
                 swapper = zio.TensorSwapper(d, handle)
             self._swapper = swapper
             self._pool = zio.PinnedBufferPool(self.param_buffer_count(), self.staging_buffer_bytes())
-            self._cache = HostCache(opts.max_in_cpu, opts.pin_memory, on_hit=self._count_cache_hit) \
+            self._cache = HostCache(opts.max_in_cpu, opts.pin_memory, self._pinned, on_hit=self._count_cache_hit) \
                 if opts.max_in_cpu > 0 else None
             self._io = _IOThread(1, thread_name_prefix="zeroinf-stage3-io")
         if opts.grads_on_nvme:
@@ -586,7 +592,7 @@ class Stage3ParameterManager:
                     g.store = NvmeStore(self._swapper, f"rank{self.rank}/param/{g.key}", g.shard_numel, g.dtype,
                                         self._pool, self._cache)
                 elif tier == "cpu":
-                    g.store = HostStore(g.shard_numel, g.dtype, opts.pin_memory)
+                    g.store = HostStore(g.shard_numel, g.dtype, opts.pin_memory, self._pinned)
                 else:
                     g.store = DeviceStore(g.shard_numel, g.dtype, self.device)
 
@@ -1692,7 +1698,7 @@ class Stage3ParameterManager:
         which the per-micro-batch statistics of the fused pass do not give, and reading those
         device tensors would need another hand-off."""
         g = red.group
-        part = host_empty(g.shard_numel, torch.float32, pin=True)
+        part = self._pinned.empty(g.shard_numel, torch.float32)
         keep = (red.full,) if self._nccl else ()  # else the shard is a view of it
         ready = self.transfers.d2h(part, red.shard, work=red.work, divisor=self.world_size, keep=keep)
         if self.grad_sink is not None:  # [Note: optimizer in backward]: stepped once it lands

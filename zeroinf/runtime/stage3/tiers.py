@@ -13,14 +13,9 @@ from typing import Callable, Optional
 
 import torch
 
-__all__ = ["host_empty", "BufferRecycler", "DeviceStore", "HostStore", "NvmeStore", "HostCache"]
+from ..pinned import PinnedHost
 
-
-def host_empty(numel: int, dtype: torch.dtype, pin: bool) -> torch.Tensor:
-    """A host tensor of ``numel`` elements, pinned when ``pin`` and an accelerator exists
-    (a CPU-only torch has no pinned allocator)."""
-    pin = pin and torch.cuda.is_available()
-    return torch.empty(numel, dtype=dtype, pin_memory=pin)
+__all__ = ["BufferRecycler", "DeviceStore", "HostStore", "NvmeStore", "HostCache"]
 
 
 class BufferRecycler:
@@ -122,13 +117,14 @@ class DeviceStore:
 
 
 class HostStore(DeviceStore):
-    """Partition in host memory, pinned when possible (``offload_param.device: cpu``)."""
+    """Partition in host memory (``offload_param.device: cpu``), allocated by ``pinned``: page-locked
+    with ``pin`` and CUDA."""
 
     tier = "cpu"
 
-    def __init__(self, numel: int, dtype: torch.dtype, pin: bool):
+    def __init__(self, numel: int, dtype: torch.dtype, pin: bool, pinned: PinnedHost):
         self.numel, self.dtype = numel, dtype
-        self.tensor = host_empty(numel, dtype, pin)
+        self.tensor = pinned.empty(numel, dtype, pin=pin)
         self.tensor.zero_()
 
     def read_into(self, dst: torch.Tensor) -> int:
@@ -144,11 +140,13 @@ class HostCache:
     """Host copies of NVMe partitions, at most ``max_elements`` elements, least recently used
     evicted first (``offload_param.max_in_cpu``). Thread-safe.
 
-    ``on_hit(nbytes)``, if given, is called for every :meth:`get` that finds its key (a read
-    served from host memory instead of NVMe), so the caller can count those bytes."""
+    The copies are allocated by ``pinned`` (page-locked with ``pin`` and CUDA). ``on_hit(nbytes)``,
+    if given, is called for every :meth:`get` that finds its key (a read served from host memory
+    instead of NVMe), so the caller can count those bytes."""
 
-    def __init__(self, max_elements: int, pin: bool, on_hit: Optional[Callable[[int], None]] = None):
-        self.max_elements, self.pin, self.on_hit = max_elements, pin, on_hit
+    def __init__(self, max_elements: int, pin: bool, pinned: PinnedHost,
+                 on_hit: Optional[Callable[[int], None]] = None):
+        self.max_elements, self.pin, self.pinned, self.on_hit = max_elements, pin, pinned, on_hit
         self._lock = threading.RLock()  # re-entered by close() from a signal handler
         self._entries: "OrderedDict[str, torch.Tensor]" = OrderedDict()
         self._used = 0
@@ -174,7 +172,7 @@ class HostCache:
             while self._used + n > self.max_elements and self._entries:
                 _, ev = self._entries.popitem(last=False)
                 self._used -= ev.numel()
-            t = host_empty(n, src.dtype, self.pin)
+            t = self.pinned.empty(n, src.dtype, pin=self.pin)
             t.copy_(src)
             self._entries[key] = t
             self._used += n

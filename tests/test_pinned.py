@@ -1,0 +1,127 @@
+"""Pinned host memory accounting: ``zeroinf.runtime.pinned.PinnedHost``, the stage 1/2 manager's
+pinned buffers and ``engine.stats()["pinned_bytes"]``.
+
+torch pins only with CUDA, and this suite runs on CPU-only hosts, so the CUDA paths run here with
+a stand-in for the pinned allocator (``fake_pinning``): ``torch.cuda.is_available()`` says True,
+``torch.empty``/``torch.zeros(..., pin_memory=True)`` return ordinary tensors whose storages it
+records, and ``Tensor.is_pinned()`` answers from that record. The reference is what that
+allocator holds: the bytes of its storages still alive, which no counter of ours maintains."""
+import gc
+import weakref
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import zeroinf
+from zeroinf.runtime.flat import STAGING_NUMEL, FlatParamManager
+from zeroinf.runtime.pinned import PinnedHost
+from zeroinf.runtime.streams import HostTransfers
+
+
+@pytest.fixture
+def fake_pinning(monkeypatch):
+    """Yields a function: bytes of the live storages the stand-in pinned allocator handed out."""
+    live = weakref.WeakValueDictionary()  # id(storage) -> storage, for as long as it lives
+
+    def allocator(real):
+        def alloc(*args, pin_memory=False, **kwargs):
+            t = real(*args, **kwargs)
+            if pin_memory:
+                live[id(t.untyped_storage())] = t.untyped_storage()
+            return t
+        return alloc
+
+    def is_pinned(self, *args):
+        s = self.untyped_storage()
+        return live.get(id(s)) is s
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch, "empty", allocator(torch.empty))
+    monkeypatch.setattr(torch, "zeros", allocator(torch.zeros))
+    monkeypatch.setattr(torch.Tensor, "is_pinned", is_pinned)
+
+    def allocated() -> int:
+        gc.collect()
+        return sum(s.nbytes() for s in list(live.values()))
+    return allocated
+
+
+def test_pinned_host_allocates_ordinary_memory_without_cuda():
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA host pins")
+    h = PinnedHost()
+    t = h.zeros(1000, torch.float32)
+    assert not t.is_pinned() and h.nbytes == 0 and bool((t == 0).all())
+
+
+def test_pinned_host_counts_the_pinned_storages_alive(fake_pinning):
+    h = PinnedHost()
+    a = h.empty(4097, torch.bfloat16)
+    b = h.zeros(17, torch.float32)
+    c = h.empty(1000, torch.float32, pin=False)  # asked unpinned: ordinary memory, not counted
+    assert a.is_pinned() and b.is_pinned() and not c.is_pinned()
+    assert h.nbytes == fake_pinning() == 4097 * 2 + 17 * 4
+    view = a[5:9]  # a view keeps the storage, so the bytes stay pinned
+    del a
+    assert h.nbytes == fake_pinning() == 4097 * 2 + 17 * 4
+    del view, b
+    assert h.nbytes == fake_pinning() == 0
+
+
+class SyncSideStreams(HostTransfers):
+    """HostTransfers (copies done on return, events None) that takes the side-stream paths of
+    FlatParamManager: pinned ``host_part`` copies and the staging buffers of accumulation."""
+
+    side_streams = True
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_flat_manager_counts_grad_acc_host_part_and_staging(fake_pinning, dtype):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(7, 13), nn.Tanh(), nn.Linear(13, 5)).to(dtype)  # 174 parameters
+    before = fake_pinning()
+    m = FlatParamManager([list(model.parameters())], stage=2, sub_group_size=33, reduce_bucket_size=30,
+                         transfers=SyncSideStreams())
+    x = torch.randn(4, 7, dtype=dtype)
+    for _ in range(2):  # the second micro-batch lands through the two staging buffers
+        model(x).square().mean().backward()
+        m.reduce_gradients()
+    for i in range(len(m.sub_group_specs())):
+        m.param_target(i)  # allocates the pinned host copy of the slice
+    n = 174
+    want = 4 * n + dtype.itemsize * n + 2 * 4 * min(STAGING_NUMEL, n)  # grad_acc, host_part, staging
+    assert m.pinned_bytes() == fake_pinning() - before == want
+
+
+def test_engine_pinned_bytes_are_what_the_allocator_holds(fake_pinning):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(7, 13), nn.Tanh(), nn.Linear(13, 5))  # 174 parameters, fp32
+    cfg = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1,
+           "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+           "zero_optimization": {"stage": 2, "sub_group_size": 33,
+                                 "offload_optimizer": {"device": "cpu", "pin_memory": True}}}
+    before = fake_pinning()
+    engine, *_ = zeroinf.initialize(model, config=cfg)
+    x, y = torch.randn(4, 7), torch.randn(4, 5)
+    for _ in range(2):
+        engine.backward(F.mse_loss(engine(x), y))
+        engine.step()
+    # grad_acc (4 B) and the CPU-resident exp_avg, exp_avg_sq (8 B); the master is the fp32 flat
+    # parameter itself (CPU parameters: no host copy); the engine's stats counted no byte of it
+    assert engine.stats()["pinned_bytes"] == fake_pinning() - before == 12 * 174
+    engine.close()
+
+
+def test_stage3_manager_counts_pinned_host_partitions(fake_pinning):
+    from zeroinf.runtime.stage3 import Stage3Options, Stage3ParameterManager
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(7, 13), nn.Tanh(), nn.Linear(13, 5))  # 174 parameters
+    before = fake_pinning()
+    m = Stage3ParameterManager(model, Stage3Options(offload_param_device="cpu", pin_memory=True,
+                                                    param_persistence_threshold=0), device="cpu")
+    # every partition lives in pinned host memory; old counts saw the NVMe pool only (0 here)
+    assert m.pinned_bytes() == fake_pinning() - before == 4 * 174
+    m.close()
