@@ -21,21 +21,32 @@ Rajbhandari et al. 2021), much as DeepSpeed's estimators count them
 (``estimate_zero2_model_states_mem_needs``, ``estimate_zero3_model_states_mem_needs``, which also
 add a 1.5x safety factor and the host copy made while the model is built):
 
-* ``offload_optimizer`` cpu|nvme: the K-byte optimizer state goes to pinned host memory or NVMe
+* ``offload_optimizer`` cpu|nvme: the K-byte optimizer state goes to host memory or NVMe
   (with an fp32 master copy even in fp32 training, so K = 4 + the optimizer's own state there,
   except at stage 3 in fp32 with the optimizer on NVMe and the parameters on cpu or NVMe, where
   the parameter partitions are the masters);
-  the rank's gradient partition goes to pinned host memory in fp32 (4 bytes per parameter; the CPU
+  the rank's gradient partition goes to host memory in fp32 (4 bytes per parameter; the CPU
   optimizer reads it there) — except with both params and optimizer on NVMe at stage 3, where the
   engine swaps the fp32 gradient partition to NVMe too. With partitioned gradients (stage 2, 3) the accelerator then keeps none
   (only a reduce bucket, not counted); with stages 0 and 1 it still computes the full gradient.
-* ``offload_param`` cpu|nvme (stage 3 only): the Ψp-byte parameter partition goes to pinned host
+* ``offload_param`` cpu|nvme (stage 3 only): the Ψp-byte parameter partition goes to host
   memory or NVMe. The accelerator holds only the units gathered for compute; with a model (not a
   bare parameter count) every stage-3 row counts ``(Ψp + Ψg) x`` the parameters held gathered at
   once (:func:`stage3_units`).
 * NVMe rows add the pinned host memory the swapping needs (buffers and the ``max_in_cpu`` parameter
   cache; defaults of :mod:`zeroinf.config` unless a config gives them; see :class:`SwapBuffers`).
   Buffer bytes come from :func:`zeroinf.io.pinned_pool_bytes`, the bytes the pool will lock.
+
+Pinned host memory: each host term says whether it is page-locked (:attr:`Term.pinned`): the swap
+buffer pools are locked on any host (``mlock`` without CUDA); the gradient partition of stages
+0-2, and with ``pin_memory`` the CPU-resident optimizer state, parameter partitions and
+``max_in_cpu`` cache, are pinned by torch, which pins only with CUDA: on a CPU-only host they are
+ordinary memory. :meth:`Estimate.pinned_bytes` adds them up for a host with or without CUDA; on
+the host at hand it is what ``engine.stats()["pinned_bytes"]`` reports for a single param group
+(each param group's partition is padded to a multiple of N). With CUDA the engine pins besides,
+not counted here: stage 1/2's host copy of the parameter partition (Ψp bytes per parameter,
+shared with the fp32 master in fp32 training), two fp32 staging buffers of at most 16 MiB with
+gradient accumulation, and stage 3's gradient shards while they land from the device.
 
 "Per host" and "NVMe" are per node: the sum over the node's ``gpus_per_node`` ranks.
 
@@ -230,12 +241,16 @@ class Term:
         tier: ``"device"``, ``"host"`` or ``"nvme"``.
         bytes: bytes per rank.
         formula: how ``bytes`` was computed, with the numbers filled in.
+        pinned: whether the bytes are page-locked host memory: ``"always"`` (a swap buffer pool,
+            locked on any host), ``"cuda"`` (pinned by torch, which pins only where CUDA is
+            available; ordinary memory elsewhere) or ``"never"``.
     """
 
     name: str
     tier: str
     bytes: int
     formula: str
+    pinned: str = "never"
 
 
 @dataclass(frozen=True)
@@ -266,8 +281,13 @@ class Estimate:
 
     @property
     def per_host_bytes(self) -> int:
-        """Bytes of (pinned) host memory per node: per-rank host terms x gpus_per_node."""
+        """Bytes of host memory per node, pinned or not: per-rank host terms x gpus_per_node."""
         return self._tier("host") * self.gpus_per_node
+
+    def pinned_bytes(self, cuda: bool) -> int:
+        """Bytes of page-locked host memory per rank on a host with CUDA (``cuda=True``) or without:
+        the terms pinned ``"always"``, plus those pinned ``"cuda"`` when ``cuda``."""
+        return sum(t.bytes for t in self.terms if t.pinned == "always" or (cuda and t.pinned == "cuda"))
 
     @property
     def nvme_bytes(self) -> int:
@@ -275,11 +295,13 @@ class Estimate:
         return self._tier("nvme") * self.gpus_per_node
 
     def row(self) -> dict:
-        """The JSON row of ``zeroinf estimate --json``."""
+        """The JSON row of ``zeroinf estimate --json``; ``pinned_bytes_per_rank`` is
+        :meth:`pinned_bytes` without CUDA, ``pinned_bytes_per_rank_cuda`` with."""
         return {"stage": self.placement.stage, "offload_param": self.placement.offload_param,
                 "offload_optimizer": self.placement.offload_optimizer,
                 "per_device_bytes": self.per_device_bytes, "per_host_bytes": self.per_host_bytes,
-                "nvme_bytes": self.nvme_bytes}
+                "nvme_bytes": self.nvme_bytes, "pinned_bytes_per_rank": self.pinned_bytes(cuda=False),
+                "pinned_bytes_per_rank_cuda": self.pinned_bytes(cuda=True)}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -523,7 +545,8 @@ def _fmt(n: int) -> str:
 def estimate(params: int, placement: Placement, *, world_size: int = 1, gpus_per_node: Optional[int] = None,
              precision: str = "bf16", optimizer: str = "adam", live_params: Optional[int] = None,
              activations: int = 0, activations_formula: str = "Korthikanti et al. 2022, Sec. 4",
-             swap: SwapBuffers = SwapBuffers()) -> Estimate:
+             swap: SwapBuffers = SwapBuffers(), optimizer_pin_memory: bool = False,
+             param_pin_memory: bool = False) -> Estimate:
     """Bytes per accelerator, per host and on NVMe for one placement (formulas: module docstring).
 
     Args:
@@ -537,6 +560,10 @@ def estimate(params: int, placement: Placement, *, world_size: int = 1, gpus_per
         activations: activation bytes per accelerator (see :func:`activation_bytes`), added as a term.
         activations_formula: how ``activations`` was computed, shown with the term.
         swap: pinned buffer sizes for NVMe rows.
+        optimizer_pin_memory, param_pin_memory: ``offload_optimizer.pin_memory`` and
+            ``offload_param.pin_memory`` (default false, as :mod:`zeroinf.config`): the
+            CPU-resident optimizer state, and the host parameter partitions and cache, are then
+            pinned with CUDA (:attr:`Term.pinned` ``"cuda"``).
 
     Raises:
         ValueError: non-positive counts, ``gpus_per_node`` not dividing ``world_size``, unknown
@@ -574,8 +601,9 @@ def estimate(params: int, placement: Placement, *, world_size: int = 1, gpus_per
     # parameters
     numel, what = count(st == 3)
     tier = {"none": "device", "cpu": "host", "nvme": "nvme"}[placement.offload_param]
+    param_pin = "cuda" if param_pin_memory and tier == "host" else "never"
     terms.append(Term(f"{prec.name} parameters", tier, prec.param_bytes * numel,
-                      f"{prec.param_bytes} B x {what}"))
+                      f"{prec.param_bytes} B x {what}", param_pin))
     if st == 3 and live_params:
         terms.append(Term("gathered units (params + grads)", "device",
                           (prec.param_bytes + prec.grad_bytes) * live_params,
@@ -589,7 +617,8 @@ def estimate(params: int, placement: Placement, *, world_size: int = 1, gpus_per
     numel, what = count(st >= 1)
     parts = f"master {master} + {optimizer} {OPTIMIZERS[optimizer]}" if master else f"{optimizer}"
     tier = {"none": "device", "cpu": "host", "nvme": "nvme"}[placement.offload_optimizer]
-    terms.append(Term("optimizer state (fp32)", tier, k * numel, f"K = {k} B ({parts}) x {what}"))
+    terms.append(Term("optimizer state (fp32)", tier, k * numel, f"K = {k} B ({parts}) x {what}",
+                      "cuda" if optimizer_pin_memory and tier == "host" else "never"))
     if st == 3 and placement.offload_param == "nvme" and placement.offload_optimizer == "nvme":
         # ZeRO-Infinity: the engine swaps the fp32 gradient partitions to NVMe as well
         # (zeroinf/runtime/stage3/engine_glue.py, grads_on_nvme), so host memory stays flat in P.
@@ -598,7 +627,10 @@ def estimate(params: int, placement: Placement, *, world_size: int = 1, gpus_per
             terms.append(Term(f"gradient partition ({prec.name}, swapped)", "nvme", prec.grad_bytes * numel,
                               f"{prec.grad_bytes} B x {what}"))
     elif placement.offload_optimizer != "none":
-        terms.append(Term("gradient partition (fp32, pinned)", "host", 4 * numel, f"4 B x {what}"))
+        # stages 0-2 accumulate it in FlatParamManager.grad_acc, which torch pins with CUDA; stage 3
+        # in ordinary memory
+        terms.append(Term("gradient partition (fp32)", "host", 4 * numel, f"4 B x {what}",
+                          "cuda" if st < 3 else "never"))
     if placement.offload_optimizer == "nvme":
         elems = min(swap.sub_group_size, numel)
         groups = -(-numel // swap.sub_group_size)
@@ -606,19 +638,20 @@ def estimate(params: int, placement: Placement, *, world_size: int = 1, gpus_per
         in_flight = optimizer_buffer_count(swap.optimizer_buffer_count, swap.optimizer_pipeline_read,
                                            swap.optimizer_pipeline_write, groups)
         cap = groups if swap.optimizer_pipeline_read else 1 + swap.optimizer_pipeline_write
-        terms.append(Term("optimizer swap buffers (pinned)", "host", _pool_bytes(in_flight, k * elems, swap.alignment),
+        terms.append(Term("optimizer swap buffers", "host", _pool_bytes(in_flight, k * elems, swap.alignment),
                           f"min(buffer_count {swap.optimizer_buffer_count}, "
                           f"{'sub-groups' if swap.optimizer_pipeline_read else 'in flight'} {cap})"
-                          f" x K {k} B x {_fmt(elems)} elements, rounded up to pages"))
+                          f" x K {k} B x {_fmt(elems)} elements, rounded up to pages", "always"))
     if placement.offload_param == "nvme":
-        terms.append(Term("parameter swap buffers (pinned)", "host",
+        terms.append(Term("parameter swap buffers", "host",
                           _pool_bytes(swap.param_buffer_count, prec.param_bytes * swap.param_buffer_size, swap.alignment),
                           f"buffer_count {swap.param_buffer_count} x {prec.param_bytes} B x buffer_size "
-                          f"{_fmt(swap.param_buffer_size)}, rounded up to pages"))
+                          f"{_fmt(swap.param_buffer_size)}, rounded up to pages", "always"))
         cached = min(swap.param_max_in_cpu, shard)
         if cached:
-            terms.append(Term("parameter cache (pinned, max_in_cpu)", "host", prec.param_bytes * cached,
-                              f"{prec.param_bytes} B x min(max_in_cpu, ceil(P/N)) = {_fmt(cached)}"))
+            terms.append(Term("parameter cache (max_in_cpu)", "host", prec.param_bytes * cached,
+                              f"{prec.param_bytes} B x min(max_in_cpu, ceil(P/N)) = {_fmt(cached)}",
+                              "cuda" if param_pin_memory else "never"))
     if activations:
         terms.append(Term("activations", "device", int(activations), activations_formula))
     return Estimate(placement=placement, params=params, world_size=n, gpus_per_node=gpn, terms=tuple(terms))
@@ -744,8 +777,13 @@ def format_size(nbytes: int, unit: str = "GB") -> str:
     return f"{v:,.2f}" if v >= 1 or v == 0 else f"{v:.3g}"
 
 
+_PINNED_TAGS = {"always": " [pinned]", "cuda": " [pinned with CUDA]", "never": ""}
+
+
 def format_table(rows: Sequence[Estimate], unit: str = "GB", terms: bool = False) -> str:
-    """The human-readable table of ``zeroinf estimate``; sizes in ``unit`` (``"GB"`` or ``"GiB"``)."""
+    """The human-readable table of ``zeroinf estimate``; sizes in ``unit`` (``"GB"`` or ``"GiB"``).
+    With ``terms``, every term (tagged when pinned) and each row's pinned bytes per rank with and
+    without CUDA."""
     head = ("stage", "offload_param", "offload_optimizer", "per device", "per host", "NVMe")
     lines = [f"{head[0]:>5}  {head[1]:<13}  {head[2]:<17}  {head[3]:>12}  {head[4]:>12}  {head[5]:>12}"]
     for e in rows:
@@ -755,7 +793,11 @@ def format_table(rows: Sequence[Estimate], unit: str = "GB", terms: bool = False
                      f"{format_size(e.nvme_bytes, unit):>12}")
         if terms:
             for t in e.terms:
-                lines.append(f"{'':>7}{t.tier:<6} {format_size(t.bytes, unit):>12} {unit}/rank  {t.name}: {t.formula}")
+                lines.append(f"{'':>7}{t.tier:<6} {format_size(t.bytes, unit):>12} {unit}/rank  "
+                             f"{t.name}{_PINNED_TAGS[t.pinned]}: {t.formula}")
+            lines.append(f"{'':>7}pinned {format_size(e.pinned_bytes(cuda=True), unit):>12} {unit}/rank  on a CUDA "
+                         f"host; {format_size(e.pinned_bytes(cuda=False), unit)} without CUDA (torch pins only "
+                         f"with CUDA; the swap pools are locked on any host)")
     return "\n".join(lines)
 
 
@@ -764,6 +806,7 @@ def main(args: argparse.Namespace) -> int:
     try:
         precision = args.precision or "bf16"
         swap = PLAN_SWAP
+        pins = {}  # without --config: pin_memory false, the config default
         placements = list(PLACEMENTS)
         threshold = PERSISTENCE_THRESHOLD
         n = world_size(args)
@@ -775,6 +818,8 @@ def main(args: argparse.Namespace) -> int:
             swap = swap_buffers_from_config(cfg)
             precision = args.precision or cfg.precision
             threshold = cfg.zero_optimization.stage3_param_persistence_threshold
+            pins = dict(optimizer_pin_memory=cfg.zero_optimization.offload_optimizer.pin_memory,
+                        param_pin_memory=cfg.zero_optimization.offload_param.pin_memory)
         info, act, act_formula = resolve_model(args, persistence_threshold=threshold)
         if not args.config:  # the parameter buffers zeroinf plan would write for this model
             swap = swap_for(info, n)
@@ -786,7 +831,7 @@ def main(args: argparse.Namespace) -> int:
             placements = [p for p in placements if p.stage == args.stage]
         rows = [estimate(info.params, pl, world_size=n, gpus_per_node=args.gpus, precision=precision,
                          optimizer=args.optimizer, live_params=info.live_params, activations=act,
-                         activations_formula=act_formula, swap=swap)
+                         activations_formula=act_formula, swap=swap, **pins)
                 for pl in placements]
     except (ValueError, OSError) as exc:  # ConfigError is a ValueError
         print(f"zeroinf estimate: error: {exc}", file=sys.stderr)

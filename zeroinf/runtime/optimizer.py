@@ -500,9 +500,11 @@ class SubGroupOptimizer:
     # ------------------------------------------------------------------------------------------
 
     def pinned_bytes(self) -> int:
-        """Bytes of page-locked host memory held: the swap buffers (device "nvme", pinned on any
-        host) and the CPU-resident state (pinned only with ``pin_memory`` and CUDA)."""
-        return sum(b.numel() * b.element_size() for b in self._buffers) + self._pinned.nbytes
+        """Bytes of page-locked host memory held: the swap buffer pool (device "nvme", locked on any
+        host; each buffer rounded up to whole pages, :func:`zeroinf.io.pinned_pool_bytes`) and the
+        CPU-resident state (pinned only with ``pin_memory`` and CUDA)."""
+        pool = self._pool.pinned_bytes if self._buffers else 0
+        return pool + self._pinned.nbytes
 
     def close(self) -> None:
         """Release the swap buffers (their pinned, locked memory too) and close the swapper
