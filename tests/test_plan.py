@@ -1,6 +1,7 @@
 """zeroinf.plan: the placement ladder, the config it writes (checked by the engine's parse_config),
 step-time lower bounds and the bench-JSON readers. Sizes in decimal GB (1e9 bytes)."""
 import json
+import os
 
 import pytest
 
@@ -182,3 +183,47 @@ def test_cli_out_a_folder_exits_2_and_leaves_nothing(tmp_path, capsys, monkeypat
     rc = cli.main(["plan", "--params", "1e9", "--gpu-mem", "80GB", "--cpu-mem", "1TB", "--out", out])
     assert rc == 2 and "is a folder; give a file name" in capsys.readouterr().err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["existing-dir"] and not list((tmp_path / "existing-dir").iterdir())
+
+
+@pytest.mark.parametrize("out", ["afile/x.json", "afile/sub/x.json", "dead-dir/x.json"])
+def test_cli_out_under_a_file_names_it(tmp_path, capsys, monkeypatch, out):
+    """A regular file (or a dangling link) where --out needs a folder: mkdir's "[Errno 17] File
+    exists" was the message (tester-32 r09)."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "afile").write_text("x")
+    (tmp_path / "dead-dir").symlink_to("nowhere")
+    rc = cli.main(["plan", "--params", "1e9", "--gpu-mem", "80GB", "--cpu-mem", "1TB", "--out", out])
+    got = capsys.readouterr()
+    blocker = out.split("/")[0]
+    assert rc == 2 and got.out == "" and got.err.splitlines() == [
+        f"zeroinf plan: error: --out {out!r}: {tmp_path / blocker} is not a directory"]
+    assert (tmp_path / "afile").read_text() == "x" and sorted(p.name for p in tmp_path.iterdir()) == ["afile", "dead-dir"]
+
+
+@pytest.mark.parametrize("link_to", ["cfg/x.json", "old.json"])
+def test_cli_out_a_symlink_is_written_through(tmp_path, capsys, monkeypatch, link_to):
+    """--out LINK replaced the link, dangling or not, with a regular file (tester-32 r09): the
+    config goes to the link's target, as shell redirection writes it."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "cfg").mkdir()
+    (tmp_path / "old.json").write_text("{}")
+    (tmp_path / "link").symlink_to(link_to)
+    rc = cli.main(["plan", "--params", "1e9", "--gpu-mem", "80GB", "--cpu-mem", "1TB", "--out", "link"])
+    assert rc == 0
+    assert (tmp_path / "link").is_symlink() and os.readlink(tmp_path / "link") == link_to
+    assert parse_config(str(tmp_path / link_to)).zero_optimization.stage == 0
+    assert capsys.readouterr().out.splitlines()[-1] == f"wrote {tmp_path / link_to} (through the link {tmp_path / 'link'})"
+    assert not list(tmp_path.rglob("*.tmp"))
+
+
+@pytest.mark.parametrize("name,link_to,says", [
+    ("link", "nowhere/x.json", "is a symbolic link to nowhere/x.json, whose folder "),
+    ("loop", "loop", "is a symbolic link loop")], ids=["dangling", "loop"])
+def test_cli_out_a_symlink_that_cannot_be_written_through_exits_2(tmp_path, capsys, monkeypatch, name, link_to, says):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / name).symlink_to(link_to)
+    rc = cli.main(["plan", "--params", "1e9", "--gpu-mem", "80GB", "--cpu-mem", "1TB", "--out", name])
+    got = capsys.readouterr()
+    assert rc == 2 and got.out == "" and len(got.err.splitlines()) == 1
+    assert got.err.startswith(f"zeroinf plan: error: --out {name!r}: {says}"), got.err
+    assert [p.name for p in tmp_path.iterdir()] == [name] and os.readlink(tmp_path / name) == link_to

@@ -35,7 +35,8 @@ from zeroinf.estimate import (GB, OPTIMIZERS, format_size, PLAN_SWAP, swap_for, 
                               add_model_arguments, estimate, parse_bytes, resolve_model)
 
 __all__ = ["LADDER", "ADAM_BYTES_PER_PARAM", "Limits", "Attempt", "Plan", "check_fit", "choose", "make_config",
-           "swap_for", "step_time_bounds", "read_adam_json", "read_nvme_json", "add_arguments", "main"]
+           "swap_for", "step_time_bounds", "read_adam_json", "read_nvme_json", "out_target", "add_arguments",
+           "main"]
 
 #: Placements from cheapest to most offloaded.
 LADDER: Tuple[Placement, ...] = (
@@ -297,9 +298,39 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     bw.add_argument("--adam-params-per-s", type=float, help="CPU Adam params/s of the host")
     bw.add_argument("--adam-json", help="bench/cpu_adam.py JSON")
     out = parser.add_argument_group("config written")
-    out.add_argument("--out", default="zeroinf_plan.json", help="path of the config (default zeroinf_plan.json)")
+    out.add_argument("--out", default="zeroinf_plan.json",
+                     help="path of the config (default zeroinf_plan.json); missing folders are made; a symbolic "
+                          "link is written through to its target, whose folder must exist")
     out.add_argument("--nvme-path", default="/local_nvme", help="nvme_path in the config (default /local_nvme)")
     out.add_argument("--lr", type=float, default=1e-4, help="optimizer lr in the config (default 1e-4)")
+
+
+def out_target(out: str) -> Path:
+    """The file ``zeroinf plan --out OUT`` writes: ``OUT`` made absolute, or, when ``OUT`` is a
+    symbolic link (dangling or not), the file it points to, so the link stays a link (as shell
+    redirection writes through one; GNU cp refuses a dangling one). Nothing is created here.
+
+    Raises:
+        ValueError: naming ``--out``: ``OUT`` is empty, ends in a separator or is a folder; a link
+            loops or points into a folder that does not exist; a folder on the way is a file.
+    """
+    path = Path(out).absolute()  # "." has no name to add ".tmp" to (a traceback: helper-46 t06)
+    # the rename failed and left OUT.tmp behind; "newdir/" wrote a file named newdir (helper-48 P9)
+    if path.is_dir() or str(out).endswith(("/", os.sep)) or not str(out).strip():
+        raise ValueError(f"--out {out!r}: is a folder; give a file name")
+    if path.is_symlink():  # it was replaced by a regular file (tester-32 r09)
+        target = Path(os.path.realpath(path))
+        if target.is_symlink():
+            raise ValueError(f"--out {out!r}: is a symbolic link loop")
+        if not target.parent.is_dir():
+            raise ValueError(f"--out {out!r}: is a symbolic link to {os.readlink(path)}, whose folder "
+                             f"{target.parent} does not exist")
+        return target
+    # a file on the way made mkdir say "[Errno 17] File exists" (tester-32 r09)
+    parent = next(p for p in path.parents if os.path.lexists(p))
+    if not parent.is_dir():
+        raise ValueError(f"--out {out!r}: {parent} is not a directory")
+    return path
 
 
 def _bandwidths(args) -> Tuple[Optional[float], Optional[float], Optional[float], List[str]]:
@@ -345,6 +376,7 @@ def main(args: argparse.Namespace) -> int:
             raise ValueError(f"--micro-batch: must be >= 1, got {args.micro_batch}")
         info, act, act_formula = resolve_model(args)
         rd, wr, adam, notes = _bandwidths(args)
+        out = out_target(args.out)
     except (ValueError, OSError) as exc:
         print(f"zeroinf plan: error: {exc}", file=sys.stderr)
         return 2
@@ -385,11 +417,6 @@ def main(args: argparse.Namespace) -> int:
         print("(give --adam-gbps, --adam-params-per-s or --adam-json for the optimizer's lower bound)")
     if "nvme" in (pl.offload_optimizer, pl.offload_param) and "nvme" not in bounds:
         print("(give --nvme-bw or --nvme-json for the NVMe lower bound)")
-    out = Path(args.out).absolute()  # "." has no name to add ".tmp" to (a traceback: helper-46 t06)
-    # the rename failed and left OUT.tmp behind; "newdir/" wrote a file named newdir (helper-48 P9)
-    if out.is_dir() or str(args.out).endswith(("/", os.sep)) or not str(args.out).strip():
-        print(f"zeroinf plan: error: --out {args.out!r}: is a folder; give a file name", file=sys.stderr)
-        return 2
     tmp = out.with_name(out.name + ".tmp")
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -402,5 +429,6 @@ def main(args: argparse.Namespace) -> int:
             pass
         print(f"zeroinf plan: error: cannot write {out}: {exc}", file=sys.stderr)
         return 2
-    print(f"wrote {out}")
+    link = Path(args.out).absolute()
+    print(f"wrote {out}" if link == out else f"wrote {out} (through the link {link})")
     return 0
