@@ -2,6 +2,8 @@
 step-time lower bounds and the bench-JSON readers. Sizes in decimal GB (1e9 bytes)."""
 import json
 import os
+import subprocess
+import sys
 
 import pytest
 
@@ -227,3 +229,34 @@ def test_cli_out_a_symlink_that_cannot_be_written_through_exits_2(tmp_path, caps
     assert rc == 2 and got.out == "" and len(got.err.splitlines()) == 1
     assert got.err.startswith(f"zeroinf plan: error: --out {name!r}: {says}"), got.err
     assert [p.name for p in tmp_path.iterdir()] == [name] and os.readlink(tmp_path / name) == link_to
+
+
+def _into_closed_pipe(argv, cwd):
+    """``python -m zeroinf ARGV`` with stdout a pipe whose reader has already gone (as after
+    ``| head -1``): every write to it fails with EPIPE."""
+    r, w = os.pipe()
+    os.close(r)
+    try:
+        return subprocess.run([sys.executable, "-m", "zeroinf", *argv], cwd=cwd, stdout=w, stderr=subprocess.PIPE,
+                              text=True, timeout=120)
+    finally:
+        os.close(w)
+
+
+def test_cli_into_a_closed_pipe_exits_141_quietly_with_the_config_written(tmp_path):
+    """zeroinf plan ... | head -1 ended in a BrokenPipeError traceback (tester-32 r09)."""
+    proc = _into_closed_pipe(["plan", "--params", "1e9", "--gpu-mem", "1GB", "--cpu-mem", "9GB", "--nvme", "1TB",
+                              "--reserve", "0", "--nvme-path", str(tmp_path), "--out", "p.json"], tmp_path)
+    assert (proc.returncode, proc.stderr) == (141, "")
+    z = parse_config(str(tmp_path / "p.json")).zero_optimization
+    assert (z.stage, z.offload_param.device, z.offload_optimizer.device) == (3, "nvme", "nvme")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["p.json"]
+
+
+@pytest.mark.parametrize("argv", [["estimate", "--params", "7e9"], ["--help"], ["plan", "--help"]],
+                         ids=["estimate", "help", "plan-help"])
+def test_every_command_into_a_closed_pipe_exits_141_quietly(tmp_path, argv):
+    """Every subcommand's output goes through cli.main; argparse dropped the error of --help's
+    (exit 0 for ``zeroinf --help``, 141 for ``zeroinf plan --help``, by buffer size)."""
+    proc = _into_closed_pipe(argv, tmp_path)
+    assert (proc.returncode, proc.stderr) == (141, "")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 from typing import List, Optional
 
@@ -21,10 +22,43 @@ COMMANDS = {
 }
 
 
+#: exit code when the reader of stdout went away (``zeroinf plan | head -1``): 128 + SIGPIPE, the
+#: status a shell reports for a tool that SIGPIPE ended
+EXIT_BROKEN_PIPE = 141
+
+
 def main(argv: Optional[List[str]] = None) -> int:
-    """Entry point of the ``zeroinf`` console script; returns the process exit code."""
+    """Entry point of the ``zeroinf`` console script; returns the process exit code.
+
+    When stdout is a pipe whose reader has gone, the command stops quietly with
+    :data:`EXIT_BROKEN_PIPE` (it ended in a BrokenPipeError traceback: tester-32 r09); files a
+    subcommand finished writing before that are complete.
+    """
+    try:
+        try:
+            return _run(argv)
+        finally:  # output still buffered meets the broken pipe here, not at the interpreter's exit
+            sys.stdout.flush()
+    except BrokenPipeError:
+        # stdout's buffer still holds what could not be written: point it at /dev/null so that
+        # the interpreter's final flush does not raise again
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+        return EXIT_BROKEN_PIPE
+
+
+class _Parser(argparse.ArgumentParser):
+    """An argument parser whose help output lets a BrokenPipeError through, as every other output
+    of the command does (argparse drops it, so ``--help | head -1`` exited 0 or 141 by buffer size)."""
+
+    def print_help(self, file=None):
+        (file or sys.stdout).write(self.format_help())
+
+
+def _run(argv: Optional[List[str]]) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    parser = argparse.ArgumentParser(prog="zeroinf", description="ZeRO-Infinity offload engine for PyTorch")
+    parser = _Parser(prog="zeroinf", description="ZeRO-Infinity offload engine for PyTorch")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, (_module, help_text) in COMMANDS.items():
         sub.add_parser(name, help=help_text, add_help=False)
@@ -32,7 +66,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         parser.print_help()
         return 0 if not argv or argv[0] in ("-h", "--help") else 2
     module = importlib.import_module(COMMANDS[argv[0]][0])
-    cmd_parser = argparse.ArgumentParser(prog=f"zeroinf {argv[0]}", description=COMMANDS[argv[0]][1])
+    cmd_parser = _Parser(prog=f"zeroinf {argv[0]}", description=COMMANDS[argv[0]][1])
     module.add_arguments(cmd_parser)
     args = cmd_parser.parse_args(argv[1:])
     return int(module.main(args) or 0)

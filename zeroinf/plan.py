@@ -386,6 +386,23 @@ def main(args: argparse.Namespace) -> int:
     swap = swap_for(info, n)
     plan = choose(info, limits, world_size=n, gpus_per_node=args.gpus, precision=precision,
                   optimizer=args.optimizer, activations=act, activations_formula=act_formula, swap=swap)
+    if plan.chosen is not None:  # written before anything is printed: a reader of stdout that goes
+        # away (zeroinf plan | head -1) ends the output, not the file
+        cfg = make_config(plan.chosen.placement, precision=precision, micro_batch=args.micro_batch,
+                          nvme_path=args.nvme_path, swap=swap, lr=args.lr, optimizer=args.optimizer)
+        parse_config(cfg, world_size=n)  # the engine's own validation; a failure here is a bug in make_config
+        tmp = out.with_name(out.name + ".tmp")
+        try:
+            out.parent.mkdir(parents=True, exist_ok=True)
+            tmp.write_text(json.dumps(cfg, indent=2) + "\n")
+            tmp.replace(out)
+        except OSError as exc:
+            try:
+                tmp.unlink(missing_ok=True)
+            except OSError:  # its folder could not be made: nothing was written
+                pass
+            print(f"zeroinf plan: error: cannot write {out}: {exc}", file=sys.stderr)
+            return 2
     print(f"model {info.name}: P = {info.params:,}; N = {n} ({args.gpus} per node x {args.nodes} nodes); {precision}")
     print(f"usable (after reserving {args.reserve:.0%}): {format_size(limits.usable('device'))} GB per device, "
           f"{format_size(limits.usable('host'))} GB per host, {format_size(limits.usable('nvme'))} GB NVMe per node "
@@ -404,9 +421,6 @@ def main(args: argparse.Namespace) -> int:
           f"params -> CPU, NVMe)")
     for t in plan.chosen.terms:
         print(f"  {t.tier:<6} {format_size(t.bytes):>12} GB per rank  {t.name}: {t.formula}")
-    cfg = make_config(pl, precision=precision, micro_batch=args.micro_batch, nvme_path=args.nvme_path,
-                      swap=swap, lr=args.lr, optimizer=args.optimizer)
-    parse_config(cfg, world_size=n)  # the engine's own validation; a failure here is a bug in make_config
     for note in notes:
         print(note)
     bounds = step_time_bounds(plan.chosen, adam_params_per_s=adam, nvme_read_gbps=rd, nvme_write_gbps=wr,
@@ -417,18 +431,6 @@ def main(args: argparse.Namespace) -> int:
         print("(give --adam-gbps, --adam-params-per-s or --adam-json for the optimizer's lower bound)")
     if "nvme" in (pl.offload_optimizer, pl.offload_param) and "nvme" not in bounds:
         print("(give --nvme-bw or --nvme-json for the NVMe lower bound)")
-    tmp = out.with_name(out.name + ".tmp")
-    try:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        tmp.write_text(json.dumps(cfg, indent=2) + "\n")
-        tmp.replace(out)
-    except OSError as exc:
-        try:
-            tmp.unlink(missing_ok=True)
-        except OSError:  # its folder could not be made: nothing was written
-            pass
-        print(f"zeroinf plan: error: cannot write {out}: {exc}", file=sys.stderr)
-        return 2
     link = Path(args.out).absolute()
     print(f"wrote {out}" if link == out else f"wrote {out} (through the link {link})")
     return 0
