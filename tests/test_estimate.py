@@ -203,7 +203,8 @@ def test_activation_formula_korthikanti():
 # --- parsing -------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("text,want", [("7e9", 7 * 10**9), ("7B", 7 * 10**9), ("6.7b", 6_700_000_000),
-                                       ("350M", 350 * 10**6), ("1.5T", 1_500_000_000_000), ("12", 12)])
+                                       ("350M", 350 * 10**6), ("1.5T", 1_500_000_000_000), ("12", 12),
+                                       ("1.1B", 1_100_000_000), ("1.5B", 1_500_000_000), ("2.0", 2), (7e9, 7 * 10**9)])
 def test_parse_count(text, want):
     assert parse_count(text) == want
 
@@ -233,6 +234,13 @@ def test_every_tool_parses_sizes_alike():
 def test_parse_errors(fn, text):
     with pytest.raises(ValueError, match="expected|must be"):
         fn(text)
+
+
+@pytest.mark.parametrize("text,says", [("1.5", "1.5 is not"), ("1.0000000001B", "1000000000.1 is not"), (2.5, "2.5 is not")])
+def test_parse_count_refuses_a_fraction_of_a_parameter(text, says):
+    """``--params 1.5`` was rounded to P = 2 (tester-30 t13)."""
+    with pytest.raises(ValueError, match=f"parameter count {text!r}: {says} a whole number of parameters"):
+        parse_count(text)
 
 
 # --- command line --------------------------------------------------------------------------------

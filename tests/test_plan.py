@@ -124,6 +124,19 @@ def test_cli_usage_errors(tmp_path, capsys):
     assert not (tmp_path / "p.json").exists()
 
 
+@pytest.mark.parametrize("flag", ["--params", "--live-params"])
+def test_cli_a_fraction_of_a_parameter_exits_2(tmp_path, capsys, flag):
+    """``--params 1.5`` planned for P = 2 and wrote its config (tester-30 t13)."""
+    argv = ["plan", "--gpu-mem", "80GB", "--cpu-mem", "1TB", "--out", str(tmp_path / "p.json"), flag, "1.5"]
+    with pytest.raises(SystemExit) as exc:
+        cli.main(argv + (["--params", "1e9"] if flag != "--params" else []))
+    got = capsys.readouterr()
+    assert exc.value.code == 2 and got.out == ""
+    assert got.err.splitlines()[-1] == (f"zeroinf plan: error: argument {flag}: parameter count '1.5': 1.5 is not a "
+                                        f"whole number of parameters")
+    assert not list(tmp_path.iterdir())
+
+
 def test_step_time_bounds_exact():
     from zeroinf.estimate import estimate
 

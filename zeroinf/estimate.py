@@ -64,6 +64,7 @@ import os
 import re
 import sys
 from dataclasses import dataclass
+from decimal import Decimal
 from pathlib import Path
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
@@ -71,7 +72,7 @@ from zeroinf.sizes import parse_bytes as _parse_bytes
 
 __all__ = [
     "GB", "GiB", "PRESETS", "PRECISIONS", "OPTIMIZERS", "PLACEMENTS", "Precision", "Placement",
-    "ModelInfo", "SwapBuffers", "Term", "Estimate", "parse_count", "parse_bytes", "load_model_config",
+    "ModelInfo", "SwapBuffers", "Term", "Estimate", "parse_count", "parse_bytes", "flag_type", "load_model_config",
     "model_info", "count_params", "stage3_units", "PERSISTENCE_THRESHOLD", "activation_bytes", "estimate", "estimate_all", "swap_buffers_from_config",
     "placement_from_config", "PLAN_SWAP", "swap_for", "add_model_arguments", "world_size", "resolve_model", "format_size", "format_table", "add_arguments", "main",
 ]
@@ -313,22 +314,40 @@ _SUFFIX_COUNT = {"": 1, "k": 10**3, "m": 10**6, "b": 10**9, "g": 10**9, "t": 10*
 def parse_count(text: Union[str, int, float]) -> int:
     """A parameter count from ``7e9``, ``7B``, ``6.7b``, ``350M``, ``1.2T`` or an int.
 
-    Suffixes are decimal: K = 1e3, M = 1e6, B (or G) = 1e9, T = 1e12. The result is rounded to the
-    nearest integer.
+    Suffixes are decimal: K = 1e3, M = 1e6, B (or G) = 1e9, T = 1e12. The number is read exactly
+    (as a decimal, so ``1.1B`` is 1,100,000,000) and must be whole: a fraction of a parameter means
+    nothing (``1.5`` was rounded to 2).
 
     Raises:
-        ValueError: not a positive number with an optional suffix.
+        ValueError: not a positive whole number with an optional suffix.
     """
     if isinstance(text, (int, float)) and not isinstance(text, bool):
-        value = float(text)
+        if not math.isfinite(text):
+            raise ValueError(f"parameter count {text!r}: must be at least 1")
+        value = Decimal(text)
     else:
         m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([kKmMbBgGtT]?)\s*", str(text))
         if not m:
             raise ValueError(f"parameter count {text!r}: expected a number such as 7e9, 7B or 350M")
-        value = float(m.group(1)) * _SUFFIX_COUNT[m.group(2).lower()]
-    if not math.isfinite(value) or value < 1:
+        value = Decimal(m.group(1)) * _SUFFIX_COUNT[m.group(2).lower()]
+    if value < 1:
         raise ValueError(f"parameter count {text!r}: must be at least 1")
-    return int(round(value))
+    if value != value.to_integral_value():
+        raise ValueError(f"parameter count {text!r}: {value.normalize():f} is not a whole number of parameters")
+    return int(value)
+
+
+def flag_type(parse):
+    """``parse`` (:func:`parse_count`, :func:`parse_bytes`) as an argparse ``type``: its ValueError
+    becomes argparse's message for the flag, so the error says why ("argument --params: parameter
+    count '1.5': 1.5 is not a whole number ..."), not "invalid parse_count value"."""
+    def convert(text: str):
+        try:
+            return parse(text)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from exc
+    convert.__name__ = parse.__name__
+    return convert
 
 
 def parse_bytes(text: Union[str, int]) -> int:
@@ -691,14 +710,14 @@ def swap_buffers_from_config(cfg) -> SwapBuffers:
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     """Options shared by ``zeroinf estimate`` and ``zeroinf plan``: model, ranks, precision, activations."""
     src = parser.add_mutually_exclusive_group(required=True)
-    src.add_argument("--params", type=parse_count, help="parameter count, e.g. 7e9, 7B, 350M")
+    src.add_argument("--params", type=flag_type(parse_count), help="parameter count, e.g. 7e9, 7B, 350M")
     src.add_argument("--model", help=f"a Hugging Face config.json (or its folder) or a preset: "
                                      f"{', '.join(PRESETS)}; parameters counted on the meta device")
     parser.add_argument("--gpus", type=int, default=1, help="accelerators per node (default 1)")
     parser.add_argument("--nodes", type=int, default=1, help="nodes (default 1); N = gpus x nodes")
     parser.add_argument("--precision", choices=list(PRECISIONS), default=None,
                         help="bf16/fp16 (fp32 master weights) or fp32 (default bf16, or the --config's)")
-    parser.add_argument("--live-params", type=parse_count, default=None,
+    parser.add_argument("--live-params", type=flag_type(parse_count), default=None,
                         help="parameters a stage-3 rank holds gathered at once (default: from --model: "
                              "persistent + root + largest block)")
     act = parser.add_argument_group("activations (Korthikanti et al. 2022); counted when --seq-len is given")

@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
 from zeroinf.estimate import (GB, OPTIMIZERS, format_size, PLAN_SWAP, swap_for, PRECISIONS, Estimate, ModelInfo, Placement, SwapBuffers,
-                              add_model_arguments, estimate, parse_bytes, resolve_model)
+                              add_model_arguments, estimate, flag_type, parse_bytes, resolve_model)
 
 __all__ = ["LADDER", "ADAM_BYTES_PER_PARAM", "Limits", "Attempt", "Plan", "check_fit", "choose", "make_config",
            "swap_for", "step_time_bounds", "read_adam_json", "read_nvme_json", "out_target", "add_arguments",
@@ -284,9 +284,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_model_arguments(parser)
     parser.add_argument("--optimizer", choices=["adam", "adamw"], default="adamw", help="default adamw")
     mem = parser.add_argument_group("memory (1G = 1GB = 1e9 bytes, 1GiB = 2**30 bytes; also K, M, T)")
-    mem.add_argument("--gpu-mem", type=parse_bytes, required=True, help="per accelerator, e.g. 80GB")
-    mem.add_argument("--cpu-mem", type=parse_bytes, required=True, help="host memory per node, e.g. 1TB")
-    mem.add_argument("--nvme", type=parse_bytes, default=0, help="NVMe space per node, e.g. 8TB (default: none)")
+    mem.add_argument("--gpu-mem", type=flag_type(parse_bytes), required=True, help="per accelerator, e.g. 80GB")
+    mem.add_argument("--cpu-mem", type=flag_type(parse_bytes), required=True, help="host memory per node, e.g. 1TB")
+    mem.add_argument("--nvme", type=flag_type(parse_bytes), default=0, help="NVMe space per node, e.g. 8TB (default: none)")
     mem.add_argument("--reserve", type=float, default=0.1,
                      help="fraction of each memory held back for the CUDA context, fragmentation and the OS "
                           "(default 0.1)")
