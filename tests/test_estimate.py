@@ -245,6 +245,27 @@ def test_parse_count_refuses_a_fraction_of_a_parameter(text, says):
 
 # --- command line --------------------------------------------------------------------------------
 
+@pytest.mark.parametrize("command", ["estimate", "plan"])
+@pytest.mark.parametrize("flag", ["--micro-batch", "--seq-len", "--hidden", "--layers", "--heads"])
+def test_cli_sizes_below_1_name_their_flag(tmp_path, capsys, command, flag):
+    """``estimate --micro-batch -3`` was taken (it counts only with --seq-len), and the shape flags
+    were named by their keyword ("activation memory: hidden must be ...")."""
+    shape = {"--seq-len": "16", "--hidden": "64", "--layers": "2", "--heads": "4", flag: "0"}
+    argv = [command, "--params", "1e6", *[x for kv in shape.items() for x in kv]]
+    if command == "plan":
+        argv += ["--gpu-mem", "80GB", "--cpu-mem", "1TB", "--out", str(tmp_path / "p.json")]
+    assert cli.main(argv) == 2
+    got = capsys.readouterr()
+    assert got.out == "" and got.err.splitlines() == [f"zeroinf {command}: error: {flag}: must be >= 1, got 0"]
+    assert not list(tmp_path.iterdir())
+
+
+def test_cli_micro_batch_below_1_without_seq_len_exits_2(capsys):
+    assert cli.main(["estimate", "--params", "1e6", "--micro-batch", "-3"]) == 2
+    got = capsys.readouterr()
+    assert got.out == "" and got.err == "zeroinf estimate: error: --micro-batch: must be >= 1, got -3\n"
+
+
 def test_estimate_nvme_rows_are_the_ones_plan_writes(tmp_path, capsys):
     """estimate's table says its NVMe rows are "as zeroinf plan writes", but sized the parameter
     buffers at 1e8 elements while plan writes the largest unit's partition: llama-7b on 8 ranks,

@@ -137,6 +137,18 @@ def test_cli_a_fraction_of_a_parameter_exits_2(tmp_path, capsys, flag):
     assert not list(tmp_path.iterdir())
 
 
+@pytest.mark.parametrize("flag,size", [("--gpu-mem", "0"), ("--cpu-mem", "0"), ("--gpu-mem", "0.4")])
+def test_cli_no_memory_exits_2(tmp_path, capsys, flag, size):
+    """``--gpu-mem 0`` "fit" a 7B model (stage 3, parameters on the CPU: device 0.00 GB) and wrote
+    its config (tester-30 t13); 0.4 bytes rounds to 0."""
+    mem = {"--gpu-mem": "80GB", "--cpu-mem": "1TB", flag: size}
+    rc = cli.main(["plan", "--params", "7e9", *[x for kv in mem.items() for x in kv], "--out", str(tmp_path / "p.json")])
+    got = capsys.readouterr()
+    assert rc == 2 and got.out == ""
+    assert got.err.splitlines() == [f"zeroinf plan: error: {flag}: must be more than 0 bytes, got 0: nothing runs in no memory"]
+    assert not list(tmp_path.iterdir())
+
+
 def test_step_time_bounds_exact():
     from zeroinf.estimate import estimate
 

@@ -749,9 +749,15 @@ def resolve_model(args: argparse.Namespace, *,
     """The model, the activation bytes per device and their formula, as the shared options describe.
 
     Raises:
-        ValueError: a bad model, a count below 1, or activation flags missing a shape.
+        ValueError: a bad model, a count below 1 (``--gpus``, ``--nodes``, ``--micro-batch``,
+            ``--seq-len``, ``--hidden``, ``--layers``, ``--heads``, named), or activation flags
+            missing a shape.
     """
     world_size(args)
+    for key in ("micro_batch", "seq_len", "hidden", "layers", "heads"):
+        # estimate took --micro-batch -3 without --seq-len; the others were named by their keyword
+        if getattr(args, key) is not None and getattr(args, key) < 1:
+            raise ValueError(f"--{key.replace('_', '-')}: must be >= 1, got {getattr(args, key)}")
     if args.model:
         info = model_info(args.model, persistence_threshold=persistence_threshold)
     else:

@@ -372,8 +372,9 @@ def main(args: argparse.Namespace) -> int:
             raise ValueError(f"--reserve: must be in [0, 1), got {args.reserve}")
         if not (math.isfinite(args.lr) and args.lr >= 0):
             raise ValueError(f"--lr: must be a finite number >= 0, got {args.lr}")
-        if args.micro_batch is not None and args.micro_batch < 1:
-            raise ValueError(f"--micro-batch: must be >= 1, got {args.micro_batch}")
+        for flag, size in (("--gpu-mem", args.gpu_mem), ("--cpu-mem", args.cpu_mem)):
+            if size <= 0:  # --gpu-mem 0 "fit" a 7B model at 0.00 GB per device (tester-30 t13)
+                raise ValueError(f"{flag}: must be more than 0 bytes, got {size}: nothing runs in no memory")
         info, act, act_formula = resolve_model(args)
         rd, wr, adam, notes = _bandwidths(args)
         out = out_target(args.out)
