@@ -46,6 +46,15 @@ def test_batch_sizes_resolved_against_world_size(given, ws, want):
     assert (c.train_batch_size, c.train_micro_batch_size_per_gpu, c.gradient_accumulation_steps) == want
 
 
+def test_batch_sizes_take_integral_floats_and_name_a_fraction():
+    """JSON writers emit 1e11 for 100000000000: an integral float is that integer (DeepSpeed passes
+    it on); zeroinf train bounds it by its corpus, zeroinf.initialize takes it as is."""
+    c = parse_config({"train_micro_batch_size_per_gpu": 1e11, "gradient_accumulation_steps": 2.0})
+    assert (c.train_micro_batch_size_per_gpu, c.gradient_accumulation_steps, c.train_batch_size) == (10**11, 2, 2 * 10**11)
+    assert type(c.train_micro_batch_size_per_gpu) is int
+    assert str(err({"train_micro_batch_size_per_gpu": 1.5})) == "train_micro_batch_size_per_gpu: expected an integer, got 1.5"
+
+
 def test_batch_size_inconsistency_names_the_key():
     e = err({"train_batch_size": 10, "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2}, 2)
     assert e.key_path == "train_batch_size" and str(e).startswith("train_batch_size: 10 != ") and "= 8" in str(e)

@@ -282,6 +282,38 @@ def test_bad_seed_and_out_exit_with_one_line(argv, says, tmp_path, capsys, monke
     assert (tmp_path / "a-file").read_text() == "x" and sorted(p.name for p in tmp_path.iterdir()) == ["a-file"]
 
 
+@pytest.mark.parametrize("batch,says", [
+    ({"train_micro_batch_size_per_gpu": 1e11}, "ds.json: train_micro_batch_size_per_gpu 100000000000: 100,000,000,000 rows"),
+    ({"train_batch_size": 200}, "ds.json: train_batch_size 200 (train_micro_batch_size_per_gpu 200): 200 rows"),
+    ({"--micro-batch": "67"}, "--micro-batch 67: 67 rows"),
+], ids=["config-1e11", "train-batch-size", "flag"])
+def test_a_batch_larger_than_the_corpus_exits_with_one_line(batch, says, tmp_path, capsys, monkeypatch):
+    """``train_micro_batch_size_per_gpu`` 1e11 ended in numpy's ArrayMemoryError traceback, with
+    --out made; 130 tokens hold 130 - 64 = 66 distinct 64-token rows, the most allowed."""
+    from zeroinf.cli import main
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "small.txt").write_text("hello world, " * 10)
+    cfg = json.loads((Path(__file__).parents[1] / "zeroinf" / "presets" / "cpu.json").read_text())
+    del cfg["train_micro_batch_size_per_gpu"]
+    cfg.update({k: v for k, v in batch.items() if not k.startswith("--")})
+    (tmp_path / "ds.json").write_text(json.dumps(cfg))
+    flags = [x for kv in batch.items() if kv[0].startswith("--") for x in kv]
+    code = main(["train", "--config", "ds.json", "--data", "small.txt", "--seq-len", "64", "--steps", "1", *flags])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and says in err[0], err
+    assert err[0].endswith(f"over 1 rank(s), but {tmp_path / 'small.txt'} has 66 distinct 64-token sequences "
+                           "(130 tokens); give at most 66 per rank")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ds.json", "small.txt"]
+
+
+def test_a_batch_of_every_row_the_corpus_holds_trains(tmp_path):
+    """The bound above is the most rows, not one short of it."""
+    (tmp_path / "small.txt").write_text("hello world, " * 10)
+    _train(["--offload", "none", "--data", "small.txt", "--seq-len", "64", "--micro-batch", "66", "--steps", "1",
+            "--no-plot", "--out", "out"], tmp_path)
+    assert [(r["step"], r["tokens"]) for r in _log(tmp_path / "out")] == [(1, 66 * 64)]
+
+
 def test_dtype_keeps_the_configs_precision_blocks_and_nvme_in_any_case_takes_nvme_path(tmp_path, monkeypatch):
     """--dtype fp16 replaced the config's fp16 block (its loss scaling lost: helper-46 t02), with
     DeepSpeed's "bfloat16" alias it made a pair the check refuses (t03), and a device spelt "NVMe"

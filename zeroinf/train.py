@@ -612,6 +612,7 @@ class _Run:
                              "--engine torch trains at the constant optimizer.params.lr")
         tokenizer = HFTokenizer(a.tokenizer) if a.tokenizer else ByteTokenizer()
         tokens = load_tokens(a.data, tokenizer, a.seq_len + 1)
+        self._check_batch_fits_corpus(a, cfg, tokens.numel())
         if rank0:
             try:
                 out.mkdir(parents=True, exist_ok=True)
@@ -673,6 +674,30 @@ class _Run:
             if self.dist.initialized_here:
                 from zeroinf.runtime.engine import destroy_process_group
                 destroy_process_group(barrier=ended)
+
+    def _check_batch_fits_corpus(self, a, cfg: dict, n_tokens: int) -> None:
+        """Refuse a micro-batch whose rows over all ranks outnumber the corpus's distinct
+        ``seq_len``-token sequences (``n_tokens - seq_len`` start offsets): every row past those
+        repeats one (``train_micro_batch_size_per_gpu`` 1e11 ended in numpy's ArrayMemoryError
+        traceback, after ``--out`` was made).
+
+        Raises:
+            TrainError: naming ``--micro-batch`` or the config's key, with the most the corpus allows.
+        """
+        mbs, ws = self.zcfg.train_micro_batch_size_per_gpu, self.dist.world_size
+        windows = n_tokens - a.seq_len
+        if mbs * ws <= windows:
+            return
+        if a.micro_batch is not None:
+            name = f"--micro-batch {mbs}"
+        elif "train_micro_batch_size_per_gpu" in cfg:
+            name = f"{self.config_source}: train_micro_batch_size_per_gpu {mbs}"
+        else:
+            name = (f"{self.config_source}: train_batch_size {self.zcfg.train_batch_size} "
+                    f"(train_micro_batch_size_per_gpu {mbs})")
+        raise TrainError(f"{name}: {mbs * ws:,} rows per micro-step over {ws} rank(s), but "
+                         f"{a.data or 'the standard library corpus'} has {windows:,} distinct {a.seq_len}-token "
+                         f"sequences ({n_tokens:,} tokens); give at most {windows // ws:,} per rank")
 
     def _loop(self, a, engine, batches, grad_accum, device, out: Path):
         from tqdm import tqdm
