@@ -149,6 +149,34 @@ def test_cli_no_memory_exits_2(tmp_path, capsys, flag, size):
     assert not list(tmp_path.iterdir())
 
 
+def test_cli_params_alone_cap_what_stage_3_gathers_at_what_the_device_holds(tmp_path, capsys):
+    """With --params alone the stage-3 placements counted no gathered units, so parameters on the
+    CPU "fit" in 1 byte of device memory (helper-49). They now count what the device has room
+    for, at most min(P, 1e9) (the engine's default stage3_max_live_parameters), and the config
+    caps it: 1 GB left over in bf16 holds (2 + 2) B x 250M."""
+    out = tmp_path / "p.json"
+    rc = cli.main(["plan", "--params", "7e9", "--gpu-mem", "1", "--cpu-mem", "1TB", "--nvme", "1TB", "--out", str(out)])
+    text = capsys.readouterr().out
+    assert rc == 1 and "nothing fits" in text and not out.exists()
+    rc = cli.main(["plan", "--params", "7e9", "--gpu-mem", "1GB", "--cpu-mem", "1TB", "--reserve", "0",
+                   "--out", str(out)])
+    text = capsys.readouterr().out
+    assert rc == 0 and "chosen: stage 3, offload_param=cpu, offload_optimizer=cpu" in text
+    assert "(2 + 2) B x live params 250,000,000" in text and "at most 250,000,000 parameters at once" in text
+    z = parse_config(str(out)).zero_optimization
+    assert z.stage3_max_live_parameters == 250_000_000
+    rc = cli.main(["plan", "--params", "7e9", "--gpu-mem", "80GB", "--cpu-mem", "1TB", "--out", str(out)])
+    text = capsys.readouterr().out  # stage 2 fits: no cap
+    assert rc == 0 and "chosen: stage 2" in text and "parameters at once" not in text
+    assert "stage3_max_live_parameters" not in out.read_text()
+    rc = cli.main(["plan", "--params", "1e8", "--live-params", "2e7", "--gpu-mem", "0.15GB", "--cpu-mem", "1TB",
+                   "--out", str(out)])
+    text = capsys.readouterr().out  # the user's own figure: counted as given, not written
+    assert rc == 0 and "chosen: stage 3, offload_param=cpu" in text and "live params 20,000,000" in text
+    assert "parameters at once" not in text
+    assert "stage3_max_live_parameters" not in out.read_text()
+
+
 def test_step_time_bounds_exact():
     from zeroinf.estimate import estimate
 

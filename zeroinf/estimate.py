@@ -626,8 +626,7 @@ def estimate(params: int, placement: Placement, *, world_size: int = 1, gpus_per
     if st == 3 and live_params:
         terms.append(Term("gathered units (params + grads)", "device",
                           (prec.param_bytes + prec.grad_bytes) * live_params,
-                          f"({prec.param_bytes} + {prec.grad_bytes}) B x live params {_fmt(live_params)} "
-                          f"(persistent + root + largest block)"))
+                          f"({prec.param_bytes} + {prec.grad_bytes}) B x live params {_fmt(live_params)}"))
     # gradients
     numel, what = count(st >= 2)
     if placement.offload_optimizer == "none" or st < 2:
@@ -719,7 +718,8 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
                         help="bf16/fp16 (fp32 master weights) or fp32 (default bf16, or the --config's)")
     parser.add_argument("--live-params", type=flag_type(parse_count), default=None,
                         help="parameters a stage-3 rank holds gathered at once (default: from --model: "
-                             "persistent + root + largest block)")
+                             "persistent + root + largest block; zeroinf plan with --params only: "
+                             "min(P, stage3_max_live_parameters))")
     act = parser.add_argument_group("activations (Korthikanti et al. 2022); counted when --seq-len is given")
     act.add_argument("--seq-len", type=int, help="sequence length, tokens")
     act.add_argument("--micro-batch", type=int, default=1, help="micro-batch per accelerator (default 1)")

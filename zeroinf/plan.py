@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
+from zeroinf.config import ZeroConfig
 from zeroinf.estimate import (GB, OPTIMIZERS, format_size, PLAN_SWAP, swap_for, PRECISIONS, Estimate, ModelInfo, Placement, SwapBuffers,
                               add_model_arguments, estimate, flag_type, parse_bytes, resolve_model)
 
@@ -51,6 +52,8 @@ LADDER: Tuple[Placement, ...] = (
 #: grads read p, g, m, v (16 B) and write p, m, v (12 B); the offload step reads fp32 master, m, v
 #: and a 16-bit grad (14 B) and writes them back with a 16-bit param (14 B). 28 B either way.
 ADAM_BYTES_PER_PARAM = 28
+#: the engine's default stage3_max_live_parameters (DeepSpeed's too)
+MAX_LIVE_PARAMETERS = ZeroConfig.stage3_max_live_parameters
 
 
 @dataclass(frozen=True)
@@ -92,6 +95,10 @@ class Plan:
 
     attempts: Tuple[Attempt, ...]
     chosen: Optional[Estimate]
+    #: stage 3 without the model's own live-parameter figure: the most parameters the chosen
+    #: placement gathers on a device at once, which its config must then cap
+    #: (``stage3_max_live_parameters``); None otherwise
+    live_params: Optional[int] = None
 
 
 def check_fit(est: Estimate, limits: Limits) -> Tuple[str, ...]:
@@ -123,28 +130,43 @@ def choose(info: ModelInfo, limits: Limits, *, world_size: int, gpus_per_node: i
 
     Returns:
         :class:`Plan`; ``chosen`` is None when nothing fits.
+
+    Without ``info.live_params`` (``--params`` alone: the units are unknown) a stage-3 placement
+    counts the parameters it may gather on a device at once as the device memory left over
+    allows, at most ``min(P, stage3_max_live_parameters default)``, and at least 1 (a device
+    with no room left does not fit); :attr:`Plan.live_params` then says what the config must cap.
+    Counting none, parameters on the CPU "fit" in 1 byte of device memory.
     """
     swap = swap or swap_for(info, world_size)
     attempts = []
     for pl in LADDER:
-        est = estimate(info.params, pl, world_size=world_size, gpus_per_node=gpus_per_node, precision=precision,
-                       optimizer=optimizer, live_params=info.live_params, activations=activations,
-                       activations_formula=activations_formula, swap=swap)
+        def est_with(live):
+            return estimate(info.params, pl, world_size=world_size, gpus_per_node=gpus_per_node, precision=precision,
+                            optimizer=optimizer, live_params=live, activations=activations,
+                            activations_formula=activations_formula, swap=swap)
+        live = info.live_params
+        if live is None and pl.stage == 3:
+            prec = PRECISIONS[precision]
+            room = (limits.usable("device") - est_with(None).per_device_bytes) // (prec.param_bytes + prec.grad_bytes)
+            live = max(1, min(info.params, MAX_LIVE_PARAMETERS, room))
+        est = est_with(live)
         attempt = Attempt(est, check_fit(est, limits))
         attempts.append(attempt)
         if attempt.fits:
-            return Plan(tuple(attempts), est)
+            return Plan(tuple(attempts), est, live if info.live_params is None and pl.stage == 3 else None)
     return Plan(tuple(attempts), None)
 
 
 def make_config(placement: Placement, *, precision: str = "bf16", micro_batch: int = 1, nvme_path: str = "/local_nvme",
-                swap: SwapBuffers = PLAN_SWAP, lr: float = 1e-4, optimizer: str = "adamw") -> dict:
+                swap: SwapBuffers = PLAN_SWAP, lr: float = 1e-4, optimizer: str = "adamw",
+                max_live_parameters: Optional[int] = None) -> dict:
     """A DeepSpeed-format config dict for ``placement``.
 
     Holds ``train_micro_batch_size_per_gpu``, ``gradient_accumulation_steps`` 1, the precision block,
     an ``optimizer`` block (Adam/AdamW), and ``zero_optimization`` with the stage, the offload blocks
     (pinned; NVMe with ``nvme_path``, the swap buffers of ``swap``, and pipelined reads and writes)
-    and ``sub_group_size``.
+    and ``sub_group_size``; at stage 3 with ``max_live_parameters``, ``stage3_max_live_parameters``
+    (the engine refuses at start-up a model whose largest unit needs more).
 
     Raises:
         ValueError: an optimizer other than adam/adamw (the engine steps only those).
@@ -157,6 +179,8 @@ def make_config(placement: Placement, *, precision: str = "bf16", micro_batch: i
     cfg["optimizer"] = {"type": "AdamW" if optimizer == "adamw" else "Adam",
                         "params": {"lr": lr, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.0}}
     zero: Dict = {"stage": placement.stage, "sub_group_size": swap.sub_group_size}
+    if placement.stage == 3 and max_live_parameters is not None:
+        zero["stage3_max_live_parameters"] = int(max_live_parameters)
     if placement.offload_optimizer != "none":
         block = {"device": placement.offload_optimizer, "pin_memory": True}
         if placement.offload_optimizer == "nvme":
@@ -390,7 +414,8 @@ def main(args: argparse.Namespace) -> int:
     if plan.chosen is not None:  # written before anything is printed: a reader of stdout that goes
         # away (zeroinf plan | head -1) ends the output, not the file
         cfg = make_config(plan.chosen.placement, precision=precision, micro_batch=args.micro_batch,
-                          nvme_path=args.nvme_path, swap=swap, lr=args.lr, optimizer=args.optimizer)
+                          nvme_path=args.nvme_path, swap=swap, lr=args.lr, optimizer=args.optimizer,
+                          max_live_parameters=plan.live_params)
         parse_config(cfg, world_size=n)  # the engine's own validation; a failure here is a bug in make_config
         tmp = out.with_name(out.name + ".tmp")
         try:
@@ -422,6 +447,11 @@ def main(args: argparse.Namespace) -> int:
           f"params -> CPU, NVMe)")
     for t in plan.chosen.terms:
         print(f"  {t.tier:<6} {format_size(t.bytes):>12} GB per rank  {t.name}: {t.formula}")
+    if plan.live_params is not None:
+        print(f"(stage 3 without the model's units: a device gathers at most {plan.live_params:,} parameters at once, "
+              f"what its memory leaves room for (at most min(P, {MAX_LIVE_PARAMETERS:,})), written as "
+              "stage3_max_live_parameters; the engine refuses at start-up a model whose largest unit needs more. "
+              "Give --model or --live-params to count the model's own)")
     for note in notes:
         print(note)
     bounds = step_time_bounds(plan.chosen, adam_params_per_s=adam, nvme_read_gbps=rd, nvme_write_gbps=wr,
