@@ -2,6 +2,7 @@
 step-time lower bounds and the bench-JSON readers. Sizes in decimal GB (1e9 bytes)."""
 import json
 import os
+import stat
 import subprocess
 import sys
 
@@ -282,6 +283,43 @@ def test_cli_out_a_symlink_that_cannot_be_written_through_exits_2(tmp_path, caps
     assert rc == 2 and got.out == "" and len(got.err.splitlines()) == 1
     assert got.err.startswith(f"zeroinf plan: error: --out {name!r}: {says}"), got.err
     assert [p.name for p in tmp_path.iterdir()] == [name] and os.readlink(tmp_path / name) == link_to
+
+
+@pytest.mark.parametrize("kind", ["device", "fifo", "link to a device", "/dev/stdout"])
+def test_cli_out_that_is_not_a_regular_file_is_refused_and_left_as_it_was(tmp_path, capsys, monkeypatch, kind):
+    """The config is written next to OUT and renamed over it: as root, --out /dev/null replaced
+    the system's /dev/null with a regular file; a FIFO, a link to a device and /dev/stdout (the
+    shell's redirect target, the report then went to the deleted copy) went the same way (tester-33 H1)."""
+    monkeypatch.chdir(tmp_path)
+    if kind == "fifo":
+        os.mkfifo("ff")
+        name, says = "ff", "is a FIFO;"
+    elif kind == "/dev/stdout":
+        name, says = "/dev/stdout", "is a link to a process's open file (/proc/self/fd/1)"
+    else:
+        if os.geteuid() != 0:
+            pytest.skip("mknod needs root")
+        os.mknod("dev", 0o666 | stat.S_IFCHR, os.makedev(1, 3))  # a private /dev/null
+        name, says = "dev", "is a character device;"
+        if kind == "link to a device":
+            os.symlink("dev", "ln")
+            name, says = "ln", f"is a character device (through the link to {tmp_path / 'dev'});"
+    before = sorted((p.name, p.lstat().st_mode) for p in tmp_path.iterdir())
+    rc = cli.main(["plan", "--params", "1e9", "--gpu-mem", "80GB", "--cpu-mem", "1TB", "--out", name])
+    got = capsys.readouterr()
+    assert rc == 2 and got.out == "", got
+    assert got.err.startswith(f"zeroinf plan: error: --out {name!r}: {says}"), got.err
+    assert sorted((p.name, p.lstat().st_mode) for p in tmp_path.iterdir()) == before
+
+
+def test_cli_with_stdout_closed_writes_the_config_and_exits_0(tmp_path):
+    """``zeroinf plan ... >&-``: sys.stdout is None, and the flush at exit raised AttributeError (tester-33 M8)."""
+    proc = subprocess.run([sys.executable, "-m", "zeroinf", "plan", "--params", "1e9", "--gpu-mem", "80GB",
+                           "--cpu-mem", "1TB", "--out", "p.json"], cwd=tmp_path, stdout=subprocess.DEVNULL,
+                          stderr=subprocess.PIPE, text=True, timeout=120, close_fds=True,
+                          preexec_fn=lambda: os.close(1))
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr
+    assert parse_config(str(tmp_path / "p.json")).zero_optimization.stage == 0
 
 
 def _into_closed_pipe(argv, cwd):

@@ -38,7 +38,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         try:
             return _run(argv)
         finally:  # output still buffered meets the broken pipe here, not at the interpreter's exit
-            sys.stdout.flush()
+            if sys.stdout is not None:  # None when started with stdout closed (>&-)
+                sys.stdout.flush()
     except BrokenPipeError:
         # stdout's buffer still holds what could not be written: point it at /dev/null so that
         # the interpreter's final flush does not raise again

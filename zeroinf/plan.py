@@ -26,6 +26,7 @@ import dataclasses
 import json
 import math
 import os
+import stat
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -343,18 +344,40 @@ def out_target(out: str) -> Path:
     if path.is_dir() or str(out).endswith(("/", os.sep)) or not str(out).strip():
         raise ValueError(f"--out {out!r}: is a folder; give a file name")
     if path.is_symlink():  # it was replaced by a regular file (tester-32 r09)
+        hop, seen = str(path), 0
+        while os.path.islink(hop) and seen < 40:
+            hop, seen = os.path.join(os.path.dirname(hop), os.readlink(hop)), seen + 1
+            if os.path.abspath(hop).startswith("/proc/"):  # /dev/stdout: the rename replaced the
+                # shell's redirect target, and the report went to the deleted copy (tester-33 H1)
+                raise ValueError(f"--out {out!r}: is a link to a process's open file ({hop}); give a file path")
         target = Path(os.path.realpath(path))
         if target.is_symlink():
             raise ValueError(f"--out {out!r}: is a symbolic link loop")
         if not target.parent.is_dir():
             raise ValueError(f"--out {out!r}: is a symbolic link to {os.readlink(path)}, whose folder "
-                             f"{target.parent} does not exist")
+                             f"{target.parent} {'is not a directory' if os.path.lexists(target.parent) else 'does not exist'}")
+        _check_regular(out, target)
         return target
     # a file on the way made mkdir say "[Errno 17] File exists" (tester-32 r09)
     parent = next(p for p in path.parents if os.path.lexists(p))
     if not parent.is_dir():
         raise ValueError(f"--out {out!r}: {parent} is not a directory")
+    _check_regular(out, path)
     return path
+
+
+def _check_regular(out: str, target: Path) -> None:
+    """Refuse an existing ``target`` that is not a regular file: the config is written next to it
+    and renamed over it, which replaced /dev/null (run as root), a FIFO or the file behind
+    /dev/stdout with a regular file (tester-33 H1)."""
+    if os.path.lexists(target) and not stat.S_ISREG(os.stat(target).st_mode):
+        mode = os.stat(target).st_mode
+        kind = next((k for test, k in ((stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+                                      (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket")) if test(mode)),
+                    "not a regular file")
+        shown = "" if str(target) == str(Path(out).absolute()) else f" (through the link to {target})"
+        raise ValueError(f"--out {out!r}: is {kind}{shown}; the config is written to a regular file, "
+                         "give a file path")
 
 
 def _bandwidths(args) -> Tuple[Optional[float], Optional[float], Optional[float], List[str]]:
