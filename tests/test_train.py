@@ -397,13 +397,32 @@ def test_a_killed_runs_private_swap_folder_is_removed_by_the_next_run(tmp_path):
     live, fd = make_private_dir(tmp_path, 0)            # a run still going: its folder stays
     kept, kfd = make_private_dir(tmp_path, 0, keep=True)
     os.close(kfd)                                        # a --keep run that ended: its folder stays
+    rank1, r1fd = make_private_dir(tmp_path, 1)
+    os.close(r1fd)                                       # rank 1 of a killed 2-rank run: removed too (tester-33 M7)
+    older = tmp_path / ".zeroinf-nvme-r0-a8ct497w"      # an older version's (--keep?) folder: no OWNER, stays (M2)
+    older.mkdir()
+    (older / "x.swp").write_bytes(b"0" * 4096)
     try:
         proc = _train(["--offload", OFFLOAD, "--steps", "1", *TINY, "--no-plot", "--out", "next"], tmp_path)
-        assert f"removed {stale.name} ({nbytes / 2**20:.1f} MiB), the private swap folder of a run that was killed" \
-            in proc.stderr, proc.stderr
-        assert sorted(tmp_path.glob(".zeroinf-*")) == sorted([live, kept])
+        for d, n in ((stale, nbytes), (rank1, 0)):  # rank 1's holds its OWNER note only: 0.0 MiB
+            assert f"removed {d.name} ({n / 2**20:.1f} MiB), the private swap folder of a run that ended without " \
+                   "removing it (killed)" in proc.stderr, proc.stderr
+        assert sorted(tmp_path.glob(".zeroinf-*")) == sorted([live, kept, older])
     finally:
         os.close(fd)
-    assert remove_stale_private_dirs(tmp_path, 1) == []  # another rank's folders are that rank's to remove
-    assert [d for d, _ in remove_stale_private_dirs(tmp_path, 0)] == [live]
-    assert sorted(tmp_path.glob(".zeroinf-*")) == [kept]
+    assert [d for d, _ in remove_stale_private_dirs(tmp_path)] == [live]
+    assert sorted(tmp_path.glob(".zeroinf-*")) == sorted([kept, older])
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="chown needs root")
+def test_another_users_private_swap_folder_is_left_alone(tmp_path):
+    """In a shared directory (/tmp) another user's folder, even one looking stale, is not ours:
+    Path.exists() on its 0700 contents raised PermissionError and train ended in a traceback
+    (tester-33 M1); as root it was removed."""
+    from zeroinf.train import make_private_dir, remove_stale_private_dirs
+    theirs, fd = make_private_dir(tmp_path, 0)
+    os.close(fd)
+    for p in (theirs, *theirs.iterdir()):
+        os.chown(p, 65534, 65534)
+    theirs.chmod(0o700)
+    assert remove_stale_private_dirs(tmp_path) == [] and theirs.is_dir()

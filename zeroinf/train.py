@@ -28,9 +28,11 @@ import datetime
 import json
 import math
 import os
+import re
 import resource
 import shutil
 import signal
+import stat
 import sys
 import tempfile
 import time
@@ -306,51 +308,73 @@ class PlainEngine:
 
 # ---------------------------------------------------------------------------- the private swap folder
 # [Note: private swap folders] Without --nvme-path each rank swaps into a folder of its own,
-# .zeroinf-nvme-r{rank}-XXXX under the working directory, removed when the run ends. A run
+# .zeroinf-nvme-r{rank}-XXXXXXXX under the working directory, removed when the run ends. A run
 # killed outright (a second Ctrl-C or SIGTERM gets the default action, SIGKILL, OOM) cannot
 # remove it, and its swap files can be gigabytes in a hidden folder. So the folder is flock()ed
 # for the run's lifetime (the kernel drops the lock when the process dies however it dies), and
-# a later run in the same directory removes the folders of its rank that nobody holds. A folder
-# is created under another prefix and renamed once locked, so no scan can see it unlocked; a
-# --keep run's folder carries a KEPT file and is never removed; where flock is not supported
-# nothing is removed.
+# a later run in the same directory, of any rank, removes such folders that nobody holds. Only
+# folders this scheme made are candidates: the name as mkdtemp makes it, owned by this user, and
+# holding the OWNER file written under the lock. So an older version's folders (never locked,
+# possibly a --keep run's or a live run's: tester-33 M2), another user's (M1) and names a person
+# chose are left alone. A folder is made under another prefix and renamed once locked and
+# marked, so no scan sees it unlocked; a --keep run's folder carries a KEPT file and stays; where
+# flock is not supported nothing is removed.
 PRIVATE_PREFIX = ".zeroinf-nvme-r"
+_NEW_PREFIX = ".zeroinf-new-r"
+_OWNER = "OWNER"
 _KEPT = "KEPT"
+_PRIVATE_NAME = re.compile(r"^\.zeroinf-(nvme|new)-r\d+-[a-z0-9_]{8}$")
 
 
 def make_private_dir(parent: Path, rank: int, keep: bool = False) -> Tuple[Path, int]:
-    """Create rank ``rank``'s private swap folder under ``parent`` and lock it ([Note: private swap
-    folders]). Returns ``(folder, fd)``; the lock holds until ``fd`` is closed.
+    """Create rank ``rank``'s private swap folder under ``parent``, lock and mark it ([Note:
+    private swap folders]). Returns ``(folder, fd)``; the lock holds until ``fd`` is closed.
 
     Raises:
-        OSError: the folder cannot be created or opened in ``parent``.
+        OSError: the folder cannot be created, opened or marked in ``parent``.
     """
     import fcntl
-    d = Path(tempfile.mkdtemp(prefix=f".zeroinf-new-r{rank}-", dir=parent))
+    d = Path(tempfile.mkdtemp(prefix=f"{_NEW_PREFIX}{rank}-", dir=parent))
     fd = os.open(d, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
-        pass  # no flock on this file system: remove_stale_private_dirs cannot take it either
-    if keep:
-        (d / _KEPT).write_text("written by zeroinf train --keep: a later run leaves this folder alone\n")
-    final = parent / (PRIVATE_PREFIX + f"{rank}-" + d.name.rsplit("-", 1)[1])
-    os.rename(d, final)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            pass  # no flock on this file system: remove_stale_private_dirs cannot take it either
+        if keep:
+            (d / _KEPT).write_text("written by zeroinf train --keep: a later run leaves this folder alone\n")
+        (d / _OWNER).write_text(f"zeroinf train, pid {os.getpid()}: a later run removes this folder once no "
+                                "process holds its lock\n")
+        final = parent / (PRIVATE_PREFIX + f"{rank}-" + d.name.rsplit("-", 1)[1])
+        os.rename(d, final)
+    except BaseException:
+        os.close(fd)
+        shutil.rmtree(d, ignore_errors=True)
+        raise
     return final, fd
 
 
-def remove_stale_private_dirs(parent: Path, rank: int) -> List[Tuple[Path, int]]:
-    """Remove rank ``rank``'s private swap folders under ``parent`` that no live run holds and no
-    --keep run left ([Note: private swap folders]). Returns ``(folder, bytes of its files)`` for
-    each one removed; a folder that cannot be opened or locked is left as it is."""
+def remove_stale_private_dirs(parent: Path) -> List[Tuple[Path, int]]:
+    """Remove the private swap folders under ``parent`` (of any rank) that this scheme made, that
+    belong to this user, and that no live run holds or a --keep run left ([Note: private swap
+    folders]). Returns ``(folder, bytes of its files)`` for each one removed; a folder that
+    cannot be inspected, opened or locked is left as it is. Never raises for a folder."""
     import fcntl
     removed = []
-    for d in sorted(parent.glob(f"{PRIVATE_PREFIX}{rank}-*")):
-        if d.is_symlink() or not d.is_dir() or (d / _KEPT).exists():
+    try:
+        entries = sorted(parent.iterdir())
+    except OSError:
+        return removed
+    for d in entries:
+        if not _PRIVATE_NAME.match(d.name):
             continue
         try:
-            fd = os.open(d, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-        except OSError:
+            st = d.lstat()
+            if (not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid() or not (d / _OWNER).is_file()
+                    or os.path.lexists(d / _KEPT)):
+                continue
+            fd = os.open(d, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError:  # another user's 0700 folder (Path.exists raised EACCES: tester-33 M1)
             continue
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -358,7 +382,7 @@ def remove_stale_private_dirs(parent: Path, rank: int) -> List[Tuple[Path, int]]
             os.close(fd)
             continue
         try:
-            nbytes = sum(f.stat().st_size for f in d.rglob("*") if f.is_file() and not f.is_symlink())
+            nbytes = sum(f.lstat().st_size for f in d.rglob("*") if f.is_file() and not f.is_symlink())
             shutil.rmtree(d)
             removed.append((d, nbytes))
         except OSError:
@@ -480,9 +504,9 @@ class _Run:
     def _nvme_dir(self, a) -> Path:
         if a.nvme_path is None:
             here = Path(os.getcwd())
-            for d, nbytes in remove_stale_private_dirs(here, self.dist.rank):
+            for d, nbytes in remove_stale_private_dirs(here):
                 print(f"zeroinf train: removed {d.name} ({nbytes / 2**20:.1f} MiB), the private swap folder of a "
-                      "run that was killed", file=sys.stderr)
+                      "run that ended without removing it (killed)", file=sys.stderr)
             try:
                 self.tmp_nvme, self._tmp_lock = make_private_dir(here, self.dist.rank, keep=a.keep)
             except OSError as exc:
