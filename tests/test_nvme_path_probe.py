@@ -101,3 +101,40 @@ def test_train_cli_in_a_working_directory_without_room_for_its_private_swap_fold
     assert f"the working directory {PROC} " in err[0] and err[0].endswith("give --nvme-path DIR")
     _assert_real_reason(err[0])
     assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_a_relative_nvme_path_survives_a_change_of_directory(tmp_path, monkeypatch, stage):
+    """A relative nvme_path (made by initialize, or written so by zeroinf plan --nvme-path rel)
+    was kept relative: after os.chdir between steps the swap files were looked up in the new
+    directory ("swap file ... has -1 bytes": tester-33 M5). It is taken from the directory at
+    initialize, and the steps equal torch.optim.AdamW."""
+    import copy
+
+    import torch
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "other").mkdir()
+    torch.manual_seed(0)
+    ref = torch.nn.Sequential(*[torch.nn.Linear(16, 16) for _ in range(3)])
+    model = copy.deepcopy(ref)
+    z = {"stage": stage, "offload_optimizer": {"device": "nvme", "nvme_path": "rel/x"}}
+    if stage == 3:
+        z.update(offload_param={"device": "nvme", "nvme_path": "rel/x"}, stage3_param_persistence_threshold=0)
+    cfg = {"train_micro_batch_size_per_gpu": 4, "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+           "zero_optimization": z}
+    engine, *_ = zeroinf.initialize(model=model, config=cfg)
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.0, foreach=False)
+    for step in range(3):
+        x = torch.randn(4, 16, generator=torch.Generator().manual_seed(step))
+        engine.backward(engine(x).pow(2).mean())
+        engine.step()
+        ref(x).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+        os.chdir(tmp_path / "other" if step % 2 == 0 else tmp_path)
+    engine.synchronize()
+    got = {k: v.clone() for k, v in model.state_dict().items()}
+    engine.close()
+    for k, v in ref.state_dict().items():
+        assert (got[k] - v).abs().max().item() <= 1e-6, k
+    assert list((tmp_path / "rel" / "x").iterdir()) and not (tmp_path / "other" / "rel").exists()

@@ -579,7 +579,9 @@ def _nvme_path(block: Mapping, prefix: str) -> Optional[str]:
         return None
     if not isinstance(v, (str, os.PathLike)) or not str(v):
         raise ConfigError(f"{prefix}.nvme_path", f"expected a directory path string, got {v!r}")
-    return os.fspath(v)
+    # absolute from the working directory at parse time: a relative one broke when the process
+    # changed directory between steps ("swap file ... has -1 bytes": tester-33 M5)
+    return os.path.abspath(os.fspath(v))
 
 
 def _parse_aio(config: Mapping) -> AioConfig:

@@ -154,7 +154,7 @@ class TensorSwapper:
     """
 
     def __init__(self, swap_dir, handle: Optional[AsyncIOHandle] = None, *, checksum: bool = False):
-        base = Path(swap_dir)
+        base = Path(swap_dir).absolute()  # the process may change directory later (tester-33 M5)
         if not base.exists():
             raise make_error(errno.ENOENT, f"swap directory {base} does not exist", str(base), 0, 0, 0)
         if not base.is_dir():

@@ -302,7 +302,7 @@ class Init:
             problem = dir_problem(self.nvme_path, create=True)
             if problem is not None:
                 raise ConfigError("zero_optimization.offload_param.nvme_path", f"{self.nvme_path!r} {problem}")
-            self._dir = tempfile.mkdtemp(prefix="zeroinf_init_", dir=self.nvme_path)
+            self._dir = os.path.abspath(tempfile.mkdtemp(prefix="zeroinf_init_", dir=self.nvme_path))
             self._swapper = TensorSwapper(self._dir)
         Init._active = self
         self._orig_init_subclass = nn.Module.__dict__.get("__init_subclass__")
