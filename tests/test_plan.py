@@ -156,9 +156,15 @@ def test_cli_params_alone_cap_what_stage_3_gathers_at_what_the_device_holds(tmp_
     for, at most min(P, 1e9) (the engine's default stage3_max_live_parameters), and the config
     caps it: 1 GB left over in bf16 holds (2 + 2) B x 250M."""
     out = tmp_path / "p.json"
-    rc = cli.main(["plan", "--params", "7e9", "--gpu-mem", "1", "--cpu-mem", "1TB", "--nvme", "1TB", "--out", str(out)])
-    text = capsys.readouterr().out
-    assert rc == 1 and "nothing fits" in text and not out.exists()
+    for mem in ("1", "80", "1KiB", "279MB"):  # 72 usable bytes "fit", capped at 18 (tester-33 M4): the
+        # floor is P/100 = 70M parameters, (2 + 2) B x 70M = 280 MB, 252 MB usable after 10%
+        rc = cli.main(["plan", "--params", "7e9", "--gpu-mem", mem, "--cpu-mem", "1TB", "--nvme", "1TB",
+                       "--out", str(out)])
+        text = capsys.readouterr().out
+        assert rc == 1 and "nothing fits" in text and not out.exists(), mem
+    rc = cli.main(["plan", "--params", "7e9", "--gpu-mem", "280MB", "--reserve", "0", "--cpu-mem", "1TB",
+                   "--out", str(out)])
+    assert rc == 0 and "live params 70,000,000" in capsys.readouterr().out
     rc = cli.main(["plan", "--params", "7e9", "--gpu-mem", "1GB", "--cpu-mem", "1TB", "--reserve", "0",
                    "--out", str(out)])
     text = capsys.readouterr().out

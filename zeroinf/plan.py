@@ -55,6 +55,9 @@ LADDER: Tuple[Placement, ...] = (
 ADAM_BYTES_PER_PARAM = 28
 #: the engine's default stage3_max_live_parameters (DeepSpeed's too)
 MAX_LIVE_PARAMETERS = ZeroConfig.stage3_max_live_parameters
+#: without the model's units plan assumes a unit holds at least P / MAX_UNITS parameters, as in a
+#: model of 100 equal blocks; real ones gather more at once (the embedding, the persistent unit)
+MAX_UNITS = 100
 
 
 @dataclass(frozen=True)
@@ -134,9 +137,10 @@ def choose(info: ModelInfo, limits: Limits, *, world_size: int, gpus_per_node: i
 
     Without ``info.live_params`` (``--params`` alone: the units are unknown) a stage-3 placement
     counts the parameters it may gather on a device at once as the device memory left over
-    allows, at most ``min(P, stage3_max_live_parameters default)``, and at least 1 (a device
-    with no room left does not fit); :attr:`Plan.live_params` then says what the config must cap.
-    Counting none, parameters on the CPU "fit" in 1 byte of device memory.
+    allows, at most ``min(P, stage3_max_live_parameters default)`` and at least ``ceil(P /
+    MAX_UNITS)`` (a device with less room does not fit); :attr:`Plan.live_params` then says what
+    the config must cap. Counting none, parameters on the CPU "fit" in 1 byte of device memory;
+    with no floor, in 72 bytes (tester-33 M4).
     """
     swap = swap or swap_for(info, world_size)
     attempts = []
@@ -149,7 +153,7 @@ def choose(info: ModelInfo, limits: Limits, *, world_size: int, gpus_per_node: i
         if live is None and pl.stage == 3:
             prec = PRECISIONS[precision]
             room = (limits.usable("device") - est_with(None).per_device_bytes) // (prec.param_bytes + prec.grad_bytes)
-            live = max(1, min(info.params, MAX_LIVE_PARAMETERS, room))
+            live = max(-(-info.params // MAX_UNITS), min(info.params, MAX_LIVE_PARAMETERS, room))
         est = est_with(live)
         attempt = Attempt(est, check_fit(est, limits))
         attempts.append(attempt)
@@ -472,7 +476,8 @@ def main(args: argparse.Namespace) -> int:
         print(f"  {t.tier:<6} {format_size(t.bytes):>12} GB per rank  {t.name}: {t.formula}")
     if plan.live_params is not None:
         print(f"(stage 3 without the model's units: a device gathers at most {plan.live_params:,} parameters at once, "
-              f"what its memory leaves room for (at most min(P, {MAX_LIVE_PARAMETERS:,})), written as "
+              f"what its memory leaves room for (at most min(P, {MAX_LIVE_PARAMETERS:,}), at least "
+              f"P/{MAX_UNITS}, as if the model had {MAX_UNITS} equal blocks), written as "
               "stage3_max_live_parameters; the engine refuses at start-up a model whose largest unit needs more. "
               "Give --model or --live-params to count the model's own)")
     for note in notes:
