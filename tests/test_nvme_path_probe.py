@@ -138,3 +138,24 @@ def test_a_relative_nvme_path_survives_a_change_of_directory(tmp_path, monkeypat
     for k, v in ref.state_dict().items():
         assert (got[k] - v).abs().max().item() <= 1e-6, k
     assert list((tmp_path / "rel" / "x").iterdir()) and not (tmp_path / "other" / "rel").exists()
+
+
+def test_train_cli_on_a_full_disk_exits_with_one_line(tmp_path, capsys, monkeypatch):
+    """zeroinf.Init writes swap files while the model is built, before the engine's free-space
+    check: a full file system ended in DiskFullError's traceback, exit 1 (tester-33 M6, a 600 KB
+    tmpfs as the working directory). Here the swapper's preallocation fails as it did there."""
+    import errno
+
+    from zeroinf.cli import main
+    from zeroinf.io import swapper
+    from zeroinf.io.errors import make_error
+
+    def full(self, *args, **kwargs):
+        raise make_error(errno.ENOSPC, "cannot preallocate swap file (No space left on device)", "x.swp", 0, 65536, 0)
+    monkeypatch.setattr(swapper.TensorSwapper, "register", full)
+    monkeypatch.chdir(tmp_path)
+    code = main(["train", "--offload", "infinity", "--steps", "1", "--out", str(tmp_path / "o")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1, err
+    assert "No space left on device" in err[0] and err[0].endswith("give --nvme-path on a larger disk")
+    assert not list(tmp_path.glob(".zeroinf-*"))  # the private swap folder went too

@@ -122,12 +122,17 @@ def main(args: argparse.Namespace) -> int:
     """Run ``zeroinf train``; returns the exit code (see the module docstring)."""
     from zeroinf.config import ConfigError
     from zeroinf.data import DataError
+    from zeroinf.io.errors import DiskFullError
     from zeroinf.models import ModelError
     run = _Run(args)
     try:
         return run.run()
     except (ConfigError, DataError, ModelError, TrainError) as exc:
         print(f"zeroinf train: error: {_one_line(exc)}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    except DiskFullError as exc:  # a traceback, exit 1, from swap files made by zeroinf.Init (tester-33 M6)
+        print(f"zeroinf train: error: {_one_line(exc)}; free space there or give --nvme-path on a larger disk",
+              file=sys.stderr)
         return EXIT_BAD_INPUT
     finally:
         run.remove_tmp_nvme()

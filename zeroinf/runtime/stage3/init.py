@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import os
 import shutil
 import tempfile
 import threading
