@@ -40,7 +40,8 @@ def test_dir_problem_reasons(tmp_path):
     assert (tmp_path / "made" / "here").is_dir()
     assert dir_problem(str(tmp_path / "f" / "sub"), create=True) == f"cannot be created: {tmp_path / 'f'} is not a directory"
     os.symlink(tmp_path / "gone", tmp_path / "dangling")  # a dangling link is not followed into a new folder
-    assert dir_problem(str(tmp_path / "dangling"), create=True) == "does not exist"
+    assert dir_problem(str(tmp_path / "dangling"), create=True) == \
+        f"is a symbolic link to {tmp_path / 'gone'}, which does not exist"
     assert not (tmp_path / "gone").exists()
 
 

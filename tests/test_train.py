@@ -301,8 +301,9 @@ def test_a_batch_larger_than_the_corpus_exits_with_one_line(batch, says, tmp_pat
     code = main(["train", "--config", "ds.json", "--data", "small.txt", "--seq-len", "64", "--steps", "1", *flags])
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1 and says in err[0], err
+    advice = "give train_batch_size at most 66" if "train_batch_size" in batch else "give at most 66 rows per rank"
     assert err[0].endswith(f"over 1 rank(s), but {tmp_path / 'small.txt'} has 66 distinct 64-token sequences "
-                           "(130 tokens); give at most 66 per rank")
+                           f"(130 tokens); {advice}")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ds.json", "small.txt"]
 
 

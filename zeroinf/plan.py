@@ -114,7 +114,7 @@ def check_fit(est: Estimate, limits: Limits) -> Tuple[str, ...]:
         cap = limits.usable(tier)
         if used > cap:
             if tier == "nvme" and limits.nvme == 0:
-                reasons.append(f"needs {format_size(used)} GB of NVMe and no --nvme was given")
+                reasons.append(f"needs {format_size(used)} GB of NVMe and --nvme gives none")
             else:
                 reasons.append(f"{what} {format_size(used)} GB > {format_size(cap)} GB usable")
     return tuple(reasons)
@@ -345,7 +345,9 @@ def out_target(out: str) -> Path:
     """
     path = Path(out).absolute()  # "." has no name to add ".tmp" to (a traceback: helper-46 t06)
     # the rename failed and left OUT.tmp behind; "newdir/" wrote a file named newdir (helper-48 P9)
-    if path.is_dir() or str(out).endswith(("/", os.sep)) or not str(out).strip():
+    if not str(out).strip():
+        raise ValueError(f"--out {out!r}: is empty; give a file name")
+    if path.is_dir() or str(out).endswith(("/", os.sep)):
         raise ValueError(f"--out {out!r}: is a folder; give a file name")
     if path.is_symlink():  # it was replaced by a regular file (tester-32 r09)
         hop, seen = str(path), 0

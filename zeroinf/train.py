@@ -724,9 +724,12 @@ class _Run:
         else:
             name = (f"{self.config_source}: train_batch_size {self.zcfg.train_batch_size} "
                     f"(train_micro_batch_size_per_gpu {mbs})")
+        most = windows // ws
+        advice = (f"give at most {most:,} rows per rank" if "(train_micro_batch_size_per_gpu" not in name else
+                  f"give train_batch_size at most {most * ws * self.zcfg.gradient_accumulation_steps:,}")
         raise TrainError(f"{name}: {mbs * ws:,} rows per micro-step over {ws} rank(s), but "
                          f"{a.data or 'the standard library corpus'} has {windows:,} distinct {a.seq_len}-token "
-                         f"sequences ({n_tokens:,} tokens); give at most {windows // ws:,} per rank")
+                         f"sequence{'' if windows == 1 else 's'} ({n_tokens:,} tokens); {advice}")
 
     def _loop(self, a, engine, batches, grad_accum, device, out: Path):
         from tqdm import tqdm

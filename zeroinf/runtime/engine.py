@@ -975,8 +975,9 @@ class ZeroEngine:
             Host scratch bytes freed (0 below stage 3, which keeps no such cache).
 
         Raises:
-            RuntimeError: the engine is closed, or it is called inside a forward or backward, or
-                while a training forward's graph waits for its backward.
+            RuntimeError: the engine is closed, or (stage 3) it is called inside a forward or
+                backward, or while a training forward's graph waits for its backward. Below stage 3
+                there is nothing to free and it may be called anywhere.
             OSError: a read-ahead had failed; its data was never used, and nothing else changed.
         """
         self._check_open()
