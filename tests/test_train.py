@@ -46,7 +46,8 @@ def main_run(tmp_path_factory):
 
 
 def test_loss_goes_down_and_log_is_complete(main_run):
-    cwd, _ = main_run
+    cwd, proc = main_run
+    assert f"; swap files in {cwd}{os.sep}.zeroinf-nvme-r0-" in proc.stdout  # where the header says they go
     recs = _log(cwd / "out")
     assert [r["step"] for r in recs] == list(range(1, 21))
     for r in recs:

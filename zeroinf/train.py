@@ -311,6 +311,14 @@ class PlainEngine:
         self.global_steps, self.micro_steps = state["global_steps"], state["micro_steps"]
 
 
+def _swap_where(zcfg) -> str:
+    """``"; swap files in DIR[, DIR]"`` for the header, or ``""`` without NVMe: a config's own
+    nvme_path (the presets' /local_nvme) is created if missing, so say where the files go (tester-33)."""
+    z = zcfg.zero_optimization
+    dirs = dict.fromkeys(b.nvme_path for b in (z.offload_param, z.offload_optimizer) if b.device == "nvme")
+    return f"; swap files in {', '.join(dirs)}" if dirs else ""
+
+
 # ---------------------------------------------------------------------------- the private swap folder
 # [Note: private swap folders] Without --nvme-path each rank swaps into a folder of its own,
 # .zeroinf-nvme-r{rank}-XXXXXXXX under the working directory, removed when the run ends. A run
@@ -670,7 +678,7 @@ class _Run:
                       f"{n_params / 1e6:.2f}M params, {dtype}, {self.config_source}, "
                       f"{self.dist.world_size} rank(s) x micro-batch {micro_batch} x accum {grad_accum} x "
                       f"seq {a.seq_len}, {_count(tokens.numel())} tokens of "
-                      f"{a.data or 'Python standard library'}; out {out}", flush=True)
+                      f"{a.data or 'Python standard library'}; out {out}" + _swap_where(self.zcfg), flush=True)
             records, interrupted = self._loop(a, engine, batches, grad_accum, device, out)
             code = 0
             if rank0:
