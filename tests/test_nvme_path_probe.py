@@ -160,3 +160,14 @@ def test_train_cli_on_a_full_disk_exits_with_one_line(tmp_path, capsys, monkeypa
     assert code == 2 and len(err) == 1, err
     assert "No space left on device" in err[0] and err[0].endswith("give --nvme-path on a larger disk")
     assert not list(tmp_path.glob(".zeroinf-*"))  # the private swap folder went too
+
+
+@needs_proc
+def test_a_refused_initialize_removes_the_nvme_path_it_created(tmp_path):
+    """offload_param.nvme_path creatable, offload_optimizer.nvme_path not: the run was refused and
+    the first folder stayed created (tester-33, p_ok/1)."""
+    cfg = _cfg(tmp_path / "p_ok" / "1", "nvme")
+    cfg["zero_optimization"]["offload_optimizer"]["nvme_path"] = PROC + "/zz"
+    with pytest.raises(ConfigError, match=r"offload_optimizer.nvme_path: '/proc/sys/zz' cannot be created"):
+        zeroinf.initialize(model=TinyLM(), config=cfg)
+    assert list(tmp_path.iterdir()) == []

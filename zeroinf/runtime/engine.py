@@ -37,6 +37,7 @@ import threading
 import time
 import warnings
 import weakref
+from pathlib import Path
 from typing import Any, Dict, Iterator, List, Optional
 
 import psutil
@@ -367,8 +368,32 @@ class ZeroEngine:
         file this rank will write there. ``files``: ``(config key, nvme_path, swap folder, bytes,
         what)``; bytes already in the swap folder this engine will take (a rerun overwrites them)
         count as free, those of a folder another live engine holds do not
-        (:func:`zeroinf.io.swapper.reusable_bytes`)."""
+        (:func:`zeroinf.io.swapper.reusable_bytes`). A missing ``nvme_path`` is created, and
+        removed again (the empty folders made) when a check fails."""
         from zeroinf.io.probe import dir_problem
+
+        files = list(files)
+        made = []  # the topmost folder each missing nvme_path creates
+        for _key, path, *_ in files:
+            top = None
+            for p in (Path(path).absolute(), *Path(path).absolute().parents):
+                if os.path.lexists(p):
+                    break
+                top = p
+            if top is not None:
+                made.append(top)
+        try:
+            self._check_disk_room(files, dir_problem)
+        except ConfigError:  # a refused run leaves no folder behind (tester-33: p_ok/1 stayed)
+            for top in made:
+                for d, _dirs, _files in sorted(os.walk(top), key=lambda w: -len(w[0])):
+                    try:
+                        os.rmdir(d)  # empty ones only: nothing else was written there yet
+                    except OSError:
+                        pass
+            raise
+
+    def _check_disk_room(self, files, dir_problem) -> None:
         from zeroinf.io.swapper import reusable_bytes
 
         by_dev: Dict[int, Dict[str, Any]] = {}
