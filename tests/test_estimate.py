@@ -3,22 +3,26 @@
 References are independent of the code under test: byte counts worked out by hand from the ZeRO
 paper's rules, the article's own inputs, published parameter counts, and a closed-form Llama count.
 """
+import dataclasses
 import json
 from pathlib import Path
 
 import pytest
 
 from zeroinf import cli
+from zeroinf.config import parse_config
 from zeroinf.estimate import (GB, GiB, PLACEMENTS, Placement, SwapBuffers, activation_bytes, count_params,
-                              estimate, model_info, parse_bytes, parse_count)
+                              estimate, model_info, parse_bytes, parse_count, placement_from_config,
+                              swap_buffers_from_config)
 
 # --- formulas on a small exact case --------------------------------------------------------------
 # P = 1000, N = 4 (2 ranks per node), bf16 + Adam: Ψp = Ψg = 2, K = 12, ceil(P/N) = 250.
 # Swap settings chosen so every term is visible, with buffers rounded up to 4096-byte pages
 # (zeroinf.io.pinned_pool_bytes): optimizer buffers in flight = min(buffer_count 3, 1 + read + write
 # = 3, sub-groups ceil(part / 200)) of 12 B x 200 -> 4096 each: 3 x 4096 at stage 0 (5 sub-groups),
-# 2 x 4096 from stage 1 (part 250: 2 sub-groups); param buffers 3 x (2 B x 50 -> 4096) = 12288;
-# max_in_cpu cache 2 B x min(10, 250) = 20.
+# 2 x 4096 at stages 1 and 2 (part 250: 2 sub-groups), 3 x 4096 at stage 3 (sub-groups are cut per
+# unit, and no units are given: at least buffer_count, an upper bound); param buffers
+# 3 x (2 B x 50 -> 4096) = 12288; max_in_cpu cache 2 B x min(10, 250) = 20.
 SMALL_SWAP = SwapBuffers(param_buffer_count=3, param_buffer_size=50, param_max_in_cpu=10,
                          optimizer_buffer_count=3, optimizer_pipeline_read=True, optimizer_pipeline_write=True,
                          sub_group_size=200)
@@ -35,15 +39,15 @@ SMALL_EXPECTED = {
     (2, "none", "nvme"): (2000, 1000 + 8192, 3000),
     (3, "none", "none"): (500 + 500 + 3000, 0, 0),
     (3, "none", "cpu"): (500, 3000 + 1000, 0),
-    (3, "none", "nvme"): (500, 1000 + 8192, 3000),
+    (3, "none", "nvme"): (500, 1000 + 12288, 3000),
     (3, "cpu", "none"): (500 + 3000, 500, 0),
     (3, "cpu", "cpu"): (0, 500 + 3000 + 1000, 0),
-    (3, "cpu", "nvme"): (0, 500 + 1000 + 8192, 3000),
+    (3, "cpu", "nvme"): (0, 500 + 1000 + 12288, 3000),
     (3, "nvme", "none"): (500 + 3000, 12288 + 20, 500),
     (3, "nvme", "cpu"): (0, 3000 + 1000 + 12288 + 20, 500),
     # ZeRO-Infinity: the fp32 gradient partition (1000) is swapped to NVMe, not pinned on the host,
     # and so is one micro-batch's bf16 partition (500)
-    (3, "nvme", "nvme"): (0, 8192 + 12288 + 20, 3000 + 500 + 1000 + 500),
+    (3, "nvme", "nvme"): (0, 12288 + 12288 + 20, 3000 + 500 + 1000 + 500),
 }
 
 
@@ -59,6 +63,25 @@ def test_small_exact_case(key):
                  swap=SMALL_SWAP)
     assert (e.per_device_bytes, e.per_host_bytes, e.nvme_bytes) == (dev, 2 * host, 2 * nvme)
     assert all(t.formula for t in e.terms)
+
+
+def test_stage3_swap_buffers_from_the_units():
+    """Stage 3 cuts the optimizer's sub-groups per unit partition and sizes every swap buffer by
+    the largest: units of 1,001, 3,000 and 10 elements on N = 4 ranks have partitions of 251, 750
+    and 3; sub_group_size 500 cuts them into 1 + 2 + 1 = 4 sub-groups of at most 500 elements.
+    bf16 + Adam (K = 12), pipeline_read: min(buffer_count 8, 4 sub-groups) buffers of 12 B x 500 ->
+    8192 bytes; parameter buffers 3 x (2 B x min(buffer_size 1e8, 750) -> 4096)."""
+    swap = SwapBuffers(param_buffer_count=3, optimizer_buffer_count=8, optimizer_pipeline_read=True, sub_group_size=500)
+    e = estimate(4011, Placement(3, "nvme", "nvme"), world_size=4, swap=swap, unit_sizes=(1001, 3000, 10))
+    terms = {t.name: t for t in e.terms}
+    assert terms["optimizer swap buffers"].bytes == 4 * 8192
+    assert "sub-groups 4" in terms["optimizer swap buffers"].formula
+    assert terms["parameter swap buffers"].bytes == 3 * 4096
+    # a buffer_count of 1 is raised to the 2 that reading one unit ahead needs, without prefetch not
+    for prefetch, count in ((True, 2), (False, 1)):
+        one = dataclasses.replace(swap, param_buffer_count=1, param_prefetch=prefetch)
+        e = estimate(4011, Placement(3, "nvme", "nvme"), world_size=4, swap=one, unit_sizes=(1001, 3000, 10))
+        assert next(t for t in e.terms if t.name == "parameter swap buffers").bytes == count * 4096
 
 
 @pytest.mark.parametrize("params,n", [(1, 1), (1000, 4), (1001, 4), (7_000_000_007, 3), (65_000_000_000, 128)])
@@ -164,7 +187,7 @@ def test_stage3_units_agree_with_the_engine():
     units_mod = pytest.importorskip("zeroinf.runtime.stage3.units")
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    from zeroinf.estimate import stage3_units
+    from zeroinf.estimate import stage3_unit_sizes, stage3_units
 
     cfg = LlamaConfig(vocab_size=1000, hidden_size=64, intermediate_size=176, num_hidden_layers=3,
                       num_attention_heads=4, num_key_value_heads=2)
@@ -175,6 +198,7 @@ def test_stage3_units_agree_with_the_engine():
     blocks = [v for k, v in sizes.items() if k not in ("<persistent>", "<root>")]
     assert stage3_units(model, 1000) == (max(sizes.values()),
                                          sizes["<persistent>"] + sizes["<root>"] + max(blocks))
+    assert stage3_unit_sizes(model, 1000) == (sizes["<persistent>"], sizes["<root>"], tuple(blocks))
 
 
 def test_presets_match_published_counts():
@@ -274,7 +298,9 @@ def test_estimate_nvme_rows_are_the_ones_plan_writes(tmp_path, capsys):
         assert cli.main(argv + ["--json"]) == 0
         rows = json.loads(capsys.readouterr().out)["rows"]
         return next(r for r in rows if (r["stage"], r["offload_param"], r["offload_optimizer"]) == (3, "nvme", "nvme"))
-    assert cli.main(["plan", "--model", "llama-7b", "--gpus", "8", "--gpu-mem", "4GB", "--cpu-mem", "45GB",
+    # (--cpu-mem 35GB: with 45 GB the plan is stage 3 none/nvme, since its optimizer buffers hold one
+    # unit partition's sub-group, not 1e8 elements)
+    assert cli.main(["plan", "--model", "llama-7b", "--gpus", "8", "--gpu-mem", "4GB", "--cpu-mem", "35GB",
                      "--nvme", "8TB", "--out", str(tmp_path / "plan.json")]) == 0
     capsys.readouterr()
     planned = row(["estimate", "--model", "llama-7b", "--gpus", "8", "--config", str(tmp_path / "plan.json")])
@@ -345,7 +371,6 @@ def test_optimizer_state_bytes_agree_with_the_engines_swap_files(tmp_path, preci
     copy of its own (the partitions are the masters): K = 8 there, as the engine's swap-file
     count (``swap_file_bytes``, checked against the files on disk in test_stage3_engine) says."""
     torch = pytest.importorskip("torch")
-    from zeroinf.config import parse_config
     from zeroinf.runtime.stage3.engine_glue import swap_file_bytes
 
     e = estimate(10**6, Placement(3, param_tier, "nvme"), precision=precision)
@@ -410,6 +435,78 @@ def test_estimate_pinned_bytes_equal_a_runs(preset, tmp_path, capsys):
     engine.close()
     assert cli.main(["estimate", "--params", str(params), "--config", str(path), "--json"]) == 0
     (row,) = json.loads(capsys.readouterr().out)["rows"]
-    assert row["pinned_bytes_per_rank"] == pinned
+    if cfg["zero_optimization"]["stage"] < 3:
+        assert row["pinned_bytes_per_rank"] == pinned
+    else:  # --params does not know stage 3's units: an upper bound (4 optimizer buffers, pipeline_read) ...
+        assert row["pinned_bytes_per_rank"] > pinned
+        # ... exact with the engine's one unit (every parameter under the persistence threshold 1e5)
+        parsed = parse_config(cfg)
+        est = estimate(params, placement_from_config(parsed), precision=parsed.precision,
+                       swap=swap_buffers_from_config(parsed), unit_sizes=(params,))
+        assert est.pinned_bytes(cuda=False) == pinned
     if preset == "cpu":
         assert pinned == 0
+
+
+# The same at stage 3 with several units: a Llama of 3 blocks (50,304 elements each), a root unit
+# (embedding, norm, lm_head: 32,832) and, with stage3_param_persistence_threshold 0, no persistent
+# unit. The engine cuts the optimizer's sub-groups per unit partition and sizes every swap buffer
+# by the largest one; the estimate used to take ceil(P/N) = 183,744 elements as one sub-group
+# (tester-33 t12: nvme/nvme pinned 1,429,504 bytes, estimated 2,093,056; with pipeline_read
+# 2,240,512, estimated 2,093,056). Optimizer buffers (fp32: K = 8, the partitions are the masters;
+# bf16: K = 12) and parameter buffers (Ψp x 50,304, at least 2 with prefetch), rounded up to pages:
+ZERO_THRESHOLD_CASES = {
+    # 1 buffer in flight of 8 x 50,304 B -> 405,504; 5 parameter buffers of 4 x 50,304 B -> 204,800
+    "nvme-nvme": ({}, {}, {}, False, 405_504 + 5 * 204_800),
+    # parameter buffer_count 1 is raised to 2 (one unit read ahead)
+    "param-buffer_count-1": ({"buffer_count": 1}, {}, {}, False, 405_504 + 2 * 204_800),
+    # pipeline_read: min(buffer_count 8, 4 sub-groups) of 12 x 50,304 B -> 606,208; 2 x 50,304 B -> 102,400
+    "pipeline_read-bf16": ({}, {"pipeline_read": True, "buffer_count": 8}, {}, True, 4 * 606_208 + 5 * 102_400),
+    # sub_group_size 30,000: 2 sub-groups per unit = 8 (ceil(P/30,000) = 7); min(8, 8) of 8 x 30,000 B
+    # -> 241,664; 2 parameter buffers
+    "sub_group_size-pipelined": ({"buffer_count": 2}, {"pipeline_read": True, "pipeline_write": True, "buffer_count": 8},
+                                 {"sub_group_size": 30_000}, False, 8 * 241_664 + 2 * 204_800),
+}
+
+
+@pytest.mark.parametrize("case", list(ZERO_THRESHOLD_CASES))
+def test_estimate_pinned_bytes_equal_a_stage3_run_of_several_units(case, tmp_path, capsys):
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    import zeroinf
+
+    if torch.cuda.is_available():
+        pytest.skip("the CUDA figure describes a model on the GPU; this run keeps the model on the CPU")
+    param, opt, zero, bf16, want = ZERO_THRESHOLD_CASES[case]
+    nvme = str(tmp_path / "nvme")
+    cfg = {"train_micro_batch_size_per_gpu": 2, "bf16": {"enabled": bf16},
+           "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+           "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0, **zero,
+                                 "offload_param": {"device": "nvme", "nvme_path": nvme, **param},
+                                 "offload_optimizer": {"device": "nvme", "nvme_path": nvme, **opt}}}
+    (tmp_path / "ds.json").write_text(json.dumps(cfg))
+    llama = dict(vocab_size=256, hidden_size=64, intermediate_size=176, num_hidden_layers=3, num_attention_heads=4,
+                 tie_word_embeddings=False)
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", **llama}))
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(LlamaConfig(**llama))
+    if bf16:
+        model.to(torch.bfloat16)
+    assert sum(p.numel() for p in model.parameters()) == 32_832 + 3 * 50_304
+    engine, *_ = zeroinf.initialize(model, config=cfg)
+    x = torch.randint(0, 256, (2, 8), generator=torch.Generator().manual_seed(0))
+    for _ in range(2):
+        engine.backward(engine(input_ids=x, labels=x).loss)
+        engine.step()
+    pinned = engine.stats()["pinned_bytes"]
+    engine.close()
+    assert pinned == want
+    assert cli.main(["estimate", "--model", str(tmp_path), "--config", str(tmp_path / "ds.json"), "--json"]) == 0
+    (row,) = json.loads(capsys.readouterr().out)["rows"]
+    assert row["pinned_bytes_per_rank"] == pinned
+    # --params alone (units unknown) stays an upper bound
+    assert cli.main(["estimate", "--params", str(32_832 + 3 * 50_304), "--config", str(tmp_path / "ds.json"),
+                     "--json"]) == 0
+    (row,) = json.loads(capsys.readouterr().out)["rows"]
+    assert row["pinned_bytes_per_rank"] >= pinned

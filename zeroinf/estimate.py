@@ -35,7 +35,9 @@ add a 1.5x safety factor and the host copy made while the model is built):
   once (:func:`stage3_units`).
 * NVMe rows add the pinned host memory the swapping needs (buffers and the ``max_in_cpu`` parameter
   cache; defaults of :mod:`zeroinf.config` unless a config gives them; see :class:`SwapBuffers`).
-  Buffer bytes come from :func:`zeroinf.io.pinned_pool_bytes`, the bytes the pool will lock.
+  Buffer bytes come from :func:`zeroinf.io.pinned_pool_bytes`, the bytes the pool will lock. At
+  stage 3 they are sized by the model's units (:attr:`ModelInfo.unit_sizes`: the engine cuts the
+  optimizer's sub-groups per unit partition); with a bare parameter count, by upper bounds.
 
 Pinned host memory: each host term says whether it is page-locked (:attr:`Term.pinned`): the swap
 buffer pools are locked on any host (``mlock`` without CUDA); the gradient partition of stages
@@ -73,7 +75,7 @@ from zeroinf.sizes import parse_bytes as _parse_bytes
 __all__ = [
     "GB", "GiB", "PRESETS", "PRECISIONS", "OPTIMIZERS", "PLACEMENTS", "Precision", "Placement",
     "ModelInfo", "SwapBuffers", "Term", "Estimate", "parse_count", "parse_bytes", "flag_type", "load_model_config",
-    "model_info", "count_params", "stage3_units", "PERSISTENCE_THRESHOLD", "activation_bytes", "estimate", "estimate_all", "swap_buffers_from_config",
+    "model_info", "count_params", "stage3_unit_sizes", "stage3_units", "PERSISTENCE_THRESHOLD", "activation_bytes", "estimate", "estimate_all", "swap_buffers_from_config",
     "placement_from_config", "PLAN_SWAP", "swap_for", "add_model_arguments", "world_size", "resolve_model", "format_size", "format_table", "add_arguments", "main",
 ]
 
@@ -183,6 +185,11 @@ class SwapBuffers:
         param_buffer_size: ``offload_param.buffer_size``, parameter elements per buffer (default 1e8).
         param_max_in_cpu: ``offload_param.max_in_cpu``, parameter elements of this rank's partition
             cached in pinned memory (default 1e9).
+        param_prefetch: ``stage3_prefetch_bucket_size`` > 0 (default 5e7): the engine reads one
+            unit ahead, so it pins at least 2 parameter buffers, one partition each (one param
+            group), raising a ``buffer_count`` of 1 (:meth:`Stage3ParameterManager.min_buffer_count`
+            in zeroinf/runtime/stage3/manager.py; it refuses a config whose ``buffer_count x
+            buffer_size`` elements cannot hold them).
         optimizer_buffer_count: ``offload_optimizer.buffer_count`` (default 4); each buffer holds one
             sub-group's fp32 master weights and optimizer moments: ``K x sub-group elements`` bytes
             (see :class:`zeroinf.config.OffloadOptimizerConfig`). The engine pins
@@ -192,7 +199,8 @@ class SwapBuffers:
         optimizer_pipeline_read, optimizer_pipeline_write: ``offload_optimizer.pipeline_read`` /
             ``pipeline_write`` (default false).
         sub_group_size: ``zero_optimization.sub_group_size``, elements (default 1e9); the rank's
-            partition is split into ``ceil(partition / sub_group_size)`` sub-groups of at most that.
+            partition is split into ``ceil(partition / sub_group_size)`` sub-groups of at most that
+            (at stage 3 each unit's partition is split on its own).
         alignment: byte alignment of each buffer (O_DIRECT: 4096); :func:`zeroinf.io.pinned_pool_bytes`
             rounds every buffer up to ``max(alignment, page size)``.
     """
@@ -200,6 +208,7 @@ class SwapBuffers:
     param_buffer_count: int = 5
     param_buffer_size: int = 100_000_000
     param_max_in_cpu: int = 1_000_000_000
+    param_prefetch: bool = True
     optimizer_buffer_count: int = 4
     optimizer_pipeline_read: bool = False
     optimizer_pipeline_write: bool = False
@@ -376,6 +385,9 @@ class ModelInfo:
             ``offload_param.buffer_size`` must hold its partition. None when unknown.
         live_params: parameters a stage-3 rank holds gathered at once (see :func:`stage3_units`);
             None when unknown.
+        unit_sizes: elements of each stage-3 unit that has parameters (persistent, root, then the
+            blocks, as :func:`stage3_unit_sizes` groups them); the engine cuts the optimizer's
+            sub-groups per unit, so they size its NVMe swap buffers. None when unknown.
         hidden, layers, heads, vocab: shape, for activation memory; None when unknown.
     """
 
@@ -383,6 +395,7 @@ class ModelInfo:
     params: int
     largest_unit: Optional[int] = None
     live_params: Optional[int] = None
+    unit_sizes: Optional[Tuple[int, ...]] = None
     hidden: Optional[int] = None
     layers: Optional[int] = None
     heads: Optional[int] = None
@@ -439,15 +452,16 @@ def _build_meta(cfg: dict):
 PERSISTENCE_THRESHOLD = 100_000
 
 
-def stage3_units(model, persistence_threshold: int = PERSISTENCE_THRESHOLD) -> Optional[Tuple[int, int]]:
-    """``(largest unit, live parameters)`` in elements, as ``zeroinf.runtime.stage3.units`` groups them.
+def stage3_unit_sizes(model, persistence_threshold: int = PERSISTENCE_THRESHOLD
+                      ) -> Optional[Tuple[int, int, Tuple[int, ...]]]:
+    """``(persistent, root, blocks)``: elements of each stage-3 unit, as
+    ``zeroinf.runtime.stage3.units.build_units`` groups them (``blocks`` in module order).
 
     Units: one per outermost transformer block (classes of the model's ``_no_split_modules``); the
     root unit holds every parameter outside the blocks (or shared by two), gathered for the whole
     forward and backward; the persistent unit holds every parameter with fewer than
-    ``persistence_threshold`` elements, gathered once and kept. So a rank holds at least
-    ``persistent + root + the largest block`` gathered (more with prefetch, up to
-    ``stage3_max_live_parameters``). Returns None when the model names no block classes.
+    ``persistence_threshold`` elements, gathered once and kept. Returns None when the model names
+    no block classes.
     """
     classes = set(getattr(model, "_no_split_modules", None) or ())
     if not classes:
@@ -472,7 +486,21 @@ def stage3_units(model, persistence_threshold: int = PERSISTENCE_THRESHOLD) -> O
             sizes[owner[id(p)][0]] += n
         else:
             root += n
-    largest_block = max(sizes, default=0)
+    return persistent, root, tuple(sizes)
+
+
+def stage3_units(model, persistence_threshold: int = PERSISTENCE_THRESHOLD) -> Optional[Tuple[int, int]]:
+    """``(largest unit, live parameters)`` in elements, from :func:`stage3_unit_sizes`.
+
+    A rank holds at least ``persistent + root + the largest block`` gathered (more with prefetch,
+    up to ``stage3_max_live_parameters``). Returns None when the model names no block classes.
+    """
+    units = stage3_unit_sizes(model, persistence_threshold)
+    return None if units is None else _largest_and_live(*units)
+
+
+def _largest_and_live(persistent: int, root: int, blocks: Tuple[int, ...]) -> Tuple[int, int]:
+    largest_block = max(blocks, default=0)
     return max(persistent, root, largest_block), persistent + root + largest_block
 
 
@@ -502,9 +530,10 @@ def model_info(model: Union[str, os.PathLike, Mapping], *,
             return None
         return value if isinstance(value, int) else None
 
-    units = stage3_units(built, persistence_threshold)
-    largest, live = units if units else (None, None)
+    units = stage3_unit_sizes(built, persistence_threshold)
+    largest, live = _largest_and_live(*units) if units else (None, None)
     return ModelInfo(name=name, params=params, largest_unit=largest, live_params=live,
+                     unit_sizes=tuple(n for n in (units[0], units[1], *units[2]) if n) if units else None,
                      hidden=attr("hidden_size"), layers=attr("num_hidden_layers"),
                      heads=attr("num_attention_heads"), vocab=attr("vocab_size"))
 
@@ -565,7 +594,7 @@ def estimate(params: int, placement: Placement, *, world_size: int = 1, gpus_per
              precision: str = "bf16", optimizer: str = "adam", live_params: Optional[int] = None,
              activations: int = 0, activations_formula: str = "Korthikanti et al. 2022, Sec. 4",
              swap: SwapBuffers = SwapBuffers(), optimizer_pin_memory: bool = False,
-             param_pin_memory: bool = False) -> Estimate:
+             param_pin_memory: bool = False, unit_sizes: Optional[Sequence[int]] = None) -> Estimate:
     """Bytes per accelerator, per host and on NVMe for one placement (formulas: module docstring).
 
     Args:
@@ -583,6 +612,13 @@ def estimate(params: int, placement: Placement, *, world_size: int = 1, gpus_per
             ``offload_param.pin_memory`` (default false, as :mod:`zeroinf.config`): the
             CPU-resident optimizer state, and the host parameter partitions and cache, are then
             pinned with CUDA (:attr:`Term.pinned` ``"cuda"``).
+        unit_sizes: elements of each stage-3 unit with parameters (:attr:`ModelInfo.unit_sizes`).
+            Stage 3 sizes its NVMe swap buffers from the units: a parameter buffer holds the largest
+            unit partition ``ceil(U/N)`` (U: the largest unit) at most, and the optimizer's
+            sub-groups are cut per unit partition, ``ceil(ceil(u/N) / sub_group_size)`` of them
+            per unit u, the largest ``min(sub_group_size, ceil(U/N))`` elements. None (units
+            unknown): both terms are upper bounds, with ``ceil(P/N)`` for the largest partition
+            and, with ``pipeline_read``, ``buffer_count`` for the number of sub-groups.
 
     Raises:
         ValueError: non-positive counts, ``gpus_per_node`` not dividing ``world_size``, unknown
@@ -649,22 +685,42 @@ def estimate(params: int, placement: Placement, *, world_size: int = 1, gpus_per
         # in ordinary memory
         terms.append(Term("gradient partition (fp32)", "host", 4 * numel, f"4 B x {what}",
                           "cuda" if st < 3 else "never"))
+    # stage 3: the largest unit partition; ceil(P/N) bounds it when the units are unknown
+    part, part_what = shard, f"ceil(P/N) {_fmt(shard)} (units unknown: an upper bound)"
+    if st == 3 and unit_sizes:
+        part = -(-max(unit_sizes) // n)
+        part_what = f"largest unit partition ceil({_fmt(max(unit_sizes))}/{n}) = {_fmt(part)}"
     if placement.offload_optimizer == "nvme":
-        elems = min(swap.sub_group_size, numel)
-        groups = -(-numel // swap.sub_group_size)
         from zeroinf.runtime.optimizer import optimizer_buffer_count
+        sgs = swap.sub_group_size
+        if st < 3:  # the rank's partition, cut into sub-groups
+            groups, elems = -(-numel // sgs), min(sgs, numel)
+            groups_what, elems_what = f"{groups}", f"{_fmt(elems)}"
+        elif unit_sizes:  # cut per unit partition (zeroinf/runtime/stage3/engine_glue.py, Stage3EngineParams)
+            groups, elems = sum(-(-p // sgs) for p in (-(-u // n) for u in unit_sizes)), min(sgs, part)
+            groups_what = f"{groups} (ceil(ceil(u/N)/sub_group_size) over {len(unit_sizes)} units)"
+            elems_what = f"min(sub_group_size {_fmt(sgs)}, {part_what}) = {_fmt(elems)}"
+        else:  # at least as many sub-groups as buffers, none larger than the partition
+            groups, elems = swap.optimizer_buffer_count, min(sgs, part)
+            groups_what = "unknown, taken as >= buffer_count: an upper bound"
+            elems_what = f"min(sub_group_size {_fmt(sgs)}, {part_what}) = {_fmt(elems)}"
         in_flight = optimizer_buffer_count(swap.optimizer_buffer_count, swap.optimizer_pipeline_read,
                                            swap.optimizer_pipeline_write, groups)
-        cap = groups if swap.optimizer_pipeline_read else 1 + swap.optimizer_pipeline_write
+        cap = f"sub-groups {groups_what}" if swap.optimizer_pipeline_read else \
+            f"in flight {1 + swap.optimizer_pipeline_write}"
         terms.append(Term("optimizer swap buffers", "host", _pool_bytes(in_flight, k * elems, swap.alignment),
-                          f"min(buffer_count {swap.optimizer_buffer_count}, "
-                          f"{'sub-groups' if swap.optimizer_pipeline_read else 'in flight'} {cap})"
-                          f" x K {k} B x {_fmt(elems)} elements, rounded up to pages", "always"))
+                          f"min(buffer_count {swap.optimizer_buffer_count}, {cap}) = {in_flight}"
+                          f" x K {k} B x {elems_what} elements, rounded up to pages", "always"))
     if placement.offload_param == "nvme":
+        size = min(swap.param_buffer_size, part)
+        need = 1 + swap.param_prefetch  # read on demand, and one unit read ahead
+        count = max(swap.param_buffer_count, need)
         terms.append(Term("parameter swap buffers", "host",
-                          _pool_bytes(swap.param_buffer_count, prec.param_bytes * swap.param_buffer_size, swap.alignment),
-                          f"buffer_count {swap.param_buffer_count} x {prec.param_bytes} B x buffer_size "
-                          f"{_fmt(swap.param_buffer_size)}, rounded up to pages", "always"))
+                          _pool_bytes(count, prec.param_bytes * size, swap.alignment),
+                          f"max(buffer_count {swap.param_buffer_count}, {need} "
+                          f"{'with' if swap.param_prefetch else 'without'} prefetch) x {prec.param_bytes} B x "
+                          f"min(buffer_size {_fmt(swap.param_buffer_size)}, {part_what}), rounded up to pages",
+                          "always"))
         cached = min(swap.param_max_in_cpu, shard)
         if cached:
             terms.append(Term("parameter cache (max_in_cpu)", "host", prec.param_bytes * cached,
@@ -696,6 +752,7 @@ def swap_buffers_from_config(cfg) -> SwapBuffers:
     return SwapBuffers(param_buffer_count=z.offload_param.buffer_count,
                        param_buffer_size=z.offload_param.buffer_size,
                        param_max_in_cpu=z.offload_param.max_in_cpu,
+                       param_prefetch=z.stage3_prefetch_bucket_size > 0,
                        optimizer_buffer_count=z.offload_optimizer.buffer_count,
                        optimizer_pipeline_read=z.offload_optimizer.pipeline_read,
                        optimizer_pipeline_write=z.offload_optimizer.pipeline_write,
@@ -848,15 +905,11 @@ def main(args: argparse.Namespace) -> int:
         info, act, act_formula = resolve_model(args, persistence_threshold=threshold)
         if not args.config:  # the parameter buffers zeroinf plan would write for this model
             swap = swap_for(info, n)
-        else:  # the engine pins no more per buffer than one partition holds (a config's 1e8 elements
-            # gave 2 GB for a 133k-parameter model that pins 3.6 MiB: helper-46)
-            swap = dataclasses.replace(swap, param_buffer_size=min(swap.param_buffer_size,
-                                                                   swap_for(info, n).param_buffer_size))
         if args.stage is not None:
             placements = [p for p in placements if p.stage == args.stage]
         rows = [estimate(info.params, pl, world_size=n, gpus_per_node=args.gpus, precision=precision,
                          optimizer=args.optimizer, live_params=info.live_params, activations=act,
-                         activations_formula=act_formula, swap=swap, **pins)
+                         activations_formula=act_formula, swap=swap, unit_sizes=info.unit_sizes, **pins)
                 for pl in placements]
     except (ValueError, OSError) as exc:  # ConfigError is a ValueError
         print(f"zeroinf estimate: error: {exc}", file=sys.stderr)

@@ -126,7 +126,7 @@ def choose(info: ModelInfo, limits: Limits, *, world_size: int, gpus_per_node: i
     """Try :data:`LADDER` in order; stop at the first placement that fits.
 
     Args:
-        info: the model (P and the largest stage-3 unit).
+        info: the model (P, the largest stage-3 unit and the unit sizes, which size the NVMe swap buffers).
         limits: memory per accelerator, per host and NVMe per node.
         world_size, gpus_per_node, precision, optimizer, activations, activations_formula: as
             :func:`zeroinf.estimate.estimate`.
@@ -148,7 +148,7 @@ def choose(info: ModelInfo, limits: Limits, *, world_size: int, gpus_per_node: i
         def est_with(live):
             return estimate(info.params, pl, world_size=world_size, gpus_per_node=gpus_per_node, precision=precision,
                             optimizer=optimizer, live_params=live, activations=activations,
-                            activations_formula=activations_formula, swap=swap)
+                            activations_formula=activations_formula, swap=swap, unit_sizes=info.unit_sizes)
         live = info.live_params
         if live is None and pl.stage == 3:
             prec = PRECISIONS[precision]
