@@ -33,6 +33,20 @@ def _train(args, cwd, timeout=240, check=True):
     return proc
 
 
+def _start(args, cwd, out, steps_done):
+    """Start ``zeroinf train ARGS --out OUT`` in ``cwd`` and return it once OUT/log.jsonl holds
+    ``steps_done`` steps (stdout piped, stderr too)."""
+    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+    proc = subprocess.Popen([sys.executable, "-m", "zeroinf", "train", *args, "--out", out], cwd=cwd,
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    log = Path(cwd) / out / "log.jsonl"
+    deadline = time.time() + 180
+    while (not log.exists() or len(log.read_text().splitlines()) < steps_done) and proc.poll() is None:
+        assert time.time() < deadline, f"the run wrote no {steps_done} steps in time"
+        time.sleep(0.01)
+    return proc
+
+
 def _log(out):
     return [json.loads(line) for line in (Path(out) / "log.jsonl").read_text().splitlines()]
 
@@ -129,14 +143,7 @@ def test_two_ranks_agree_with_one(main_run, tmp_path):
 def test_interrupt_and_resume_reproduce_the_trajectory(main_run, tmp_path):
     """Ctrl-C after step 3 or later, then --resume: the 20 losses of the uninterrupted main run."""
     args = ["--offload", OFFLOAD, "--steps", "20", *TINY, "--no-plot"]
-    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
-    proc = subprocess.Popen([sys.executable, "-m", "zeroinf", "train", *args, "--out", "cut"], cwd=tmp_path,
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    log = tmp_path / "cut" / "log.jsonl"
-    deadline = time.time() + 180
-    while (not log.exists() or len(log.read_text().splitlines()) < 3) and proc.poll() is None:
-        assert time.time() < deadline, "the run wrote no 3 steps in time"
-        time.sleep(0.01)
+    proc = _start(args, tmp_path, "cut", 3)
     proc.send_signal(signal.SIGINT)            # what Ctrl-C sends
     out, err = proc.communicate(timeout=120)
     stopped = len(_log(tmp_path / "cut"))
@@ -382,15 +389,7 @@ def test_a_killed_runs_private_swap_folder_is_removed_by_the_next_run(tmp_path):
     """A run killed outright (SIGKILL; a second SIGTERM) cannot remove its private swap folder; the
     next run in that directory does, and leaves a live run's and a --keep run's alone."""
     from zeroinf.train import make_private_dir, remove_stale_private_dirs
-    args = ["--offload", OFFLOAD, "--steps", "200", *TINY, "--no-plot"]
-    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
-    proc = subprocess.Popen([sys.executable, "-m", "zeroinf", "train", *args, "--out", "killed"], cwd=tmp_path,
-                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    log = tmp_path / "killed" / "log.jsonl"
-    deadline = time.time() + 180
-    while (not log.exists() or not log.read_text().strip()) and proc.poll() is None:
-        assert time.time() < deadline, "the run wrote no step in time"
-        time.sleep(0.01)
+    proc = _start(["--offload", OFFLOAD, "--steps", "200", *TINY, "--no-plot"], tmp_path, "killed", 1)
     proc.kill()
     proc.communicate(timeout=60)
     (stale,) = tmp_path.glob(".zeroinf-nvme-r0-*")
