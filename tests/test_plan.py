@@ -178,10 +178,10 @@ def test_cli_params_alone_cap_what_stage_3_gathers_at_what_the_device_holds(tmp_
     assert "stage3_max_live_parameters" not in out.read_text()
     rc = cli.main(["plan", "--params", "1e8", "--live-params", "2e7", "--gpu-mem", "0.15GB", "--cpu-mem", "1TB",
                    "--out", str(out)])
-    text = capsys.readouterr().out  # the user's own figure: counted as given, not written
+    text = capsys.readouterr().out  # the user's own figure: counted as given and written as the cap
     assert rc == 0 and "chosen: stage 3, offload_param=cpu" in text and "live params 20,000,000" in text
-    assert "parameters at once" not in text
-    assert "stage3_max_live_parameters" not in out.read_text()
+    assert "parameters at once" not in text and "--live-params 20,000,000 written as" in text
+    assert parse_config(str(out)).zero_optimization.stage3_max_live_parameters == 20_000_000  # (tester-34 N3)
 
 
 def test_step_time_bounds_exact():
@@ -292,7 +292,7 @@ def test_cli_out_a_symlink_that_cannot_be_written_through_exits_2(tmp_path, caps
     assert [p.name for p in tmp_path.iterdir()] == [name] and os.readlink(tmp_path / name) == link_to
 
 
-@pytest.mark.parametrize("kind", ["device", "fifo", "link to a device", "/dev/stdout"])
+@pytest.mark.parametrize("kind", ["device", "fifo", "link to a device", "/dev/stdout", "/dev/fd/1", "/proc/self/fd/1"])
 def test_cli_out_that_is_not_a_regular_file_is_refused_and_left_as_it_was(tmp_path, capsys, monkeypatch, kind):
     """The config is written next to OUT and renamed over it: as root, --out /dev/null replaced
     the system's /dev/null with a regular file; a FIFO, a link to a device and /dev/stdout (the
@@ -301,8 +301,10 @@ def test_cli_out_that_is_not_a_regular_file_is_refused_and_left_as_it_was(tmp_pa
     if kind == "fifo":
         os.mkfifo("ff")
         name, says = "ff", "is a FIFO;"
+    elif kind in ("/dev/fd/1", "/proc/self/fd/1"):  # tester-34 N1: the /dev/stdout check missed these
+        name, says = kind, f"is under /proc ({kind}: a process's open file or a kernel file)"
     elif kind == "/dev/stdout":
-        name, says = "/dev/stdout", "is a link to a process's open file (/proc/self/fd/1)"
+        name, says = "/dev/stdout", "is under /proc (/proc/self/fd/1: a process's open file or a kernel file)"
     else:
         if os.geteuid() != 0:
             pytest.skip("mknod needs root")
@@ -327,6 +329,33 @@ def test_cli_with_stdout_closed_writes_the_config_and_exits_0(tmp_path):
                           preexec_fn=lambda: os.close(1))
     assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr
     assert parse_config(str(tmp_path / "p.json")).zero_optimization.stage == 0
+
+
+@pytest.mark.parametrize("argv", [["plan", "--params", "1e9", "--gpu-mem", "80GB", "--cpu-mem", "1TB", "--out",
+                                   "p.json"], ["estimate", "--params", "7e9"], ["plan", "--help"]],
+                         ids=["plan", "estimate", "help"])
+def test_a_full_stdout_ends_with_one_line(tmp_path, argv):
+    """``> /dev/full``: OSError ENOSPC's traceback, exit 1 (tester-34 N2); one line now (a private
+    /dev/full node as stdout)."""
+    if os.geteuid() != 0:
+        pytest.skip("mknod needs root")
+    os.mknod(tmp_path / "full", 0o666 | stat.S_IFCHR, os.makedev(1, 7))
+    with open(tmp_path / "full", "w") as full:
+        proc = subprocess.run([sys.executable, "-m", "zeroinf", *argv], cwd=tmp_path, stdout=full,
+                              stderr=subprocess.PIPE, text=True, timeout=120)
+    assert proc.returncode == 1 and proc.stderr == "zeroinf: error: [Errno 28] No space left on device\n", proc.stderr
+
+
+@pytest.mark.parametrize("closed", [1, 2])
+def test_a_closed_stdout_or_stderr_keeps_the_exit_code(tmp_path, closed):
+    """``zeroinf plan --help >&-`` raised AttributeError, and ``--out '' 2>&-`` exited 1 for 2:
+    with fd 2 closed a launcher's script file can sit there, read-only (tester-34 N4)."""
+    help_ = subprocess.run([sys.executable, "-m", "zeroinf", "plan", "--help"], cwd=tmp_path, stdout=subprocess.DEVNULL,
+                           stderr=subprocess.PIPE, text=True, timeout=120, preexec_fn=lambda: os.close(closed))
+    bad = subprocess.run([sys.executable, "-m", "zeroinf", "plan", "--params", "1e9", "--gpu-mem", "80GB", "--cpu-mem",
+                          "1TB", "--out", ""], cwd=tmp_path, capture_output=True, text=True, timeout=120,
+                         preexec_fn=lambda: os.close(closed) if closed == 2 else os.dup2(os.open(__file__, os.O_RDONLY), 1))
+    assert help_.returncode == 0 and bad.returncode == 2, (help_.stderr, bad.stderr)
 
 
 def _into_closed_pipe(argv, cwd):

@@ -427,3 +427,25 @@ def test_another_users_private_swap_folder_is_left_alone(tmp_path):
         os.chown(p, 65534, 65534)
     theirs.chmod(0o700)
     assert remove_stale_private_dirs(tmp_path) == [] and theirs.is_dir()
+
+
+def test_only_folders_this_scheme_made_on_this_host_are_removed(tmp_path):
+    """tester-34 N5: a name with a trailing newline and a folder whose OWNER is a link were taken
+    for private swap folders; a folder another host made on a shared file system (whose flock
+    may be local to each host) must not be taken either. A real stale one still goes."""
+    from zeroinf.train import make_private_dir, remove_stale_private_dirs
+    stale, fd = make_private_dir(tmp_path, 0)
+    os.close(fd)
+    newline = tmp_path / (stale.name[:-1] + "x\n")
+    newline.mkdir()
+    (newline / "OWNER").write_text((stale / "OWNER").read_text())
+    linked, fd = make_private_dir(tmp_path, 1)
+    os.close(fd)
+    (tmp_path / "owner-text").write_text((linked / "OWNER").read_text())
+    (linked / "OWNER").unlink()
+    (linked / "OWNER").symlink_to(tmp_path / "owner-text")
+    other, fd = make_private_dir(tmp_path, 2)
+    os.close(fd)
+    (other / "OWNER").write_text("another-host\nzeroinf train, pid 1\n")
+    assert [d for d, _ in remove_stale_private_dirs(tmp_path)] == [stale]
+    assert newline.is_dir() and linked.is_dir() and other.is_dir() and (tmp_path / "owner-text").is_file()

@@ -7,7 +7,10 @@ Each entry of :data:`COMMANDS` names a module exposing ``add_arguments(parser)``
 from __future__ import annotations
 
 import argparse
+import errno
+import fcntl
 import importlib
+import io
 import os
 import sys
 from typing import List, Optional
@@ -32,21 +35,51 @@ def main(argv: Optional[List[str]] = None) -> int:
 
     When stdout is a pipe whose reader has gone, the command stops quietly with
     :data:`EXIT_BROKEN_PIPE` (it ended in a BrokenPipeError traceback: tester-32 r09); files a
-    subcommand finished writing before that are complete.
+    subcommand finished writing before that are complete. A full or failing stdout (ENOSPC, EIO,
+    EDQUOT) ends with one line on stderr and exit 1; a closed stdout or stderr is /dev/null.
     """
+    for name in ("stdout", "stderr"):  # started with it closed (>&-, 2>&-): every print raised
+        if _closed(getattr(sys, name)):
+            setattr(sys, name, open(os.devnull, "w"))
     try:
         try:
             return _run(argv)
         finally:  # output still buffered meets the broken pipe here, not at the interpreter's exit
-            if sys.stdout is not None:  # None when started with stdout closed (>&-)
-                sys.stdout.flush()
+            sys.stdout.flush()
     except BrokenPipeError:
-        # stdout's buffer still holds what could not be written: point it at /dev/null so that
-        # the interpreter's final flush does not raise again
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())
-        os.close(devnull)
+        _drop_stdout()
         return EXIT_BROKEN_PIPE
+    except OSError as exc:
+        if exc.errno not in (errno.ENOSPC, errno.EIO, errno.EDQUOT):
+            raise
+        # a full or failing stdout (> /dev/full) ended in a traceback (tester-34 N2): one line
+        _drop_stdout()
+        print(f"zeroinf: error: {exc}", file=sys.stderr)
+        return 1
+
+
+def _closed(stream) -> bool:
+    """Whether ``stream`` cannot be written: missing (None: the interpreter found fd 1 closed at
+    start), or on a descriptor that is closed or open read-only (with fd 2 closed, a launcher's
+    script file can sit there: every write raised EBADF). Streams without a descriptor (pytest's
+    capture) are open."""
+    if stream is None:
+        return True
+    try:
+        flags = fcntl.fcntl(stream.fileno(), fcntl.F_GETFL)
+    except (io.UnsupportedOperation, ValueError):
+        return False
+    except OSError as exc:
+        return exc.errno == errno.EBADF
+    return flags & os.O_ACCMODE == os.O_RDONLY
+
+
+def _drop_stdout() -> None:
+    """Point stdout at /dev/null: its buffer still holds what could not be written, and the
+    interpreter's final flush must not raise again."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
 
 
 class _Parser(argparse.ArgumentParser):

@@ -171,7 +171,7 @@ def make_config(placement: Placement, *, precision: str = "bf16", micro_batch: i
     an ``optimizer`` block (Adam/AdamW), and ``zero_optimization`` with the stage, the offload blocks
     (pinned; NVMe with ``nvme_path``, the swap buffers of ``swap``, and pipelined reads and writes)
     and ``sub_group_size``; at stage 3 with ``max_live_parameters``, ``stage3_max_live_parameters``
-    (the engine refuses at start-up a model whose largest unit needs more).
+    (the engine refuses at start-up a model whose root and largest unit together need more).
 
     Raises:
         ValueError: an optimizer other than adam/adamw (the engine steps only those).
@@ -349,13 +349,17 @@ def out_target(out: str) -> Path:
         raise ValueError(f"--out {out!r}: is empty; give a file name")
     if path.is_dir() or str(out).endswith(("/", os.sep)):
         raise ValueError(f"--out {out!r}: is a folder; give a file name")
+    # /dev/stdout, /dev/fd/1, /proc/self/fd/1: the rename replaced the shell's redirect target and
+    # the report went to the deleted copy (tester-33 H1, tester-34 N1); /proc holds no config files
+    hop, seen = str(path), 0
+    while seen < 40:
+        if os.path.abspath(hop).startswith("/proc/") or os.path.realpath(os.path.dirname(hop)).startswith("/proc/"):
+            raise ValueError(f"--out {out!r}: is under /proc ({hop}: a process's open file or a kernel file); "
+                             "give a file path")
+        if not os.path.islink(hop):
+            break
+        hop, seen = os.path.join(os.path.dirname(hop), os.readlink(hop)), seen + 1
     if path.is_symlink():  # it was replaced by a regular file (tester-32 r09)
-        hop, seen = str(path), 0
-        while os.path.islink(hop) and seen < 40:
-            hop, seen = os.path.join(os.path.dirname(hop), os.readlink(hop)), seen + 1
-            if os.path.abspath(hop).startswith("/proc/"):  # /dev/stdout: the rename replaced the
-                # shell's redirect target, and the report went to the deleted copy (tester-33 H1)
-                raise ValueError(f"--out {out!r}: is a link to a process's open file ({hop}); give a file path")
         target = Path(os.path.realpath(path))
         if target.is_symlink():
             raise ValueError(f"--out {out!r}: is a symbolic link loop")
@@ -440,16 +444,24 @@ def main(args: argparse.Namespace) -> int:
     swap = swap_for(info, n)
     plan = choose(info, limits, world_size=n, gpus_per_node=args.gpus, precision=precision,
                   optimizer=args.optimizer, activations=act, activations_formula=act_formula, swap=swap)
+    # the live parameters counted are the config's cap: plan's own figure (--params alone) or the
+    # user's --live-params (counted and not written, 1 "fit" in 72 bytes: tester-34 N3)
+    written_live = plan.live_params
+    if written_live is None and args.live_params is not None and plan.chosen is not None \
+            and plan.chosen.placement.stage == 3:
+        written_live = args.live_params
     if plan.chosen is not None:  # written before anything is printed: a reader of stdout that goes
         # away (zeroinf plan | head -1) ends the output, not the file
         cfg = make_config(plan.chosen.placement, precision=precision, micro_batch=args.micro_batch,
                           nvme_path=args.nvme_path, swap=swap, lr=args.lr, optimizer=args.optimizer,
-                          max_live_parameters=plan.live_params)
+                          max_live_parameters=written_live)
         parse_config(cfg, world_size=n)  # the engine's own validation; a failure here is a bug in make_config
         tmp = out.with_name(out.name + ".tmp")
         try:
             out.parent.mkdir(parents=True, exist_ok=True)
             tmp.write_text(json.dumps(cfg, indent=2) + "\n")
+            if out.exists():  # a replaced 0600 file came back 0644 (tester-34)
+                os.chmod(tmp, stat.S_IMODE(out.stat().st_mode))
             tmp.replace(out)
         except OSError as exc:
             try:
@@ -480,8 +492,12 @@ def main(args: argparse.Namespace) -> int:
         print(f"(stage 3 without the model's units: a device gathers at most {plan.live_params:,} parameters at once, "
               f"what its memory leaves room for (at most min(P, {MAX_LIVE_PARAMETERS:,}), at least "
               f"P/{MAX_UNITS}, as if the model had {MAX_UNITS} equal blocks), written as "
-              "stage3_max_live_parameters; the engine refuses at start-up a model whose largest unit needs more. "
+              "stage3_max_live_parameters; the engine refuses at start-up a model whose root and largest unit "
+              "together need more (persistent parameters are not counted). "
               "Give --model or --live-params to count the model's own)")
+    if plan.live_params is None and written_live is not None:
+        print(f"(stage 3: --live-params {written_live:,} written as stage3_max_live_parameters; the engine refuses at "
+              "start-up a model whose root and largest unit together need more)")
     for note in notes:
         print(note)
     bounds = step_time_bounds(plan.chosen, adam_params_per_s=adam, nvme_read_gbps=rd, nvme_write_gbps=wr,

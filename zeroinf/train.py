@@ -32,6 +32,7 @@ import re
 import resource
 import shutil
 import signal
+import socket
 import stat
 import sys
 import tempfile
@@ -327,16 +328,17 @@ def _swap_where(zcfg) -> str:
 # for the run's lifetime (the kernel drops the lock when the process dies however it dies), and
 # a later run in the same directory, of any rank, removes such folders that nobody holds. Only
 # folders this scheme made are candidates: the name as mkdtemp makes it, owned by this user, and
-# holding the OWNER file written under the lock. So an older version's folders (never locked,
-# possibly a --keep run's or a live run's: tester-33 M2), another user's (M1) and names a person
-# chose are left alone. A folder is made under another prefix and renamed once locked and
+# holding the OWNER file (a regular file naming this host) written under the lock. So an older
+# version's folders (never locked, possibly a --keep run's or a live run's: tester-33 M2), another
+# user's (M1), another host's (a shared file system whose flock may be local to each host) and
+# names a person chose are left alone. A folder is made under another prefix and renamed once locked and
 # marked, so no scan sees it unlocked; a --keep run's folder carries a KEPT file and stays; where
 # flock is not supported nothing is removed.
 PRIVATE_PREFIX = ".zeroinf-nvme-r"
 _NEW_PREFIX = ".zeroinf-new-r"
 _OWNER = "OWNER"
 _KEPT = "KEPT"
-_PRIVATE_NAME = re.compile(r"^\.zeroinf-(nvme|new)-r\d+-[a-z0-9_]{8}$")
+_PRIVATE_NAME = re.compile(r"\.zeroinf-(nvme|new)-r[0-9]+-[a-z0-9_]{8}")  # fullmatch: no trailing newline
 
 
 def make_private_dir(parent: Path, rank: int, keep: bool = False) -> Tuple[Path, int]:
@@ -356,8 +358,8 @@ def make_private_dir(parent: Path, rank: int, keep: bool = False) -> Tuple[Path,
             pass  # no flock on this file system: remove_stale_private_dirs cannot take it either
         if keep:
             (d / _KEPT).write_text("written by zeroinf train --keep: a later run leaves this folder alone\n")
-        (d / _OWNER).write_text(f"zeroinf train, pid {os.getpid()}: a later run removes this folder once no "
-                                "process holds its lock\n")
+        (d / _OWNER).write_text(f"{socket.gethostname()}\nzeroinf train, pid {os.getpid()}: a later run on this host "
+                                "removes this folder once no process holds its lock\n")
         final = parent / (PRIVATE_PREFIX + f"{rank}-" + d.name.rsplit("-", 1)[1])
         os.rename(d, final)
     except BaseException:
@@ -379,13 +381,14 @@ def remove_stale_private_dirs(parent: Path) -> List[Tuple[Path, int]]:
     except OSError:
         return removed
     for d in entries:
-        if not _PRIVATE_NAME.match(d.name):
+        if not _PRIVATE_NAME.fullmatch(d.name):
             continue
         try:
             st = d.lstat()
-            if (not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid() or not (d / _OWNER).is_file()
-                    or os.path.lexists(d / _KEPT)):
-                continue
+            if (not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid() or os.path.lexists(d / _KEPT)
+                    or not stat.S_ISREG((d / _OWNER).lstat().st_mode)
+                    or (d / _OWNER).read_text().split("\n", 1)[0] != socket.gethostname()):
+                continue  # a link as OWNER (tester-34 N5); another host's run over a shared file system
             fd = os.open(d, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
         except OSError:  # another user's 0700 folder (Path.exists raised EACCES: tester-33 M1)
             continue
