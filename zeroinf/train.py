@@ -132,8 +132,9 @@ def main(args: argparse.Namespace) -> int:
         print(f"zeroinf train: error: {_one_line(exc)}", file=sys.stderr)
         return EXIT_BAD_INPUT
     except DiskFullError as exc:  # a traceback, exit 1, from swap files made by zeroinf.Init (tester-33 M6)
-        print(f"zeroinf train: error: {_one_line(exc)}; free space there or give --nvme-path on a larger disk",
-              file=sys.stderr)
+        # strerror already names the file; str(exc) adds it a second time (tester-34)
+        print(f"zeroinf train: error: {_one_line(exc.strerror or exc)}; free space there or give --nvme-path on a "
+              "larger disk", file=sys.stderr)
         return EXIT_BAD_INPUT
     finally:
         run.remove_tmp_nvme()
