@@ -380,8 +380,8 @@ def _check_regular(out: str, target: Path) -> None:
     """Refuse an existing ``target`` that is not a regular file: the config is written next to it
     and renamed over it, which replaced /dev/null (run as root), a FIFO or the file behind
     /dev/stdout with a regular file (tester-33 H1)."""
-    if os.path.lexists(target) and not stat.S_ISREG(os.stat(target).st_mode):
-        mode = os.stat(target).st_mode
+    mode = os.stat(target).st_mode if os.path.lexists(target) else None
+    if mode is not None and not stat.S_ISREG(mode):
         kind = next((k for test, k in ((stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
                                       (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket")) if test(mode)),
                     "not a regular file")

@@ -370,8 +370,6 @@ class ZeroEngine:
         count as free, those of a folder another live engine holds do not
         (:func:`zeroinf.io.swapper.reusable_bytes`). A missing ``nvme_path`` is created, and
         removed again (the empty folders made) when a check fails."""
-        from zeroinf.io.probe import dir_problem
-
         files = list(files)
         made = []  # the topmost folder each missing nvme_path creates
         for _key, path, *_ in files:
@@ -383,7 +381,7 @@ class ZeroEngine:
             if top is not None:
                 made.append(top)
         try:
-            self._check_disk_room(files, dir_problem)
+            self._check_disk_room(files)
         except ConfigError:  # a refused run leaves no folder behind (tester-33: p_ok/1 stayed)
             for top in made:
                 for d, _dirs, _files in sorted(os.walk(top), key=lambda w: -len(w[0])):
@@ -393,7 +391,8 @@ class ZeroEngine:
                         pass
             raise
 
-    def _check_disk_room(self, files, dir_problem) -> None:
+    def _check_disk_room(self, files) -> None:
+        from zeroinf.io.probe import dir_problem
         from zeroinf.io.swapper import reusable_bytes
 
         by_dev: Dict[int, Dict[str, Any]] = {}

@@ -31,8 +31,9 @@ class PinnedHost:
         """A CPU tensor of ``numel`` elements of ``dtype``, contents undefined; page-locked when
         ``pin`` and ``torch.cuda.is_available()``, ordinary memory otherwise. A pinned one adds
         its ``numel * element_size`` bytes to :attr:`nbytes` until its storage is freed."""
-        t = torch.empty(numel, dtype=dtype, pin_memory=pin and torch.cuda.is_available())
-        if t.is_pinned():
+        pin = pin and torch.cuda.is_available()
+        t = torch.empty(numel, dtype=dtype, pin_memory=pin)
+        if pin and t.is_pinned():  # no query per tensor where nothing is pinned (stage 3's gradient shards)
             storage = t.untyped_storage()
             nbytes = storage.nbytes()
             with self._lock:
