@@ -173,3 +173,26 @@ def test_a_refused_initialize_removes_the_nvme_path_it_created(tmp_path):
     with pytest.raises(ConfigError, match=r"offload_optimizer.nvme_path: '/proc/sys/zz' cannot be created"):
         zeroinf.initialize(model=TinyLM(), config=cfg)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_tilde_nvme_path_is_the_users_home(tmp_path, monkeypatch):
+    """"nvme_path": "~/x" made a folder literally named "~" in the working directory (as
+    DeepSpeed's swappers do); it is the home folder, as a shell reads it, in a config and in
+    zeroinf train's --nvme-path=~/x (which no shell expands)."""
+    from zeroinf.config import parse_config
+    from zeroinf.train import _Run, add_arguments
+    home, cwd = tmp_path / "home", tmp_path / "cwd"
+    home.mkdir(), cwd.mkdir()
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.chdir(cwd)
+    cfg = parse_config({"train_micro_batch_size_per_gpu": 1, "zero_optimization": {
+        "stage": 3, "offload_param": {"device": "nvme", "nvme_path": "~/swap"},
+        "offload_optimizer": {"device": "nvme", "nvme_path": "~"}}})
+    assert cfg.zero_optimization.offload_param.nvme_path == str(home / "swap")
+    assert cfg.zero_optimization.offload_optimizer.nvme_path == str(home)
+    import argparse
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    args = _Run(p.parse_args(["--nvme-path=~/swap2", "--steps", "1"]))._resolve_args()
+    assert args.nvme_path == str(home / "swap2")
+    assert not (cwd / "~").exists()

@@ -579,9 +579,10 @@ def _nvme_path(block: Mapping, prefix: str) -> Optional[str]:
         return None
     if not isinstance(v, (str, os.PathLike)) or not str(v):
         raise ConfigError(f"{prefix}.nvme_path", f"expected a directory path string, got {v!r}")
-    # absolute from the working directory at parse time: a relative one broke when the process
-    # changed directory between steps ("swap file ... has -1 bytes": tester-33 M5)
-    return os.path.abspath(os.fspath(v))
+    # "~" is the user's home, as a shell would read it (DeepSpeed made a folder named "~" in the
+    # working directory); absolute from the working directory at parse time: a relative one broke
+    # when the process changed directory between steps ("swap file ... has -1 bytes": tester-33 M5)
+    return os.path.abspath(os.path.expanduser(os.fspath(v)))
 
 
 def _parse_aio(config: Mapping) -> AioConfig:

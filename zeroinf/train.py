@@ -464,7 +464,7 @@ class _Run:
             raise TrainError("--out '': give a folder (it held the outputs in the working directory)")
         for k in _PATH_ARGS:
             if getattr(a, k, None) is not None:
-                setattr(a, k, os.path.abspath(getattr(a, k)))
+                setattr(a, k, os.path.abspath(os.path.expanduser(getattr(a, k))))  # --nvme-path=~/x: no shell expands it
         if a.seed is not None and not 0 <= a.seed < 2**32:
             raise TrainError(f"--seed {a.seed}: must be in [0, 2**32)")
         if a.resume:
