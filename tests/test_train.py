@@ -449,3 +449,24 @@ def test_only_folders_this_scheme_made_on_this_host_are_removed(tmp_path):
     (other / "OWNER").write_text("another-host\nzeroinf train, pid 1\n")
     assert [d for d, _ in remove_stale_private_dirs(tmp_path)] == [stale]
     assert newline.is_dir() and linked.is_dir() and other.is_dir() and (tmp_path / "owner-text").is_file()
+
+
+def test_a_refused_run_leaves_no_empty_out_folder(tmp_path, capsys, monkeypatch):
+    """--out (and its missing parents) was made before the model and the engine: a config the
+    engine refused at initialize left an empty folder behind (tester-33). A folder that existed
+    before the run stays."""
+    from zeroinf.cli import main
+    monkeypatch.chdir(tmp_path)
+    cfg = json.loads((Path(__file__).parents[1] / "zeroinf" / "presets" / "infinity.json").read_text())
+    for k in ("offload_param", "offload_optimizer"):
+        cfg["zero_optimization"][k]["nvme_path"] = str(tmp_path / "nv")
+    cfg["zero_optimization"]["offload_param"]["buffer_size"] = 10  # below the largest unit partition
+    (tmp_path / "ds.json").write_text(json.dumps(cfg))
+    argv = ["train", "--config", "ds.json", *TINY, "--steps", "1", "--no-plot"]
+    code = main([*argv, "--out", "a/b/o"])
+    err = capsys.readouterr().err
+    assert code == 2 and "buffer_size" in err, err
+    assert not (tmp_path / "a").exists()
+    (tmp_path / "kept").mkdir()
+    assert main([*argv, "--out", "kept/o"]) == 2
+    assert {p.name for p in tmp_path.iterdir()} - {"nv"} == {"ds.json", "kept"} and not any((tmp_path / "kept").iterdir())

@@ -654,21 +654,23 @@ class _Run:
         tokenizer = HFTokenizer(a.tokenizer) if a.tokenizer else ByteTokenizer()
         tokens = load_tokens(a.data, tokenizer, a.seq_len + 1)
         self._check_batch_fits_corpus(a, cfg, tokens.numel())
+        made = []  # the folders of --out this run creates, outermost first: removed if left empty by a failure
         if rank0:
+            made = [d for d in reversed((out, *out.parents)) if not d.exists()]
             try:
                 out.mkdir(parents=True, exist_ok=True)
             except OSError as exc:  # a traceback after the model was built (helper-46 t10)
                 raise TrainError(f"--out {out}: cannot be created ({exc.strerror or exc})") from exc
-        mcfg = build_config(a.model, a.size, tokenizer.vocab_size, a.seq_len, a.init)
-        model, shapes = self._build_model(a, mcfg, cfg)
-        n_params = self.n_params = sum(shapes[p].numel() if p in shapes else p.numel()
-                                       for p in {id(p): p for p in model.parameters()}.values())
-        micro_batch, grad_accum = self.zcfg.train_micro_batch_size_per_gpu, self.zcfg.gradient_accumulation_steps
-        batches = Batches(tokens, a.seq_len, micro_batch, a.seed)
-        device = f"cuda:{self.dist.local_rank}" if torch.cuda.is_available() else "cpu"
         engine = None
         ended = False  # every rank got through without an exception: the closing barrier is safe
         try:
+            mcfg = build_config(a.model, a.size, tokenizer.vocab_size, a.seq_len, a.init)
+            model, shapes = self._build_model(a, mcfg, cfg)
+            n_params = self.n_params = sum(shapes[p].numel() if p in shapes else p.numel()
+                                           for p in {id(p): p for p in model.parameters()}.values())
+            micro_batch, grad_accum = self.zcfg.train_micro_batch_size_per_gpu, self.zcfg.gradient_accumulation_steps
+            batches = Batches(tokens, a.seq_len, micro_batch, a.seed)
+            device = f"cuda:{self.dist.local_rank}" if torch.cuda.is_available() else "cpu"
             engine = self._make_engine(a, cfg, model, device)
             if a.resume:
                 engine.load_checkpoint(str(out / "checkpoint"), None)
@@ -712,6 +714,12 @@ class _Run:
             if engine is not None and hasattr(engine, "close"):
                 engine.close()
             self.remove_tmp_nvme()
+            if not ended:  # a refused or failed run leaves no empty --out behind (tester-33)
+                for d in reversed(made):
+                    try:
+                        d.rmdir()  # only an empty folder: what the run wrote there stays
+                    except OSError:
+                        break
             if self.dist.initialized_here:
                 from zeroinf.runtime.engine import destroy_process_group
                 destroy_process_group(barrier=ended)
