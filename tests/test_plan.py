@@ -123,6 +123,17 @@ def test_cli_usage_errors(tmp_path, capsys):
         out = capsys.readouterr()
         assert rc == 2 and says in out.err and out.out == "", (extra, out)
     assert not (tmp_path / "p.json").exists()
+    # a negative size or number as its own word: argparse took it for an option and said only
+    # "expected one argument" (helper-49); now the flag's own refusal, as with --cpu-mem=-1GB
+    for extra, says in ((["--cpu-mem", "-1GB"], "argument --cpu-mem: size '-1GB'"),
+                        (["--lr", "-1e-3"], "--lr: must be a finite number >= 0")):
+        argv = ["plan", "--params", "1e9", "--gpu-mem", "80GB", "--cpu-mem", "1TB", *extra]
+        try:
+            rc = cli.main(argv)
+        except SystemExit as exc:
+            rc = exc.code
+        err = capsys.readouterr().err
+        assert rc == 2 and says in err and "expected one argument" not in err, (extra, err)
 
 
 @pytest.mark.parametrize("flag", ["--params", "--live-params"])

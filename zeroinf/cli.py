@@ -12,6 +12,7 @@ import fcntl
 import importlib
 import io
 import os
+import re
 import sys
 from typing import List, Optional
 
@@ -84,7 +85,14 @@ def _drop_stdout() -> None:
 
 class _Parser(argparse.ArgumentParser):
     """An argument parser whose help output lets a BrokenPipeError through, as every other output
-    of the command does (argparse drops it, so ``--help | head -1`` exited 0 or 141 by buffer size)."""
+    of the command does (argparse drops it, so ``--help | head -1`` exited 0 or 141 by buffer size),
+    and which takes any word starting with ``-`` and a digit as a value: argparse knows only plain
+    negative numbers, so ``--cpu-mem -1GB`` or ``--lr -1e-3`` got "expected one argument" instead
+    of the flag's own refusal (helper-49). No option of zeroinf's starts with a digit."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._negative_number_matcher = re.compile(r"^-\.?\d")
 
     def print_help(self, file=None):
         (file or sys.stdout).write(self.format_help())
