@@ -470,3 +470,25 @@ def test_a_refused_run_leaves_no_empty_out_folder(tmp_path, capsys, monkeypatch)
     (tmp_path / "kept").mkdir()
     assert main([*argv, "--out", "kept/o"]) == 2
     assert {p.name for p in tmp_path.iterdir()} - {"nv"} == {"ds.json", "kept"} and not any((tmp_path / "kept").iterdir())
+
+
+def test_a_micro_batch_whose_logits_outgrow_memory_exits_with_one_line(tmp_path, capsys, monkeypatch):
+    """--micro-batch 10000000 passed the corpus check and died in the allocator (or by the OOM
+    killer) after the model was built (helper-49). 10,000 rows x 64 tokens x 256 fp32 logits and
+    their gradient are 1.22 GiB: refused against 1 GiB free, before --out is made."""
+    import collections
+
+    import psutil
+
+    from zeroinf.cli import main
+    monkeypatch.chdir(tmp_path)
+    free = collections.namedtuple("vm", "available total")(2**30, 2**34)
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: free)
+    code = main(["train", "--offload", "none", "--steps", "1", "--seq-len", "64", "--micro-batch", "10000",
+                 "--out", "o"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1, err
+    assert err[0] == ("zeroinf train: error: --micro-batch 10000: the logits alone (10,000 x 64 tokens x vocabulary "
+                      "256, fp32, and their gradient) take 1.2 GiB, but this host has 1.0 GiB free; give at most "
+                      "8,192 rows per rank (activations come on top)")
+    assert not (tmp_path / "o").exists()

@@ -654,6 +654,8 @@ class _Run:
         tokenizer = HFTokenizer(a.tokenizer) if a.tokenizer else ByteTokenizer()
         tokens = load_tokens(a.data, tokenizer, a.seq_len + 1)
         self._check_batch_fits_corpus(a, cfg, tokens.numel())
+        device = f"cuda:{self.dist.local_rank}" if torch.cuda.is_available() else "cpu"
+        self._check_batch_fits_memory(a, cfg, tokenizer.vocab_size, device)
         made = []  # the folders of --out this run creates, outermost first: removed if left empty by a failure
         if rank0:
             made = [d for d in reversed((out, *out.parents)) if not d.exists()]
@@ -670,7 +672,6 @@ class _Run:
                                            for p in {id(p): p for p in model.parameters()}.values())
             micro_batch, grad_accum = self.zcfg.train_micro_batch_size_per_gpu, self.zcfg.gradient_accumulation_steps
             batches = Batches(tokens, a.seq_len, micro_batch, a.seed)
-            device = f"cuda:{self.dist.local_rank}" if torch.cuda.is_available() else "cpu"
             engine = self._make_engine(a, cfg, model, device)
             if a.resume:
                 engine.load_checkpoint(str(out / "checkpoint"), None)
@@ -737,19 +738,49 @@ class _Run:
         windows = n_tokens - a.seq_len
         if mbs * ws <= windows:
             return
+        name, advice = self._batch_name(a, cfg, windows // ws)
+        raise TrainError(f"{name}: {mbs * ws:,} rows per micro-step over {ws} rank(s), but "
+                         f"{a.data or 'the standard library corpus'} has {windows:,} distinct {a.seq_len}-token "
+                         f"sequence{'' if windows == 1 else 's'} ({n_tokens:,} tokens); {advice}")
+
+    def _batch_name(self, a, cfg: dict, most: int) -> Tuple[str, str]:
+        """How the user set the micro-batch (``--micro-batch``, or the config's key) and the advice
+        to give at most ``most`` rows per rank, in the same terms."""
+        mbs, ws = self.zcfg.train_micro_batch_size_per_gpu, self.dist.world_size
         if a.micro_batch is not None:
             name = f"--micro-batch {mbs}"
         elif "train_micro_batch_size_per_gpu" in cfg:
             name = f"{self.config_source}: train_micro_batch_size_per_gpu {mbs}"
         else:
-            name = (f"{self.config_source}: train_batch_size {self.zcfg.train_batch_size} "
-                    f"(train_micro_batch_size_per_gpu {mbs})")
-        most = windows // ws
-        advice = (f"give at most {most:,} rows per rank" if "(train_micro_batch_size_per_gpu" not in name else
-                  f"give train_batch_size at most {most * ws * self.zcfg.gradient_accumulation_steps:,}")
-        raise TrainError(f"{name}: {mbs * ws:,} rows per micro-step over {ws} rank(s), but "
-                         f"{a.data or 'the standard library corpus'} has {windows:,} distinct {a.seq_len}-token "
-                         f"sequence{'' if windows == 1 else 's'} ({n_tokens:,} tokens); {advice}")
+            return (f"{self.config_source}: train_batch_size {self.zcfg.train_batch_size} "
+                    f"(train_micro_batch_size_per_gpu {mbs})",
+                    f"give train_batch_size at most {most * ws * self.zcfg.gradient_accumulation_steps:,}")
+        return name, f"give at most {most:,} rows per rank"
+
+    def _check_batch_fits_memory(self, a, cfg: dict, vocab: int, device: str) -> None:
+        """Refuse a micro-batch whose logits alone outgrow the memory free on ``device``: fp32
+        logits of ``micro-batch x seq_len x vocab`` elements and as much again for their gradient
+        (a lower bound of what the step needs: activations come on top). ``--micro-batch
+        10000000`` passed the corpus check and died in the allocator, or by the OOM killer, after
+        the model was built (helper-49).
+
+        Raises:
+            TrainError: naming ``--micro-batch`` or the config's key, the bytes, and the most rows
+                whose logits fit.
+        """
+        import psutil
+        mbs = self.zcfg.train_micro_batch_size_per_gpu
+        per_row = 2 * 4 * a.seq_len * vocab
+        if device.startswith("cuda"):
+            free, where = torch.cuda.mem_get_info(torch.device(device))[0], f"{device} has"
+        else:
+            free, where = psutil.virtual_memory().available, "this host has"
+        if mbs * per_row <= free:
+            return
+        name, advice = self._batch_name(a, cfg, free // per_row)
+        raise TrainError(f"{name}: the logits alone ({mbs:,} x {a.seq_len} tokens x vocabulary {vocab:,}, fp32, and "
+                         f"their gradient) take {mbs * per_row / 2**30:,.1f} GiB, but {where} {free / 2**30:,.1f} GiB free; "
+                         f"{advice} (activations come on top)")
 
     def _loop(self, a, engine, batches, grad_accum, device, out: Path):
         from tqdm import tqdm
