@@ -135,6 +135,9 @@ def test_two_ranks_agree_with_one(main_run, tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     one, two = _log(main_run[0] / "out")[:4], _log(tmp_path / "two")
     assert "2 rank(s) x micro-batch 2" in proc.stdout and "PASS" in proc.stdout   # rank 0's --compare
+    # the header named rank 0's private swap folder only (tester-34)
+    assert f"; swap files in {tmp_path}{os.sep}.zeroinf-nvme-r0-" in proc.stdout, proc.stdout
+    assert "(rank 0's; rank 1 has its own .zeroinf-nvme-rN- beside it)" in proc.stdout, proc.stdout
     assert [r["tokens"] for r in two] == [r["tokens"] for r in one] == [4 * 64] * 4
     np.testing.assert_allclose([r["loss"] for r in two], [r["loss"] for r in one], rtol=0, atol=1e-5)
     np.testing.assert_allclose([r["grad_norm"] for r in two], [r["grad_norm"] for r in one], rtol=1e-4)

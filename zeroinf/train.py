@@ -313,12 +313,18 @@ class PlainEngine:
         self.global_steps, self.micro_steps = state["global_steps"], state["micro_steps"]
 
 
-def _swap_where(zcfg) -> str:
-    """``"; swap files in DIR[, DIR]"`` for the header, or ``""`` without NVMe: a config's own
-    nvme_path (the presets' /local_nvme) is created if missing, so say where the files go (tester-33)."""
+def _swap_where(zcfg, world_size: int = 1, private: bool = False) -> str:
+    """``"; swap files in DIR[, DIR]"`` for rank 0's header, or ``""`` without NVMe: a config's own
+    nvme_path (the presets' /local_nvme) is created if missing, so say where the files go (tester-33).
+    With ``private`` folders over several ranks, rank 0's is named and the others' are said to lie
+    beside it (the header named only rank 0's: tester-34)."""
     z = zcfg.zero_optimization
     dirs = dict.fromkeys(b.nvme_path for b in (z.offload_param, z.offload_optimizer) if b.device == "nvme")
-    return f"; swap files in {', '.join(dirs)}" if dirs else ""
+    if not dirs:
+        return ""
+    others = "rank 1 has its own" if world_size == 2 else f"ranks 1-{world_size - 1} have their own"
+    more = f" (rank 0's; {others} {PRIVATE_PREFIX}N- beside it)" if private and world_size > 1 else ""
+    return f"; swap files in {', '.join(dirs)}{more}"
 
 
 # ---------------------------------------------------------------------------- the private swap folder
@@ -685,7 +691,8 @@ class _Run:
                       f"{n_params / 1e6:.2f}M params, {dtype}, {self.config_source}, "
                       f"{self.dist.world_size} rank(s) x micro-batch {micro_batch} x accum {grad_accum} x "
                       f"seq {a.seq_len}, {_count(tokens.numel())} tokens of "
-                      f"{a.data or 'Python standard library'}; out {out}" + _swap_where(self.zcfg), flush=True)
+                      f"{a.data or 'Python standard library'}; out {out}" + _swap_where(self.zcfg, self.dist.world_size, self.tmp_nvme is not None),
+                      flush=True)
             records, interrupted = self._loop(a, engine, batches, grad_accum, device, out)
             code = 0
             if rank0:
