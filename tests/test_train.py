@@ -418,6 +418,21 @@ def test_a_killed_runs_private_swap_folder_is_removed_by_the_next_run(tmp_path):
     assert sorted(tmp_path.glob(".zeroinf-*")) == sorted([kept, older])
 
 
+def test_an_empty_half_made_private_folder_is_removed_once_old(tmp_path):
+    """A run killed between mkdtemp and writing OWNER left an empty .zeroinf-new-r folder that
+    no later run removed (tester-34). An hour old and empty, it is removed; a fresh one (a run
+    may be between those two calls) and one holding anything stay."""
+    from zeroinf.train import remove_stale_private_dirs
+    old, fresh, full = (tmp_path / f".zeroinf-new-r{r}-abcdefg{r}" for r in range(3))
+    for d in (old, fresh, full):
+        d.mkdir()
+    (full / "x").write_text("x")
+    for d in (old, full):
+        os.utime(d, (time.time() - 3700, time.time() - 3700))
+    assert remove_stale_private_dirs(tmp_path) == [(old, 0)]
+    assert sorted(tmp_path.iterdir()) == [fresh, full]
+
+
 @pytest.mark.skipif(os.geteuid() != 0, reason="chown needs root")
 def test_another_users_private_swap_folder_is_left_alone(tmp_path):
     """In a shared directory (/tmp) another user's folder, even one looking stale, is not ours:

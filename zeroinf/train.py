@@ -340,11 +340,13 @@ def _swap_where(zcfg, world_size: int = 1, private: bool = False) -> str:
 # user's (M1), another host's (a shared file system whose flock may be local to each host) and
 # names a person chose are left alone. A folder is made under another prefix and renamed once locked and
 # marked, so no scan sees it unlocked; a --keep run's folder carries a KEPT file and stays; where
-# flock is not supported nothing is removed.
+# flock is not supported nothing is removed. A made-but-unmarked folder left by a run killed between
+# those steps is empty; it is removed once an hour old (no run is that long between two calls).
 PRIVATE_PREFIX = ".zeroinf-nvme-r"
 _NEW_PREFIX = ".zeroinf-new-r"
 _OWNER = "OWNER"
 _KEPT = "KEPT"
+_NEW_STALE_S = 3600  # an empty .zeroinf-new-r folder this old was left by a run killed while making it
 _PRIVATE_NAME = re.compile(r"\.zeroinf-(nvme|new)-r[0-9]+-[a-z0-9_]{8}")  # fullmatch: no trailing newline
 
 
@@ -392,6 +394,13 @@ def remove_stale_private_dirs(parent: Path) -> List[Tuple[Path, int]]:
             continue
         try:
             st = d.lstat()
+            if (d.name.startswith(_NEW_PREFIX) and stat.S_ISDIR(st.st_mode) and st.st_uid == os.geteuid()
+                    and time.time() - st.st_mtime > _NEW_STALE_S and not any(d.iterdir())):
+                # killed between mkdtemp and writing OWNER: empty, and old enough that no run is
+                # still between those two calls (tester-34); rmdir takes only an empty folder
+                os.rmdir(d)
+                removed.append((d, 0))
+                continue
             if (not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid() or os.path.lexists(d / _KEPT)
                     or not stat.S_ISREG((d / _OWNER).lstat().st_mode)
                     or (d / _OWNER).read_text().split("\n", 1)[0] != socket.gethostname()):
