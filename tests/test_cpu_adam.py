@@ -501,6 +501,37 @@ def test_cpuadam_rejects_what_it_cannot_do():
         zo.CPUAdam(q, lr=1e39)
 
 
+def test_cpuadam_refusals_change_nothing_and_name_the_parameter():
+    """A refused load_state_dict (an AdamW amsgrad=True dict) replaced lr, amsgrad and the state
+    first, so every later step raised (tester-35 F05); a float64 gradient was named grads[0], the
+    op's list index, not the parameter (F06), and was found only after the earlier groups had
+    been stepped."""
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(4, 2)
+    src = torch.optim.AdamW(lin.parameters(), lr=0.1, amsgrad=True)
+    lin(torch.randn(3, 4)).sum().backward()
+    src.step()
+    opt = zo.CPUAdam(lin.parameters(), lr=1e-3, weight_decay=0.01)
+    opt.step()
+    before = {k: v.clone() for k, v in opt.state[lin.weight].items()}
+    with pytest.raises(ValueError, match=r"amsgrad=True is not implemented.*param_groups\[0\].*nothing was loaded"):
+        opt.load_state_dict(src.state_dict())
+    assert opt.param_groups[0]["lr"] == 1e-3 and opt.param_groups[0]["amsgrad"] is False
+    assert sorted(opt.state[lin.weight]) == sorted(before)
+    assert all(torch.equal(opt.state[lin.weight][k], v) for k, v in before.items())
+    opt.step()  # still steps
+    assert float(opt.state[lin.weight]["step"]) == 2.0
+
+    a, b = torch.nn.Parameter(torch.randn(3)), torch.nn.Parameter(torch.randn(3))
+    b.grad_dtype = None  # torch 2.13 allows a gradient of another dtype then
+    a.grad, b.grad = torch.ones(3), torch.ones(3, dtype=torch.float64)
+    a0 = a.detach().clone()
+    opt = zo.CPUAdam([{"params": [a]}, {"params": [torch.nn.Parameter(torch.zeros(1)), b]}])
+    with pytest.raises(ValueError, match=r"the gradient of param_groups\[1\]\['params'\]\[1\] has dtype torch.float64"):
+        opt.step()
+    assert torch.equal(a.detach(), a0) and len(opt.state) == 0  # group 0 was not stepped either
+
+
 def test_cpuadam_takes_torch_adamws_arguments_positional_and_keyword():
     """CPUAdam's sixth positional argument was adamw_mode (torch's is amsgrad): AdamW's positional
     call with weight decay became L2 Adam silently (8e-3 apart after 20 steps; helper-33,

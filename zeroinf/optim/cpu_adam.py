@@ -115,7 +115,17 @@ class CPUAdam(torch.optim.Optimizer):
 
         torch casts floating state to each parameter's dtype; for bf16/fp16 parameters the moments
         (and master copy) are put back to float32 from the saved values, so nothing is rounded.
+
+        Raises:
+            ValueError: a group this optimizer cannot step (``amsgrad=True``, a hyper-parameter out
+                of range), naming it; raised before anything is loaded, so the optimizer is as it was.
         """
+        for gi, group in enumerate(state_dict["param_groups"]):  # refused before anything changes (tester-35 F05)
+            try:
+                _check_hyper(group)
+            except ValueError as exc:
+                raise ValueError(f"{exc} (param_groups[{gi}] of the state dict given to load_state_dict; "
+                                 "nothing was loaded)") from None
         saved = {pid: {k: v for k, v in st.items() if k in _FP32_STATE and torch.is_tensor(v)}
                  for pid, st in state_dict["state"].items()}
         super().load_state_dict(state_dict)
@@ -150,13 +160,17 @@ class CPUAdam(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        for gi, group in enumerate(self.param_groups):
+        for gi, group in enumerate(self.param_groups):  # every check before any group is stepped
             _check_hyper(group)
             if "decoupled_weight_decay" in group and bool(group["decoupled_weight_decay"]) != bool(group["adamw_mode"]):
                 # torch.optim.Adam honours its key; this optimizer steps by adamw_mode (helper-43, t15)
                 raise ValueError(f"CPUAdam: param_groups[{gi}] has adamw_mode={group['adamw_mode']!r} but torch's "
                                  f"decoupled_weight_decay={group['decoupled_weight_decay']!r}; set both to the same "
                                  "value (True: AdamW's decoupled decay, False: Adam's L2 penalty)")
+            for pi, p in enumerate(group["params"]):
+                if p.grad is not None:
+                    _check_param(p, f"param_groups[{gi}]['params'][{pi}]")
+        for gi, group in enumerate(self.param_groups):
             self._step_group(gi, group)
         return loss
 
@@ -199,18 +213,8 @@ class CPUAdam(torch.optim.Optimizer):
                 self._written[p] = (p._version, p.data_ptr())
 
     def _prepare(self, p: torch.Tensor, where: str, maximize: bool):
-        """Check one parameter, create its state, return (fp32 master, 16-bit out or None, grad, state)."""
+        """Create one checked parameter's state, return (fp32 master, 16-bit out or None, grad, state)."""
         grad = p.grad
-        if p.device.type != "cpu":
-            raise ValueError(f"CPUAdam: {where} is on {p.device}; CPUAdam steps CPU parameters only. "
-                             f"Use torch.optim.AdamW(fused=True) for accelerator parameters, or offload "
-                             f"the optimizer with zeroinf.initialize")
-        if p.dtype not in _PARAM_DTYPES:
-            raise ValueError(f"CPUAdam: {where} has dtype {p.dtype}; expected float32, bfloat16 or float16")
-        if grad.is_sparse:
-            raise ValueError(f"CPUAdam: {where} has a sparse gradient; CPUAdam supports dense gradients only")
-        if grad.device.type != "cpu":
-            raise ValueError(f"CPUAdam: the gradient of {where} is on {grad.device}; expected CPU")
         state = self.state[p]
         if len(state) == 0:
             state["step"] = torch.tensor(0.0, dtype=torch.float32)
@@ -230,6 +234,25 @@ class CPUAdam(torch.optim.Optimizer):
         if p.dtype == torch.float32:
             return p.detach(), None, grad, state
         return state["master_param"], p.detach(), grad, state
+
+
+def _check_param(p: torch.Tensor, where: str) -> None:
+    """Raise ValueError naming ``where`` (``param_groups[g]['params'][i]``) for a parameter with a
+    gradient that CPUAdam cannot step."""
+    grad = p.grad
+    if p.device.type != "cpu":
+        raise ValueError(f"CPUAdam: {where} is on {p.device}; CPUAdam steps CPU parameters only. "
+                         f"Use torch.optim.AdamW(fused=True) for accelerator parameters, or offload "
+                         f"the optimizer with zeroinf.initialize")
+    if p.dtype not in _PARAM_DTYPES:
+        raise ValueError(f"CPUAdam: {where} has dtype {p.dtype}; expected float32, bfloat16 or float16")
+    if grad.is_sparse:
+        raise ValueError(f"CPUAdam: {where} has a sparse gradient; CPUAdam supports dense gradients only")
+    if grad.device.type != "cpu":
+        raise ValueError(f"CPUAdam: the gradient of {where} is on {grad.device}; expected CPU")
+    if grad.dtype not in _PARAM_DTYPES:  # the op's own check named its list index, grads[k] (tester-35 F06)
+        raise ValueError(f"CPUAdam: the gradient of {where} has dtype {grad.dtype}; expected float32, bfloat16 "
+                         "or float16")
 
 
 def _check_hyper(group: Dict[str, Any]) -> None:
