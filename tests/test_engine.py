@@ -600,6 +600,135 @@ def test_bf16_weights_changed_between_steps_are_stepped_from(tmp_path, stage, de
     engine.close()
 
 
+@pytest.mark.parametrize("stage,device", [(0, "nvme"), (1, "nvme"), (2, "nvme"), (2, "cpu")])
+def test_fp32_weights_changed_between_steps_are_stepped_from(tmp_path, stage, device):
+    """fp32 with the optimizer state on NVMe: the next step wrote the old NVMe master over a
+    weight changed between steps (tester-35 F01: 0.34 off torch.optim.AdamW; cpu offload, whose
+    masters are the parameters, was right). Changes by an in-place op under no_grad, by
+    load_state_dict, and one made before a checkpoint save, against the same changes to a model
+    that torch.optim.AdamW trains."""
+    X, Y = batches(5)
+    ref, model = make_mlp(), make_mlp()
+    opt = torch.optim.AdamW(ref.parameters(), lr=LR, weight_decay=WD, foreach=False)
+    engine, *_ = zeroinf.initialize(model=model, config=config(stage, device, tmp_path / "nv"))
+
+    def both(change):
+        for m in (ref, model):
+            with torch.no_grad():
+                change(m)
+
+    for s in range(5):
+        opt.zero_grad()
+        F.mse_loss(ref(X[s]), Y[s]).backward()
+        opt.step()
+        train(engine, X[s:s + 1], Y[s:s + 1], 1)
+        if s == 0:
+            both(lambda m: m[2].weight.zero_())
+        elif s == 1:
+            sd = {k: v + 0.25 for k, v in ref.state_dict().items()}
+            both(lambda m: m.load_state_dict(sd))
+        elif s == 2:
+            both(lambda m: m[0].bias.fill_(0.5))
+            engine.save_checkpoint(str(tmp_path / "ck"), tag="t")
+            engine.load_checkpoint(str(tmp_path / "ck"), tag="t")
+    assert max_diff(model, ref) <= 1e-6
+    engine.close()
+
+
+@pytest.mark.parametrize("stage,device,precision", [(0, "none", "fp32"), (1, "cpu", "fp32"), (2, "nvme", "fp32"),
+                                                    (2, "cpu", "bf16")])
+def test_replaced_parameter_data_keeps_training(tmp_path, stage, device, precision):
+    """``p.data = t`` (and model.half() then model.float(), which do that) left a stage 0-2
+    parameter outside its flat buffer: the optimizer wrote into the old storage and the
+    parameter never changed again (tester-35 F02). It trains on from the new values, as with
+    torch.optim.AdamW; data of another dtype at the step raises, naming the parameter."""
+    dt = torch.bfloat16 if precision == "bf16" else torch.float32
+    X, Y = (t.to(dt) for t in batches(5))
+    ref, model = make_mlp(), make_mlp()
+    extra = {"bf16": {"enabled": True}} if precision == "bf16" else {}
+    engine, *_ = zeroinf.initialize(model=model, config=config(stage, device, tmp_path, **extra))
+    if precision == "bf16":  # the reference: fp32 masters, rounded into bf16 parameters
+        ref.to(dt)
+        masters = [p.detach().float() for p in make_mlp().parameters()]
+        opt = torch.optim.AdamW(masters, lr=LR, weight_decay=WD, foreach=False)
+    else:
+        masters, opt = list(ref.parameters()), torch.optim.AdamW(ref.parameters(), lr=LR, weight_decay=WD,
+                                                                   foreach=False)
+
+    def ref_step(x, y):
+        for p in ref.parameters():
+            p.grad = None
+        F.mse_loss(ref(x), y).backward()
+        for m, p in zip(masters, ref.parameters()):
+            m.grad = p.grad.float()
+        opt.step()
+        with torch.no_grad():
+            for m, p in zip(masters, ref.parameters()):
+                p.copy_(m)
+
+    for s in range(4):
+        ref_step(X[s], Y[s])
+        train(engine, X[s:s + 1], Y[s:s + 1], 1)
+        if s == 0:
+            for m in (ref, model):
+                m[2].weight.data = torch.zeros(5, 13, dtype=dt)
+            with torch.no_grad():
+                masters[2].zero_()
+        elif s == 1 and precision == "fp32":
+            for m in (ref, model):
+                m.half().float()
+            with torch.no_grad():
+                for m, p in zip(masters, ref.parameters()):
+                    m.copy_(p)
+    assert float(model[2].weight.detach().abs().sum()) > 0.1  # it trained on after the zeros
+    assert max_diff(model, ref) <= (1e-6 if precision == "fp32" else 0.0)
+    if precision == "fp32":
+        before = [p.detach().clone() for p in model.parameters()]
+        model.half()
+        engine.backward(F.mse_loss(engine(X[4].half()), Y[4].half()))
+        with pytest.raises(RuntimeError, match=r"parameter '0\.weight' was given data of shape \(13, 7\), "
+                                               r"torch.float16 .*model.float\(\)"):
+            engine.step()
+        model.float()
+        engine.step()  # the micro-batch's gradients were kept: the step runs now
+        assert engine.optimizer_steps == 5
+        assert all(not torch.equal(a, b.float()) for a, b in zip(before, model.parameters()))
+    engine.close()
+
+
+def test_the_optimizer_object_refuses_step_and_state_dict_pointing_to_the_engine():
+    """The returned optimizer's state_dict() was empty and load_state_dict() restored nothing:
+    torch.save-style resume restarted Adam silently (tester-35 F03); a client optimizer's
+    step() was a silent no-op (F04). All raise, naming the engine's call; torch schedulers
+    built before or after initialize stay quiet."""
+    for client in (False, True):
+        model = make_mlp()
+        cfg = config(2, "cpu")
+        kw = {}
+        if client:
+            del cfg["optimizer"]
+            kw["optimizer"] = torch.optim.AdamW(model.parameters(), lr=LR)
+            kw["lr_scheduler"] = torch.optim.lr_scheduler.StepLR(kw["optimizer"], 1, gamma=0.5)
+        engine, opt, _, sched = zeroinf.initialize(model, config=cfg, **kw)
+        if not client:
+            sched = torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.5)
+            engine.lr_scheduler = sched
+        assert opt is kw.get("optimizer", opt)
+        X, Y = batches(2)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            train(engine, X, Y, 2)
+        assert engine.get_lr() == [pytest.approx(LR / 4)]
+        engine.backward(F.mse_loss(engine(X[0]), Y[0]))
+        with pytest.raises(RuntimeError, match=r"call engine\.step\(\) instead"):
+            opt.step()
+        engine.step()
+        for call in (opt.state_dict, lambda: opt.load_state_dict({"state": {}, "param_groups": []})):
+            with pytest.raises(RuntimeError, match=r"engine\.save_checkpoint\(dir\) and engine\.load_checkpoint"):
+                call()
+        engine.close()
+
+
 # The loss scale after each boundary of an overflow pattern (1 = overflow), recorded from
 # DeepSpeed 0.19.8's DynamicLossScaler.update_scale (fp16, these arguments).
 _DS_SCALES = [

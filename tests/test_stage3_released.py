@@ -122,6 +122,28 @@ def test_data_and_detach_of_a_released_parameter_refuse_compute(tmp_path, tier):
     engine.close()
 
 
+def test_new_data_for_a_released_parameter_is_refused_and_kept_inside_gathered_parameters(tmp_path):
+    """``p.data = t`` on a released parameter was accepted and dropped by its next gather: the
+    state_dict and the training went on from the old values (tester-35 F02). It raises, naming
+    the parameter, and changes nothing; inside gathered_parameters(modifier_rank=0) it is kept."""
+    ref = TinyLM()
+    model = copy.deepcopy(ref)
+    engine, *_ = zeroinf.initialize(model=model, config=_config("cpu", "cpu", tmp_path))
+    w = model.blocks[1].ff[0].weight
+    with pytest.raises(RuntimeError, match=r"blocks\.1\.ff\.0\.weight \(shape \(32, 16\)\) is released.*"
+                                           r"p\.data = t\) would be dropped"):
+        w.data = torch.zeros(32, 16)
+    assert w.data.numel() == 0
+    assert torch.equal(model.state_dict()["blocks.1.ff.0.weight"], ref.blocks[1].ff[0].weight)
+    with zeroinf.gathered_parameters([w], modifier_rank=0):
+        w.data = torch.full((32, 16), 0.5)
+    with torch.no_grad():
+        ref.blocks[1].ff[0].weight.fill_(0.5)
+    assert torch.equal(model.state_dict()["blocks.1.ff.0.weight"], ref.blocks[1].ff[0].weight)
+    assert max(abs(a - b) for a, b in zip(_run(engine, 2), _reference(ref, 2))) <= 1e-6
+    engine.close()
+
+
 @pytest.mark.parametrize("tier", ["none", "cpu", "nvme"])
 def test_load_state_dict_after_a_forward(tmp_path, tier):
     """After a forward the persistent unit (parameters under the persistence threshold) stayed

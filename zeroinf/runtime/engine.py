@@ -35,6 +35,7 @@ import shutil
 import sys
 import threading
 import time
+import types
 import warnings
 import weakref
 from pathlib import Path
@@ -161,10 +162,20 @@ def _on_parameter_registered(module, name, param):
 
 
 
+_STEP_REFUSED = "the zeroinf optimizer steps inside engine.step(); call engine.step() instead"
+_STATE_REFUSED = ("the optimizer state (fp32 master weights, Adam moments, step counts) lives in the zeroinf "
+                  "engine's partitions, not in this optimizer object, whose {} would carry none of it; save and "
+                  "resume with engine.save_checkpoint(dir) and engine.load_checkpoint(dir)")
+
+
 class ZeroOptimizer(torch.optim.Optimizer):
     """The optimizer object ``initialize`` returns: it holds the param groups and their
     hyper-parameters (``lr``, ``betas``, ``eps``, ``weight_decay``), so LR schedulers work on it,
-    but the step itself belongs to the engine (``engine.step()``); calling :meth:`step` raises.
+    but the step and the state belong to the engine: :meth:`step` raises (call
+    ``engine.step()``), and so do :meth:`state_dict` and :meth:`load_state_dict` (call
+    ``engine.save_checkpoint`` / ``engine.load_checkpoint``), which would carry an empty state and
+    restart Adam silently (tester-35 F03). A client optimizer given to ``initialize`` gets the
+    same three methods (:func:`_hand_over`).
     """
 
     def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0,
@@ -173,7 +184,41 @@ class ZeroOptimizer(torch.optim.Optimizer):
                                       adamw_mode=adamw_mode, bias_correction=bias_correction))
 
     def step(self, closure=None):  # noqa: D102 - documented in the class
-        raise RuntimeError("the zeroinf optimizer steps inside engine.step(); call engine.step() instead")
+        raise RuntimeError(_STEP_REFUSED)
+
+    def state_dict(self):  # noqa: D102 - documented in the class
+        raise RuntimeError(_STATE_REFUSED.format("state_dict()"))
+
+    def load_state_dict(self, state_dict):  # noqa: D102 - documented in the class
+        raise RuntimeError(_STATE_REFUSED.format("load_state_dict()"))
+
+
+def _refused_step(self, *args, **kwargs):
+    raise RuntimeError(_STEP_REFUSED)
+
+
+def _refused_state_dict(self, *args, **kwargs):
+    raise RuntimeError(_STATE_REFUSED.format("state_dict()"))
+
+
+def _refused_load_state_dict(self, *args, **kwargs):
+    raise RuntimeError(_STATE_REFUSED.format("load_state_dict()"))
+
+
+# torch's LR schedulers wrap optimizer.step to see it called, and warn ("overridden after learning
+# rate scheduler initialization") when the step they find is not their wrapper: the engine tells
+# them of its steps itself (optimizer._opt_called, in engine.step)
+_refused_step._wrapped_by_lr_sched = True
+
+
+def _hand_over(opt: torch.optim.Optimizer) -> None:
+    """A client optimizer's ``step``, ``state_dict`` and ``load_state_dict`` raise from now on,
+    as :class:`ZeroOptimizer`'s do: the engine took its parameters' gradients, so its own step
+    did nothing and a loop calling it never trained, silently (tester-35 F04); and its state is
+    empty (F03). Its ``param_groups`` stay the engine's hyper-parameters."""
+    opt.step = types.MethodType(_refused_step, opt)
+    opt.state_dict = types.MethodType(_refused_state_dict, opt)
+    opt.load_state_dict = types.MethodType(_refused_load_state_dict, opt)
 
 
 def _world() -> tuple:
@@ -330,9 +375,11 @@ class ZeroEngine:
         self._bwd_pending = False  # a backward started the update; engine.step() closes it
         if hasattr(self.params, "attach_optimizer"):  # stage 3: masters follow gathered_parameters writes
             self.params.attach_optimizer(self.sub_optimizer)
-        # [Note: 16-bit weights changed between steps] stages 0-2 with separate fp32 masters
-        self._versions = ([[p._version for p in g.params] for g in self.params.groups]
-                          if zc.stage != 3 and dtype != torch.float32 else None)
+        # [Note: weights changed between steps] stages 0-2 (fp32 with its masters in CPU memory
+        # aliases them: a change lands in the master itself, and the comparison finds nothing)
+        self._versions = [[p._version for p in g.params] for g in self.params.groups] if zc.stage != 3 else None
+        self._shapes = [[p.shape for p in g.params] for g in self.params.groups] if zc.stage != 3 else None
+        self._names = {p: n for n, p, _f in self._requires_grad}  # for errors that name a parameter
         del fp32_copies
 
         if lr_scheduler is None and cfg.scheduler is not None:
@@ -725,6 +772,7 @@ class ZeroEngine:
                                "the next micro-batch's forward and backward.")
         self._check_requires_grad()
         self._check_backward_ran()
+        self._adopt_replaced_data()
         sched_error = None
         if self.is_gradient_accumulation_boundary():
             if self._unreduced:  # no_sync() kept them to the end of the window
@@ -908,16 +956,52 @@ class ZeroEngine:
             s["nvme_write_bytes"] += st.bytes_written
         s["optimizer_s"] += time.perf_counter() - t0
 
+    def _adopt_replaced_data(self) -> None:
+        """[Note: weights changed between steps] ``p.data = t`` (and ``model.half()`` then
+        ``model.float()``, which do that) leaves a stage 0-2 parameter outside its flat buffer:
+        the step wrote the updates into the old storage and the parameter never trained again,
+        silently (tester-35 F02). A replacement of the same shape, dtype and device is copied into
+        the flat buffer, the parameter views the buffer again, and the next step takes its values
+        into the masters ([Note: weights changed between steps]).
+
+        Raises:
+            RuntimeError: a replacement of another shape, dtype or device (``model.half()`` not
+                undone), naming the parameter; nothing was changed.
+        """
+        if self._versions is None:
+            return
+        moved = []
+        for gi, g in enumerate(self.params.groups):
+            for j, (p, off) in enumerate(zip(g.params, g.offsets)):
+                view = g.flat[off:off + p.numel()]
+                if p.data_ptr() == view.data_ptr() and p.dtype == view.dtype and p.device == view.device:
+                    continue
+                if p.shape != self._shapes[gi][j] or p.dtype != view.dtype or p.device != view.device:
+                    raise RuntimeError(
+                        f"zeroinf: parameter '{self._names.get(p, '?')}' was given data of shape {tuple(p.shape)}, "
+                        f"{p.dtype} on {p.device} after zeroinf.initialize (p.data = t, model.half(), model.to(...)); "
+                        f"the engine trains it as {tuple(self._shapes[gi][j])}, {view.dtype} on {view.device}. Undo "
+                        "the change (model.float(), model.to(device)) before the next engine.step(), or build the "
+                        "model as wanted before zeroinf.initialize")
+                moved.append((gi, j, p, view))
+        for gi, j, p, view in moved:
+            with torch.no_grad():
+                view.copy_(p.detach().reshape(-1))
+            p.data = view.view(self._shapes[gi][j])
+            self._versions[gi][j] = None  # compared with the masters at the next step
+
     def _adopt_changed_weights(self) -> None:
-        """[Note: 16-bit weights changed between steps] At stages 0-2 in bf16/fp16 the optimizer
-        steps fp32 masters and writes the rounded result into the model's parameters; a weight
-        the user changed between steps (``model.load_state_dict``, ``torch.nn.init`` or an
-        in-place op under ``torch.no_grad``) was put back by the next step, silently (helper-35,
-        /tmp/tester19/t20_engine_bf16_load.py). A parameter whose version counter moved since is
-        compared with its masters rounded, and the elements that differ are taken into the
-        masters, as ``torch.optim.AdamW`` would step them. The engine's own writes (through the
-        kernel's pointers, the all-gather into the flat buffer) move no parameter's counter; an
-        in-place op on ``p.data`` moves none either and is not seen."""
+        """[Note: weights changed between steps] At stages 0-2 the optimizer steps masters that
+        are not the model's parameters (bf16/fp16, or fp32 with the optimizer state on NVMe or the
+        parameters on CUDA) and writes the result into the parameters; a weight the user changed
+        between steps (``model.load_state_dict``, ``torch.nn.init`` or an in-place op under
+        ``torch.no_grad``) was put back by the next step, silently (helper-35,
+        /tmp/tester19/t20_engine_bf16_load.py; fp32 with NVMe: tester-35 F01). A parameter whose
+        version counter moved since (or whose data was replaced: :meth:`_adopt_replaced_data`) is
+        compared with its masters rounded to its dtype, and the elements that differ are taken
+        into the masters, as ``torch.optim.AdamW`` would step them. The engine's own writes
+        (through the kernel's pointers, the all-gather into the flat buffer) move no parameter's
+        counter; an in-place op on ``p.data`` moves none either and is not seen."""
         index = self.params._sub_index()
         todo: Dict[int, list] = {}  # sub-group -> [(start, end, values)] in sub-group coordinates
         for gi, g in enumerate(self.params.groups):
@@ -950,7 +1034,7 @@ class ZeroEngine:
     def _mark_weights_current(self) -> None:
         """Take the parameters as they are now for the fp32 masters' rounded values (after a
         checkpoint load wrote both), so the next step does not compare them again
-        ([Note: 16-bit weights changed between steps]); a no-op in fp32 and at stage 3."""
+        ([Note: weights changed between steps]); a no-op at stage 3."""
         if self._versions is not None:
             self._versions = [[p._version for p in g.params] for g in self.params.groups]
 
@@ -1157,6 +1241,10 @@ class ZeroEngine:
         from zeroinf import checkpoint
         self._check_open()
         self._check_step_closed("save_checkpoint")
+        if self._versions is not None:  # the weights the module holds now are the ones to save
+            self._adopt_replaced_data()
+            with torch.no_grad():
+                self._adopt_changed_weights()
         return checkpoint.save(self, save_dir, tag, client_state, save_latest=save_latest)
 
     def load_checkpoint(self, load_dir: str, tag: Optional[str] = None, load_module_strict: bool = True,
@@ -1275,8 +1363,9 @@ def initialize(model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer
     Args:
         model: the module (its parameters on the compute device; CPU here, CUDA when present).
         optimizer: a client torch.optim.Adam/AdamW/zeroinf.optim.CPUAdam whose param groups and
-            hyper-parameters are used (its own ``step`` is never called), or None to build one
-            from ``config["optimizer"]``.
+            hyper-parameters are used (it is returned, and its ``step``, ``state_dict`` and
+            ``load_state_dict`` raise from then on, pointing to ``engine.step`` and
+            ``engine.save_checkpoint``), or None to build one from ``config["optimizer"]``.
         model_parameters: parameters or param-group dicts for the config optimizer (default:
             ``model.parameters()``).
         lr_scheduler: a scheduler object bound to ``optimizer``, or a callable
@@ -1312,6 +1401,8 @@ def initialize(model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer
     else:
         _hyper_from_client(optimizer)
     engine = ZeroEngine(model, cfg, optimizer, lr_scheduler=lr_scheduler, rank=rank, world_size=world_size)
+    if not isinstance(optimizer, ZeroOptimizer):
+        _hand_over(optimizer)
     loader = None
     if training_data is not None:
         # as DeepSpeed's loader: shuffled, each rank its own share (call loader.sampler.set_epoch(e)

@@ -16,7 +16,9 @@ tensors would compute on nothing again (``model.head.weight.detach().norm()`` ga
 ``nn.init.normal_(p.data)`` on a parameter ``zeroinf.Init`` holds changed nothing). So they
 come back as a ``ReleasedTensor`` (``HeldTensor``): a plain-tensor twin with the same rules,
 which names the parameter it came from. Only empty results are wrapped: a ``.data`` the user
-replaced with whole values computes as given (``initialize`` then checks it).
+replaced with whole values on a parameter ``zeroinf.Init`` holds computes as given
+(``initialize`` then checks it). On a released parameter of an engine ``p.data = t`` raises,
+naming it: the next gather would drop it (inside ``gathered_parameters`` it is kept).
 
 Every managed parameter also carries DeepSpeed's ``ds_shape`` (``torch.Size``, the full shape)
 and ``ds_numel`` (int, the full element count), gathered or not.
@@ -91,6 +93,10 @@ class _ReleasedMixin:
         if name not in cls._zeroinf_pass and not (name == "copy_" and _empty_copy(args)):
             p = _first_released(list(args) + list(kwargs.values()))
             _refuse(p, f"'{name or func}' on it would compute on nothing")
+        if (name == "__set__" and cls._zeroinf_pass is PASS_THROUGH and attribute_of(func) == "data"
+                and len(args) > 1 and isinstance(args[1], torch.Tensor) and args[1].numel() != 0):
+            # the manager gives a released parameter only placeholders; the next gather drops this (tester-35 F02)
+            _refuse(args[0], "a new .data given to it (p.data = t) would be dropped by its next gather")
         with torch._C.DisableTorchFunctionSubclass():
             out = func(*args, **kwargs)
         if name in ("detach", "__get__", "__set__") and args and isinstance(args[0], _ReleasedMixin):
