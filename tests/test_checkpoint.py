@@ -1,6 +1,7 @@
 """Checkpoints: save at step 5, load in a fresh process, 5 more steps == 10 uninterrupted (bit-equal);
 files load with weights_only=True; consolidate gives one fp32 state dict plain PyTorch loads."""
 import copy
+import errno
 import json
 import os
 import re
@@ -582,7 +583,7 @@ def test_checkpoint_write_failure_is_an_oserror_naming_the_file(tmp_path):
     old = resource.getrlimit(resource.RLIMIT_FSIZE)
     resource.setrlimit(resource.RLIMIT_FSIZE, (600, old[1]))
     try:
-        with pytest.raises(OSError, match=r"optim_rank0_.*\.pt: writing the checkpoint file failed"):
+        with pytest.raises(OSError, match=r"optim_rank0_.*\.pt: writing the file failed"):
             engine.save_checkpoint(str(tmp_path), "full")
     finally:
         resource.setrlimit(resource.RLIMIT_FSIZE, old)
@@ -590,6 +591,23 @@ def test_checkpoint_write_failure_is_an_oserror_naming_the_file(tmp_path):
     # the unfinished folder is gone too: on a full disk it kept the room the next save needed
     assert not (tmp_path / "full.saving").exists()
     assert not (tmp_path / "full").exists() and not (tmp_path / "latest").exists()
+    # save_16bit_model, both formats: EFBIG (it said EIO), and safetensors' own error type, which is
+    # no OSError and named no file (tester-35 F07); the file saved before stays whole
+    from safetensors.torch import load_file
+    for name, load in (("pytorch_model.bin", lambda f: torch.load(f, weights_only=True)), ("model.safetensors", load_file)):
+        engine.save_16bit_model(str(tmp_path / "16"), name)
+        path = tmp_path / "16" / name
+        good = path.read_bytes()
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (len(good) // 2, old[1]))
+        try:
+            with pytest.raises(OSError, match=rf"\[Errno {errno.EFBIG}\] {re.escape(str(path))}: writing the file failed"):
+                engine.save_16bit_model(str(tmp_path / "16"), name)
+        finally:
+            resource.setrlimit(resource.RLIMIT_FSIZE, old)
+            signal.signal(signal.SIGXFSZ, old_sig)
+        assert path.read_bytes() == good and not [f for f in os.listdir(tmp_path / "16") if ".tmp" in f]
+        assert set(load(str(path))) == set(engine.module.state_dict())
 
 
 def test_a_failed_resave_of_a_tag_leaves_the_earlier_save_whole(tmp_path, monkeypatch):
@@ -761,7 +779,7 @@ def test_two_ranks_one_failing_write_stops_both_without_hanging(tmp_path):
     process-group timeout; now both raise, and the earlier save of the tag stays whole."""
     _run_two_ranks(_failing_write_worker, tmp_path, "a save with one rank's write failing")
     res = [json.loads((tmp_path / f"write_rank{r}.json").read_text()) for r in (0, 1)]
-    assert "rank(s) [1]" in res[0]["err"] and "writing the checkpoint file failed" in res[1]["err"], res
+    assert "rank(s) [1]" in res[0]["err"] and "writing the file failed" in res[1]["err"], res
     assert all(r["steps"] == 1 and r["equal"] for r in res), res
 
 

@@ -729,6 +729,29 @@ def test_the_optimizer_object_refuses_step_and_state_dict_pointing_to_the_engine
         engine.close()
 
 
+def test_meta_parameters_are_named_and_the_engine_answers_module_questions():
+    """A parameter left on the meta device failed with torch's bare 'Cannot copy out of meta
+    tensor' (stage 3) or a list of devices (tester-35 F08); scripts written for DeepSpeedEngine
+    (an nn.Module) ask the engine for parameters(), training, module_state_dict() (F09)."""
+    for stage in (2, 3):
+        model = make_mlp()
+        with torch.device("meta"):
+            model[2] = nn.Linear(13, 5)
+        cfg = config(stage, "cpu")
+        with pytest.raises(ValueError, match=r"2 parameter\(s\)/buffer\(s\) .* meta device.*\(2\.weight, 2\.bias\)"):
+            zeroinf.initialize(model, config=cfg)
+    model = make_mlp()
+    model[0].bias.requires_grad_(False)
+    engine, *_ = zeroinf.initialize(model, config=config(2, "cpu"))
+    assert [id(p) for p in engine.parameters()] == [id(p) for p in model.parameters()]
+    assert [n for n, _ in engine.named_parameters()] == ["0.weight", "0.bias", "2.weight", "2.bias"]
+    assert engine.training and not engine.eval().training and engine.train().training
+    sd = engine.module_state_dict()
+    assert sd.keys() == model.state_dict().keys() and all(torch.equal(sd[k], v) for k, v in model.state_dict().items())
+    assert "0.bias" not in engine.module_state_dict(exclude_frozen_parameters=True)
+    engine.close()
+
+
 # The loss scale after each boundary of an overflow pattern (1 = overflow), recorded from
 # DeepSpeed 0.19.8's DynamicLossScaler.update_scale (fp16, these arguments).
 _DS_SCALES = [

@@ -45,22 +45,45 @@ class CheckpointError(ValueError):
 
 
 def _atomic_save(obj: Any, path: str) -> None:
-    """``torch.save`` to a temporary file renamed onto ``path``; on failure the temporary file
-    is removed and nothing is at ``path``. Raises OSError naming ``path`` when the write fails
-    (torch's own writer reports a full disk or a file-size limit as a RuntimeError about stream
-    positions or iostreams, without the path)."""
+    """``torch.save`` (safetensors' ``save_file`` for a ``.safetensors`` path, of a dict of
+    contiguous tensors) to a temporary file renamed onto ``path``; on failure the temporary file
+    is removed and what was at ``path`` is left as it was. Raises OSError naming ``path`` when the
+    write fails: torch's writer reports a full disk or a file-size limit as a RuntimeError about
+    stream positions, without the path, and safetensors as a SafetensorError, which is no OSError
+    (tester-35 F07); the error number is the one the writer names (``os error 27``), else ENOSPC
+    for a full file system, EFBIG at the file-size limit, EIO otherwise."""
     tmp = f"{path}.tmp{os.getpid()}"
     try:
-        torch.save(obj, tmp)
+        if path.endswith(".safetensors"):
+            from safetensors.torch import save_file
+            save_file(obj, tmp)
+        else:
+            torch.save(obj, tmp)
         os.replace(tmp, path)
     except BaseException as exc:
+        written = os.path.getsize(tmp) if os.path.exists(tmp) else 0
         if os.path.exists(tmp):
             os.unlink(tmp)
-        if isinstance(exc, RuntimeError):  # torch's writer: "unexpected pos", "iostream error", ...
+        if isinstance(exc, Exception) and not isinstance(exc, OSError):  # the writer's own error types
             free = shutil.disk_usage(os.path.dirname(path) or ".").free
-            raise OSError(errno.EIO, f"{path}: writing the checkpoint file failed ({free} bytes free on its file "
-                                     f"system; torch: {str(exc).strip()})") from exc
+            raise OSError(_write_errno(str(exc), free, written), f"{path}: writing the file failed ({free} bytes free "
+                          f"on its file system; {type(exc).__name__}: {str(exc).strip()})") from exc
         raise
+
+
+def _write_errno(message: str, free: int, written: int) -> int:
+    """The error number behind a writer's failure message (see :func:`_atomic_save`)."""
+    import re
+    import resource
+    found = re.search(r"os error (\d+)", message)
+    if found:
+        return int(found.group(1))
+    if free == 0:
+        return errno.ENOSPC
+    limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+    if limit != resource.RLIM_INFINITY and written >= limit:
+        return errno.EFBIG
+    return errno.EIO
 
 
 def _read(path: str, mmap: bool = False) -> Any:
@@ -728,9 +751,5 @@ def consolidate(load_dir: str, tag: Optional[str], out: str) -> Dict[str, torch.
             t = flat[p["offset"]:p["offset"] + n].view(p["shape"])
             for name in p["names"]:
                 sd[name] = t.clone()
-    if out.endswith(".safetensors"):
-        from safetensors.torch import save_file
-        save_file({k: v.contiguous() for k, v in sd.items()}, out)
-    else:
-        _atomic_save(sd, out)
+    _atomic_save({k: v.contiguous() for k, v in sd.items()} if out.endswith(".safetensors") else sd, out)
     return sd

@@ -39,7 +39,7 @@ import types
 import warnings
 import weakref
 from pathlib import Path
-from typing import Any, Dict, Iterator, List, Optional
+from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import psutil
 import torch
@@ -513,6 +513,29 @@ class ZeroEngine:
     def eval(self) -> "ZeroEngine":
         self.module.eval()
         return self
+
+    # what scripts written for DeepSpeedEngine (an nn.Module around the model) ask of it (tester-35 F09)
+    @property
+    def training(self) -> bool:
+        """The module's ``training`` flag."""
+        return self.module.training
+
+    def parameters(self, recurse: bool = True) -> Iterator[torch.nn.Parameter]:
+        """The module's parameters (at stage 3 released ones are placeholders: see ``ds_shape``)."""
+        return self.module.parameters(recurse)
+
+    def named_parameters(self, prefix: str = "", recurse: bool = True) -> Iterator[Tuple[str, torch.nn.Parameter]]:
+        """The module's named parameters, as :meth:`parameters`."""
+        return self.module.named_parameters(prefix, recurse)
+
+    def module_state_dict(self, exclude_frozen_parameters: bool = False) -> Dict[str, torch.Tensor]:
+        """DeepSpeed's name: the module's ``state_dict()`` (full tensors; at stage 3 gathered, so
+        collective), without parameters that have ``requires_grad=False`` if asked."""
+        sd = self.module.state_dict()
+        if exclude_frozen_parameters:
+            frozen = {n for n, p in self.module.named_parameters() if not p.requires_grad}
+            sd = {k: v for k, v in sd.items() if k not in frozen}
+        return sd
 
     def is_gradient_accumulation_boundary(self) -> bool:
         """Whether the next :meth:`step` is an optimizer step: every ``gradient_accumulation_steps``-th
@@ -1121,16 +1144,12 @@ class ZeroEngine:
                           "on a checkpoint for fp32 weights)", RuntimeWarning, stacklevel=2)
             return False
         self.synchronize()  # a background step's updates are in the partitions
-        sd = self.module.state_dict()
-        if exclude_frozen_parameters:
-            frozen = {n for n, p, _f in self._requires_grad if not p.requires_grad}
-            sd = {k: v for k, v in sd.items() if k not in frozen}
+        sd = self.module_state_dict(exclude_frozen_parameters)
         if self.rank == 0:
             os.makedirs(save_dir, exist_ok=True)
             path = os.path.join(save_dir, save_filename)
             if save_filename.endswith(".safetensors"):
-                from safetensors.torch import save_file
-                save_file({k: v.detach().to("cpu").contiguous().clone() for k, v in sd.items()}, path)
+                _atomic_save({k: v.detach().to("cpu").contiguous().clone() for k, v in sd.items()}, path)
             else:
                 _atomic_save({k: v.detach().to("cpu") for k, v in sd.items()}, path)
         return True
@@ -1379,6 +1398,7 @@ def initialize(model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer
         ``(engine, optimizer, dataloader_or_None, lr_scheduler)``.
 
     Raises:
+        ValueError: a parameter or buffer of ``model`` is on the meta device (named).
         ConfigError: invalid config, or a machine check failed (``nvme_path`` not writable, or
             missing and impossible to create, as DeepSpeed creates it; not enough free disk, pinned budget over RAM or ``ulimit -l``); the message
             starts with the key path.
@@ -1387,6 +1407,13 @@ def initialize(model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer
         raise ConfigError("", "initialize() needs config (a DeepSpeed-format dict or JSON path)")
     rank, world_size = _world()
     cfg = parse_config(config, world_size=world_size)
+    meta = [n for n, t in list(model.named_parameters()) + list(model.named_buffers()) if t.is_meta]
+    if meta:  # torch's "Cannot copy out of meta tensor" named nothing (tester-35 F08)
+        raise ValueError(f"zeroinf.initialize: {len(meta)} parameter(s)/buffer(s) of the model are on the meta device, "
+                         f"with no values ({', '.join(meta[:5])}{', ...' if len(meta) > 5 else ''}): a model built "
+                         "under torch.device('meta'), or a loader that did not fill them. Give them values first "
+                         "(model.to_empty(device=...) and load the weights), or build a model too large for memory "
+                         "under zeroinf.Init")
     if optimizer is not None and cfg.optimizer is not None:
         raise ConfigError("optimizer", "given both in the config and to initialize(); use one")
     if lr_scheduler is not None and cfg.scheduler is not None:
