@@ -519,6 +519,20 @@ def test_cpuadam_refusals_change_nothing_and_name_the_parameter():
     assert opt.param_groups[0]["lr"] == 1e-3 and opt.param_groups[0]["amsgrad"] is False
     assert sorted(opt.state[lin.weight]) == sorted(before)
     assert all(torch.equal(opt.state[lin.weight][k], v) for k, v in before.items())
+    good = src.state_dict()
+    good["param_groups"][0]["amsgrad"] = False
+    for change, what in ((lambda sd: sd["param_groups"][0].update(adamw_mode=True, decoupled_weight_decay=False),
+                          r"adamw_mode=True but torch's decoupled_weight_decay=False"),
+                         (lambda sd: sd["param_groups"][0].update(capturable=True), r"capturable=True"),
+                         (lambda sd: sd["state"][0].update(exp_avg=torch.zeros(5)),
+                          r"exp_avg of param_groups\[0\]\['params'\]\[0\] has 5 elements, the parameter 8")):
+        sd = {"state": {k: dict(v) for k, v in good["state"].items()},
+              "param_groups": [dict(g) for g in good["param_groups"]]}
+        change(sd)  # each refused as step() would refuse it, tester-36 F4
+        with pytest.raises(ValueError, match=what + r".*nothing was loaded"):
+            opt.load_state_dict(sd)
+        assert opt.param_groups[0]["lr"] == 1e-3 and all(torch.equal(opt.state[lin.weight][k], v)
+                                                        for k, v in before.items())
     opt.step()  # still steps
     assert float(opt.state[lin.weight]["step"]) == 2.0
 

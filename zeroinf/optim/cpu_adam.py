@@ -120,12 +120,28 @@ class CPUAdam(torch.optim.Optimizer):
             ValueError: a group this optimizer cannot step (``amsgrad=True``, a hyper-parameter out
                 of range), naming it; raised before anything is loaded, so the optimizer is as it was.
         """
-        for gi, group in enumerate(state_dict["param_groups"]):  # refused before anything changes (tester-35 F05)
+        # whatever step() would refuse is refused before anything changes (tester-35 F05, tester-36 F4)
+        mine = [p for g in self.param_groups for p in g["params"]]
+        where = {}
+        for gi, group in enumerate(state_dict["param_groups"]):
+            group = dict(group)
+            group.setdefault("adamw_mode", group.get("decoupled_weight_decay", True))
             try:
-                _check_hyper(group)
+                _check_group(gi, group)
+                for k in ("capturable", "differentiable"):
+                    if group.get(k):
+                        raise ValueError(f"CPUAdam: {k}=True is not supported")
             except ValueError as exc:
                 raise ValueError(f"{exc} (param_groups[{gi}] of the state dict given to load_state_dict; "
                                  "nothing was loaded)") from None
+            where.update((pid, (gi, pi)) for pi, pid in enumerate(group["params"]))
+        for pid, p in zip([pid for g in state_dict["param_groups"] for pid in g["params"]], mine):
+            for k, v in state_dict["state"].get(pid, {}).items():
+                if k in _FP32_STATE and torch.is_tensor(v) and v.numel() != p.numel():
+                    gi, pi = where[pid]
+                    raise ValueError(f"CPUAdam: the state dict's {k} of param_groups[{gi}]['params'][{pi}] has "
+                                     f"{v.numel()} elements, the parameter {p.numel()} (a state dict of another "
+                                     "model?); nothing was loaded")
         saved = {pid: {k: v for k, v in st.items() if k in _FP32_STATE and torch.is_tensor(v)}
                  for pid, st in state_dict["state"].items()}
         super().load_state_dict(state_dict)
@@ -161,12 +177,7 @@ class CPUAdam(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         for gi, group in enumerate(self.param_groups):  # every check before any group is stepped
-            _check_hyper(group)
-            if "decoupled_weight_decay" in group and bool(group["decoupled_weight_decay"]) != bool(group["adamw_mode"]):
-                # torch.optim.Adam honours its key; this optimizer steps by adamw_mode (helper-43, t15)
-                raise ValueError(f"CPUAdam: param_groups[{gi}] has adamw_mode={group['adamw_mode']!r} but torch's "
-                                 f"decoupled_weight_decay={group['decoupled_weight_decay']!r}; set both to the same "
-                                 "value (True: AdamW's decoupled decay, False: Adam's L2 penalty)")
+            _check_group(gi, group)
             for pi, p in enumerate(group["params"]):
                 if p.grad is not None:
                     _check_param(p, f"param_groups[{gi}]['params'][{pi}]")
@@ -253,6 +264,16 @@ def _check_param(p: torch.Tensor, where: str) -> None:
     if grad.dtype not in _PARAM_DTYPES:  # the op's own check named its list index, grads[k] (tester-35 F06)
         raise ValueError(f"CPUAdam: the gradient of {where} has dtype {grad.dtype}; expected float32, bfloat16 "
                          "or float16")
+
+
+def _check_group(gi: int, group: Dict[str, Any]) -> None:
+    """Raise ValueError for param group ``gi`` if :meth:`CPUAdam.step` cannot step it."""
+    _check_hyper(group)
+    if "decoupled_weight_decay" in group and bool(group["decoupled_weight_decay"]) != bool(group["adamw_mode"]):
+        # torch.optim.Adam honours its key; this optimizer steps by adamw_mode (helper-43, t15)
+        raise ValueError(f"CPUAdam: param_groups[{gi}] has adamw_mode={group['adamw_mode']!r} but torch's "
+                         f"decoupled_weight_decay={group['decoupled_weight_decay']!r}; set both to the same "
+                         "value (True: AdamW's decoupled decay, False: Adam's L2 penalty)")
 
 
 def _check_hyper(group: Dict[str, Any]) -> None:

@@ -192,6 +192,12 @@ class ZeroOptimizer(torch.optim.Optimizer):
     def load_state_dict(self, state_dict):  # noqa: D102 - documented in the class
         raise RuntimeError(_STATE_REFUSED.format("load_state_dict()"))
 
+    def __reduce_ex__(self, protocol):
+        raise RuntimeError(_STATE_REFUSED.format("copy (pickle, torch.save, copy.deepcopy)"))
+
+    def __deepcopy__(self, memo):
+        raise RuntimeError(_STATE_REFUSED.format("copy (pickle, torch.save, copy.deepcopy)"))
+
 
 def _refused_step(self, *args, **kwargs):
     raise RuntimeError(_STEP_REFUSED)
@@ -205,6 +211,10 @@ def _refused_load_state_dict(self, *args, **kwargs):
     raise RuntimeError(_STATE_REFUSED.format("load_state_dict()"))
 
 
+def _refused_copy(*args, **kwargs):
+    raise RuntimeError(_STATE_REFUSED.format("copy (pickle, torch.save, copy.deepcopy)"))
+
+
 # torch's LR schedulers wrap optimizer.step to see it called, and warn ("overridden after learning
 # rate scheduler initialization") when the step they find is not their wrapper: the engine tells
 # them of its steps itself (optimizer._opt_called, in engine.step)
@@ -215,10 +225,13 @@ def _hand_over(opt: torch.optim.Optimizer) -> None:
     """A client optimizer's ``step``, ``state_dict`` and ``load_state_dict`` raise from now on,
     as :class:`ZeroOptimizer`'s do: the engine took its parameters' gradients, so its own step
     did nothing and a loop calling it never trained, silently (tester-35 F04); and its state is
-    empty (F03). Its ``param_groups`` stay the engine's hyper-parameters."""
+    empty (F03), as a copy's or pickle's would be (those raise too). Its ``param_groups`` stay the
+    engine's hyper-parameters."""
     opt.step = types.MethodType(_refused_step, opt)
     opt.state_dict = types.MethodType(_refused_state_dict, opt)
     opt.load_state_dict = types.MethodType(_refused_load_state_dict, opt)
+    # copy and pickle look these up on the instance; a copy stepped and gave its empty state again (tester-36 F6)
+    opt.__reduce_ex__ = opt.__deepcopy__ = _refused_copy
 
 
 def _world() -> tuple:
@@ -379,6 +392,10 @@ class ZeroEngine:
         # aliases them: a change lands in the master itself, and the comparison finds nothing)
         self._versions = [[p._version for p in g.params] for g in self.params.groups] if zc.stage != 3 else None
         self._shapes = [[p.shape for p in g.params] for g in self.params.groups] if zc.stage != 3 else None
+        #: (group, index, parameter, where its data starts in the flat buffer): _adopt_replaced_data
+        self._homes = [(gi, j, p, g.flat.data_ptr() + off * g.flat.element_size())
+                       for gi, g in enumerate(self.params.groups) for j, (p, off) in enumerate(zip(g.params, g.offsets))
+                       if p.numel()] if zc.stage != 3 else []  # an empty tensor's data_ptr() is 0: nothing to adopt
         self._names = {p: n for n, p, _f in self._requires_grad}  # for errors that name a parameter
         del fp32_copies
 
@@ -795,9 +812,9 @@ class ZeroEngine:
                                "the next micro-batch's forward and backward.")
         self._check_requires_grad()
         self._check_backward_ran()
-        self._adopt_replaced_data()
         sched_error = None
         if self.is_gradient_accumulation_boundary():
+            self._adopt_replaced_data()
             if self._unreduced:  # no_sync() kept them to the end of the window
                 self._reduce()
             try:
@@ -810,9 +827,11 @@ class ZeroEngine:
                 raise
             self._count_samples()
             self._window_backwards = 0
-            if self._step_applied and self.lr_scheduler is not None:
-                # the engine stepped on the optimizer's behalf: tell torch schedulers so (they warn otherwise)
+            if self._step_applied:
+                # the engine stepped on the optimizer's behalf: tell torch schedulers so (they warn otherwise),
+                # also one the engine does not hold (built on the returned optimizer later: tester-36 F1)
                 self.optimizer._opt_called = True
+            if self._step_applied and self.lr_scheduler is not None:
                 try:
                     self.lr_scheduler.step(**(lr_kwargs or {}))
                 except Exception as exc:  # raised below, once this step is counted
@@ -991,22 +1010,31 @@ class ZeroEngine:
             RuntimeError: a replacement of another shape, dtype or device (``model.half()`` not
                 undone), naming the parameter; nothing was changed.
         """
-        if self._versions is None:
+        # one pointer comparison per parameter, at the accumulation boundary (tester-36 F3: slicing the flat
+        # buffer per parameter at every micro-step cost 1.4 us per parameter)
+        moved = [(gi, j, p) for gi, j, p, home in self._homes if p.data_ptr() != home]  # stage 3: none
+        if not moved:
             return
-        moved = []
-        for gi, g in enumerate(self.params.groups):
-            for j, (p, off) in enumerate(zip(g.params, g.offsets)):
-                view = g.flat[off:off + p.numel()]
-                if p.data_ptr() == view.data_ptr() and p.dtype == view.dtype and p.device == view.device:
-                    continue
-                if p.shape != self._shapes[gi][j] or p.dtype != view.dtype or p.device != view.device:
-                    raise RuntimeError(
-                        f"zeroinf: parameter '{self._names.get(p, '?')}' was given data of shape {tuple(p.shape)}, "
-                        f"{p.dtype} on {p.device} after zeroinf.initialize (p.data = t, model.half(), model.to(...)); "
-                        f"the engine trains it as {tuple(self._shapes[gi][j])}, {view.dtype} on {view.device}. Undo "
-                        "the change (model.float(), model.to(device)) before the next engine.step(), or build the "
-                        "model as wanted before zeroinf.initialize")
-                moved.append((gi, j, p, view))
+        flats = {g.flat.untyped_storage().data_ptr() for g in self.params.groups}
+        for k, (gi, j, p) in enumerate(moved):
+            g = self.params.groups[gi]
+            off = g.offsets[j]
+            view = g.flat[off:off + p.numel()]
+            name = self._names.get(p, "?")
+            if p.shape != self._shapes[gi][j] or p.dtype != view.dtype or p.device != view.device:
+                raise RuntimeError(
+                    f"zeroinf: parameter '{name}' was given data of shape {tuple(p.shape)}, "
+                    f"{p.dtype} on {p.device} after zeroinf.initialize (p.data = t, model.half(), model.to(...)); "
+                    f"the engine trains it as {tuple(self._shapes[gi][j])}, {view.dtype} on {view.device}. Undo "
+                    "the change (model.float(), model.to(device)) before the next engine.step(), or build the "
+                    "model as wanted before zeroinf.initialize")
+            if p.untyped_storage().data_ptr() in flats:  # torch would keep the two tied; the engine cannot
+                raise RuntimeError(
+                    f"zeroinf: parameter '{name}' was given data that views another trainable parameter's "
+                    "(p.data = other.data[...]) after zeroinf.initialize; the engine keeps every parameter in its "
+                    "own place and would untie them silently (tester-36 F5). Tie parameters before "
+                    "zeroinf.initialize, by module attribute (head.weight = emb.weight)")
+            moved[k] = (gi, j, p, view)
         for gi, j, p, view in moved:
             with torch.no_grad():
                 view.copy_(p.detach().reshape(-1))
@@ -1260,7 +1288,7 @@ class ZeroEngine:
         from zeroinf import checkpoint
         self._check_open()
         self._check_step_closed("save_checkpoint")
-        if self._versions is not None:  # the weights the module holds now are the ones to save
+        if self._versions is not None:  # stages 0-2: the weights the module holds now are the ones to save
             self._adopt_replaced_data()
             with torch.no_grad():
                 self._adopt_changed_weights()
