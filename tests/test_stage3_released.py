@@ -144,6 +144,45 @@ def test_new_data_for_a_released_parameter_is_refused_and_kept_inside_gathered_p
     engine.close()
 
 
+def test_new_data_given_in_a_forward_raises_naming_the_parameter(tmp_path):
+    """A forward that sets ``self.weight.data = ...clamp(...)`` (an old max-norm idiom) computed
+    with the clamped weight, which the unit's release then dropped: the optimizer trained the
+    unclamped one, silently (tester-36 F2: 0.37 against torch's 0.06). The forward raises,
+    naming the parameter, and the engine trains on once the module stops doing it."""
+
+    class MaxNorm(nn.Linear):
+        clamp = True
+
+        def forward(self, x):
+            if self.clamp:
+                self.weight.data = self.weight.data.clamp(-0.05, 0.05)
+            return super().forward(x)
+
+    torch.manual_seed(0)
+    ref = nn.Sequential(MaxNorm(16, 16), nn.Tanh(), nn.Linear(16, 4))
+    model = copy.deepcopy(ref)
+    cfg = _config("cpu", "cpu", tmp_path)
+    cfg["zero_optimization"]["stage3_param_persistence_threshold"] = 0
+    engine, *_ = zeroinf.initialize(model=model, config=cfg)
+    x, y = torch.randn(4, 16), torch.randn(4, 4)
+    with pytest.raises(RuntimeError, match=r"the forward gave '0\.weight' new data \(p\.data = t\).*gathered_parameters"):
+        engine(x)
+    model[0].clamp = ref[0].clamp = False
+    hp = cfg["optimizer"]["params"]
+    opt = torch.optim.AdamW(ref.parameters(), lr=hp["lr"], betas=tuple(hp["betas"]), eps=hp["eps"],
+                            weight_decay=hp["weight_decay"])
+    for _ in range(2):
+        engine.backward(F.mse_loss(engine(x), y))
+        engine.step()
+        opt.zero_grad()
+        F.mse_loss(ref(x), y).backward()
+        opt.step()
+    with zeroinf.gathered_parameters(list(model.parameters())):
+        got = [p.detach().clone() for p in model.parameters()]
+    assert max((a - b).abs().max().item() for a, b in zip(got, ref.parameters())) <= 1e-6
+    engine.close()
+
+
 @pytest.mark.parametrize("tier", ["none", "cpu", "nvme"])
 def test_load_state_dict_after_a_forward(tmp_path, tier):
     """After a forward the persistent unit (parameters under the persistence threshold) stayed

@@ -507,14 +507,18 @@ class ZeroEngine:
         Raises:
             RuntimeError: a parameter's ``requires_grad`` changed since :func:`initialize`, or
                 a trainable parameter was put into the model after it (both checked with grad
-                enabled; a forward under ``torch.no_grad`` is not checked).
+                enabled; a forward under ``torch.no_grad`` is not checked); or, at stage 3, the
+                forward gave a parameter new data (``p.data = t``), which stage 3 cannot keep
+                (:meth:`_check_dropped_data`).
         """
         self._check_open()
         if torch.is_grad_enabled():
             self._check_requires_grad()
             self._check_added()
         try:
-            return self.module(*args, **kwargs)
+            out = self.module(*args, **kwargs)
+            self._check_dropped_data()
+            return out
         except Exception:
             raise  # the forward hooks ran (always_call)
         except BaseException:  # KeyboardInterrupt, SystemExit: torch skips always_call hooks
@@ -522,6 +526,24 @@ class ZeroEngine:
             if manager is not None:
                 manager.abort_iteration()  # [Note: interrupted forward]
             raise
+
+    def _check_dropped_data(self) -> None:
+        """Raise RuntimeError naming the stage-3 parameters given new data (``p.data = t``) while
+        gathered, in a forward: the unit's release drops it for the partition's values, so the
+        forward computed with weights that the optimizer never saw (a max-norm constraint in a
+        forward trained unconstrained, silently: tester-36 F2). Released units are found at the
+        end of the forward, units held on into the backward at the next step."""
+        manager = getattr(self.params, "manager", None)
+        if manager is None or not manager.dropped_data:
+            return
+        names = sorted(set(manager.dropped_data))
+        manager.dropped_data.clear()
+        raise RuntimeError(
+            f"zeroinf stage 3: the forward gave {', '.join(repr(n) for n in names[:5])}{', ...' if len(names) > 5 else ''} "
+            "new data (p.data = t); a stage-3 parameter's values live in its partitions, so that change was dropped "
+            "when its unit was released and this forward's result does not match the weights being trained. Change "
+            "weights between steps inside `with zeroinf.gathered_parameters(params, modifier_rank=0):`, or train at "
+            "stages 0-2, which keep such changes")
 
     def train(self, mode: bool = True) -> "ZeroEngine":
         self.module.train(mode)
@@ -812,6 +834,7 @@ class ZeroEngine:
                                "the next micro-batch's forward and backward.")
         self._check_requires_grad()
         self._check_backward_ran()
+        self._check_dropped_data()
         sched_error = None
         if self.is_gradient_accumulation_boundary():
             self._adopt_replaced_data()

@@ -464,6 +464,9 @@ class Stage3ParameterManager:
         self._closed = False  #: see :attr:`closed`
         #: the engine's zeroinf.runtime.engine.LoadGuard (gathered_parameters refuses a half-loaded state)
         self.load_guard = None
+        #: names of parameters whose .data was replaced while gathered (in a forward), which their
+        #: release dropped; the engine raises on them (take_dropped_data)
+        self.dropped_data: List[str] = []
         self._init_masters: Dict[str, torch.Tensor] = {}  # [Note: Init masters]
         self._make_stores(swapper)
         self._partition_initial(shapes)
@@ -1081,11 +1084,15 @@ class Stage3ParameterManager:
         if unit.future is not None:  # a read still writes into the buffer
             unit.future.result()
             unit.future = None
+        gathered = unit.state is UnitState.GATHERED
         for g in unit.groups:
             self._drop_snapshot(g)
             if g.full is not None:
                 self._storage_of.pop(g.full.untyped_storage().data_ptr(), None)
             for s in g.slots:
+                if (gathered and g.full is not None and s.numel
+                        and s.param.data_ptr() != g.full.data_ptr() + s.offset * g.full.element_size()):
+                    self.dropped_data.append(s.name)  # p.data = t in a forward (tester-36 F2)
                 s.param.data = self._placeholder(g.dtype)
                 s.param.__class__ = released_class(type(s.param))
             full, g.full = g.full, None
