@@ -194,6 +194,7 @@ def main() -> int:
         print("PEER-ROW " + json.dumps(deepspeed_row(args, args.peer_row, args.nvme_path)), flush=True)
         return 0
     peers = not args.no_peers and importlib.util.find_spec("deepspeed") is not None
+    os.makedirs(args.nvme_path, exist_ok=True)  # as the engine makes a missing nvme_path (it raised here)
     nvme = tempfile.mkdtemp(prefix="zeroinf_bench_s3_", dir=args.nvme_path)
     kinds = {"resident": ("none", False), "nvme": ("nvme", False), "resident-in-bwd": ("none", True),
              "nvme-in-bwd": ("nvme", True)}
