@@ -26,6 +26,7 @@ by providing an object with the same methods from ``zeroinf.runtime.stage3.engin
 """
 from __future__ import annotations
 
+import atexit
 import concurrent.futures.thread  # noqa: F401 - registers its exit hook before ours, so ours runs first
 import contextlib
 import logging
@@ -130,6 +131,24 @@ def _finish_background_steps() -> None:
 
 if hasattr(threading, "_register_atexit"):  # CPython 3.9+
     threading._register_atexit(_finish_background_steps)
+
+#: an engine ran collectives over gloo in this process (_let_gloo_workers_finish)
+_GLOO_USED = False
+
+
+def _let_gloo_workers_finish() -> None:
+    """At interpreter exit, before Python finalizes: release the GIL for a moment when an engine
+    used gloo. A gloo worker thread drops its hold on a finished collective's tensors a little
+    after ``wait()`` returned; when Python owns one of them by then (a temporary view the
+    engine already let go of), the drop takes the GIL, and a thread that takes the GIL while
+    Python finalizes is made to exit, which C++ turns into std::terminate: "terminate called
+    without an active exception", SIGABRT, after the script had finished (tester-36 F7, in 2 of
+    30 two-rank runs; the core showed ~AsyncAllgatherWork in ProcessGroupGloo::runLoop)."""
+    if _GLOO_USED:
+        time.sleep(0.05)
+
+
+atexit.register(_let_gloo_workers_finish)
 _ADDED_HOOKS: list = []
 
 
@@ -278,6 +297,9 @@ class ZeroEngine:
                  lr_scheduler=None, rank: int = 0, world_size: int = 1):
         self.module, self.config, self.optimizer = model, cfg, optimizer
         self.rank, self.world_size = rank, world_size
+        if world_size > 1 and dist.get_backend() == "gloo":
+            global _GLOO_USED
+            _GLOO_USED = True
         self.gas = cfg.gradient_accumulation_steps
         self.global_steps = 0
         self.micro_steps = 0
@@ -1049,7 +1071,7 @@ class ZeroEngine:
                     f"zeroinf: parameter '{name}' was given data of shape {tuple(p.shape)}, "
                     f"{p.dtype} on {p.device} after zeroinf.initialize (p.data = t, model.half(), model.to(...)); "
                     f"the engine trains it as {tuple(self._shapes[gi][j])}, {view.dtype} on {view.device}. Undo "
-                    "the change (model.float(), model.to(device)) before the next engine.step(), or build the "
+                    "the change (model.float(), model.to(device)) and call it again, or build the "
                     "model as wanted before zeroinf.initialize")
             if p.untyped_storage().data_ptr() in flats:  # torch would keep the two tied; the engine cannot
                 raise RuntimeError(
