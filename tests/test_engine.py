@@ -682,6 +682,9 @@ def test_replaced_parameter_data_keeps_training(tmp_path, stage, device, precisi
             with torch.no_grad():
                 for m, p in zip(masters, ref.parameters()):
                     m.copy_(p)
+        elif s == 2:  # moves the flat buffers, not the parameters out of them: taken for a replacement (tester-37 F1)
+            for m in (ref, model):
+                m.share_memory()
     assert float(model[2].weight.detach().abs().sum()) > 0.1  # it trained on after the zeros
     assert max_diff(model, ref) <= (1e-6 if precision == "fp32" else 0.0)
     if precision == "fp32":

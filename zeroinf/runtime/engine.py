@@ -415,9 +415,7 @@ class ZeroEngine:
         self._versions = [[p._version for p in g.params] for g in self.params.groups] if zc.stage != 3 else None
         self._shapes = [[p.shape for p in g.params] for g in self.params.groups] if zc.stage != 3 else None
         #: (group, index, parameter, where its data starts in the flat buffer): _adopt_replaced_data
-        self._homes = [(gi, j, p, g.flat.data_ptr() + off * g.flat.element_size())
-                       for gi, g in enumerate(self.params.groups) for j, (p, off) in enumerate(zip(g.params, g.offsets))
-                       if p.numel()] if zc.stage != 3 else []  # an empty tensor's data_ptr() is 0: nothing to adopt
+        self._homes = self._home_list() if zc.stage != 3 else []
         self._names = {p: n for n, p, _f in self._requires_grad}  # for errors that name a parameter
         del fp32_copies
 
@@ -1058,6 +1056,9 @@ class ZeroEngine:
         # one pointer comparison per parameter, at the accumulation boundary (tester-36 F3: slicing the flat
         # buffer per parameter at every micro-step cost 1.4 us per parameter)
         moved = [(gi, j, p) for gi, j, p, home in self._homes if p.data_ptr() != home]  # stage 3: none
+        if moved:  # the flat buffers themselves may have moved (model.share_memory(): tester-37 F1)
+            self._homes = self._home_list()
+            moved = [(gi, j, p) for gi, j, p, home in self._homes if p.data_ptr() != home]
         if not moved:
             return
         flats = {g.flat.untyped_storage().data_ptr() for g in self.params.groups}
@@ -1085,6 +1086,13 @@ class ZeroEngine:
                 view.copy_(p.detach().reshape(-1))
             p.data = view.view(self._shapes[gi][j])
             self._versions[gi][j] = None  # compared with the masters at the next step
+
+    def _home_list(self) -> list:
+        """(group, index, parameter, address where its data starts in the flat buffer) of every
+        non-empty parameter at stages 0-2 (an empty tensor's ``data_ptr()`` is 0: nothing to adopt)."""
+        return [(gi, j, p, g.flat.data_ptr() + off * g.flat.element_size())
+                for gi, g in enumerate(self.params.groups) for j, (p, off) in enumerate(zip(g.params, g.offsets))
+                if p.numel()]
 
     def _adopt_changed_weights(self) -> None:
         """[Note: weights changed between steps] At stages 0-2 the optimizer steps masters that
