@@ -1055,10 +1055,11 @@ class ZeroEngine:
         """
         # one pointer comparison per parameter, at the accumulation boundary (tester-36 F3: slicing the flat
         # buffer per parameter at every micro-step cost 1.4 us per parameter)
-        moved = [(gi, j, p) for gi, j, p, home in self._homes if p.data_ptr() != home]  # stage 3: none
+        # (strides too: p.data = p.data.t() keeps the address: tester-37 F2)
+        moved = [(gi, j, p) for gi, j, p, home, st in self._homes if p.data_ptr() != home or p.stride() != st]
         if moved:  # the flat buffers themselves may have moved (model.share_memory(): tester-37 F1)
             self._homes = self._home_list()
-            moved = [(gi, j, p) for gi, j, p, home in self._homes if p.data_ptr() != home]
+            moved = [(gi, j, p) for gi, j, p, home, st in self._homes if p.data_ptr() != home or p.stride() != st]
         if not moved:
             return
         flats = {g.flat.untyped_storage().data_ptr() for g in self.params.groups}
@@ -1074,7 +1075,8 @@ class ZeroEngine:
                     f"the engine trains it as {tuple(self._shapes[gi][j])}, {view.dtype} on {view.device}. Undo "
                     "the change (model.float(), model.to(device)) and call it again, or build the "
                     "model as wanted before zeroinf.initialize")
-            if p.untyped_storage().data_ptr() in flats:  # torch would keep the two tied; the engine cannot
+            own = view.data_ptr() <= p.data_ptr() < view.data_ptr() + view.numel() * view.element_size()
+            if p.untyped_storage().data_ptr() in flats and not own:  # torch would keep the two tied; the engine cannot
                 raise RuntimeError(
                     f"zeroinf: parameter '{name}' was given data that views another trainable parameter's "
                     "(p.data = other.data[...]) after zeroinf.initialize; the engine keeps every parameter in its "
@@ -1083,14 +1085,14 @@ class ZeroEngine:
             moved[k] = (gi, j, p, view)
         for gi, j, p, view in moved:
             with torch.no_grad():
-                view.copy_(p.detach().reshape(-1))
+                view.copy_(p.detach().reshape(-1).clone())  # a clone: it may be a re-view of this very slot
             p.data = view.view(self._shapes[gi][j])
             self._versions[gi][j] = None  # compared with the masters at the next step
 
     def _home_list(self) -> list:
-        """(group, index, parameter, address where its data starts in the flat buffer) of every
+        """(group, index, parameter, address where its data starts in the flat buffer, its strides there) of every
         non-empty parameter at stages 0-2 (an empty tensor's ``data_ptr()`` is 0: nothing to adopt)."""
-        return [(gi, j, p, g.flat.data_ptr() + off * g.flat.element_size())
+        return [(gi, j, p, g.flat.data_ptr() + off * g.flat.element_size(), _contiguous_strides(self._shapes[gi][j]))
                 for gi, g in enumerate(self.params.groups) for j, (p, off) in enumerate(zip(g.params, g.offsets))
                 if p.numel()]
 
@@ -1420,6 +1422,15 @@ class ZeroEngine:
     def destroy(self) -> None:
         """Alias of :meth:`close` (DeepSpeed's name)."""
         self.close()
+
+
+def _contiguous_strides(shape) -> tuple:
+    """The strides (elements) of a contiguous tensor of ``shape``."""
+    strides, n = [], 1
+    for d in reversed(tuple(shape)):
+        strides.append(n)
+        n *= max(d, 1)
+    return tuple(reversed(strides))
 
 
 def _progress(msg: str, *args) -> None:
