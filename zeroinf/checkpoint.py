@@ -23,6 +23,7 @@ import errno
 import logging
 import os
 import random
+import re
 import shutil
 import zlib
 from typing import Any, Dict, Optional, Tuple
@@ -73,13 +74,12 @@ def _atomic_save(obj: Any, path: str) -> None:
 
 def _write_errno(message: str, free: int, written: int) -> int:
     """The error number behind a writer's failure message (see :func:`_atomic_save`)."""
-    import re
-    import resource
     found = re.search(r"os error (\d+)", message)
     if found:
         return int(found.group(1))
     if free == 0:
         return errno.ENOSPC
+    import resource  # POSIX only: imported where it is needed
     limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
     if limit != resource.RLIM_INFINITY and written >= limit:
         return errno.EFBIG

@@ -128,9 +128,6 @@ class CPUAdam(torch.optim.Optimizer):
             group.setdefault("adamw_mode", group.get("decoupled_weight_decay", True))
             try:
                 _check_group(gi, group)
-                for k in ("capturable", "differentiable"):
-                    if group.get(k):
-                        raise ValueError(f"CPUAdam: {k}=True is not supported")
             except ValueError as exc:
                 raise ValueError(f"{exc} (param_groups[{gi}] of the state dict given to load_state_dict; "
                                  "nothing was loaded)") from None
@@ -269,6 +266,9 @@ def _check_param(p: torch.Tensor, where: str) -> None:
 def _check_group(gi: int, group: Dict[str, Any]) -> None:
     """Raise ValueError for param group ``gi`` if :meth:`CPUAdam.step` cannot step it."""
     _check_hyper(group)
+    for k in ("capturable", "differentiable"):  # the constructor refuses them; a loaded group may set them
+        if group.get(k):
+            raise ValueError(f"CPUAdam: param_groups[{gi}] sets {k}=True, which is not supported")
     if "decoupled_weight_decay" in group and bool(group["decoupled_weight_decay"]) != bool(group["adamw_mode"]):
         # torch.optim.Adam honours its key; this optimizer steps by adamw_mode (helper-43, t15)
         raise ValueError(f"CPUAdam: param_groups[{gi}] has adamw_mode={group['adamw_mode']!r} but torch's "

@@ -190,50 +190,28 @@ _STATE_REFUSED = ("the optimizer state (fp32 master weights, Adam moments, step 
 class ZeroOptimizer(torch.optim.Optimizer):
     """The optimizer object ``initialize`` returns: it holds the param groups and their
     hyper-parameters (``lr``, ``betas``, ``eps``, ``weight_decay``), so LR schedulers work on it,
-    but the step and the state belong to the engine: :meth:`step` raises (call
-    ``engine.step()``), and so do :meth:`state_dict` and :meth:`load_state_dict` (call
+    but the step and the state belong to the engine: ``step()`` raises (call ``engine.step()``),
+    and so do ``state_dict()``, ``load_state_dict()``, copying and pickling (call
     ``engine.save_checkpoint`` / ``engine.load_checkpoint``), which would carry an empty state and
-    restart Adam silently (tester-35 F03). A client optimizer given to ``initialize`` gets the
-    same three methods (:func:`_hand_over`).
+    restart Adam silently (tester-35 F03). A client optimizer given to ``initialize`` is handed
+    over the same way (:func:`_hand_over`).
     """
 
     def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0,
                  adamw_mode: bool = True, bias_correction: bool = True):
         super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
                                       adamw_mode=adamw_mode, bias_correction=bias_correction))
-
-    def step(self, closure=None):  # noqa: D102 - documented in the class
-        raise RuntimeError(_STEP_REFUSED)
-
-    def state_dict(self):  # noqa: D102 - documented in the class
-        raise RuntimeError(_STATE_REFUSED.format("state_dict()"))
-
-    def load_state_dict(self, state_dict):  # noqa: D102 - documented in the class
-        raise RuntimeError(_STATE_REFUSED.format("load_state_dict()"))
-
-    def __reduce_ex__(self, protocol):
-        raise RuntimeError(_STATE_REFUSED.format("copy (pickle, torch.save, copy.deepcopy)"))
-
-    def __deepcopy__(self, memo):
-        raise RuntimeError(_STATE_REFUSED.format("copy (pickle, torch.save, copy.deepcopy)"))
+        _hand_over(self)
 
 
-def _refused_step(self, *args, **kwargs):
-    raise RuntimeError(_STEP_REFUSED)
+def _refuser(message: str):
+    """A function that raises RuntimeError(``message``) whatever it is called with."""
+    def refuse(*args, **kwargs):
+        raise RuntimeError(message)
+    return refuse
 
 
-def _refused_state_dict(self, *args, **kwargs):
-    raise RuntimeError(_STATE_REFUSED.format("state_dict()"))
-
-
-def _refused_load_state_dict(self, *args, **kwargs):
-    raise RuntimeError(_STATE_REFUSED.format("load_state_dict()"))
-
-
-def _refused_copy(*args, **kwargs):
-    raise RuntimeError(_STATE_REFUSED.format("copy (pickle, torch.save, copy.deepcopy)"))
-
-
+_refused_step = _refuser(_STEP_REFUSED)
 # torch's LR schedulers wrap optimizer.step to see it called, and warn ("overridden after learning
 # rate scheduler initialization") when the step they find is not their wrapper: the engine tells
 # them of its steps itself (optimizer._opt_called, in engine.step)
@@ -241,16 +219,16 @@ _refused_step._wrapped_by_lr_sched = True
 
 
 def _hand_over(opt: torch.optim.Optimizer) -> None:
-    """A client optimizer's ``step``, ``state_dict`` and ``load_state_dict`` raise from now on,
-    as :class:`ZeroOptimizer`'s do: the engine took its parameters' gradients, so its own step
-    did nothing and a loop calling it never trained, silently (tester-35 F04); and its state is
-    empty (F03), as a copy's or pickle's would be (those raise too). Its ``param_groups`` stay the
-    engine's hyper-parameters."""
+    """``opt``'s ``step``, ``state_dict``, ``load_state_dict``, copies and pickles raise from now
+    on: the engine takes its parameters' gradients, so its own step did nothing and a loop
+    calling it never trained, silently (tester-35 F04); and its state is empty (F03), as a
+    copy's or pickle's would be (tester-36 F6). Its ``param_groups`` stay the engine's
+    hyper-parameters. Instance attributes, so a torch.optim class keeps its own methods."""
     opt.step = types.MethodType(_refused_step, opt)
-    opt.state_dict = types.MethodType(_refused_state_dict, opt)
-    opt.load_state_dict = types.MethodType(_refused_load_state_dict, opt)
-    # copy and pickle look these up on the instance; a copy stepped and gave its empty state again (tester-36 F6)
-    opt.__reduce_ex__ = opt.__deepcopy__ = _refused_copy
+    opt.state_dict = _refuser(_STATE_REFUSED.format("state_dict()"))
+    opt.load_state_dict = _refuser(_STATE_REFUSED.format("load_state_dict()"))
+    # copy and pickle look these up on the instance
+    opt.__reduce_ex__ = opt.__deepcopy__ = _refuser(_STATE_REFUSED.format("copy (pickle, torch.save, copy.deepcopy)"))
 
 
 def _world() -> tuple:
@@ -413,9 +391,10 @@ class ZeroEngine:
         # [Note: weights changed between steps] stages 0-2 (fp32 with its masters in CPU memory
         # aliases them: a change lands in the master itself, and the comparison finds nothing)
         self._versions = [[p._version for p in g.params] for g in self.params.groups] if zc.stage != 3 else None
+        # each parameter's shape and strides as a view of its flat buffer (contiguous), taken now
         self._shapes = [[p.shape for p in g.params] for g in self.params.groups] if zc.stage != 3 else None
-        #: (group, index, parameter, where its data starts in the flat buffer): _adopt_replaced_data
-        self._homes = self._home_list() if zc.stage != 3 else []
+        self._strides = [[p.stride() for p in g.params] for g in self.params.groups] if zc.stage != 3 else None
+        self._homes = self._home_list() if zc.stage != 3 else []  # _adopt_replaced_data
         self._names = {p: n for n, p, _f in self._requires_grad}  # for errors that name a parameter
         del fp32_copies
 
@@ -1049,9 +1028,13 @@ class ZeroEngine:
         the flat buffer, the parameter views the buffer again, and the next step takes its values
         into the masters ([Note: weights changed between steps]).
 
+        A re-view of the parameter's own data (``p.data = p.data.t()``: the same address, other
+        strides) is adopted the same way.
+
         Raises:
             RuntimeError: a replacement of another shape, dtype or device (``model.half()`` not
-                undone), naming the parameter; nothing was changed.
+                undone), or one that views another parameter's data (torch would keep the two
+                tied), naming the parameter; nothing was changed.
         """
         # one pointer comparison per parameter, at the accumulation boundary (tester-36 F3: slicing the flat
         # buffer per parameter at every micro-step cost 1.4 us per parameter)
@@ -1092,7 +1075,7 @@ class ZeroEngine:
     def _home_list(self) -> list:
         """(group, index, parameter, address where its data starts in the flat buffer, its strides there) of every
         non-empty parameter at stages 0-2 (an empty tensor's ``data_ptr()`` is 0: nothing to adopt)."""
-        return [(gi, j, p, g.flat.data_ptr() + off * g.flat.element_size(), _contiguous_strides(self._shapes[gi][j]))
+        return [(gi, j, p, g.flat.data_ptr() + off * g.flat.element_size(), self._strides[gi][j])
                 for gi, g in enumerate(self.params.groups) for j, (p, off) in enumerate(zip(g.params, g.offsets))
                 if p.numel()]
 
@@ -1422,15 +1405,6 @@ class ZeroEngine:
     def destroy(self) -> None:
         """Alias of :meth:`close` (DeepSpeed's name)."""
         self.close()
-
-
-def _contiguous_strides(shape) -> tuple:
-    """The strides (elements) of a contiguous tensor of ``shape``."""
-    strides, n = [], 1
-    for d in reversed(tuple(shape)):
-        strides.append(n)
-        n *= max(d, 1)
-    return tuple(reversed(strides))
 
 
 def _progress(msg: str, *args) -> None:

@@ -465,7 +465,7 @@ class Stage3ParameterManager:
         #: the engine's zeroinf.runtime.engine.LoadGuard (gathered_parameters refuses a half-loaded state)
         self.load_guard = None
         #: names of parameters whose .data was replaced while gathered (in a forward), which their
-        #: release dropped; the engine raises on them (take_dropped_data)
+        #: release dropped; the engine raises on them and clears it (ZeroEngine._check_dropped_data)
         self.dropped_data: List[str] = []
         self._init_masters: Dict[str, torch.Tensor] = {}  # [Note: Init masters]
         self._make_stores(swapper)
@@ -1087,11 +1087,11 @@ class Stage3ParameterManager:
         gathered = unit.state is UnitState.GATHERED
         for g in unit.groups:
             self._drop_snapshot(g)
+            base = g.full.data_ptr() if gathered and g.full is not None else None
             if g.full is not None:
                 self._storage_of.pop(g.full.untyped_storage().data_ptr(), None)
             for s in g.slots:
-                if (gathered and g.full is not None and s.numel
-                        and s.param.data_ptr() != g.full.data_ptr() + s.offset * g.full.element_size()):
+                if base is not None and s.numel and s.param.data_ptr() != base + s.offset * g.full.element_size():
                     self.dropped_data.append(s.name)  # p.data = t in a forward (tester-36 F2)
                 s.param.data = self._placeholder(g.dtype)
                 s.param.__class__ = released_class(type(s.param))
