@@ -15,7 +15,13 @@ from zeroinf.runtime.engine import destroy_process_group
 LR, BETAS, EPS, WD = 1e-2, (0.9, 0.999), 1e-8, 0.01
 
 
-def _worker(rank, world, tmp, param_tier, in_backward=False):
+def _clamp_before_forward(module, args):
+    """A max-norm style constraint: the forward clamps the module's weight in place."""
+    with torch.no_grad():
+        module.weight.clamp_(-0.1, 0.1)
+
+
+def _worker(rank, world, tmp, param_tier, in_backward=False, clamp=False):
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{tmp}/rdzv", rank=rank, world_size=world)
     try:
@@ -24,6 +30,10 @@ def _worker(rank, world, tmp, param_tier, in_backward=False):
         torch.manual_seed(0)
         ref = TinyLM(tied=True)
         model = copy.deepcopy(ref)
+        if clamp:  # the same change on every rank: each keeps its shard's part of it
+            for m in (ref, model):
+                m.blocks[1].ff[0].register_forward_pre_hook(_clamp_before_forward)
+                m.norm.register_forward_pre_hook(_clamp_before_forward)  # persistent (20 elements)
         off = {"device": param_tier}
         if param_tier == "nvme":
             off.update(nvme_path=tmp, buffer_size=4096, buffer_count=4, max_in_cpu=0)
@@ -64,11 +74,13 @@ def _worker(rank, world, tmp, param_tier, in_backward=False):
         destroy_process_group(barrier=False)
 
 
-@pytest.mark.parametrize("param_tier,in_backward", [("nvme", False), ("nvme", True)])
-def test_two_ranks_equal_plain_pytorch(tmp_path, param_tier, in_backward):
+@pytest.mark.parametrize("param_tier,in_backward,clamp", [("nvme", False, False), ("nvme", True, False),
+                                                          ("cpu", True, True)])
+def test_two_ranks_equal_plain_pytorch(tmp_path, param_tier, in_backward, clamp):
     """``in_backward``: zeroinf.optimizer_in_backward (each rank steps its partitions as the
-    reductions land; the global norm is all-reduced at engine.step())."""
-    mp.spawn(_worker, args=(2, str(tmp_path), param_tier, in_backward), nprocs=2, join=True)
+    reductions land; the global norm is all-reduced at engine.step()); ``clamp``: forwards clamp
+    a block's and the final norm's weights in place, which is kept on both ranks."""
+    mp.spawn(_worker, args=(2, str(tmp_path), param_tier, in_backward, clamp), nprocs=2, join=True)
     res = json.loads((tmp_path / "result.json").read_text())
     # the mean of two half-batch means vs one mean of the batch: a few float32 ulps of a loss of ~3.6
     assert res["loss"] <= 4e-6 and res["norm"] <= 1e-5, res

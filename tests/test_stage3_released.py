@@ -144,38 +144,120 @@ def test_new_data_for_a_released_parameter_is_refused_and_kept_inside_gathered_p
     engine.close()
 
 
-def test_new_data_given_in_a_forward_raises_naming_the_parameter(tmp_path):
-    """A forward that sets ``self.weight.data = ...clamp(...)`` (an old max-norm idiom) computed
-    with the clamped weight, which the unit's release then dropped: the optimizer trained the
-    unclamped one, silently (tester-36 F2: 0.37 against torch's 0.06). The forward raises,
-    naming the parameter, and the engine trains on once the module stops doing it."""
+class _Constrained(nn.Module):
+    """A block whose forward changes its weights, as max-norm constraints do: ``change`` is
+    "inplace" (``clamp_`` under no_grad), "data" (``self.weight.data = ...``), "embedding"
+    (``nn.Embedding(max_norm=...)``, whose forward renormalises the rows it looks up in place);
+    not keepable: "reshape" (``.data`` of another shape), "square_t" (``p.data = p.data.t()``
+    of a square weight: the gathered buffer in another layout), "half" (another dtype)."""
 
-    class MaxNorm(nn.Linear):
-        clamp = True
+    def __init__(self, change):
+        super().__init__()
+        self.change = change
+        self.emb = nn.Embedding(12, 16, max_norm=0.5 if change == "embedding" else None)
+        self.fc = nn.Linear(16, 16)
+        self.head = nn.Linear(16, 4)
 
-        def forward(self, x):
-            if self.clamp:
-                self.weight.data = self.weight.data.clamp(-0.05, 0.05)
-            return super().forward(x)
+    def forward(self, idx):
+        w = self.fc.weight
+        if self.change == "inplace":
+            with torch.no_grad():
+                w.clamp_(-0.05, 0.05)
+        elif self.change == "data":
+            w.data = w.data.clamp(-0.05, 0.05)
+        elif self.change == "square_t":
+            w.data = w.data.t()
+        elif self.change == "reshape":
+            w.data = w.data.reshape(8, 32)
+        elif self.change == "half":
+            w.data = w.data.half()
+        return self.head(torch.tanh(self.fc(self.emb(idx).mean(1))))
 
+
+def _constrained_run(change, param_tier, opt_tier, tmp_path, persistence, steps=3):
+    """Engine and plain PyTorch + AdamW trained ``steps`` steps on ``_Constrained(change)``;
+    returns (max parameter difference, engine stats of the last step)."""
     torch.manual_seed(0)
-    ref = nn.Sequential(MaxNorm(16, 16), nn.Tanh(), nn.Linear(16, 4))
+    ref = _Constrained(change)
     model = copy.deepcopy(ref)
-    cfg = _config("cpu", "cpu", tmp_path)
-    cfg["zero_optimization"]["stage3_param_persistence_threshold"] = 0
+    cfg = _config(param_tier, opt_tier, tmp_path, stage3_param_persistence_threshold=persistence)
     engine, *_ = zeroinf.initialize(model=model, config=cfg)
-    x, y = torch.randn(4, 16), torch.randn(4, 4)
-    with pytest.raises(RuntimeError, match=r"the forward gave '0\.weight' new data \(p\.data = t\).*gathered_parameters"):
-        engine(x)
-    model[0].clamp = ref[0].clamp = False
+    hp = cfg["optimizer"]["params"]
+    opt = torch.optim.AdamW(ref.parameters(), lr=hp["lr"], betas=tuple(hp["betas"]), eps=hp["eps"],
+                            weight_decay=hp["weight_decay"], foreach=False)
+    g = torch.Generator().manual_seed(1)
+    for _ in range(steps):
+        idx, y = torch.randint(0, 12, (4, 3), generator=g), torch.randn(4, 4, generator=g)
+        engine.backward(F.mse_loss(engine(idx), y))
+        engine.step()
+        F.mse_loss(ref(idx), y).backward()
+        opt.step()
+        opt.zero_grad()
+    stats = engine.stats()
+    with zeroinf.gathered_parameters(list(model.parameters())):
+        got = {n: p.detach().clone() for n, p in model.named_parameters()}
+    engine.close()
+    return max((got[n] - p.detach()).abs().max().item() for n, p in ref.named_parameters()), stats
+
+
+@pytest.mark.parametrize("change", ["inplace", "data", "embedding"])
+@pytest.mark.parametrize("param_tier", ["none", "cpu", "nvme"])
+def test_weights_changed_in_a_forward_are_kept(tmp_path, param_tier, change):
+    """A forward's change to its weights is kept, as in plain PyTorch: the unit's release
+    dropped the gathered copy, so the forward computed with the constrained weight while the
+    optimizer trained the unconstrained one, silently (tester-36 F2 and t09b: 0.37 against
+    torch's 0.06); ``p.data = t`` raised since. Units released in the forward and the one
+    kept gathered (persistent parameters, threshold 10**6) both keep it."""
+    for persistence in (0, 10**6):
+        diff, stats = _constrained_run(change, param_tier, "cpu", tmp_path, persistence)
+        assert diff <= 1e-6, (persistence, diff)
+        assert stats["stage3"]["forward_changes_kept"] >= 1, persistence
+
+
+@pytest.mark.parametrize("opt_tier", ["none", "nvme"])
+def test_weights_changed_in_a_forward_keep_the_master(tmp_path, opt_tier):
+    """The change reaches the optimizer's fp32 master whichever tier holds it (with
+    offload_optimizer none the partitions are the masters; on NVMe they are re-read)."""
+    diff, _ = _constrained_run("inplace", "nvme", opt_tier, tmp_path, 0)
+    assert diff <= 1e-6
+
+
+def test_weights_changed_in_a_forward_keep_the_rest_of_a_bf16_master():
+    """Only the written parameters' slices of the fp32 master are taken from a bf16 partition:
+    the rest of the master keeps its fp32 bits (reloading all of it rounded every parameter of
+    the unit to bf16 at each forward that changed one)."""
+    from zeroinf.runtime.stage3.manager import refreshed_master
+    master = torch.tensor([1.0 + 2**-12] * 4)
+    shard = torch.tensor([9.0, 9.0, 2.0, 3.0, 9.0, 9.0], dtype=torch.bfloat16)
+    out = refreshed_master(master, shard, 1, 5, [(2, 4)])
+    assert out.tolist() == [1.0 + 2**-12, 2.0, 3.0, 1.0 + 2**-12]
+    assert master.tolist() == [1.0 + 2**-12] * 4  # a new tensor
+    assert refreshed_master(master, shard, 1, 5, None).tolist() == [9.0, 2.0, 3.0, 9.0]
+
+
+@pytest.mark.parametrize("change", ["reshape", "square_t", "half"])
+def test_data_of_another_shape_given_in_a_forward_raises_naming_the_parameter(tmp_path, change):
+    """``p.data`` of another shape, layout or dtype cannot go into the partition: the forward
+    raises, naming the parameter, and the engine trains on once the module stops doing it
+    (before, the reshape and the transpose, which view the gathered buffer at its own address,
+    were not seen at all)."""
+    torch.manual_seed(0)
+    ref = _Constrained(change)
+    model = copy.deepcopy(ref)
+    cfg = _config("cpu", "cpu", tmp_path, stage3_param_persistence_threshold=0)
+    engine, *_ = zeroinf.initialize(model=model, config=cfg)
+    idx, y = torch.randint(0, 12, (4, 3)), torch.randn(4, 4)
+    with pytest.raises(RuntimeError, match=r"the forward gave 'fc\.weight' data of another shape, dtype.*gathered_parameters"):
+        engine(idx)
+    model.change = ref.change = None
     hp = cfg["optimizer"]["params"]
     opt = torch.optim.AdamW(ref.parameters(), lr=hp["lr"], betas=tuple(hp["betas"]), eps=hp["eps"],
                             weight_decay=hp["weight_decay"])
     for _ in range(2):
-        engine.backward(F.mse_loss(engine(x), y))
+        engine.backward(F.mse_loss(engine(idx), y))
         engine.step()
         opt.zero_grad()
-        F.mse_loss(ref(x), y).backward()
+        F.mse_loss(ref(idx), y).backward()
         opt.step()
     with zeroinf.gathered_parameters(list(model.parameters())):
         got = [p.detach().clone() for p in model.parameters()]

@@ -507,8 +507,8 @@ class ZeroEngine:
             RuntimeError: a parameter's ``requires_grad`` changed since :func:`initialize`, or
                 a trainable parameter was put into the model after it (both checked with grad
                 enabled; a forward under ``torch.no_grad`` is not checked); or, at stage 3, the
-                forward gave a parameter new data (``p.data = t``), which stage 3 cannot keep
-                (:meth:`_check_dropped_data`).
+                forward gave a parameter data of another shape, dtype or device
+                (``p.data = t``), which stage 3 cannot keep (:meth:`_check_dropped_data`).
         """
         self._check_open()
         if torch.is_grad_enabled():
@@ -527,11 +527,11 @@ class ZeroEngine:
             raise
 
     def _check_dropped_data(self) -> None:
-        """Raise RuntimeError naming the stage-3 parameters given new data (``p.data = t``) while
-        gathered, in a forward: the unit's release drops it for the partition's values, so the
-        forward computed with weights that the optimizer never saw (a max-norm constraint in a
-        forward trained unconstrained, silently: tester-36 F2). Released units are found at the
-        end of the forward, units held on into the backward at the next step."""
+        """Raise RuntimeError naming the stage-3 parameters a forward gave data that cannot go
+        into their partitions (``p.data = t`` of another shape, dtype or device; a same-shape
+        change is kept: [Note: changes in a forward] in stage3/manager.py). The unit's release
+        dropped it, so the forward computed with weights the optimizer never saw. Released units
+        are found at the end of the forward, units held on into the backward at the next step."""
         manager = getattr(self.params, "manager", None)
         if manager is None or not manager.dropped_data:
             return
@@ -539,10 +539,11 @@ class ZeroEngine:
         manager.dropped_data.clear()
         raise RuntimeError(
             f"zeroinf stage 3: the forward gave {', '.join(repr(n) for n in names[:5])}{', ...' if len(names) > 5 else ''} "
-            "new data (p.data = t); a stage-3 parameter's values live in its partitions, so that change was dropped "
-            "when its unit was released and this forward's result does not match the weights being trained. Change "
-            "weights between steps inside `with zeroinf.gathered_parameters(params, modifier_rank=0):`, or train at "
-            "stages 0-2, which keep such changes")
+            "data of another shape, dtype, layout or device (p.data = t); a stage-3 parameter keeps the shape and dtype it was "
+            "partitioned with, so that change was dropped when its unit was released and this forward's result does "
+            "not match the weights being trained (a change of the same shape and dtype is kept). Change weights "
+            "between steps inside `with zeroinf.gathered_parameters(params, modifier_rank=0):`, or train at stages "
+            "0-2")
 
     def train(self, mode: bool = True) -> "ZeroEngine":
         self.module.train(mode)

@@ -96,6 +96,10 @@ def _gathered(params, modifier_rank: Optional[int], loading: bool = False) -> It
                         if m.world_size > 1:
                             dist.broadcast(g.full, src=modifier_rank, group=m.group)
                         m.write_group_values(g, [(s, g.full[s.offset:s.offset + s.numel]) for s in g.slots])
+            for m, u, _ in plan:  # the block's changes are settled: no forward keeps them later
+                for g in u.groups:
+                    for s in g.slots:
+                        s.version = s.param._version
     finally:  # also when a gather failed: nothing stays gathered for a block that never ran
         for u in held:
             u.user_holds -= 1
@@ -124,13 +128,14 @@ def _adopt_replaced_data(plan, keep: bool) -> str:
             for s in g.slots:
                 view = g.full[s.offset:s.offset + s.numel]
                 d = s.param.data
-                if d.data_ptr() == view.data_ptr() and tuple(d.shape) == tuple(s.shape):
+                if d.data_ptr() == view.data_ptr() and tuple(d.shape) == tuple(s.shape) and d.is_contiguous():
                     continue
                 if tuple(d.shape) != tuple(s.shape):
                     reshaped.append(f"parameter '{s.name}' (partitioned as {tuple(s.shape)}) was given data of "
                                     f"shape {tuple(d.shape)}")
-                elif keep:
-                    view.copy_(d.reshape(-1))
+                elif keep:  # a re-view of the buffer (p.data = p.data.t()) overlaps the copy's target
+                    same = d.untyped_storage().data_ptr() == g.full.untyped_storage().data_ptr()
+                    view.copy_((d.clone() if same else d).reshape(-1))
                 s.param.data = view.view(s.shape)
     return ", ".join(reshaped)
 

@@ -17,7 +17,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from .manager import Stage3ParameterManager
+from .manager import Stage3ParameterManager, refreshed_master
 from .options import Stage3Options
 from .state_dict import ModuleStateHooks
 from .units import FlatGroup
@@ -628,7 +628,7 @@ class Stage3EngineParams:
         for i, (g, _lo, _hi, _gi) in enumerate(self._subs):
             by_group.setdefault(g.key, []).append(i)
 
-        def resync(groups: List[FlatGroup]) -> None:
+        def resync(groups: List[FlatGroup], written: Dict[str, List[Tuple[int, int]]]) -> None:
             for g in groups:
                 idx = by_group.get(g.key, [])
                 if not idx:
@@ -636,9 +636,10 @@ class Stage3EngineParams:
                 shard = self.manager.param_shard(g)
                 for i in idx:
                     _, lo, hi, _ = self._subs[i]
-                    with sub_optimizer.state(i) as (_master, m, v):
+                    with sub_optimizer.state(i) as (master, m, v):
+                        master = refreshed_master(master, shard, lo, hi, written.get(g.key))
                         m, v = m.clone(), v.clone()
-                    sub_optimizer.load_state(i, shard[lo:hi].float(), m, v)
+                    sub_optimizer.load_state(i, master, m, v)
 
         self.manager.add_write_listener(resync)
 

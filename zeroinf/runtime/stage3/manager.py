@@ -343,6 +343,23 @@ def _shallow_args(args, kwargs):
     yield from kwargs.values()
 
 
+
+def refreshed_master(master: torch.Tensor, shard: torch.Tensor, lo: int, hi: int,
+                     written: Optional[Sequence[Tuple[int, int]]]) -> torch.Tensor:
+    """The fp32 master of the partition slice ``[lo, hi)`` after values were written into the
+    partition ``shard`` (1-D, the group's dtype) at the element ranges ``written`` (partition
+    coordinates; None: everywhere): ``master`` (fp32, ``hi - lo`` elements) with those ranges
+    taken from ``shard``, the rest kept, so a bf16 partition written in one parameter does not
+    round the master of the others. Returns a new tensor."""
+    if written is None:
+        return shard[lo:hi].float()
+    out = master.clone()
+    for a, b in written:
+        a, b = max(a, lo), min(b, hi)
+        if a < b:
+            out[a - lo:b - lo].copy_(shard[a:b])
+    return out
+
 class Stage3ParameterManager:
     """Partition a module's parameters over ranks and tiers; gather them just in time.
 
@@ -418,7 +435,7 @@ class Stage3ParameterManager:
         self._entry: Optional[nn.Module] = None  # the module whose forward opened the running one
         self._graphs_alive = 0  # this iteration's forward graphs not dropped (_note_graph, _graph_dropped)
         self._placeholders: Dict[torch.dtype, torch.Tensor] = {}
-        self._listeners: List[Callable[[List[FlatGroup]], None]] = []
+        self._listeners: List[Callable[[List[FlatGroup], Dict[str, List[Tuple[int, int]]]], None]] = []
         self._storage_of: Dict[int, FlatGroup] = {}
         self._handles: list = []
         self._param_hooks: list = []  # the parameters' gradient hooks (see _remove_param_hooks)
@@ -464,7 +481,7 @@ class Stage3ParameterManager:
         self._closed = False  #: see :attr:`closed`
         #: the engine's zeroinf.runtime.engine.LoadGuard (gathered_parameters refuses a half-loaded state)
         self.load_guard = None
-        #: names of parameters whose .data was replaced while gathered (in a forward), which their
+        #: names of parameters whose data (p.data = t, not keepable: [Note: changes in a forward]) a
         #: release dropped; the engine raises on them and clears it (ZeroEngine._check_dropped_data)
         self.dropped_data: List[str] = []
         self._init_masters: Dict[str, torch.Tensor] = {}  # [Note: Init masters]
@@ -985,6 +1002,7 @@ class Stage3ParameterManager:
             for s in g.slots:
                 s.param.__class__ = gathered_class(type(s.param))  # first: .data = on the plain class is faster
                 s.param.data = g.full[s.offset:s.offset + s.numel].view(s.shape)
+                s.version = s.param._version
         unit.state = UnitState.GATHERED
 
     def _read_done(self, unit: Unit) -> None:
@@ -1085,14 +1103,18 @@ class Stage3ParameterManager:
             unit.future.result()
             unit.future = None
         gathered = unit.state is UnitState.GATHERED
+        if gathered and self._ctx is not None:
+            self._keep_forward_changes(unit)
         for g in unit.groups:
             self._drop_snapshot(g)
             base = g.full.data_ptr() if gathered and g.full is not None else None
             if g.full is not None:
                 self._storage_of.pop(g.full.untyped_storage().data_ptr(), None)
             for s in g.slots:
-                if base is not None and s.numel and s.param.data_ptr() != base + s.offset * g.full.element_size():
-                    self.dropped_data.append(s.name)  # p.data = t in a forward (tester-36 F2)
+                d = s.param
+                if base is not None and s.numel and (d.data_ptr() != base + s.offset * g.full.element_size()
+                                                     or d.shape != s.shape or not d.is_contiguous()):
+                    self.dropped_data.append(s.name)  # data of another shape in a forward, or outside one
                 s.param.data = self._placeholder(g.dtype)
                 s.param.__class__ = released_class(type(s.param))
             full, g.full = g.full, None
@@ -1104,6 +1126,55 @@ class Stage3ParameterManager:
             self._live -= unit.numel
         unit.state = UnitState.RELEASED
         self.stats.add("releases")
+
+    # [Note: changes in a forward] A forward may change its weights: an in-place op under
+    # no_grad (a max-norm clamp_, nn.Embedding(max_norm=...)'s renorm) or ``p.data = t``. In plain
+    # PyTorch the change stays and the optimizer steps from it; here the gathered buffer is a
+    # copy that release() drops, so the change was lost and the model trained the unchanged
+    # weight, silently (tester-36 F2, t09b). The parameter's version counter (bumped by in-place
+    # ops, not by our own copies into the buffer) and its data pointer tell a change; each
+    # changed parameter is written into this rank's partition, with its slice of the fp32
+    # master, at its unit's release inside the forward and, for units kept gathered (the
+    # persistent one, those held into the backward), at the end of the forward: before any
+    # step can have updated the partition since the gather. Each rank keeps its own shard's
+    # part of the change (ranks that changed a weight differently, as DDP's replicas drift,
+    # end with a mix). Data of another shape, dtype or device cannot be kept, nor a re-view of
+    # the buffer in another layout (release records it in ``dropped_data``; the engine raises). Changes made outside a forward go through
+    # ``gathered_parameters(modifier_rank=...)``.
+    def _keep_forward_changes(self, unit: Unit) -> None:
+        """Write the forward's changes to ``unit``'s gathered parameters into the partitions
+        ([Note: changes in a forward]); a no-op for a released unit or one a
+        ``gathered_parameters`` block holds (the block's ``modifier_rank`` decides)."""
+        if unit.state is not UnitState.GATHERED or unit.user_holds:
+            return
+        for g in unit.groups:
+            changed = []
+            base, size = g.full.data_ptr(), g.full.element_size()
+            for s in g.slots:
+                p = s.param
+                if not s.numel:
+                    continue
+                if p.data_ptr() == base + s.offset * size and p.shape == s.shape and p.is_contiguous():
+                    if p._version == s.version:
+                        continue
+                else:
+                    # not keepable (release() records it in dropped_data): data of another
+                    # shape, dtype or device, or a re-view of the buffer itself (p.data =
+                    # p.data.t()): the forward's saved tensors read the buffer in the old
+                    # layout, which a copy into it would scramble
+                    d = p.data
+                    if (d.shape != s.shape or d.dtype != g.dtype or d.device != g.full.device
+                            or d.untyped_storage().data_ptr() == g.full.untyped_storage().data_ptr()):
+                        continue
+                    view = g.full[s.offset:s.offset + s.numel].view(s.shape)
+                    view.copy_(d)
+                    p.data = view
+                changed.append(s)
+            if changed:
+                self.stats.add("forward_changes_kept", len(changed))
+                self.write_group_values(g, [(s, g.full[s.offset:s.offset + s.numel]) for s in changed])
+                for s in changed:
+                    s.version = s.param._version
 
     def _make_room(self, unit: Unit) -> None:
         """Release prefetched and kept units until ``unit`` fits under max_live_parameters."""
@@ -1413,6 +1484,8 @@ class Stage3ParameterManager:
         self._busy += 1
         try:
             if self._ctx is not None:
+                for u in self.units:  # the units kept gathered ([Note: changes in a forward])
+                    self._keep_forward_changes(u)
                 self._ctx.close()
                 self._ctx = None
             if self.units[1] in self._active:
@@ -2038,8 +2111,11 @@ class Stage3ParameterManager:
         """Write full values of some of ``g``'s parameters into this rank's partition (each rank
         keeps the part that falls in its shard), refresh a gathered copy, and notify listeners."""
         self._write_partition(g, [(s.offset, v.reshape(-1)) for s, v in values], full=True)
+        lo, hi = self._shard_range(g)
+        spans = [(max(lo, s.offset) - lo, min(hi, s.offset + s.numel) - lo) for s, _ in values]
+        written = {g.key: [(a, b) for a, b in spans if a < b]}
         for fn in self._listeners:
-            fn([g])
+            fn([g], written)
 
     def write_partition_slice(self, g: FlatGroup, lo: int, values: torch.Tensor) -> None:
         """Write ``values`` (1-D) into this rank's partition of ``g`` at ``[lo, lo + numel)``
@@ -2085,9 +2161,12 @@ class Stage3ParameterManager:
         if local is None:
             self.write_param_shard(g, shard)
 
-    def add_write_listener(self, fn: Callable[[List[FlatGroup]], None]) -> None:
-        """``fn(groups)`` runs after ``gathered_parameters`` wrote new values into partitions
-        (an engine re-reads its fp32 master weights from them)."""
+    def add_write_listener(self, fn: Callable[[List[FlatGroup], Dict[str, List[Tuple[int, int]]]], None]) -> None:
+        """``fn(groups, written)`` runs after new values were written into partitions outside
+        the optimizer (``gathered_parameters``, a load, a forward's change): ``written`` maps
+        each group's key to the element ranges ``[a, b)`` of this rank's partition that were
+        written (an engine re-reads those parts of its fp32 master weights:
+        :func:`refreshed_master`)."""
         self._listeners.append(fn)
 
     # ------------------------------------------------------------------------ visibility

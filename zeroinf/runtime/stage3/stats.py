@@ -19,6 +19,7 @@ _COUNTERS = (
     "foreign_gathers",      # units gathered because another module read their weights
     "reduces",              # unit gradient reductions
     "releases",
+    "forward_changes_kept", # parameters a forward changed, written into their partitions ([Note: changes in a forward])
     "host_cache_hits",      # NVMe partition reads served by the max_in_cpu host cache
     "bytes_nvme_read", "bytes_nvme_written",
     "bytes_host_read",      # from host memory: the cpu tier, or the NVMe tier's max_in_cpu cache

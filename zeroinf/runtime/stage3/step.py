@@ -15,7 +15,7 @@ from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from .manager import Stage3ParameterManager
+from .manager import Stage3ParameterManager, refreshed_master
 from .units import FlatGroup
 
 __all__ = ["Stage3Optimizer"]
@@ -59,7 +59,7 @@ class Stage3Optimizer:
                                      pipeline_read=pipeline_read, pipeline_write=pipeline_write,
                                      pin_memory=pin_memory, aio=aio)
         self.reload_master()
-        manager.add_write_listener(lambda groups: self.reload_master(groups))
+        manager.add_write_listener(self.reload_master)
 
     def _groups(self, only: Optional[Sequence[FlatGroup]] = None) -> List[FlatGroup]:
         keys = None if only is None else {g.key for g in only}
@@ -70,9 +70,11 @@ class Stage3Optimizer:
                 out.append(g)
         return out
 
-    def reload_master(self, groups: Optional[Sequence[FlatGroup]] = None) -> None:
-        """Set the master weights of ``groups`` (default all) from their partitions; moments
-        of those groups restart at zero only at construction (later calls keep them)."""
+    def reload_master(self, groups: Optional[Sequence[FlatGroup]] = None,
+                      written: Optional[Dict[str, List[Tuple[int, int]]]] = None) -> None:
+        """Set the master weights of ``groups`` (default all) from their partitions, only at
+        the ranges ``written`` names for a group (partition coordinates; absent: all of it);
+        moments of those groups restart at zero only at construction (later calls keep them)."""
         first = not hasattr(self, "_initialised")
         for g in self._groups(groups):
             shard = self.manager.param_shard(g)
@@ -82,9 +84,10 @@ class Stage3Optimizer:
                     init = self.manager.take_init_master(g, lo, hi)
                     self.opt.init_master(i, init if init is not None else shard[lo:hi].float())
                 else:
-                    with self.opt.state(i) as (_master, m, v):
+                    with self.opt.state(i) as (master, m, v):
+                        master = refreshed_master(master, shard, lo, hi, (written or {}).get(g.key))
                         m, v = m.clone(), v.clone()
-                    self.opt.load_state(i, shard[lo:hi].float(), m, v)
+                    self.opt.load_state(i, master, m, v)
         self._initialised = True
         self.manager.drop_init_masters()
 

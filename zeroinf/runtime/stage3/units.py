@@ -44,6 +44,9 @@ class ParamSlot:
     numel: int
     shape: torch.Size
     index: int  # position in its group's ``slots``
+    #: ``param._version`` when the parameter was last pointed into (or written from) the gathered
+    #: buffer: a larger one means an in-place change since ([Note: changes in a forward])
+    version: int = 0
 
 
 @dataclass(eq=False)
