@@ -171,7 +171,10 @@ class _Constrained(nn.Module):
             w.data = w.data.reshape(8, 32)
         elif self.change == "half":
             w.data = w.data.half()
-        return self.head(torch.tanh(self.fc(self.emb(idx).mean(1))))
+        h = torch.tanh(self.fc(self.emb(idx).mean(1)))
+        if self.change == "data_after":  # after the weight was used: its backward keeps the old one
+            w.data = w.data.clamp(-0.05, 0.05)
+        return self.head(h)
 
 
 def _constrained_run(change, param_tier, opt_tier, tmp_path, persistence, steps=3):
@@ -222,17 +225,107 @@ def test_weights_changed_in_a_forward_keep_the_master(tmp_path, opt_tier):
     assert diff <= 1e-6
 
 
-def test_weights_changed_in_a_forward_keep_the_rest_of_a_bf16_master():
-    """Only the written parameters' slices of the fp32 master are taken from a bf16 partition:
-    the rest of the master keeps its fp32 bits (reloading all of it rounded every parameter of
-    the unit to bf16 at each forward that changed one)."""
+def test_a_bf16_write_back_keeps_the_master_bits_of_unchanged_elements():
+    """Only elements whose partition value changed are taken into the fp32 master: unwritten
+    ranges, and written elements equal to the master rounded to bf16, keep their fp32 bits
+    (reloading the whole group rounded every parameter of a unit to bf16 at each forward that
+    changed one, and at each ``gathered_parameters(..., modifier_rank=0)`` block: tester-38)."""
     from zeroinf.runtime.stage3.manager import refreshed_master
-    master = torch.tensor([1.0 + 2**-12] * 4)
-    shard = torch.tensor([9.0, 9.0, 2.0, 3.0, 9.0, 9.0], dtype=torch.bfloat16)
-    out = refreshed_master(master, shard, 1, 5, [(2, 4)])
-    assert out.tolist() == [1.0 + 2**-12, 2.0, 3.0, 1.0 + 2**-12]
-    assert master.tolist() == [1.0 + 2**-12] * 4  # a new tensor
-    assert refreshed_master(master, shard, 1, 5, None).tolist() == [9.0, 2.0, 3.0, 9.0]
+    fine = 1.0 + 2**-12  # not a bf16 value: rounds to 1.0
+    master = torch.tensor([fine] * 4)
+    shard = torch.tensor([9.0, 9.0, 1.0, 3.0, 9.0, 9.0], dtype=torch.bfloat16)
+    assert refreshed_master(master, shard, 1, 5, [(2, 4)]).tolist() == [fine, fine, 3.0, fine]
+    assert master.tolist() == [fine] * 4  # a new tensor
+    assert refreshed_master(master, shard, 1, 5, None).tolist() == [9.0, fine, 3.0, 9.0]
+    f32 = torch.tensor([9.0, 9.0, fine, 3.0, 9.0, 9.0])
+    assert refreshed_master(torch.zeros(4), f32, 1, 5, None).tolist() == [9.0, fine, 3.0, 9.0]
+
+
+def test_new_data_after_the_weight_was_used_in_the_forward_raises_at_its_backward(tmp_path):
+    """``p.data = t`` after the forward used ``p``: plain PyTorch's backward computes with the
+    old tensor, which a stage-3 backward would read back from the changed buffer (0.02 off after
+    one step: tester-38 F3). The version check refuses it, naming the parameter."""
+    torch.manual_seed(0)
+    model = _Constrained("data_after")
+    engine, *_ = zeroinf.initialize(model=model, config=_config("cpu", "cpu", tmp_path,
+                                                               stage3_param_persistence_threshold=0))
+    loss = F.mse_loss(engine(torch.randint(0, 12, (4, 3))), torch.randn(4, 4))
+    with pytest.raises(RuntimeError, match=r"parameter fc\.weight \(shape \(16, 16\)\) was given new data \(p\.data = t\) by the forward after it used"):
+        engine.backward(loss)
+    engine.close()
+
+
+def test_a_forward_inside_gathered_parameters_keeps_its_change(tmp_path):
+    """A forward run inside ``gathered_parameters(params)`` (no ``modifier_rank``) keeps its
+    change to the held weights like any forward (lost at the block's end: tester-38 F4); and
+    ``engine.step()`` inside a block that holds units raises before stepping anything (the
+    block's copy, never updated, was written back over the step: tester-38 P2)."""
+    torch.manual_seed(0)
+    ref = _Constrained("inplace")
+    model = copy.deepcopy(ref)
+    cfg = _config("cpu", "cpu", tmp_path, stage3_param_persistence_threshold=0)
+    engine, *_ = zeroinf.initialize(model=model, config=cfg)
+    idx, y = torch.randint(0, 12, (4, 3)), torch.randn(4, 4)
+    with torch.no_grad():
+        ref(idx)
+        with zeroinf.gathered_parameters([model.fc.weight]):
+            engine(idx)
+    with zeroinf.gathered_parameters(list(model.parameters())):
+        assert max((a - b).abs().max().item() for a, b in zip(model.parameters(), ref.parameters())) == 0
+    engine.backward(F.mse_loss(engine(idx), y))
+    with zeroinf.gathered_parameters([model.fc.weight], modifier_rank=0):
+        with pytest.raises(RuntimeError, match=r"engine\.step\(\) inside `with zeroinf\.gathered_parameters.*'fc\.weight'"):
+            engine.step()
+    with zeroinf.gathered_parameters(list(model.parameters())):  # nothing was stepped
+        assert max((a - b).abs().max().item() for a, b in zip(model.parameters(), ref.parameters())) == 0
+    engine.step()  # after the block: the step of that backward
+    hp = cfg["optimizer"]["params"]
+    opt = torch.optim.AdamW(ref.parameters(), lr=hp["lr"], betas=tuple(hp["betas"]), eps=hp["eps"],
+                            weight_decay=hp["weight_decay"], foreach=False)
+    F.mse_loss(ref(idx), y).backward()
+    opt.step()
+    with zeroinf.gathered_parameters(list(model.parameters())):
+        assert max((a - b).abs().max().item() for a, b in zip(model.parameters(), ref.parameters())) <= 1e-6
+    engine.close()
+
+
+def _clamp_nothing(module, args):
+    with torch.no_grad():
+        module.weight.clamp_(-100, 100)  # moves the version counter, changes no value
+
+
+def test_a_bf16_block_that_changes_nothing_keeps_the_fp32_masters(tmp_path):
+    """bf16: a ``gathered_parameters(..., modifier_rank=0)`` block that changes nothing, or a
+    forward whose constraint changes nothing, leaves the fp32 masters bit-identical (they were
+    reloaded from the bf16 partitions, so small updates were lost at every step: tester-38 P1
+    and F1)."""
+    from zeroinf.checkpoint import consolidate
+
+    def masters(noop):
+        torch.manual_seed(0)
+        model = _Constrained(None)
+        cfg = _config("cpu", "cpu", tmp_path, stage3_param_persistence_threshold=0)
+        cfg["bf16"] = {"enabled": True}
+        cfg["optimizer"]["params"]["lr"] = 1e-4
+        engine, *_ = zeroinf.initialize(model=model, config=cfg)
+        if noop:
+            model.fc.register_forward_pre_hook(_clamp_nothing)
+        g = torch.Generator().manual_seed(1)
+        for _ in range(4):
+            idx, y = torch.randint(0, 12, (4, 3), generator=g), torch.randn(4, 4, generator=g)
+            engine.backward(F.mse_loss(engine(idx).float(), y))
+            engine.step()
+            if noop:
+                with zeroinf.gathered_parameters([model.fc.weight], modifier_rank=0):
+                    pass
+        out = tmp_path / f"ck{int(noop)}"
+        engine.save_checkpoint(str(out), tag="t")
+        engine.close()
+        return consolidate(str(out), "t", str(out / "m.pt"))
+
+    plain, noop = masters(False), masters(True)
+    for name in plain:
+        assert torch.equal(plain[name], noop[name]), name
 
 
 @pytest.mark.parametrize("change", ["reshape", "square_t", "half"])

@@ -526,6 +526,21 @@ class ZeroEngine:
                 manager.abort_iteration()  # [Note: interrupted forward]
             raise
 
+    def _check_no_held_units(self) -> None:
+        """Raise RuntimeError, before anything is stepped, when a ``gathered_parameters`` block
+        holds stage-3 units: the step updates their partitions but not the block's gathered
+        copy, which the block's exit then wrote back over the update (``modifier_rank``) or the
+        forwards left in the block computed with (tester-38 P2: a whole unit's step lost)."""
+        manager = getattr(self.params, "manager", None)
+        held = [u for u in getattr(manager, "units", ()) if u.user_holds]
+        if held:
+            names = [s.name for u in held for g in u.groups for s in g.slots]
+            raise RuntimeError(
+                f"zeroinf stage 3: engine.step() inside `with zeroinf.gathered_parameters(...)`, which holds "
+                f"{', '.join(repr(n) for n in names[:5])}{', ...' if len(names) > 5 else ''} gathered: the step would "
+                "update their partitions but not the block's copy, which the block's end writes back (modifier_rank) "
+                "or later forwards in the block compute with. Nothing was stepped; step after the block ends")
+
     def _check_dropped_data(self) -> None:
         """Raise RuntimeError naming the stage-3 parameters a forward gave data that cannot go
         into their partitions (``p.data = t`` of another shape, dtype or device; a same-shape
@@ -822,6 +837,8 @@ class ZeroEngine:
             Exception: whatever the LR scheduler's ``step`` raised. The optimizer step was
                 applied and counted by then (the exception says so): do not call step() again
                 for this micro-batch.
+            RuntimeError: at stage 3, called inside a ``zeroinf.gathered_parameters`` block
+                that holds parameters (nothing is stepped; :meth:`_check_no_held_units`).
             RuntimeError: step() called again, with no backward in between, after it raised
                 one of the two above: the micro-batch was counted, and the retry would take
                 another optimizer step (on zero gradients).
@@ -837,6 +854,7 @@ class ZeroEngine:
         self._check_dropped_data()
         sched_error = None
         if self.is_gradient_accumulation_boundary():
+            self._check_no_held_units()
             self._adopt_replaced_data()
             if self._unreduced:  # no_sync() kept them to the end of the window
                 self._reduce()

@@ -170,15 +170,15 @@ def partitioned_by(params) -> Optional["Stage3ParameterManager"]:
 class _SavedRef:
     """A saved tensor that lies in a flat buffer: rebuilt from the group at unpack time
     (``offset`` in elements from the start of ``group.full``, which may be a view). ``slot``:
-    the parameter its offset lies in, whose ``_version`` was ``version`` when saved (None: in
-    the padding)."""
+    the parameter its offset lies in, whose ``_version`` was ``version`` and ``replaced`` count
+    ``replaced`` when saved (None: in the padding)."""
 
-    __slots__ = ("group", "offset", "size", "stride", "slot", "version", "epoch")
+    __slots__ = ("group", "offset", "size", "stride", "slot", "version", "epoch", "replaced")
 
     def __init__(self, group: FlatGroup, offset: int, size, stride, slot: Optional[ParamSlot] = None,
-                 version: int = 0, epoch: int = 0):
+                 version: int = 0, epoch: int = 0, replaced: int = 0):
         self.group, self.offset, self.size, self.stride = group, offset, size, stride
-        self.slot, self.version, self.epoch = slot, version, epoch
+        self.slot, self.version, self.epoch, self.replaced = slot, version, epoch, replaced
 
 
 class _SavedTensor:
@@ -348,16 +348,18 @@ def refreshed_master(master: torch.Tensor, shard: torch.Tensor, lo: int, hi: int
                      written: Optional[Sequence[Tuple[int, int]]]) -> torch.Tensor:
     """The fp32 master of the partition slice ``[lo, hi)`` after values were written into the
     partition ``shard`` (1-D, the group's dtype) at the element ranges ``written`` (partition
-    coordinates; None: everywhere): ``master`` (fp32, ``hi - lo`` elements) with those ranges
-    taken from ``shard``, the rest kept, so a bf16 partition written in one parameter does not
-    round the master of the others. Returns a new tensor."""
-    if written is None:
-        return shard[lo:hi].float()
+    coordinates; None: everywhere): each written element whose value differs from ``master``
+    rounded to ``shard.dtype`` is taken from ``shard``; the others keep their fp32 bits. So a
+    bf16 partition written back unchanged (a ``gathered_parameters(..., modifier_rank=0)`` block
+    that changed one weight of a unit, or none) does not round the master of the rest to bf16.
+    ``master``: fp32, ``hi - lo`` elements. Returns a new tensor."""
     out = master.clone()
-    for a, b in written:
+    for a, b in ([(lo, hi)] if written is None else written):
         a, b = max(a, lo), min(b, hi)
         if a < b:
-            out[a - lo:b - lo].copy_(shard[a:b])
+            new, old = shard[a:b], out[a - lo:b - lo]
+            changed = new != old.to(shard.dtype)
+            old[changed] = new[changed].float()
     return out
 
 class Stage3ParameterManager:
@@ -1139,13 +1141,18 @@ class Stage3ParameterManager:
     # step can have updated the partition since the gather. Each rank keeps its own shard's
     # part of the change (ranks that changed a weight differently, as DDP's replicas drift,
     # end with a mix). Data of another shape, dtype or device cannot be kept, nor a re-view of
-    # the buffer in another layout (release records it in ``dropped_data``; the engine raises). Changes made outside a forward go through
+    # the buffer in another layout (release records it in ``dropped_data``; the engine
+    # raises). A weight the forward used before giving it new data has its slot's ``replaced``
+    # count moved, so the backward, which would read the new values where plain PyTorch reads
+    # the old ones, raises instead (tester-38 F3). In-place ops on ``p.data`` move no version counter and
+    # are not seen. Changes made outside a forward go through
     # ``gathered_parameters(modifier_rank=...)``.
     def _keep_forward_changes(self, unit: Unit) -> None:
         """Write the forward's changes to ``unit``'s gathered parameters into the partitions
-        ([Note: changes in a forward]); a no-op for a released unit or one a
-        ``gathered_parameters`` block holds (the block's ``modifier_rank`` decides)."""
-        if unit.state is not UnitState.GATHERED or unit.user_holds:
+        ([Note: changes in a forward]); a no-op for a released unit. A forward run inside a
+        ``gathered_parameters`` block keeps its changes too (with in-place changes the block
+        made before it: the version counters do not tell them apart)."""
+        if unit.state is not UnitState.GATHERED:
             return
         for g in unit.groups:
             changed = []
@@ -1169,6 +1176,10 @@ class Stage3ParameterManager:
                     view = g.full[s.offset:s.offset + s.numel].view(s.shape)
                     view.copy_(d)
                     p.data = view
+                    # what this forward saved of the old values (it used the weight before the
+                    # change) would be read back from the changed buffer, where plain PyTorch's
+                    # backward keeps the old tensor: _unpack refuses that
+                    s.replaced += 1
                 changed.append(s)
             if changed:
                 self.stats.add("forward_changes_kept", len(changed))
@@ -1278,7 +1289,8 @@ class Stage3ParameterManager:
                 off = t.storage_offset() - g.full.storage_offset()
                 slot = self._slot_at(g, t, off)
                 return _SavedRef(g, off, tuple(t.shape), tuple(t.stride()), slot,
-                                 0 if slot is None else slot.param._version, self._param_epoch)
+                                 0 if slot is None else slot.param._version, self._param_epoch,
+                                 0 if slot is None else slot.replaced)
         # detached: autograd puts the grad_fn back on unpack. Kept as is, an op's saved output
         # would hold its own grad_fn through this hook, a cycle through C++ the collector cannot
         # see: every graph not run backward (a grad-enabled eval, a backward that raised) would
@@ -1303,6 +1315,12 @@ class Stage3ParameterManager:
                     f"operation: parameter {x.slot.name} (shape {tuple(x.slot.shape)}) is at version "
                     f"{x.slot.param._version}; expected version {x.version} instead (zeroinf stage 3: an "
                     "in-place change of a gathered weight between its forward and its backward)")
+            if x.slot is not None and x.slot.replaced != x.replaced:
+                raise RuntimeError(
+                    f"zeroinf stage 3: parameter {x.slot.name} (shape {tuple(x.slot.shape)}) was given new data "
+                    "(p.data = t) by the forward after it used the weight; plain PyTorch's backward computes with "
+                    "the old tensor, which stage 3 no longer holds (the new data went into its partition). Change "
+                    "the weight before the forward uses it")
             if x.epoch != self._param_epoch:
                 # the optimizer stepped the partitions since this forward: the backward would use the
                 # new weights, silently (plain PyTorch raises here: helper-42, /tmp/tester26/t04_stale.py)

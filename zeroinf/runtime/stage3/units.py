@@ -47,6 +47,9 @@ class ParamSlot:
     #: ``param._version`` when the parameter was last pointed into (or written from) the gathered
     #: buffer: a larger one means an in-place change since ([Note: changes in a forward])
     version: int = 0
+    #: times a forward's ``p.data = t`` was written into the buffer (a saved tensor of the
+    #: weight from before that is refused at unpack)
+    replaced: int = 0
 
 
 @dataclass(eq=False)
