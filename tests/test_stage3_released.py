@@ -146,7 +146,8 @@ def test_new_data_for_a_released_parameter_is_refused_and_kept_inside_gathered_p
 
 class _Constrained(nn.Module):
     """A block whose forward changes its weights, as max-norm constraints do: ``change`` is
-    "inplace" (``clamp_`` under no_grad), "data" (``self.weight.data = ...``), "embedding"
+    "inplace" (``clamp_`` under no_grad), "data" (``self.weight.data = ...``), "data_inplace"
+    (``self.weight.data.clamp_(...)``, which moves no version counter), "embedding"
     (``nn.Embedding(max_norm=...)``, whose forward renormalises the rows it looks up in place);
     not keepable: "reshape" (``.data`` of another shape), "square_t" (``p.data = p.data.t()``
     of a square weight: the gathered buffer in another layout), "half" (another dtype)."""
@@ -165,6 +166,8 @@ class _Constrained(nn.Module):
                 w.clamp_(-0.05, 0.05)
         elif self.change == "data":
             w.data = w.data.clamp(-0.05, 0.05)
+        elif self.change == "data_inplace":  # moves no version counter
+            w.data.clamp_(-0.05, 0.05)
         elif self.change == "square_t":
             w.data = w.data.t()
         elif self.change == "reshape":
@@ -203,7 +206,7 @@ def _constrained_run(change, param_tier, opt_tier, tmp_path, persistence, steps=
     return max((got[n] - p.detach()).abs().max().item() for n, p in ref.named_parameters()), stats
 
 
-@pytest.mark.parametrize("change", ["inplace", "data", "embedding"])
+@pytest.mark.parametrize("change", ["inplace", "data", "data_inplace", "embedding"])
 @pytest.mark.parametrize("param_tier", ["none", "cpu", "nvme"])
 def test_weights_changed_in_a_forward_are_kept(tmp_path, param_tier, change):
     """A forward's change to its weights is kept, as in plain PyTorch: the unit's release

@@ -97,7 +97,7 @@ from torch.utils._pytree import tree_flatten
 from .options import Stage3ConfigError, Stage3Options
 from .overlap import StepGate
 from .prefetch import PrefetchScheduler
-from .released import gathered_class, released_class
+from .released import attribute_of, gathered_class, released_class
 from .stats import Stage3Stats, TraceRecorder
 from .tiers import BufferRecycler, DeviceStore, HostCache, HostStore, NvmeStore
 from .units import FlatGroup, ParamSlot, Unit, UnitState, build_units, find_unit_modules
@@ -304,6 +304,11 @@ class _ForeignAccessMode(_ManagerMode):
                     if rec is not None and not rec[0].persistent and rec[0] not in m._active \
                             and rec[0] not in m._foreign:
                         m._gather_foreign(rec[0])
+            if (args and getattr(func, "__name__", "") == "__get__" and isinstance(args[0], nn.Parameter)
+                    and attribute_of(func) == "data"):
+                rec = m._slot_of.get(args[0])
+                if rec is not None:  # after its gather: an in-place op on p.data moves no version counter
+                    rec[2].data_read = True  # [Note: changes in a forward]
         return func(*args, **kwargs)
 
 
@@ -1004,7 +1009,7 @@ class Stage3ParameterManager:
             for s in g.slots:
                 s.param.__class__ = gathered_class(type(s.param))  # first: .data = on the plain class is faster
                 s.param.data = g.full[s.offset:s.offset + s.numel].view(s.shape)
-                s.version = s.param._version
+                s.version, s.data_read = s.param._version, False
         unit.state = UnitState.GATHERED
 
     def _read_done(self, unit: Unit) -> None:
@@ -1144,9 +1149,10 @@ class Stage3ParameterManager:
     # the buffer in another layout (release records it in ``dropped_data``; the engine
     # raises). A weight the forward used before giving it new data has its slot's ``replaced``
     # count moved, so the backward, which would read the new values where plain PyTorch reads
-    # the old ones, raises instead (tester-38 F3). In-place ops on ``p.data`` move no version counter and
-    # are not seen. Changes made outside a forward go through
-    # ``gathered_parameters(modifier_rank=...)``.
+    # the old ones, raises instead (tester-38 F3). An in-place op on ``p.data`` moves no
+    # version counter: the foreign-access mode marks a parameter whose ``.data`` the forward
+    # read (``data_read``), and its part of the buffer is compared with the partition (tester-38
+    # F2). Changes made outside a forward go through ``gathered_parameters(modifier_rank=...)``.
     def _keep_forward_changes(self, unit: Unit) -> None:
         """Write the forward's changes to ``unit``'s gathered parameters into the partitions
         ([Note: changes in a forward]); a no-op for a released unit. A forward run inside a
@@ -1157,13 +1163,27 @@ class Stage3ParameterManager:
         for g in unit.groups:
             changed = []
             base, size = g.full.data_ptr(), g.full.element_size()
+            shard = None
             for s in g.slots:
                 p = s.param
                 if not s.numel:
                     continue
                 if p.data_ptr() == base + s.offset * size and p.shape == s.shape and p.is_contiguous():
                     if p._version == s.version:
-                        continue
+                        if not s.data_read:
+                            continue
+                        # .data was read: compare this rank's part with its partition (which
+                        # the gathered buffer may be itself: then written, and the master takes
+                        # what differs from it, refreshed_master)
+                        s.data_read = False
+                        lo, hi = self._shard_range(g)
+                        a, b = max(lo, s.offset), min(hi, s.offset + s.numel)
+                        if a >= b:
+                            continue
+                        shard = self.param_shard(g) if shard is None else shard
+                        mine, home = g.full[a:b], shard[a - lo:b - lo]
+                        if mine.data_ptr() != home.data_ptr() and torch.equal(mine, home):
+                            continue
                 else:
                     # not keepable (release() records it in dropped_data): data of another
                     # shape, dtype or device, or a re-view of the buffer itself (p.data =

@@ -50,6 +50,8 @@ class ParamSlot:
     #: times a forward's ``p.data = t`` was written into the buffer (a saved tensor of the
     #: weight from before that is refused at unpack)
     replaced: int = 0
+    #: the forward read ``param.data`` since the gather (an in-place op on it moves no version)
+    data_read: bool = False
 
 
 @dataclass(eq=False)
