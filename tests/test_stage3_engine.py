@@ -1511,6 +1511,22 @@ def test_training_at_the_smallest_live_parameter_limit_the_config_check_allows(t
     assert engine.stats()["stage3"]["live_high_water"] <= limit
     engine.close()
 
+def test_gathering_more_than_the_live_limit_in_one_block_says_to_gather_fewer(tmp_path):
+    """``gathered_parameters`` over the whole model at the smallest live limit: the units it
+    names stay gathered until the block ends, so the limit is exceeded; the error says to
+    gather fewer per block (tester-38 P3 took it for the training forward's), and the engine
+    trains on."""
+    ref = TinyLM()
+    engine, limit = _at_smallest_live_limit(ref, _config("cpu", "cpu", tmp_path))
+    with pytest.raises(RuntimeError, match=rf"would exceed zero_optimization.stage3_max_live_parameters={limit}.*"
+                                           r"or gather fewer parameters per zeroinf.gathered_parameters block"):
+        with zeroinf.gathered_parameters(list(engine.module.parameters())):
+            pass
+    assert engine.params.manager._live == 0
+    _assert_like_reference(engine, ref, _run(engine, 2), _reference(ref, 2))
+    engine.close()
+
+
 def _train_beside_adamw(engine, ref, loss_of, steps=3):
     """``steps`` steps of ``engine`` and of plain ``ref`` + torch AdamW on ``loss_of(model,
     step)``: no parameter live after each step, every parameter within 1e-6 at the end."""

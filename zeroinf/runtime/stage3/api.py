@@ -79,7 +79,8 @@ def _gathered(params, modifier_rank: Optional[int], loading: bool = False) -> It
                 m._busy += 1
                 try:
                     with collective("zeroinf.gathered_parameters (it all-gathers the partitions)", m.rank, m.world_size):
-                        m._make_room(u)
+                        m._make_room(u, hint=", or gather fewer parameters per zeroinf.gathered_parameters block "
+                                          "(every unit it names stays gathered until the block ends)")
                         m._complete(u)
                 finally:
                     m._busy -= 1

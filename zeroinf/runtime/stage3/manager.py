@@ -1132,6 +1132,7 @@ class Stage3ParameterManager:
         else:
             self._live -= unit.numel
         unit.state = UnitState.RELEASED
+        self.scheduler.unit_released(unit)
         self.stats.add("releases")
 
     # [Note: changes in a forward] A forward may change its weights: an in-place op under
@@ -1207,8 +1208,9 @@ class Stage3ParameterManager:
                 for s in changed:
                     s.version = s.param._version
 
-    def _make_room(self, unit: Unit) -> None:
-        """Release prefetched and kept units until ``unit`` fits under max_live_parameters."""
+    def _make_room(self, unit: Unit, hint: str = "") -> None:
+        """Release prefetched and kept units until ``unit`` fits under max_live_parameters;
+        ``hint`` is added to the error's advice."""
         limit = self.options.max_live_parameters
         if unit.persistent or unit.state is not UnitState.RELEASED or self._live + unit.numel <= limit:
             return
@@ -1223,7 +1225,7 @@ class Stage3ParameterManager:
             live = [u.name for u in self.units if u.state is not UnitState.RELEASED and not u.persistent]
             raise RuntimeError(f"zeroinf stage 3: gathering unit '{unit.name}' ({unit.numel} elements) would exceed "
                                f"zero_optimization.stage3_max_live_parameters={limit}; in use: {live} "
-                               f"({self._live} elements). Raise the limit.")
+                               f"({self._live} elements). Raise the limit{hint}.")
 
     def _release_tiers(self):
         """What :meth:`_make_room` may release, tier by tier: each tier is tried over every unit

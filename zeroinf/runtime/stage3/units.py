@@ -120,10 +120,14 @@ class Unit:
     inputs_pending: int = 0  # forward calls whose input gradients the backward has not computed yet
     in_backward: bool = False  # its backward started (manager._pre_backward) this iteration
 
+    def __post_init__(self) -> None:
+        # the groups are fixed at construction; the scheduler reads this per trace entry
+        self._numel = sum(g.padded_numel for g in self.groups)
+
     @property
     def numel(self) -> int:
         """Gathered elements (padded), the unit's share of the live-parameter count."""
-        return sum(g.padded_numel for g in self.groups)
+        return self._numel
 
     @property
     def shard_numel(self) -> int:
