@@ -526,17 +526,19 @@ class ZeroEngine:
                 manager.abort_iteration()  # [Note: interrupted forward]
             raise
 
-    def _check_no_held_units(self) -> None:
+    def _check_no_held_units(self, what: str = "engine.step()") -> None:
         """Raise RuntimeError, before anything is stepped, when a ``gathered_parameters`` block
-        holds stage-3 units: the step updates their partitions but not the block's gathered
+        holds stage-3 units: the step (``what``: ``engine.step()``, or ``engine.backward()``
+        with the optimizer in backward) updates their partitions but not the block's gathered
         copy, which the block's exit then wrote back over the update (``modifier_rank``) or the
-        forwards left in the block computed with (tester-38 P2: a whole unit's step lost)."""
+        forwards left in the block computed with (tester-38 P2, tester-39 N1: a whole unit's
+        step lost)."""
         manager = getattr(self.params, "manager", None)
         held = [u for u in getattr(manager, "units", ()) if u.user_holds]
         if held:
             names = [s.name for u in held for g in u.groups for s in g.slots]
             raise RuntimeError(
-                f"zeroinf stage 3: engine.step() inside `with zeroinf.gathered_parameters(...)`, which holds "
+                f"zeroinf stage 3: {what} inside `with zeroinf.gathered_parameters(...)`, which holds "
                 f"{', '.join(repr(n) for n in names[:5])}{', ...' if len(names) > 5 else ''} gathered: the step would "
                 "update their partitions but not the block's copy, which the block's end writes back (modifier_rank) "
                 "or later forwards in the block compute with. Nothing was stepped; step after the block ends")
@@ -669,6 +671,7 @@ class ZeroEngine:
         t0 = time.perf_counter()
         self.synchronize()  # a background step has finished by now (the forward needed its updates)
         if self._in_bwd:
+            self._check_no_held_units("engine.backward() with zeroinf.optimizer_in_backward")  # it steps
             self._check_backward_step()
         elif self.is_gradient_accumulation_boundary():
             self.sub_optimizer.prefetch()  # the first sub-group's NVMe read hides behind this backward

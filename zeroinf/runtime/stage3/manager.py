@@ -1110,7 +1110,7 @@ class Stage3ParameterManager:
             unit.future.result()
             unit.future = None
         gathered = unit.state is UnitState.GATHERED
-        if gathered and self._ctx is not None:
+        if gathered and (self._ctx is not None or (self._in_backward and self.grad_sink is None)):
             self._keep_forward_changes(unit)
         for g in unit.groups:
             self._drop_snapshot(g)
@@ -1144,7 +1144,9 @@ class Stage3ParameterManager:
     # changed parameter is written into this rank's partition, with its slice of the fp32
     # master, at its unit's release inside the forward and, for units kept gathered (the
     # persistent one, those held into the backward), at the end of the forward: before any
-    # step can have updated the partition since the gather. Each rank keeps its own shard's
+    # step can have updated the partition since the gather; releases in a backward keep a
+    # backward hook's change the same way, unless the optimizer runs in the backward (it may
+    # have stepped the unit already: tester-39 N2). Each rank keeps its own shard's
     # part of the change (ranks that changed a weight differently, as DDP's replicas drift,
     # end with a mix). Data of another shape, dtype or device cannot be kept, nor a re-view of
     # the buffer in another layout (release records it in ``dropped_data``; the engine
@@ -1195,6 +1197,9 @@ class Stage3ParameterManager:
                             or d.untyped_storage().data_ptr() == g.full.untyped_storage().data_ptr()):
                         continue
                     view = g.full[s.offset:s.offset + s.numel].view(s.shape)
+                    if torch.equal(d, view):  # an activation checkpoint's recompute repeating the
+                        p.data = view  # forward's p.data = t (tester-39 N4): nothing new
+                        continue
                     view.copy_(d)
                     p.data = view
                     # what this forward saved of the old values (it used the weight before the
@@ -1340,9 +1345,9 @@ class Stage3ParameterManager:
             if x.slot is not None and x.slot.replaced != x.replaced:
                 raise RuntimeError(
                     f"zeroinf stage 3: parameter {x.slot.name} (shape {tuple(x.slot.shape)}) was given new data "
-                    "(p.data = t) by the forward after it used the weight; plain PyTorch's backward computes with "
-                    "the old tensor, which stage 3 no longer holds (the new data went into its partition). Change "
-                    "the weight before the forward uses it")
+                    "(p.data = t) in a forward after this backward's forward had used the weight; plain PyTorch's "
+                    "backward computes with the old tensor, which stage 3 no longer holds (the new data went into "
+                    "its partition). Change the weight before a forward uses it, or after the backward")
             if x.epoch != self._param_epoch:
                 # the optimizer stepped the partitions since this forward: the backward would use the
                 # new weights, silently (plain PyTorch raises here: helper-42, /tmp/tester26/t04_stale.py)
