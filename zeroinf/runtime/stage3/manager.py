@@ -1110,7 +1110,7 @@ class Stage3ParameterManager:
             unit.future.result()
             unit.future = None
         gathered = unit.state is UnitState.GATHERED
-        if gathered and (self._ctx is not None or (self._in_backward and self.grad_sink is None)):
+        if gathered and not self._closed and (self._ctx is not None or (self._in_backward and self.grad_sink is None)):
             self._keep_forward_changes(unit)
         for g in unit.groups:
             self._drop_snapshot(g)
