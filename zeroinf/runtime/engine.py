@@ -657,7 +657,9 @@ class ZeroEngine:
         Raises:
             ValueError: ``loss`` is not a scalar tensor requiring grad.
             RuntimeError: a trainable parameter was put into the model after :func:`initialize`
-                ([Note: parameters added after initialize]).
+                ([Note: parameters added after initialize]); or, at stage 3 with
+                ``zeroinf.optimizer_in_backward``, called inside a ``zeroinf.gathered_parameters``
+                block that holds parameters (:meth:`_check_no_held_units`; nothing ran).
             Exception: whatever the autograd backward raised part-way; none of its gradients
                 stays (see :meth:`_drop_partial_gradients`).
         """
@@ -665,13 +667,14 @@ class ZeroEngine:
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or not loss.requires_grad:
             raise ValueError("engine.backward(loss): loss must be a scalar tensor that requires grad")
         self._check_added()
+        if self._in_bwd:  # it steps the partitions: not under a gathered_parameters block's copy
+            self._check_no_held_units("engine.backward() with zeroinf.optimizer_in_backward")
         self._backwards += 1  # also when it raises: its gradients went through the engine
         self._counted_and_raised = None
         self._window_backwards += 1
         t0 = time.perf_counter()
         self.synchronize()  # a background step has finished by now (the forward needed its updates)
         if self._in_bwd:
-            self._check_no_held_units("engine.backward() with zeroinf.optimizer_in_backward")  # it steps
             self._check_backward_step()
         elif self.is_gradient_accumulation_boundary():
             self.sub_optimizer.prefetch()  # the first sub-group's NVMe read hides behind this backward
@@ -840,11 +843,11 @@ class ZeroEngine:
             Exception: whatever the LR scheduler's ``step`` raised. The optimizer step was
                 applied and counted by then (the exception says so): do not call step() again
                 for this micro-batch.
-            RuntimeError: at stage 3, called inside a ``zeroinf.gathered_parameters`` block
-                that holds parameters (nothing is stepped; :meth:`_check_no_held_units`).
             RuntimeError: step() called again, with no backward in between, after it raised
                 one of the two above: the micro-batch was counted, and the retry would take
                 another optimizer step (on zero gradients).
+            RuntimeError: at stage 3, called inside a ``zeroinf.gathered_parameters`` block
+                that holds parameters (nothing is stepped; :meth:`_check_no_held_units`).
         """
         self._check_open()
         if self._counted_and_raised is not None and not self._backwards:

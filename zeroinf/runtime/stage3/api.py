@@ -12,7 +12,7 @@ from torch import nn
 
 from ..waits import collective
 from .init import held_values
-from .manager import managers
+from .manager import managers, views_its_slot
 from .units import UnitState
 
 __all__ = ["gathered_parameters", "load_safetensors"]
@@ -127,10 +127,10 @@ def _adopt_replaced_data(plan, keep: bool) -> str:
             if g.full is None:
                 continue
             for s in g.slots:
+                if views_its_slot(s.param, s, g.full.data_ptr(), g.full.element_size()):
+                    continue
                 view = g.full[s.offset:s.offset + s.numel]
                 d = s.param.data
-                if d.data_ptr() == view.data_ptr() and tuple(d.shape) == tuple(s.shape) and d.is_contiguous():
-                    continue
                 if tuple(d.shape) != tuple(s.shape):
                     reshaped.append(f"parameter '{s.name}' (partitioned as {tuple(s.shape)}) was given data of "
                                     f"shape {tuple(d.shape)}")

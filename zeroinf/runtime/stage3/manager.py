@@ -348,6 +348,12 @@ def _shallow_args(args, kwargs):
     yield from kwargs.values()
 
 
+def views_its_slot(p: torch.Tensor, s: ParamSlot, base: int, size: int) -> bool:
+    """Whether parameter ``p`` is still the contiguous view of its slot ``s`` in a gathered
+    buffer whose first element is at address ``base`` (``size`` bytes per element); not after
+    ``p.data = t``, a re-view (``p.data.t()``, ``.reshape``) or a move."""
+    return p.data_ptr() == base + s.offset * size and p.shape == s.shape and p.is_contiguous()
+
 
 def refreshed_master(master: torch.Tensor, shard: torch.Tensor, lo: int, hi: int,
                      written: Optional[Sequence[Tuple[int, int]]]) -> torch.Tensor:
@@ -1118,9 +1124,7 @@ class Stage3ParameterManager:
             if g.full is not None:
                 self._storage_of.pop(g.full.untyped_storage().data_ptr(), None)
             for s in g.slots:
-                d = s.param
-                if base is not None and s.numel and (d.data_ptr() != base + s.offset * g.full.element_size()
-                                                     or d.shape != s.shape or not d.is_contiguous()):
+                if base is not None and s.numel and not views_its_slot(s.param, s, base, g.full.element_size()):
                     self.dropped_data.append(s.name)  # data of another shape in a forward, or outside one
                 s.param.data = self._placeholder(g.dtype)
                 s.param.__class__ = released_class(type(s.param))
@@ -1166,12 +1170,13 @@ class Stage3ParameterManager:
         for g in unit.groups:
             changed = []
             base, size = g.full.data_ptr(), g.full.element_size()
+            lo, hi = self._shard_range(g)
             shard = None
             for s in g.slots:
                 p = s.param
                 if not s.numel:
                     continue
-                if p.data_ptr() == base + s.offset * size and p.shape == s.shape and p.is_contiguous():
+                if views_its_slot(p, s, base, size):
                     if p._version == s.version:
                         if not s.data_read:
                             continue
@@ -1179,7 +1184,6 @@ class Stage3ParameterManager:
                         # the gathered buffer may be itself: then written, and the master takes
                         # what differs from it, refreshed_master)
                         s.data_read = False
-                        lo, hi = self._shard_range(g)
                         a, b = max(lo, s.offset), min(hi, s.offset + s.numel)
                         if a >= b:
                             continue

@@ -17,33 +17,44 @@ from __future__ import annotations
 import bisect
 import itertools
 import warnings
-from typing import Dict, Hashable, List, Optional, Set, Tuple
+from typing import Callable, Dict, Hashable, Iterator, List, Optional, Set, Tuple
 
 __all__ = ["PrefetchScheduler"]
 
 Entry = Tuple[int, str]
 
 
-class _Prefetched(set):
+class _Prefetched:
     """Indices of the units gathered ahead, with their elements summed as they come and go
-    (``numel``): :meth:`PrefetchScheduler.schedule` read the sum at every request."""
+    (``numel``): :meth:`PrefetchScheduler.schedule` read the sum at every request. Only
+    ``add``, ``discard`` and ``clear`` change it (a set subclass would let its other
+    mutators put the sum out of step)."""
 
-    def __init__(self, numel_of):
-        super().__init__()
+    def __init__(self, numel_of: Callable[[int], int]):
+        self._indices: Set[int] = set()
         self.numel_of, self.numel = numel_of, 0
 
+    def __contains__(self, index: object) -> bool:
+        return index in self._indices
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self._indices)
+
+    def __len__(self) -> int:
+        return len(self._indices)
+
     def add(self, index: int) -> None:
-        if index not in self:
+        if index not in self._indices:
             self.numel += self.numel_of(index)
-            super().add(index)
+            self._indices.add(index)
 
     def discard(self, index: int) -> None:
-        if index in self:
+        if index in self._indices:
             self.numel -= self.numel_of(index)
-            super().discard(index)
+            self._indices.discard(index)
 
     def clear(self) -> None:
-        super().clear()
+        self._indices.clear()
         self.numel = 0
 
 
@@ -71,7 +82,7 @@ class PrefetchScheduler:
         self.record: List[Entry] = []
         self.diverged = False
         self.active = False
-        self.prefetched: Set[int] = _Prefetched(lambda i: manager.units[i].numel)
+        self.prefetched = _Prefetched(lambda i: manager.units[i].numel)
         # of the trace being followed: each unit's positions in it, and the elements requested
         # before each position (prefix sums), so _requested_within needs no scan
         self._indexed: Optional[List[Entry]] = None
