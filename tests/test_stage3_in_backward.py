@@ -286,9 +286,9 @@ def test_units_held_from_the_forward_hand_over_a_copy_and_a_write_before_the_bac
 def test_edits_of_gathered_weights_in_hooks_agree_with_the_synchronous_step(tmp_path, edit, hook, bucket):
     """A forward or backward pre-hook that scales a weight in place (under no_grad, or through
     ``.data``): a forward's edit is kept in both step modes ([Note: changes in a forward]); a
-    backward pre-hook's ``.data`` edit is not seen in either. The optimizer in backward takes NVMe masters from copies of the partitions
-    ([Note: master in the partitions]); it took them from the gathered buffers once, and the
-    edits stuck (head weight mean 0.03 instead of 0.12 after 3 steps with a forward hook, 0.125
+    backward pre-hook's ``.data`` edit is not seen in either. The optimizer in backward takes
+    NVMe masters from copies of the partitions ([Note: master in the partitions]); it took them
+    from the gathered buffers once, and the edits stuck in that mode alone (head weight mean 0.03 instead of 0.12 after 3 steps with a forward hook, 0.125
     off after one step with a backward hook: both found by testers). The head, the last block and
     the first block are touched, with and without prefetch; the runs must be bit-equal. An
     in-place edit in a backward pre-hook changes a weight its backward saved: plain PyTorch
