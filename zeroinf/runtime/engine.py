@@ -508,22 +508,21 @@ class ZeroEngine:
                 a trainable parameter was put into the model after it (both checked with grad
                 enabled; a forward under ``torch.no_grad`` is not checked); or, at stage 3, the
                 forward gave a parameter data of another shape, dtype or device
-                (``p.data = t``), which stage 3 cannot keep (:meth:`_check_dropped_data`).
+                (``p.data = t``), which stage 3 cannot keep (raised at the end of any forward
+                of the model, through the engine or not).
         """
         self._check_open()
         if torch.is_grad_enabled():
             self._check_requires_grad()
             self._check_added()
         try:
-            out = self.module(*args, **kwargs)
-            self._check_dropped_data()
-            return out
+            return self.module(*args, **kwargs)  # stage 3 checks dropped data at the forward's end
         except Exception:
             raise  # the forward hooks ran (always_call)
         except BaseException:  # KeyboardInterrupt, SystemExit: torch skips always_call hooks
             manager = getattr(self.params, "manager", None)
             if manager is not None:
-                manager.abort_iteration()  # [Note: interrupted forward]
+                manager.abort_iteration(keep_changes=True)  # [Note: interrupted forward]
             raise
 
     def _check_no_held_units(self, what: str = "engine.step()") -> None:
@@ -544,23 +543,13 @@ class ZeroEngine:
                 "or later forwards in the block compute with. Nothing was stepped; step after the block ends")
 
     def _check_dropped_data(self) -> None:
-        """Raise RuntimeError naming the stage-3 parameters a forward gave data that cannot go
-        into their partitions (``p.data = t`` of another shape, dtype or device; a same-shape
-        change is kept: [Note: changes in a forward] in stage3/manager.py). The unit's release
-        dropped it, so the forward computed with weights the optimizer never saw. Released units
-        are found at the end of the forward, units held on into the backward at the next step."""
+        """At the step: raise RuntimeError naming the stage-3 parameters of units held on into
+        the backward that a forward gave data which cannot go into their partitions
+        (``p.data = t`` of another shape, dtype or device; :meth:`Stage3ParameterManager.check_dropped_data`,
+        which raises for released units at the end of the forward itself)."""
         manager = getattr(self.params, "manager", None)
-        if manager is None or not manager.dropped_data:
-            return
-        names = sorted(set(manager.dropped_data))
-        manager.dropped_data.clear()
-        raise RuntimeError(
-            f"zeroinf stage 3: the forward gave {', '.join(repr(n) for n in names[:5])}{', ...' if len(names) > 5 else ''} "
-            "data of another shape, dtype, layout or device (p.data = t); a stage-3 parameter keeps the shape and dtype it was "
-            "partitioned with, so that change was dropped when its unit was released and this forward's result does "
-            "not match the weights being trained (a change of the same shape and dtype is kept). Change weights "
-            "between steps inside `with zeroinf.gathered_parameters(params, modifier_rank=0):`, or train at stages "
-            "0-2")
+        if manager is not None:
+            manager.check_dropped_data()
 
     def train(self, mode: bool = True) -> "ZeroEngine":
         self.module.train(mode)

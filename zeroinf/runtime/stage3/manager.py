@@ -307,8 +307,8 @@ class _ForeignAccessMode(_ManagerMode):
             if (args and getattr(func, "__name__", "") == "__get__" and isinstance(args[0], nn.Parameter)
                     and attribute_of(func) == "data"):
                 rec = m._slot_of.get(args[0])
-                if rec is not None:  # after its gather: an in-place op on p.data moves no version counter
-                    rec[2].data_read = True  # [Note: changes in a forward]
+                if rec is not None and not rec[2].data_read:  # after its gather
+                    m._note_data_read(rec[1], rec[2])
         return func(*args, **kwargs)
 
 
@@ -1015,7 +1015,7 @@ class Stage3ParameterManager:
             for s in g.slots:
                 s.param.__class__ = gathered_class(type(s.param))  # first: .data = on the plain class is faster
                 s.param.data = g.full[s.offset:s.offset + s.numel].view(s.shape)
-                s.version, s.data_read = s.param._version, False
+                s.version, s.data_read, s.data_seen = s.param._version, False, None
         unit.state = UnitState.GATHERED
 
     def _read_done(self, unit: Unit) -> None:
@@ -1128,6 +1128,7 @@ class Stage3ParameterManager:
                     self.dropped_data.append(s.name)  # data of another shape in a forward, or outside one
                 s.param.data = self._placeholder(g.dtype)
                 s.param.__class__ = released_class(type(s.param))
+                s.data_read, s.data_seen = False, None
             full, g.full = g.full, None
             if full is not None and _sole_owner(full):
                 self.scratch.give(full)  # no view of it is left (a user's or autograd's keeps it alive)
@@ -1158,8 +1159,24 @@ class Stage3ParameterManager:
     # count moved, so the backward, which would read the new values where plain PyTorch reads
     # the old ones, raises instead (tester-38 F3). An in-place op on ``p.data`` moves no
     # version counter: the foreign-access mode marks a parameter whose ``.data`` the forward
-    # read (``data_read``), and its part of the buffer is compared with the partition (tester-38
-    # F2). Changes made outside a forward go through ``gathered_parameters(modifier_rank=...)``.
+    # read (``data_read``) and copies this rank's part of it as it was then (``data_seen``); the
+    # release compares the buffer with that copy (tester-38 F2), not with the partition, which
+    # on NVMe would be read back for it (tester-39 N5: a step's reads doubled). Changes made
+    # outside a forward go through ``gathered_parameters(modifier_rank=...)``.
+    def _note_data_read(self, g: FlatGroup, s: ParamSlot) -> None:
+        """The forward read ``s.param.data`` for the first time since its gather: mark it and
+        keep a copy of this rank's part of it (``data_seen``, on the gathered buffer's device),
+        unless the gathered buffer is this rank's partition itself, where whatever the release
+        finds is written as it is ([Note: changes in a forward])."""
+        s.data_read = True
+        if g.full is None:  # a released persistent unit: gathered, and unmarked, before its use
+            return
+        lo, hi = self._shard_range(g)
+        a, b = max(lo, s.offset), min(hi, s.offset + s.numel)
+        local = g.store.local()
+        if a < b and (local is None or local.data_ptr() != g.full[lo:hi].data_ptr()):
+            s.data_seen = g.full[a:b].clone()
+
     def _keep_forward_changes(self, unit: Unit) -> None:
         """Write the forward's changes to ``unit``'s gathered parameters into the partitions
         ([Note: changes in a forward]); a no-op for a released unit. A forward run inside a
@@ -1171,7 +1188,6 @@ class Stage3ParameterManager:
             changed = []
             base, size = g.full.data_ptr(), g.full.element_size()
             lo, hi = self._shard_range(g)
-            shard = None
             for s in g.slots:
                 p = s.param
                 if not s.numel:
@@ -1180,16 +1196,12 @@ class Stage3ParameterManager:
                     if p._version == s.version:
                         if not s.data_read:
                             continue
-                        # .data was read: compare this rank's part with its partition (which
-                        # the gathered buffer may be itself: then written, and the master takes
-                        # what differs from it, refreshed_master)
-                        s.data_read = False
+                        # .data was read: compare this rank's part with the copy taken then
+                        # (none where the gathered buffer is the partition itself: then
+                        # written, and the master takes what differs from it, refreshed_master)
+                        seen, s.data_read, s.data_seen = s.data_seen, False, None
                         a, b = max(lo, s.offset), min(hi, s.offset + s.numel)
-                        if a >= b:
-                            continue
-                        shard = self.param_shard(g) if shard is None else shard
-                        mine, home = g.full[a:b], shard[a - lo:b - lo]
-                        if mine.data_ptr() != home.data_ptr() and torch.equal(mine, home):
+                        if a >= b or (seen is not None and torch.equal(g.full[a:b], seen)):
                             continue
                 else:
                     # not keepable (release() records it in dropped_data): data of another
@@ -1215,7 +1227,7 @@ class Stage3ParameterManager:
                 self.stats.add("forward_changes_kept", len(changed))
                 self.write_group_values(g, [(s, g.full[s.offset:s.offset + s.numel]) for s in changed])
                 for s in changed:
-                    s.version = s.param._version
+                    s.version, s.data_read, s.data_seen = s.param._version, False, None
 
     def _make_room(self, unit: Unit, hint: str = "") -> None:
         """Release prefetched and kept units until ``unit`` fits under max_live_parameters;
@@ -1396,7 +1408,7 @@ class Stage3ParameterManager:
                                "Build a new engine (zeroinf.initialize) on a newly built model, and save a checkpoint "
                                "before closing to carry the state over.")
 
-    def abort_iteration(self) -> None:
+    def abort_iteration(self, keep_changes: bool = False) -> None:
         """[Note: interrupted forward] Torch runs ``always_call`` forward hooks on an
         ``Exception`` only: a ``KeyboardInterrupt`` (Ctrl-C) or ``SystemExit`` raised inside the
         forward skipped the root's post-hook, so its saved-tensor hooks and foreign-access mode
@@ -1407,20 +1419,31 @@ class Stage3ParameterManager:
         iteration unrecorded. ``engine.forward`` calls it on such an exception; a forward of the
         model itself finds the stale context at its next root pre-hook and calls it there.
         ``engine.backward`` calls it too when the backward raised part-way: its flat gradients
-        not reduced yet are dropped with the iteration (the engine drops the reduced ones)."""
+        not reduced yet are dropped with the iteration (the engine drops the reduced ones).
+
+        ``keep_changes``: the interrupted forward is the one that just ran (``engine.forward``):
+        its changes to the weights of the units still gathered are kept first, as the forward's
+        end would have kept them ([Note: changes in a forward]; dropped, 0.02 off torch:
+        tester-38 F5). Not for a stale forward found later, after which a step may have updated
+        the partitions under the gathered copies."""
         self._busy += 1
         try:
-            while self._recompute_modes:
-                self._recompute_modes.pop()[1].__exit__(None, None, None)
-            ctx, self._ctx = self._ctx, None
-            self._entry = None
-            if ctx is not None:
-                ctx.close()
-            self._active.clear()
-            self._release_foreign()
-            if self._in_iteration:
-                self.scheduler.abort()
-                self._end_iteration()
+            try:
+                if keep_changes and self._ctx is not None and not self._closed:
+                    for u in self.units:
+                        self._keep_forward_changes(u)
+            finally:
+                while self._recompute_modes:
+                    self._recompute_modes.pop()[1].__exit__(None, None, None)
+                ctx, self._ctx = self._ctx, None
+                self._entry = None
+                if ctx is not None:
+                    ctx.close()
+                self._active.clear()
+                self._release_foreign()
+                if self._in_iteration:
+                    self.scheduler.abort()
+                    self._end_iteration()
         finally:
             self._busy -= 1
 
@@ -1451,7 +1474,30 @@ class Stage3ParameterManager:
         if self._entry is not module:
             return None
         self._entry = None
-        return self._root_post_forward(module, args, output)
+        output = self._root_post_forward(module, args, output)
+        # here, not only in engine.forward: a forward of the model called directly (generate())
+        # said nothing, and the next engine(x) raised for it (tester-38 F7)
+        self.check_dropped_data()
+        return output
+
+    def check_dropped_data(self) -> None:
+        """Raise RuntimeError naming the parameters a forward gave data that cannot go into their
+        partitions (``p.data = t`` of another shape, dtype, layout or device: ``dropped_data``),
+        and forget them; a same-shape change is kept ([Note: changes in a forward]). The unit's
+        release dropped the data, so the forward computed with weights the optimizer never
+        saw. Called at the end of a forward (released units) and at the step (units held on
+        into the backward)."""
+        if not self.dropped_data:
+            return
+        names = sorted(set(self.dropped_data))
+        self.dropped_data.clear()
+        raise RuntimeError(
+            f"zeroinf stage 3: the forward gave {', '.join(repr(n) for n in names[:5])}{', ...' if len(names) > 5 else ''} "
+            "data of another shape, dtype, layout or device (p.data = t); a stage-3 parameter keeps the shape and dtype it was "
+            "partitioned with, so that change was dropped when its unit was released and this forward's result does "
+            "not match the weights being trained (a change of the same shape and dtype is kept). Change weights "
+            "between steps inside `with zeroinf.gathered_parameters(params, modifier_rank=0):`, or train at stages "
+            "0-2")
 
     def _root_pre_forward(self, module, args):
         """Open the forward of the entry module ``module`` (after :meth:`_entry_pre` checked the

@@ -52,6 +52,10 @@ class ParamSlot:
     replaced: int = 0
     #: the forward read ``param.data`` since the gather (an in-place op on it moves no version)
     data_read: bool = False
+    #: this rank's part of the parameter as the first such read found it, on the gathered
+    #: buffer's device (None where the gathered buffer is the partition itself): what the
+    #: release compares with, instead of reading the partition back from its tier
+    data_seen: Optional[torch.Tensor] = None
 
 
 @dataclass(eq=False)
