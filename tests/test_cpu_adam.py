@@ -397,6 +397,30 @@ def test_cpuadam_16bit_params_changed_between_steps_are_stepped_from_the_new_val
     again = step()  # the masters from the state, exact: not the loaded weights' rounded values
     assert all(torch.equal(a, b) for a, b in zip(once, again))
 
+def test_cpuadam_a_16bit_change_to_a_few_elements_leaves_the_others_masters():
+    """A constraint that changes a few elements of a bf16 parameter between steps (a clamp under
+    no_grad) is taken into their masters; the other elements keep their fp32 bits: the master
+    was overwritten whole with the rounded parameter, so such a constraint at every step
+    trained in bf16, updates below its resolution lost."""
+    torch.manual_seed(0)
+    p = torch.nn.Parameter(torch.randn(64).to(torch.bfloat16))
+    opt = zo.CPUAdam([p], lr=1e-3)
+    p.grad = torch.randn(64).to(torch.bfloat16)
+    opt.step()
+    master = opt.state[p]["master_param"]
+    fine = master.clone()
+    assert not torch.equal(fine, fine.to(torch.bfloat16).float())  # bits below bf16's resolution
+    with torch.no_grad():
+        p.clamp_(-1.0, 1.0)
+    clamped = fine.abs() > 1.0
+    assert 0 < int(clamped.sum()) < 64
+    opt.param_groups[0]["lr"] = 0.0  # the next step moves nothing but what the clamp changed
+    opt.step()
+    assert torch.equal(master[~clamped], fine[~clamped])
+    assert torch.equal(master[clamped], fine[clamped].clamp(-1.0, 1.0).to(torch.bfloat16).float())
+    assert torch.equal(p.detach(), master.to(torch.bfloat16))
+
+
 @pytest.mark.parametrize("order", ["optimizer_first", "weights_first"])
 def test_cpuadam_16bit_weights_other_than_the_loaded_masters_are_stepped_from(order):
     """A fresh CPUAdam that loaded a state dict took its masters over the bf16 weights loaded

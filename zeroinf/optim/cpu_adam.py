@@ -38,7 +38,8 @@ class CPUAdam(torch.optim.Optimizer):
     ``master.to(param.dtype)``). Loading a state dict keeps these tensors in fp32. A change made
     to such a parameter between steps (``model.load_state_dict``, ``torch.nn.init``, an in-place
     op under ``torch.no_grad()``, ``p.data = t``) is seen through the parameter's version counter
-    and pointer, and the master takes the new value, as ``torch.optim.AdamW`` would step it. An
+    and pointer: the master's elements that no longer round to the parameter's value take it, as
+    ``torch.optim.AdamW`` would step them; the others keep their fp32 bits. An
     in-place op on ``p.data`` (``p.data.clamp_(...)``) bumps no version counter and is not seen:
     make it on ``p`` under ``torch.no_grad()``, or on ``state["master_param"]`` too.
 
@@ -234,9 +235,12 @@ class CPUAdam(torch.optim.Optimizer):
             # changed since this optimizer wrote it, or never written by it (a loaded master): step
             # from the parameter's value (the master kept exact when it is only the master rounded,
             # e.g. a checkpoint's weights loaded beside its masters)
-            master = state["master_param"]
-            if not torch.equal(p.detach(), master.to(p.dtype)):
-                master.copy_(p.detach())
+            # elementwise: a constraint that changed a few elements (a clamp) leaves the others'
+            # fp32 bits, which a whole copy rounded to the parameter's dtype at every step
+            new, master = p.detach(), state["master_param"]
+            changed = new != master.to(p.dtype)
+            if bool(changed.any()):
+                master[changed] = new[changed].float()
         if maximize:
             grad = -grad
         if p.dtype == torch.float32:
