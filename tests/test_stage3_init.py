@@ -372,3 +372,40 @@ def test_resize_token_embeddings_inside_the_init_block(tmp_path, tier):
     x = torch.randint(0, 60, (2, 8))
     assert engine(x, labels=x).loss.item() == plain(x, labels=x).loss.item()
     engine.close()
+
+
+def test_a_class_decorator_applied_inside_the_init_block_survives_it(tmp_path):
+    """A module class created inside the block and then wrapped by a class decorator
+    (transformers' MoE experts, whose modeling module ``AutoModel.from_config`` imports lazily)
+    keeps the decorator's ``__init__`` after the block: the block's end put back the
+    ``__wrapped__`` of whatever ``__init__`` it found, the decorator's inner one, so every such
+    module built later in the process lacked what the decorator sets (tester-40 F2: "'MixtralExperts'
+    object has no attribute 'config'"). A second block still moves its values out."""
+    import functools
+
+    def sets_config(cls):
+        inner = cls.__init__
+
+        @functools.wraps(inner)
+        def __init__(self, *args, **kwargs):
+            inner(self, *args, **kwargs)
+            self.config = "set"
+        cls.__init__ = __init__
+        return cls
+
+    from zeroinf.runtime.stage3.init import take_init_values
+    with zeroinf.Init(config=_cfg("cpu", tmp_path)):
+        @sets_config
+        class Experts(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.w = nn.Parameter(torch.full((4, 4), 2.0))
+        inside = Experts()
+    assert inside.config == "set" and inside.w.numel() == 0
+    after = Experts()
+    assert after.config == "set" and torch.equal(after.w, torch.full((4, 4), 2.0))
+    with zeroinf.Init(config=_cfg("cpu", tmp_path)):
+        again = Experts()
+    assert again.config == "set" and again.w.numel() == 0
+    assert torch.equal(take_init_values(again.w), torch.full((4, 4), 2.0))
+    assert torch.equal(take_init_values(inside.w), torch.full((4, 4), 2.0))

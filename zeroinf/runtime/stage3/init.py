@@ -22,6 +22,7 @@ inside ``zeroinf.gathered_parameters(..., modifier_rank=0)`` or load them with
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import os
 import shutil
@@ -284,7 +285,7 @@ class Init:
         self._outstanding = 0
         self.held_bytes_host = 0
         self.held_bytes_nvme = 0
-        self._patched: List[type] = []
+        self._patched: List[Tuple[type, Any, Any]] = []  # (class, our __init__, its own)
         self._building: List[nn.Module] = []
         self._mode: Optional[_GuardMode] = None
         self._back: Optional[Tuple[nn.Parameter, int]] = None  # the parameter brought back, its seq
@@ -327,8 +328,13 @@ class Init:
             self._mode.__exit__(*exc)
             self._put_back()
         finally:
-            for cls in self._patched:
-                cls.__init__ = cls.__dict__["__init__"].__wrapped__
+            for cls, wrapper, orig in self._patched:
+                # a class decorator applied after the patch (transformers' MoE classes, imported
+                # lazily inside the block) wrapped our wrapper: leave both, ours is inert outside
+                # a block; taking its __wrapped__ removed the decorator's __init__ for the rest
+                # of the process (tester-40 F2: "'MixtralExperts' object has no attribute 'config'")
+                if cls.__dict__.get("__init__") is wrapper:
+                    cls.__init__ = orig
             self._patched.clear()
             if self._orig_init_subclass is None:
                 del nn.Module.__init_subclass__
@@ -339,12 +345,18 @@ class Init:
                 self._swapper.wait()
 
     def _patch(self, cls: type) -> None:
+        """Wrap ``cls.__init__`` (its own, not an inherited one) so that a module built while a
+        block is active has its values moved out once its outermost constructor returns. The
+        wrapper looks up the active block at each call: one left in place after the block
+        (see ``__exit__``) only calls the original."""
         orig = cls.__dict__.get("__init__")
-        if orig is None or getattr(orig, "__wrapped__", None) is not None:
+        if orig is None or getattr(orig, "_zeroinf_init_wrapper", False):
             return
-        owner = self
 
         def wrapped(module, *args, **kwargs):
+            owner = Init._active
+            if owner is None:
+                return orig(module, *args, **kwargs)
             outermost = not any(m is module for m in owner._building)
             first = owner._seq_next()
             owner._building.append(module)
@@ -358,10 +370,10 @@ class Init:
                     owner._put_back()
                 owner._drop_orphans(module, first)
 
-        wrapped.__wrapped__ = orig
-        wrapped.__name__, wrapped.__qualname__, wrapped.__doc__ = orig.__name__, orig.__qualname__, orig.__doc__
+        functools.update_wrapper(wrapped, orig)
+        wrapped._zeroinf_init_wrapper = True
         cls.__init__ = wrapped
-        self._patched.append(cls)
+        self._patched.append((cls, wrapped, orig))
 
     # --- moving values ------------------------------------------------------------------------
     def _move_out(self, module: nn.Module) -> None:
