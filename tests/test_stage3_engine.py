@@ -11,6 +11,7 @@ import torch
 
 import zeroinf
 import zeroinf.checkpoint
+from zeroinf.config import ConfigError
 from stage3_models import TinyLM, batch, loss_fn
 
 LR, BETAS, EPS, WD = 1e-2, (0.9, 0.999), 1e-8, 0.01
@@ -1910,3 +1911,25 @@ def test_empty_partition_cache_frees_read_ahead_and_scratch_and_training_goes_on
     engine.close()
     with pytest.raises(RuntimeError, match="closed"):
         engine.empty_partition_cache()
+
+
+@pytest.mark.parametrize("with_optimizer", [True, False])
+def test_a_frozen_model_runs_at_stage_3_with_or_without_an_optimizer(tmp_path, with_optimizer):
+    """A model with no trainable parameter (an RLHF reference, a distillation teacher) runs
+    partitioned on NVMe: with the optimizer on NVMe too, initialize raised "max() arg is an
+    empty sequence", and a config without an optimizer was refused, where DeepSpeed takes both
+    (tester-40 F4). Stages 0-2 still refuse it, saying why."""
+    torch.manual_seed(0)
+    ref = TinyLM().requires_grad_(False)
+    cfg = _config("nvme", "nvme", tmp_path)
+    if not with_optimizer:
+        del cfg["optimizer"]
+    engine, *_ = zeroinf.initialize(model=copy.deepcopy(ref), config=cfg)
+    x = batch(0)[0]
+    with torch.no_grad():
+        for _ in range(2):
+            assert (engine(x) - ref(x)).abs().max().item() <= 1e-6
+    engine.close()
+    cfg["zero_optimization"] = {"stage": 2}
+    with pytest.raises((ValueError, ConfigError), match="stage 3"):
+        zeroinf.initialize(model=copy.deepcopy(ref), config=cfg)

@@ -478,7 +478,7 @@ class ZeroEngine:
         """Raise :class:`ConfigError` when the optimizer's pinned NVMe swap buffers
         (``bytes_per_element`` per element of the largest sub-group, each) exceed available memory."""
         off = self.config.zero_optimization.offload_optimizer
-        if off.device != "nvme":
+        if off.device != "nvme" or not specs:  # none: a frozen model (tester-40 F4 raised max() of nothing)
             return
         from zeroinf.io import pinned_pool_bytes
 
@@ -1499,12 +1499,17 @@ def initialize(model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer
     if lr_scheduler is not None and cfg.scheduler is not None:
         raise ConfigError("scheduler", "given both in the config and to initialize(); use one")
     if optimizer is None:
-        if cfg.optimizer is None:
-            raise ConfigError("optimizer", "required: set optimizer {type, params} or pass optimizer=")
-        o = cfg.optimizer
         params = list(model_parameters) if model_parameters is not None else list(model.parameters())
-        optimizer = ZeroOptimizer(params, lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay,
-                                  adamw_mode=o.adam_w_mode, bias_correction=o.bias_correction)
+        if cfg.optimizer is not None:
+            o = cfg.optimizer
+            optimizer = ZeroOptimizer(params, lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay,
+                                      adamw_mode=o.adam_w_mode, bias_correction=o.bias_correction)
+        elif cfg.zero_optimization.stage == 3 and not any(p.requires_grad for p in params):
+            # a frozen model (an RLHF reference, a distillation teacher) needs none, as in DeepSpeed
+            optimizer = ZeroOptimizer(params)
+        else:
+            raise ConfigError("optimizer", "required: set optimizer {type, params} or pass optimizer= (a model with "
+                              "no trainable parameter, such as a frozen reference or teacher, needs none at stage 3)")
     else:
         _hyper_from_client(optimizer)
     engine = ZeroEngine(model, cfg, optimizer, lr_scheduler=lr_scheduler, rank=rank, world_size=world_size)

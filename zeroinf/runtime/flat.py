@@ -104,7 +104,8 @@ class FlatParamManager:
         seen: Dict[int, int] = {}
         all_params = [p for ps in param_groups for p in ps]
         if not all_params:
-            raise ValueError("no trainable parameters (requires_grad=True) were given")
+            raise ValueError("no trainable parameters (requires_grad=True) were given; stages 0-2 train a model, "
+                             "stage 3 also runs a frozen one (a reference or teacher), partitioned and offloaded")
         for gi, ps in enumerate(param_groups):
             for p in ps:
                 if id(p) in seen:
