@@ -510,3 +510,14 @@ def test_a_micro_batch_whose_logits_outgrow_memory_exits_with_one_line(tmp_path,
                       "256, fp32, and their gradient) take 1.2 GiB, but this host has 1.0 GiB free; give at most "
                       "8,192 rows per rank (activations come on top)")
     assert not (tmp_path / "o").exists()
+
+
+def test_a_model_config_with_no_causal_lm_class_is_refused_in_one_line(tmp_path):
+    """``--model`` given an encoder-decoder config (T5) ended in a traceback listing every
+    causal-LM config class, exit 1 (tester-40 F5); it is a ModelError now, which the CLI prints
+    as one line with exit 2."""
+    from zeroinf.models import ModelError, build_config
+    path = tmp_path / "t5.json"
+    path.write_text(json.dumps({"model_type": "t5", "vocab_size": 300, "d_model": 32}))
+    with pytest.raises(ModelError, match="model_type 't5' has no causal-LM class in transformers"):
+        build_config(str(path))

@@ -91,6 +91,10 @@ def build_config(model: str = "llama", size: str = "tiny", vocab_size: int = 256
             cfg = AutoConfig.for_model(model_type, **raw)
         except (json.JSONDecodeError, KeyError, ValueError) as exc:
             raise ModelError(f"{model}: not a transformers model config ({exc})") from exc
+        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+        if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:  # an encoder or encoder-decoder (tester-40 F5)
+            raise ModelError(f"{model}: model_type {model_type!r} has no causal-LM class in transformers; "
+                             "zeroinf train trains decoder-only language models (llama, gpt2, mistral, qwen2, ...)")
         if getattr(cfg, "vocab_size", 0) < vocab_size:
             raise ModelError(f"{model}: vocab_size {cfg.vocab_size} is smaller than the tokenizer's {vocab_size}")
         limit = getattr(cfg, "max_position_embeddings", None) or getattr(cfg, "n_positions", None)
