@@ -7,6 +7,8 @@ import errno
 import os
 import subprocess
 import sys
+import threading
+import time
 import warnings
 
 import pytest
@@ -677,3 +679,39 @@ def test_locked_tensor_warns_once_when_thp_is_off(monkeypatch):
     msgs = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
     assert len(msgs) == 1 and "huge pages are disabled" in msgs[0]
     assert io_handle.free_locked_cpu_tensor(a) and io_handle.free_locked_cpu_tensor(b)
+
+
+def test_one_python_backend_handle_shared_by_threads(tmp_path):
+    """Four threads each write their own file through one handle and wait: a small request that
+    the pure-Python engine finished before its submit registered it was collected by another
+    thread's wait as "internal: completion for unknown request", and stayed pending for good
+    with its two descriptors open (tester-41 F3)."""
+    h = AsyncIOHandle(1 << 16, 4, backend="python")
+    submit = h._engine.submit
+
+    def slow_submit(*args):  # widens the window between the engine's submit and its return
+        rid = submit(*args)
+        time.sleep(0.005)
+        return rid
+    h._engine.submit = slow_submit
+    errors = []
+
+    def worker(t):
+        src = torch.full((100,), t, dtype=torch.uint8)
+        for _ in range(30):
+            try:
+                h.async_pwrite(src, str(tmp_path / f"t{t}.bin"))
+                h.wait()
+            except Exception as exc:  # noqa: BLE001 - collected for the assertion below
+                errors.append(exc)
+
+    threads = [threading.Thread(target=worker, args=(t,)) for t in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors[:1]
+    assert h.pending() == 0
+    h.close()
+    for t in range(4):
+        assert (tmp_path / f"t{t}.bin").read_bytes() == bytes([t]) * 100

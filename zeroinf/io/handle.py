@@ -459,7 +459,11 @@ class AsyncIOHandle:
                 raise
             self._drain()
             fd, fd_direct = self._open(path, is_read, file_offset, nbytes, whole_file)
-        with _interrupts_deferred():  # a request the engine runs is always in _pending
+        # a request the engine runs is always in _pending, and is there before any thread's wait
+        # can collect its completion (_finish takes the lock): registered after the submit, a
+        # small request on another thread's wait was "a completion for an unknown request",
+        # and stayed pending for good (tester-41 F3; the engines' submits do not block)
+        with _interrupts_deferred(), self._lock:
             try:
                 rid = self._engine.submit(is_read, flat, nbytes, fd_direct, fd, file_offset)
             except BaseException:
@@ -467,8 +471,7 @@ class AsyncIOHandle:
                 if fd_direct >= 0:
                     os.close(fd_direct)
                 raise
-            with self._lock:
-                self._pending[rid] = _Pending(path, is_read, file_offset, nbytes, fd, fd_direct, buffer)
+            self._pending[rid] = _Pending(path, is_read, file_offset, nbytes, fd, fd_direct, buffer)
         return rid
 
     def _finish(self, rec: tuple) -> Optional[AIOError]:
