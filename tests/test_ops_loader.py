@@ -92,6 +92,26 @@ def test_disabled_ops_are_unavailable_and_warn_once(fresh_loader, monkeypatch):
     assert torch.equal(p, q) and not torch.equal(p, g)
 
 
+def test_an_op_cache_that_cannot_be_written_falls_back_with_a_warning_naming_it(fresh_loader, monkeypatch):
+    """An op cache folder that cannot be created (a read-only or full home; here a path under a
+    file) raised a raw chained ``mkdir`` traceback (tester-41 F2); the op is unavailable, as
+    without a compiler, and the warning names the folder and ZEROINF_CACHE."""
+    (fresh_loader / "afile").write_text("")
+    monkeypatch.setenv("ZEROINF_CACHE", str(fresh_loader / "afile" / "cache"))
+    with pytest.raises(OpUnavailableError, match=r"cannot write the op cache .*afile.*ZEROINF_CACHE"):
+        load_op("adam")
+    with pytest.warns(RuntimeWarning, match="cannot write the op cache"):
+        assert try_load_op("adam", "the reference") is None
+
+
+def test_a_compiler_whose_version_check_fails_raises_one_clear_error(fresh_loader, monkeypatch):
+    """A broken compiler wrapper (``CXX --version`` exits 1) gave torch's raw
+    CalledProcessError (tester-41 F5); it is an OpBuildError naming the op."""
+    monkeypatch.setenv("CXX", "false")
+    with pytest.raises(OpBuildError, match=r"'adam'[\s\S]*--version"):
+        load_op("adam")
+
+
 def test_unknown_op():
     with pytest.raises(KeyError, match="no_such_op"):
         load_op("no_such_op")

@@ -51,7 +51,8 @@ __all__ = [
 
 
 class OpUnavailableError(RuntimeError):
-    """The op cannot be used here at all (ops disabled, or no C++ compiler); a fallback may run."""
+    """The op cannot be used here at all (ops disabled, no C++ compiler, an op cache that cannot be
+    written); a fallback may run."""
 
 
 class OpBuildError(RuntimeError):
@@ -185,9 +186,14 @@ def _jit_build(spec: OpSpec) -> ModuleType:
     cflags, ldflags, _notes = spec.flags()
     key = _build_key(spec, cflags, ldflags, cxx)
     build_dir = cache_dir() / spec.name / key
-    build_dir.mkdir(parents=True, exist_ok=True)
     lock_path = cache_dir() / spec.name / f"{key}.lock"
-    with open(lock_path, "w") as lock_file:
+    try:
+        build_dir.mkdir(parents=True, exist_ok=True)
+        lock_file = open(lock_path, "w")
+    except OSError as exc:  # a read-only or full home: as with no compiler, the op cannot be built here
+        raise OpUnavailableError(f"cannot write the op cache {cache_dir()} ({exc.strerror or exc}); set "
+                                 "ZEROINF_CACHE to a writable folder") from exc
+    with lock_file:
         fcntl.flock(lock_file, fcntl.LOCK_EX)
         # torch's own build baton: a file it deletes when its build ends. A build killed midway
         # (Ctrl-C in a spawned rank, a test timeout) leaves it behind and every later build would
@@ -213,7 +219,9 @@ def _jit_build(spec: OpSpec) -> ModuleType:
                 build_directory=str(build_dir),
                 verbose=False,
             )
-        except (RuntimeError, ImportError, OSError) as exc:
+        except (RuntimeError, ImportError, OSError, subprocess.SubprocessError) as exc:
+            # SubprocessError: torch's own compiler check (``CXX --version`` failing: a broken
+            # wrapper) raised CalledProcessError past this (tester-41 F5)
             log = str(exc)
             raise OpBuildError(spec.name, _compile_command(build_dir), _first_error_line(log), log) from exc
         finally:
@@ -244,7 +252,8 @@ def load_op(name: str) -> ModuleType:
 
     Raises:
         KeyError: unknown op name.
-        OpUnavailableError: ops disabled by ``ZEROINF_DISABLE_OPS`` or no compiler found.
+        OpUnavailableError: ops disabled by ``ZEROINF_DISABLE_OPS``, no compiler found, or an op
+            cache folder that cannot be written (``ZEROINF_CACHE``).
         OpBuildError: the build or the import failed (compiler command and first error inside).
     """
     if name not in OPS:
@@ -267,7 +276,8 @@ def load_op(name: str) -> ModuleType:
 def try_load_op(name: str, fallback: str) -> Optional[ModuleType]:
     """Like :func:`load_op`, but return ``None`` (warning once per op) when the op is unavailable.
 
-    Only :class:`OpUnavailableError` (ops disabled, no compiler) leads to the fallback; a build
+    Only :class:`OpUnavailableError` (ops disabled, no compiler, an op cache that cannot be
+    written) leads to the fallback; a build
     that was attempted and failed still raises :class:`OpBuildError`.
 
     Args:
