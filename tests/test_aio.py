@@ -391,6 +391,8 @@ def test_from_config_deepspeed_block():
         AsyncIOHandle.from_config({"block_size": 1000})
     with pytest.raises(ValueError, match=r"^aio\.single_submit"):
         AsyncIOHandle.from_config({"single_submit": "yes"})
+    with pytest.raises(ValueError, match=r"^aio\.thread_count: 3 disagrees with intra_op_parallelism=2"):
+        AsyncIOHandle.from_config({"intra_op_parallelism": 2, "thread_count": 3})  # tester-41 F9
 
 
 def test_env_var_beats_argument(monkeypatch):

@@ -516,6 +516,10 @@ def test_deepspeed_engine_calls_and_keys_a_config_brings(tmp_path, caplog):
     assert (engine.gradient_accumulation_steps(), engine.train_micro_batch_size_per_gpu(), engine.train_batch_size(),
             engine.zero_optimization_stage(), engine.was_step_applied(), engine.local_rank) == (2, 4, 8, 3, False, 0)
     assert engine.device == torch.device("cpu")
+    # and what DeepSpeed's example scripts read (AttributeError before: tester-41 F8)
+    assert (engine.global_rank, engine.dp_world_size, engine.get_data_parallel_rank(),
+            engine.get_data_parallel_world_size(), engine.fp16_enabled(), engine.bfloat16_enabled(),
+            engine.gradient_clipping(), engine.get_mom()) == (0, 1, 0, 1, False, False, 0.0, [(0.9, 0.999)])
     X, Y = batches(4)
     with caplog.at_level(logging.INFO, logger="zeroinf"):
         train(engine, X, Y, 2, gas=2)

@@ -294,8 +294,8 @@ class AsyncIOHandle:
                  *, thread_count: Optional[int] = None):
         if thread_count is not None:
             if intra_op_parallelism not in (1, thread_count):
-                raise ValueError(f"thread_count={thread_count} and intra_op_parallelism={intra_op_parallelism} "
-                                 "disagree; give only intra_op_parallelism")
+                raise ValueError(f"thread_count: {thread_count} disagrees with intra_op_parallelism="
+                                 f"{intra_op_parallelism}; give only intra_op_parallelism")
             intra_op_parallelism = thread_count
         for key, value, ok in (
                 ("block_size", block_size, isinstance(block_size, int) and block_size > 0 and block_size % ALIGN == 0),

@@ -1283,6 +1283,41 @@ class ZeroEngine:
         """The lr of each param group."""
         return [g["lr"] for g in self.optimizer.param_groups]
 
+    def get_mom(self) -> List[Tuple[float, float]]:
+        """Adam's ``betas`` of each param group, as DeepSpeed's ``get_mom`` gives them."""
+        return [tuple(g["betas"]) for g in self.optimizer.param_groups]
+
+    # what DeepSpeed's example scripts read of the engine (tester-41 F8)
+    @property
+    def global_rank(self) -> int:
+        """This process's rank in the data-parallel world (``torch.distributed`` rank)."""
+        return self.rank
+
+    @property
+    def dp_world_size(self) -> int:
+        """Data-parallel ranks (all ranks: zeroinf has no model or pipeline parallelism)."""
+        return self.world_size
+
+    def get_data_parallel_world_size(self) -> int:
+        """Same as :attr:`dp_world_size`."""
+        return self.world_size
+
+    def get_data_parallel_rank(self) -> int:
+        """Same as :attr:`global_rank`."""
+        return self.rank
+
+    def fp16_enabled(self) -> bool:
+        """Whether the config trains in fp16 (``fp16.enabled``)."""
+        return self.config.precision == "fp16"
+
+    def bfloat16_enabled(self) -> bool:
+        """Whether the config trains in bf16 (``bf16.enabled``)."""
+        return self.config.precision == "bf16"
+
+    def gradient_clipping(self) -> float:
+        """The config's ``gradient_clipping`` (max global gradient norm; 0: no clipping)."""
+        return self.config.gradient_clipping
+
     @property
     def loss_scale(self) -> float:
         """Current loss scale (1.0 without fp16)."""
