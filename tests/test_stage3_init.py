@@ -435,3 +435,26 @@ def test_load_state_dict_between_the_init_block_and_initialize(tmp_path, tier):
     got = model.state_dict()
     assert all(torch.equal(got[k], v) for k, v in pretrained.items())
     engine.close()
+
+
+def test_load_safetensors_says_when_the_file_is_in_a_layout_transformers_converts(tmp_path):
+    """A file whose keys transformers renames or fuses as it loads the model (GPT-NeoX's
+    ``embed_out`` for ``lm_head``; transformers 5's per-expert MoE tensors) gave a KeyError
+    naming only the model's keys (tester-40 F1); it now says which of the file's keys match
+    transformers' conversion and what to do instead."""
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("transformers.conversion_mapping")
+    from safetensors.torch import save_file
+
+    from zeroinf.runtime.stage3 import load_safetensors
+
+    cfg = transformers.GPTNeoXConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+                                     num_attention_heads=4)
+    model = transformers.AutoModelForCausalLM.from_config(cfg)
+    sd = {("embed_out.weight" if k == "lm_head.weight" else k): v.contiguous() for k, v in model.state_dict().items()}
+    save_file(sd, str(tmp_path / "model.safetensors"))
+    engine, *_ = zeroinf.initialize(model=model, config={**_cfg("cpu", tmp_path),
+                                                         "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}})
+    with pytest.raises(KeyError, match=r"\['lm_head\.weight'\].*layout transformers converts.*embed_out.*from_pretrained"):
+        load_safetensors(model, tmp_path)
+    engine.close()

@@ -157,6 +157,28 @@ def _safetensors_files(path) -> List[str]:
                             "or model.safetensors.index.json")
 
 
+def _conversion_hint(model: nn.Module, file_keys) -> str:
+    """When the file's keys are in a layout that transformers converts as it loads this model
+    (transformers 5 writes MoE experts one tensor per expert and fuses them into
+    ``experts.gate_up_proj``; GPT-NeoX's ``embed_out`` is renamed ``lm_head``), a sentence saying
+    so and what to do instead (tester-40 F1: the KeyError named only the model's keys); else ""."""
+    import re
+    try:
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        rules = get_model_conversion_mapping(model)
+    except Exception:  # no transformers, another version, or not a transformers model: no hint
+        return ""
+    found = sorted({src for r in rules for src in getattr(r, "source_patterns", ())
+                    if any(re.search(src, k) for k in file_keys)})
+    if not found:
+        return ""
+    return (f". The file's keys are in a layout transformers converts when it loads this model (they match "
+            f"{', '.join(repr(f) for f in found[:4])}: renamed or per-expert tensors fused into one parameter), "
+            "which load_safetensors does not do: load it with from_pretrained under zeroinf.Init (whole in "
+            "memory until initialize), or save the weights once under the model's own names "
+            "(safetensors.torch.save_file(model.state_dict(), ...)) and stream those")
+
+
 def load_safetensors(model: nn.Module, path, *, strict: bool = True) -> List[str]:
     """Stream pretrained weights into a stage-3 model's partitions, one flat group at a time
     (each tensor is read from the file only when its group is written; the whole model is never
@@ -206,7 +228,8 @@ def load_safetensors(model: nn.Module, path, *, strict: bool = True) -> List[str
         plan.append((g, items))
     if missing and strict:
         raise KeyError(f"load_safetensors: {len(missing)} parameters are not in {os.fspath(path)}: {missing[:8]}"
-                       f"{'...' if len(missing) > 8 else ''}; nothing was written (strict=False loads the rest)")
+                       f"{'...' if len(missing) > 8 else ''}; nothing was written (strict=False loads the rest)"
+                       f"{_conversion_hint(model, where)}")
     for g, items in plan:
         if not items:
             continue
