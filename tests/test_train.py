@@ -521,3 +521,14 @@ def test_a_model_config_with_no_causal_lm_class_is_refused_in_one_line(tmp_path)
     path.write_text(json.dumps({"model_type": "t5", "vocab_size": 300, "d_model": 32}))
     with pytest.raises(ModelError, match="model_type 't5' has no causal-LM class in transformers"):
         build_config(str(path))
+
+
+def test_a_full_out_disk_names_the_log_file():
+    """A full ``--out`` disk ended the run with "[Errno 28] No space left on device", no path,
+    exit 1 (tester-41 F4); the write of log.jsonl raises a TrainError (exit 2) naming it."""
+    from zeroinf.train import TrainError, _append_record
+    log = open("/dev/full", "w")
+    with pytest.raises(TrainError, match=r"--out: writing /x/log\.jsonl failed at step 7 \(No space left on device\)"):
+        _append_record(log, Path("/x/log.jsonl"), {"step": 7, "loss": 1.0})
+    with pytest.raises(OSError):  # the failed write's bytes are still buffered
+        log.close()

@@ -73,6 +73,21 @@ class TrainError(ValueError):
     """Bad input to ``zeroinf train``; the message starts with the offending option or path."""
 
 
+def _append_record(log, path: Path, rec: dict) -> None:
+    """Append one record to ``log.jsonl`` and flush it.
+
+    Raises:
+        TrainError: the write failed (a full ``--out`` disk: it was "[Errno 28] No space left on
+            device" with no path, exit 1: tester-41 F4); names the file.
+    """
+    try:
+        log.write(json.dumps(rec) + "\n")
+        log.flush()
+    except OSError as exc:
+        raise TrainError(f"--out: writing {path} failed at step {rec.get('step')} ({exc.strerror or exc}); free "
+                         "space there or give --out on another disk") from exc
+
+
 # ----------------------------------------------------------------------------------------- CLI
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """Add ``zeroinf train``'s options to ``p``."""
@@ -832,8 +847,7 @@ class _Run:
                     records.append(rec)
                     self.completed = step
                     if log is not None:
-                        log.write(json.dumps(rec) + "\n")
-                        log.flush()
+                        _append_record(log, log_path, rec)
                     bar.set_postfix(loss=f"{rec['loss']:.4f}", tok_s=f"{rec['tokens_per_s']:.0f}",
                                     step_s=f"{rec['step_s']:.2f}")
                     bar.update(1)
@@ -843,7 +857,10 @@ class _Run:
         finally:
             bar.close()
             if log is not None:
-                log.close()
+                try:
+                    log.close()
+                except OSError:  # the write that failed left its bytes buffered: _append_record raised for it
+                    pass
         if interrupted:
             engine.save_checkpoint(str(out / "checkpoint"), f"step{self.completed}")
         elif rank0:
