@@ -167,8 +167,9 @@ def test_cli_params_alone_cap_what_stage_3_gathers_at_what_the_device_holds(tmp_
     for, at most min(P, 1e9) (the engine's default stage3_max_live_parameters), and the config
     caps it: 1 GB left over in bf16 holds (2 + 2) B x 250M."""
     out = tmp_path / "p.json"
-    for mem in ("1", "80", "1KiB", "279MB"):  # 72 usable bytes "fit", capped at 18 (tester-33 M4): the
-        # floor is P/100 = 70M parameters, (2 + 2) B x 70M = 280 MB, 252 MB usable after 10%
+    for mem in ("1MiB", "100MB", "279MB"):  # 72 usable bytes "fit", capped at 18 (tester-33 M4; under
+        # 1 MiB is refused now: tester-41 F6): the floor is P/100 = 70M parameters, (2 + 2) B x 70M
+        # = 280 MB, 252 MB usable after 10%
         rc = cli.main(["plan", "--params", "7e9", "--gpu-mem", mem, "--cpu-mem", "1TB", "--nvme", "1TB",
                        "--out", str(out)])
         text = capsys.readouterr().out
@@ -398,3 +399,16 @@ def test_every_command_into_a_closed_pipe_exits_141_quietly(tmp_path, argv):
     (exit 0 for ``zeroinf --help``, 141 for ``zeroinf plan --help``, by buffer size)."""
     proc = _into_closed_pipe(argv, tmp_path)
     assert (proc.returncode, proc.stderr) == (141, "")
+
+
+@pytest.mark.parametrize("flag", ["--gpu-mem", "--cpu-mem"])
+def test_cli_memory_without_a_unit_asks_for_one(tmp_path, capsys, flag):
+    """``--gpu-mem 80`` is 80 bytes: the plan found that nothing fits and did not say why
+    (tester-41 F6); a size under 1 MiB is refused, suggesting a unit."""
+    mem = {"--gpu-mem": "80GB", "--cpu-mem": "1TB", flag: "80"}
+    rc = cli.main(["plan", "--params", "7e9", *[x for kv in mem.items() for x in kv], "--out", str(tmp_path / "p.json")])
+    got = capsys.readouterr()
+    assert rc == 2 and got.out == ""
+    assert got.err.splitlines() == [f"zeroinf plan: error: {flag}: 80 bytes is less than 1 MiB; give a unit "
+                                    "(e.g. 80GB or 80GiB)"]
+    assert not list(tmp_path.iterdir())
