@@ -458,3 +458,47 @@ def test_load_safetensors_says_when_the_file_is_in_a_layout_transformers_convert
     with pytest.raises(KeyError, match=r"\['lm_head\.weight'\].*layout transformers converts.*embed_out.*from_pretrained"):
         load_safetensors(model, tmp_path)
     engine.close()
+
+
+def test_init_swap_files_count_as_free_for_the_optimizer_files(tmp_path, monkeypatch):
+    """``initialize`` after ``Init`` counted Init's swap files as taken for good, so a disk with
+    room was refused ("has 0.050 GB free; need 0.050 GB": tester-41 F1). They are removed once
+    the parameter partitions are written, before the optimizer's files are made: free for
+    those, not for the partitions written beside them."""
+    import collections
+    import shutil
+
+    from zeroinf.config import ConfigError
+    from zeroinf.runtime.engine import ZeroEngine
+    from zeroinf.runtime.stage3.init import swap_bytes_freed_by
+
+    with zeroinf.Init(config=_cfg("nvme", tmp_path)):
+        model = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 64))
+    with zeroinf.Init(config=_cfg("nvme", tmp_path)):
+        other = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))
+    freed = swap_bytes_freed_by(model.parameters())
+    assert list(freed.values()) == [2 * (64 * 64 + 64) * 4]
+    assert swap_bytes_freed_by(list(other.parameters())[:1]) == {}  # its block still holds the rest: nothing freed
+    init_bytes = sum(freed.values())
+    key = "zero_optimization.offload_param.nvme_path"
+    files = [(key, str(tmp_path), str(tmp_path / "p"), init_bytes, "parameter partitions"),
+             (key, str(tmp_path), str(tmp_path / "p"), init_bytes, "gradient partitions"),
+             ("zero_optimization.offload_optimizer.nvme_path", str(tmp_path), str(tmp_path / "o"), 2 * init_bytes,
+              "optimizer state")]
+    real = shutil.disk_usage
+    usage = collections.namedtuple("usage", "total used free")
+
+    def disk_with(free):
+        monkeypatch.setattr(shutil, "disk_usage",
+                            lambda p: usage(10**12, 0, free) if str(p).startswith(str(tmp_path)) else real(p))
+
+    disk_with(3 * init_bytes + 10)  # 4 x init_bytes needed; Init's init_bytes go before the optimizer's
+    ZeroEngine._check_disk_room(None, files, freed)
+    with pytest.raises(ConfigError, match="has 0.000 GB free"):
+        ZeroEngine._check_disk_room(None, files, {})  # as before: refused
+    disk_with(3 * init_bytes - 10)
+    with pytest.raises(ConfigError, match="and the 0.000 GB of zeroinf.Init's swap files that initialize frees"):
+        ZeroEngine._check_disk_room(None, files, freed)
+    disk_with(2 * init_bytes - 10)  # not even the partitions fit beside Init's files
+    with pytest.raises(ConfigError):
+        ZeroEngine._check_disk_room(None, files, {k: 10**9 for k in freed})

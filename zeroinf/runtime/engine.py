@@ -342,7 +342,9 @@ class ZeroEngine:
                     "and give that to zeroinf.initialize, then load the weights (engine.load_checkpoint, "
                     "load_safetensors)")
             # before the manager writes its parameter partitions: every swap file stage 3 implies
-            self._check_disk(swap_file_bytes(model, cfg, groups, rank=rank, world_size=world_size))
+            from zeroinf.runtime.stage3.init import swap_bytes_freed_by
+            self._check_disk(swap_file_bytes(model, cfg, groups, rank=rank, world_size=world_size),
+                             freed=swap_bytes_freed_by(model.parameters()))
             self.params = engine_manager(model, cfg, groups, rank=rank, world_size=world_size)
         else:
             from .flat import FlatParamManager
@@ -426,13 +428,16 @@ class ZeroEngine:
     # ------------------------------------------------------------------------------------------
     # checks at start-up: fail now, not mid-step
 
-    def _check_disk(self, files) -> None:
+    def _check_disk(self, files, freed: Optional[Dict[str, int]] = None) -> None:
         """Raise :class:`ConfigError` unless each swap folder's file system has room for every swap
         file this rank will write there. ``files``: ``(config key, nvme_path, swap folder, bytes,
         what)``; bytes already in the swap folder this engine will take (a rerun overwrites them)
         count as free, those of a folder another live engine holds do not
-        (:func:`zeroinf.io.swapper.reusable_bytes`). A missing ``nvme_path`` is created, and
-        removed again (the empty folders made) when a check fails."""
+        (:func:`zeroinf.io.swapper.reusable_bytes`). ``freed``: bytes of ``zeroinf.Init`` swap
+        files by folder, removed once the parameter partitions are written and before the
+        optimizer's files are made: free for those, not for the parameter and gradient
+        partitions written beside them. A missing ``nvme_path`` is created, and removed again
+        (the empty folders made) when a check fails."""
         files = list(files)
         made = []  # the topmost folder each missing nvme_path creates
         for _key, path, *_ in files:
@@ -444,7 +449,7 @@ class ZeroEngine:
             if top is not None:
                 made.append(top)
         try:
-            self._check_disk_room(files)
+            self._check_disk_room(files, freed or {})
         except ConfigError:  # a refused run leaves no folder behind (tester-33: p_ok/1 stayed)
             for top in made:
                 for d, _dirs, _files in sorted(os.walk(top), key=lambda w: -len(w[0])):
@@ -454,7 +459,7 @@ class ZeroEngine:
                         pass
             raise
 
-    def _check_disk_room(self, files) -> None:
+    def _check_disk_room(self, files, freed: Dict[str, int]) -> None:
         from zeroinf.io.probe import dir_problem
         from zeroinf.io.swapper import reusable_bytes
 
@@ -463,16 +468,24 @@ class ZeroEngine:
             problem = dir_problem(path, create=True)  # a real write: permission bits say nothing for root or a read-only mount
             if problem is not None:
                 raise ConfigError(key, f"{path!r} {problem}")
-            e = by_dev.setdefault(os.stat(path).st_dev, {"key": key, "path": path, "need": 0, "folders": set(),
-                                                         "what": []})
+            e = by_dev.setdefault(os.stat(path).st_dev, {"key": key, "path": path, "need": 0, "first": 0,
+                                                         "folders": set(), "what": [], "freed": 0})
             e["need"] += nbytes
+            if key == "zero_optimization.offload_param.nvme_path":  # written while Init's files are still there
+                e["first"] += nbytes
             e["folders"].add(folder)
             e["what"].append(f"{what}: {nbytes} bytes")
+        for folder, nbytes in freed.items():
+            e = by_dev.get(os.stat(folder).st_dev) if os.path.isdir(folder) else None
+            if e is not None:
+                e["freed"] += nbytes
         for e in by_dev.values():
             have = shutil.disk_usage(e["path"]).free + sum(reusable_bytes(f) for f in e["folders"])
-            if have < e["need"]:
-                raise ConfigError(e["key"], f"{e['path']!r} has {have / 1e9:.3f} GB free; this rank's swap files need "
-                                  f"{e['need'] / 1e9:.3f} GB ({e['need']} bytes; {'; '.join(e['what'])})")
+            if have < e["first"] or have + e["freed"] < e["need"]:
+                init = (f", and the {e['freed'] / 1e9:.3f} GB of zeroinf.Init's swap files that initialize frees "
+                        "once it has taken the parameters" if e["freed"] else "")
+                raise ConfigError(e["key"], f"{e['path']!r} has {have / 1e9:.3f} GB free{init}; this rank's swap files "
+                                  f"need {e['need'] / 1e9:.3f} GB ({e['need']} bytes; {'; '.join(e['what'])})")
 
     def _check_machine(self, specs, bytes_per_element: int = 12) -> None:
         """Raise :class:`ConfigError` when the optimizer's pinned NVMe swap buffers
