@@ -233,11 +233,16 @@ def load_safetensors(model: nn.Module, path, *, strict: bool = True) -> List[str
     for g, items in plan:
         if not items:
             continue
-        values = []
+        values, exact = [], []
         for s, key, f in items:
             with safe_open(f, framework="pt") as st:
-                values.append((s, st.get_tensor(key).to(g.dtype)))
-        mgr.write_group_values(g, values)
+                t = st.get_tensor(key)
+            values.append((s, t.to(g.dtype)))
+            exact.append(t.float())
+        # a bf16/fp16 model's fp32 masters take the file's values, not their rounding (tester-40 F3),
+        # as initialize takes a model's fp32 weights
+        mgr.write_group_values(g, values, exact=exact if g.dtype != torch.float32 else None)
+        del exact
         # new values, as load_state_dict's copy_ makes them: a backward of a forward that ran
         # before raises (its saved weights changed), as in plain PyTorch
         for s, _ in values:

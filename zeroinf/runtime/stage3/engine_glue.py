@@ -633,7 +633,7 @@ class Stage3EngineParams:
                 idx = by_group.get(g.key, [])
                 if not idx:
                     continue
-                shard = self.manager.param_shard(g)
+                shard = self.manager.master_source(g)
                 for i in idx:
                     _, lo, hi, _ = self._subs[i]
                     with sub_optimizer.state(i) as (master, m, v):

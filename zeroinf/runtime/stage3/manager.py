@@ -449,6 +449,7 @@ class Stage3ParameterManager:
         self._graphs_alive = 0  # this iteration's forward graphs not dropped (_note_graph, _graph_dropped)
         self._placeholders: Dict[torch.dtype, torch.Tensor] = {}
         self._listeners: List[Callable[[List[FlatGroup], Dict[str, List[Tuple[int, int]]]], None]] = []
+        self._exact_shard: Dict[str, torch.Tensor] = {}  # write_group_values' exact values, for master_source
         self._storage_of: Dict[int, FlatGroup] = {}
         self._handles: list = []
         self._param_hooks: list = []  # the parameters' gradient hooks (see _remove_param_hooks)
@@ -2202,15 +2203,37 @@ class Stage3ParameterManager:
             dist.all_gather(list(full.chunk(self.world_size)), mine, group=self.group)
         return full
 
-    def write_group_values(self, g: FlatGroup, values: Sequence[Tuple[ParamSlot, torch.Tensor]]) -> None:
+    def write_group_values(self, g: FlatGroup, values: Sequence[Tuple[ParamSlot, torch.Tensor]],
+                           exact: Optional[Sequence[torch.Tensor]] = None) -> None:
         """Write full values of some of ``g``'s parameters into this rank's partition (each rank
-        keeps the part that falls in its shard), refresh a gathered copy, and notify listeners."""
+        keeps the part that falls in its shard), refresh a gathered copy, and notify listeners.
+        ``exact``: the same values in fp32, one per entry of ``values``, for a bf16/fp16 group
+        (a file's fp32 weights): the listeners' fp32 masters take them, not their rounding
+        (:meth:`master_source`)."""
         self._write_partition(g, [(s.offset, v.reshape(-1)) for s, v in values], full=True)
         lo, hi = self._shard_range(g)
         spans = [(max(lo, s.offset) - lo, min(hi, s.offset + s.numel) - lo) for s, _ in values]
         written = {g.key: [(a, b) for a, b in spans if a < b]}
-        for fn in self._listeners:
-            fn([g], written)
+        if exact is not None and g.dtype != torch.float32 and self._listeners:
+            src = self.param_shard(g).float()
+            for (s, _), v in zip(values, exact):
+                a, b = max(lo, s.offset), min(hi, s.offset + s.numel)
+                if a < b:
+                    src[a - lo:b - lo] = v.reshape(-1)[a - s.offset:b - s.offset]
+            self._exact_shard[g.key] = src
+        try:
+            for fn in self._listeners:
+                fn([g], written)
+        finally:
+            self._exact_shard.pop(g.key, None)
+
+    def master_source(self, g: FlatGroup) -> torch.Tensor:
+        """What a write listener refreshes ``g``'s fp32 masters from: this rank's partition
+        (:meth:`param_shard`), or, while :meth:`write_group_values` was given ``exact`` values,
+        the partition in fp32 with those values in place (a bf16 model's masters loaded from an
+        fp32 file were rounded to bf16: tester-40 F3)."""
+        exact = self._exact_shard.get(g.key)
+        return exact if exact is not None else self.param_shard(g)
 
     def write_partition_slice(self, g: FlatGroup, lo: int, values: torch.Tensor) -> None:
         """Write ``values`` (1-D) into this rank's partition of ``g`` at ``[lo, lo + numel)``

@@ -77,7 +77,7 @@ class Stage3Optimizer:
         moments of those groups restart at zero only at construction (later calls keep them)."""
         first = not hasattr(self, "_initialised")
         for g in self._groups(groups):
-            shard = self.manager.param_shard(g)
+            shard = self.manager.master_source(g)
             for i in self._by_group[g.key]:
                 _, lo, hi = self.chunks[i]
                 if first:  # zeroinf.Init's fp32 values when the partition holds them rounded
