@@ -532,3 +532,34 @@ def test_load_safetensors_gives_a_bf16_model_the_files_fp32_masters(tmp_path, op
         runs.append({k: v.float() for k, v in engine.module.state_dict().items()})
         engine.close()
     assert all(torch.equal(runs[0][k], runs[1][k]) for k in runs[0])
+
+
+def test_load_state_dict_of_fp32_weights_sets_a_bf16_models_masters_to_them(tmp_path):
+    """``model.load_state_dict(fp32 weights)`` on a bf16 stage-3 model after training ("reset to
+    init", restoring the best weights) sets the fp32 masters to those values: elements whose
+    bf16 rounding had not moved kept their trained fp32 master (tester-39: 31% of a weight,
+    8.5e-4 off). A bf16 state dict still leaves the masters' extra bits alone."""
+    import zeroinf.checkpoint
+
+    torch.manual_seed(5)
+    model = TinyLM()
+    init = {k: v.clone() for k, v in model.state_dict().items()}
+    cfg = {**_cfg("cpu", tmp_path), "bf16": {"enabled": True}, "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}}}
+    engine, *_ = zeroinf.initialize(model=model, config=cfg)
+    for step in range(3):
+        x, y = batch(step)
+        engine.backward(loss_fn(engine(x).float(), y))
+        engine.step()
+
+    def masters(tag):
+        engine.save_checkpoint(str(tmp_path / "ck"), tag=tag)
+        return zeroinf.checkpoint.consolidate(str(tmp_path / "ck"), tag, str(tmp_path / f"{tag}.pt"))
+
+    trained = masters("trained")
+    model.load_state_dict({k: v.to(torch.bfloat16) for k, v in model.state_dict().items()})  # its own bf16 values
+    same = masters("same")
+    assert all(torch.equal(same[k], trained[k]) for k in trained)
+    model.load_state_dict(init)
+    reset = masters("reset")
+    assert all(torch.equal(reset[k], init[k]) for k in init if k in reset)
+    engine.close()

@@ -13,7 +13,7 @@ from torch import nn
 from ..waits import collective
 from .init import held_values
 from .manager import managers, views_its_slot
-from .units import UnitState
+from .units import UnitState, exact_values
 
 __all__ = ["gathered_parameters", "load_safetensors"]
 
@@ -233,20 +233,15 @@ def load_safetensors(model: nn.Module, path, *, strict: bool = True) -> List[str
     for g, items in plan:
         if not items:
             continue
-        values, exact = [], []
+        raw = []
         for s, key, f in items:
             with safe_open(f, framework="pt") as st:
-                t = st.get_tensor(key)
-            values.append((s, t.to(g.dtype)))
-            exact.append(t.float())
-        # a bf16/fp16 model's fp32 masters take the file's values, not their rounding (tester-40 F3),
-        # as initialize takes a model's fp32 weights
-        mgr.write_group_values(g, values, exact=exact if g.dtype != torch.float32 else None)
-        del exact
+                raw.append((s, st.get_tensor(key)))
+        mgr.write_group_values(g, [(s, t.to(g.dtype)) for s, t in raw], exact=exact_values(g, raw))
         # new values, as load_state_dict's copy_ makes them: a backward of a forward that ran
         # before raises (its saved weights changed), as in plain PyTorch
-        for s, _ in values:
+        for s, _ in raw:
             torch.autograd.graph.increment_version(s.param)
-        del values
+        del raw
     mgr.params_updated()
     return missing

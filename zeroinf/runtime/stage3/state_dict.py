@@ -40,7 +40,7 @@ from typing import Dict, List
 import torch
 
 from ..waits import collective
-from .units import FlatGroup
+from .units import FlatGroup, exact_values
 
 __all__ = ["ModuleStateHooks"]
 
@@ -322,7 +322,8 @@ class ModuleStateHooks:
                         continue
                     self._place(state_dict, n, s)
             if updates:
-                m.write_group_values(g, [(s, v) for s, v, _ns in updates.values()])
+                values = [(s, v) for s, v, _ns in updates.values()]
+                m.write_group_values(g, values, exact=exact_values(g, values))
                 for s, _v, ns in updates.values():
                     for n in ns:
                         if n in state_dict:
