@@ -426,6 +426,8 @@ def test_load_state_dict_between_the_init_block_and_initialize(tmp_path, tier):
                                            r"torch\.Size\(\[3, 3\]\) from checkpoint, the shape in current model is "
                                            r"torch\.Size\(\[\d+, \d+\]\)"):
         model.load_state_dict(bad)
+    with pytest.raises(RuntimeError, match=r"assign=True\) between .* would replace the held parameter 'emb\.weight'"):
+        model.load_state_dict(dict(pretrained), assign=True)  # kept the placeholders, silently (tester-42 F2)
     model.load_state_dict(pretrained)
     got = model.state_dict()  # Init's held values, before initialize
     assert all(torch.equal(got[k], v) for k, v in pretrained.items())

@@ -553,6 +553,11 @@ def _held_load_pre_hook(module: nn.Module, state_dict: Dict[str, Any], prefix: s
             held = _HELD.get(p) if p is not None else None
         if held is None or key not in state_dict:
             continue
+        if local_metadata.get("assign_to_params_buffers"):  # it put the placeholder in as the value: all lost
+            raise RuntimeError(f"zeroinf.Init: load_state_dict(..., assign=True) between the Init block and "
+                               f"zeroinf.initialize would replace the held parameter '{key}' (shape "
+                               f"{tuple(held.shape)}) by a plain tensor that Init does not hold; load with "
+                               "assign=False (the default): the values are written into what Init holds")
         value = state_dict[key]
         if not isinstance(value, torch.Tensor):
             continue  # torch reports it
