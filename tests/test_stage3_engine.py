@@ -470,7 +470,7 @@ def test_submodules_called_on_their_own_compute_as_in_plain_pytorch(tmp_path, ti
     model, a head, a block, peft's generate() calling the wrapped model) raised "unit ... was
     called outside the managed model's forward", and so did the wrapping the message advised
     (helper-44, t05_submodule_call.py). It computes as plain PyTorch, with gradients too, and
-    training is unaffected."""
+    training is unaffected; so does a module inside a unit (a block's MLP probed on its own)."""
     ref = TinyLM()
     model = copy.deepcopy(ref)
     engine, *_ = zeroinf.initialize(model=model, config=_config(*tiers, tmp_path))
@@ -493,7 +493,8 @@ def test_submodules_called_on_their_own_compute_as_in_plain_pytorch(tmp_path, ti
     x = batch(7)[0]
     with torch.no_grad():
         for call in (lambda m: m.emb(x), lambda m: m.blocks[2](m.emb(x)), lambda m: m.head(m.norm(m.emb(x))),
-                     lambda m: m.blocks[3](m.blocks[2](m.emb(x)))):
+                     lambda m: m.blocks[3](m.blocks[2](m.emb(x))),
+                     lambda m: m.blocks[2].ff[0](m.emb(x)), lambda m: m.blocks[2].ff(m.emb(x))):  # inside a unit
             assert (call(model) - call(ref)).abs().max().item() <= 1e-6
     # inside gathered_parameters the block's units stay gathered through such calls (a forward
     # inside the block released them: reading a weight afterwards raised)
@@ -504,8 +505,10 @@ def test_submodules_called_on_their_own_compute_as_in_plain_pytorch(tmp_path, ti
             model(x)
         assert (w - ref.blocks[0].ff[0].weight).abs().max().item() <= 1e-6
     assert w.shape == (0,)
-    # grad-enabled: a loss from submodule calls alone trains what it reached
+    # grad-enabled: a loss from submodule calls alone trains what it reached, a module inside a
+    # unit too (it raised "released": tester-42 F4)
     both_step(model.blocks[1](model.emb(x)).square().mean(), ref.blocks[1](ref.emb(x)).square().mean())
+    both_step(model.blocks[2].ff[0](model.emb(x)).square().mean(), ref.blocks[2].ff[0](ref.emb(x)).square().mean())
     for step in (2, 3):
         x, y = batch(step)
         both_step(loss_fn(engine(x), y), loss_fn(ref(x), y))

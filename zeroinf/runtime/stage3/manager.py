@@ -708,13 +708,12 @@ class Stage3ParameterManager:
         # [Note: entry modules] the model's forward is one way in; a submodule called on its
         # own is another (Hugging Face's inner model, a head, peft's generate() calling the
         # wrapped model's): DeepSpeed hooks every module, so these work there. Here every module
-        # that is a unit's or outside the units may open the forward when none is running;
+        # may open the forward when none is running (one inside a unit, a block's MLP probed on
+        # its own, gathers its unit as a foreign read: it raised "released", tester-42 F4);
         # inside a forward (or a backward, or with a backward pending) only the model does.
-        inside = {id(m) for u in self.units[2:] for m in u.module.modules() if m is not u.module}
         for mod in root.modules():
-            if id(mod) not in inside:
-                self._handles.append(mod.register_forward_pre_hook(self._entry_pre, prepend=True))
-                self._handles.append(mod.register_forward_hook(self._entry_post, always_call=True))
+            self._handles.append(mod.register_forward_pre_hook(self._entry_pre, prepend=True))
+            self._handles.append(mod.register_forward_hook(self._entry_post, always_call=True))
         me = weakref.ref(self)  # see _remove_param_hooks: the hooks reach the manager weakly
         for u in self.units:
             for g in u.groups:
