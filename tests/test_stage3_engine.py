@@ -595,7 +595,7 @@ def test_a_submodules_state_dict_and_load_state_dict_use_the_partitions(tmp_path
             p.mul_(0.5)
     writes = []
     write = engine.params.manager.write_group_values
-    engine.params.manager.write_group_values = lambda g, vals: (writes.append(g.key), write(g, vals))[1]
+    engine.params.manager.write_group_values = lambda g, vals, **kw: (writes.append(g.key), write(g, vals, **kw))[1]
     model.blocks[1].load_state_dict(other.blocks[1].state_dict())
     ref.blocks[1].load_state_dict(other.blocks[1].state_dict())
     assert writes and len(writes) == len(set(writes))
@@ -628,7 +628,7 @@ def test_state_dict_calls_through_a_wrapper_nested_or_with_a_wrong_shape(tmp_pat
             p.mul_(0.5)
     m = engine.params.manager
     writes, write = [], m.write_group_values
-    m.write_group_values = lambda g, vals: (writes.append(g.key), write(g, vals))[1]
+    m.write_group_values = lambda g, vals, **kw: (writes.append(g.key), write(g, vals, **kw))[1]
     torch.nn.Sequential(model).load_state_dict(torch.nn.Sequential(other).state_dict())
     assert sorted(writes) == sorted({g.key for g in m.groups()})  # each group once
     full = torch.nn.Sequential(model).state_dict()
