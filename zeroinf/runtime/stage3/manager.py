@@ -225,6 +225,16 @@ class _ManagerMode(TorchFunctionMode):
         super().__init__()
         self.m = manager
 
+    def _note_data_get(self, func, args) -> None:
+        """``func(*args)`` reads a gathered parameter's ``.data``: an in-place op on it moves no
+        version counter, so the manager copies what it holds now ([Note: changes in a
+        forward])."""
+        if (args and getattr(func, "__name__", "") == "__get__" and isinstance(args[0], nn.Parameter)
+                and attribute_of(func) == "data"):
+            rec = self.m._slot_of.get(args[0])
+            if rec is not None and not rec[2].data_read:
+                self.m._note_data_read(rec[1], rec[2])
+
 
 def _pre_accumulate(manager_ref, unit_index: int, grad: torch.Tensor) -> None:
     """A parameter's gradient hook: :meth:`Stage3ParameterManager._pre_accumulate`, through a
@@ -304,11 +314,7 @@ class _ForeignAccessMode(_ManagerMode):
                     if rec is not None and not rec[0].persistent and rec[0] not in m._active \
                             and rec[0] not in m._foreign:
                         m._gather_foreign(rec[0])
-            if (args and getattr(func, "__name__", "") == "__get__" and isinstance(args[0], nn.Parameter)
-                    and attribute_of(func) == "data"):
-                rec = m._slot_of.get(args[0])
-                if rec is not None and not rec[2].data_read:  # after its gather
-                    m._note_data_read(rec[1], rec[2])
+            self._note_data_get(func, args)  # after its gather
         return func(*args, **kwargs)
 
 
@@ -327,6 +333,10 @@ class _RecomputeMode(_ManagerMode):
         kwargs = kwargs or {}
         m = self.m
         if not m._busy:
+            # a recompute repeats the forward's changes through .data too (tester-42 F1: a
+            # non-idempotent one lost its second application, 0.08 off): the release in the
+            # backward keeps them, as it keeps those under no_grad
+            self._note_data_get(func, args)
             args = tuple(self._swap(a) for a in args)
             kwargs = {k: self._swap(v) for k, v in kwargs.items()}
         return func(*args, **kwargs)
