@@ -532,3 +532,22 @@ def test_a_full_out_disk_names_the_log_file():
         _append_record(log, Path("/x/log.jsonl"), {"step": 7, "loss": 1.0})
     with pytest.raises(OSError):  # the failed write's bytes are still buffered
         log.close()
+
+
+def test_a_full_out_disk_leaves_no_empty_summary(tmp_path, monkeypatch):
+    """summary.json, summary.txt, run.json and compare.json are written through a temporary file
+    and a rename: a full disk gave "[Errno 28]" with no path, exit 1, and an empty summary.json
+    (tester-42 F3); it is a TrainError naming the file, and the old file (or none) stays."""
+    import errno
+
+    from zeroinf.train import TrainError, _write_out
+    target = tmp_path / "summary.json"
+    _write_out(target, "old\n")
+
+    def full(self, text, *args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(Path, "write_text", full)
+    with pytest.raises(TrainError, match=r"--out: writing .*summary\.json failed \(No space left on device\)"):
+        _write_out(target, "new\n")
+    monkeypatch.undo()
+    assert target.read_text() == "old\n" and sorted(p.name for p in tmp_path.iterdir()) == ["summary.json"]

@@ -88,6 +88,24 @@ def _append_record(log, path: Path, rec: dict) -> None:
                          "space there or give --out on another disk") from exc
 
 
+def _write_out(path: Path, text: str) -> None:
+    """Write one of ``--out``'s files whole, through a temporary file and a rename: a failed
+    write leaves the old file or none, not an empty one.
+
+    Raises:
+        TrainError: the write failed (a full disk: it was "[Errno 28] No space left on device"
+            with no path, exit 1, and an empty summary.json: tester-42 F3); names the file.
+    """
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        raise TrainError(f"--out: writing {path} failed ({exc.strerror or exc}); free space there or give --out "
+                         "on another disk") from exc
+
+
 # ----------------------------------------------------------------------------------------- CLI
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """Add ``zeroinf train``'s options to ``p``."""
@@ -872,9 +890,7 @@ class _Run:
             run = {"args": {k: v for k, v in vars(a).items() if k != "resume"},
                    "completed_steps": self.completed, "interrupted": interrupted,
                    "time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
-            tmp = out / "run.json.tmp"
-            tmp.write_text(json.dumps(run, indent=1))
-            os.replace(tmp, out / "run.json")
+            _write_out(out / "run.json", json.dumps(run, indent=1))
         return records, interrupted
 
     @staticmethod
@@ -973,7 +989,7 @@ class _Run:
             "peak_pinned_cpu_bytes": max(r["pinned_cpu_bytes"] for r in records),
             "peak_nvme_bytes": max(r["nvme_bytes"] for r in records),
         }
-        (out / "summary.json").write_text(json.dumps(s, indent=1) + "\n")
+        _write_out(out / "summary.json", json.dumps(s, indent=1) + "\n")
         mib = 2 ** 20
         lines = [
             f"{'params':<26}{n_params:,} ({dtype}, {self.config_source}, {self.dist.world_size} rank(s))",
@@ -989,7 +1005,7 @@ class _Run:
             + f", {out / 'summary.json'}" + (f", {self.trace_files}" if a.trace and self.trace_files else ""),
         ]
         text = "\n".join(lines)
-        (out / "summary.txt").write_text(text + "\n")
+        _write_out(out / "summary.txt", text + "\n")
         return text
 
     @staticmethod
@@ -1069,8 +1085,8 @@ class _Run:
         print(f"largest difference {diffs[worst]:.3e} at step {records[worst]['step']} "
               f"(allowed {tol:g} for {dtype}): {'PASS' if ok else 'FAIL'}; "
               f"reference {ref_s:.3f} s/step", flush=True)
-        (out / "compare.json").write_text(json.dumps({"dtype": dtype, "atol": tol, "max_abs_diff": diffs[worst],
-                                                      "loss": [r["loss"] for r in records], "reference": ref}))
+        _write_out(out / "compare.json", json.dumps({"dtype": dtype, "atol": tol, "max_abs_diff": diffs[worst],
+                                                     "loss": [r["loss"] for r in records], "reference": ref}))
         if not a.no_plot:
             self._plot(records, out, title="this run vs no offload", reference=ref)
         return 0 if ok else EXIT_MISMATCH
