@@ -104,6 +104,28 @@ def test_an_op_cache_that_cannot_be_written_falls_back_with_a_warning_naming_it(
         assert try_load_op("adam", "the reference") is None
 
 
+def test_a_built_cache_that_cannot_be_written_is_loaded_as_it_is(fresh_loader, monkeypatch):
+    """A cache holding the built op but not writable (an image's baked cache, a shared
+    read-only one; here its lock file cannot be created) loads the built module: it fell back to
+    the pure-PyTorch Adam (tester-42 F5)."""
+    import shutil
+
+    monkeypatch.setenv("ZEROINF_CACHE", str(fresh_loader / "built"))
+    built = load_op("adam")  # compiled once into this private cache (or taken from it)
+    so = os.path.realpath(built.__file__)
+    key = os.path.basename(os.path.dirname(so))
+    ro = fresh_loader / "ro" / "adam" / key
+    ro.mkdir(parents=True)
+    shutil.copy(so, ro)
+    (fresh_loader / "ro" / "adam" / f"{key}.lock").mkdir()  # open(..., "w") fails, as on a read-only mount
+    monkeypatch.setenv("ZEROINF_CACHE", str(fresh_loader / "ro"))
+    monkeypatch.setattr(loader, "_loaded", {})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no fallback warning
+        mod = try_load_op("adam", "the reference")
+    assert mod is not None  # (its __file__ names the first copy: the process loaded that library already)
+
+
 def test_a_compiler_whose_version_check_fails_raises_one_clear_error(fresh_loader, monkeypatch):
     """A broken compiler wrapper (``CXX --version`` exits 1) gave torch's raw
     CalledProcessError (tester-41 F5); it is an OpBuildError naming the op."""

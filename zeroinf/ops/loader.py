@@ -191,6 +191,9 @@ def _jit_build(spec: OpSpec) -> ModuleType:
         build_dir.mkdir(parents=True, exist_ok=True)
         lock_file = open(lock_path, "w")
     except OSError as exc:  # a read-only or full home: as with no compiler, the op cannot be built here
+        built = build_dir / f"zeroinf_{spec.name}_{key}.so"
+        if built.is_file():  # but a cache built before (an image's, a shared one) is loaded as it is (tester-42 F5)
+            return _import_built(built)
         raise OpUnavailableError(f"cannot write the op cache {cache_dir()} ({exc.strerror or exc}); set "
                                  "ZEROINF_CACHE to a writable folder") from exc
     with lock_file:
@@ -228,6 +231,24 @@ def _jit_build(spec: OpSpec) -> ModuleType:
             if set_jobs:
                 os.environ.pop("MAX_JOBS", None)
             fcntl.flock(lock_file, fcntl.LOCK_UN)
+
+
+def _import_built(path: Path) -> ModuleType:
+    """Import a JIT build's extension module from ``path`` without building (its cache cannot be
+    written, so cpp_extension.load, which rewrites build.ninja, cannot run).
+
+    Raises:
+        OpBuildError: the import failed.
+    """
+    import importlib.util
+
+    try:
+        spec = importlib.util.spec_from_file_location(path.stem, str(path))
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+    except (ImportError, OSError) as exc:
+        raise OpBuildError(path.stem, "(none: loading a read-only cache)", str(exc), str(exc)) from exc
+    return mod
 
 
 def _max_jobs() -> int:
