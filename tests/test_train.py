@@ -521,6 +521,9 @@ def test_a_model_config_with_no_causal_lm_class_is_refused_in_one_line(tmp_path)
     path.write_text(json.dumps({"model_type": "t5", "vocab_size": 300, "d_model": 32}))
     with pytest.raises(ModelError, match="model_type 't5' has no causal-LM class in transformers"):
         build_config(str(path))
+    path.write_text(json.dumps({"model_type": "nosuchmodel", "hidden_size": 32}))
+    with pytest.raises(ModelError, match=r"model_type 'nosuchmodel' is not known to transformers [\d.]+$"):
+        build_config(str(path))  # transformers' own error lists every known type: 12 KB (tester-42 F7)
 
 
 def test_a_full_out_disk_names_the_log_file():
