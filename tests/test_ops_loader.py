@@ -17,6 +17,7 @@ def fresh_loader(monkeypatch, tmp_path):
     """A loader with nothing loaded yet, nothing warned yet, and a private JIT cache."""
     monkeypatch.setattr(loader, "_loaded", {})
     monkeypatch.setattr(loader, "_warned", set())
+    monkeypatch.setattr(loader, "_failed", {})
     monkeypatch.setenv("ZEROINF_CACHE", str(tmp_path / "cache"))
     monkeypatch.setenv("ZEROINF_FORCE_JIT", "1")
     monkeypatch.delenv("ZEROINF_DISABLE_OPS", raising=False)
@@ -140,8 +141,9 @@ def test_a_compiler_whose_version_check_fails_raises_one_clear_error(fresh_loade
     """A broken compiler wrapper (``CXX --version`` exits 1) gave torch's raw
     CalledProcessError (tester-41 F5); it is an OpBuildError naming the op."""
     monkeypatch.setenv("CXX", "false")
-    with pytest.raises(OpBuildError, match=r"'adam'[\s\S]*--version"):
-        load_op("adam")
+    for _ in range(2):  # a retry blamed a missing .so, torch's half-done build (tester-42 F6)
+        with pytest.raises(OpBuildError, match=r"'adam'[\s\S]*--version"):
+            load_op("adam")
 
 
 def test_unknown_op():

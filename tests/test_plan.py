@@ -401,11 +401,11 @@ def test_every_command_into_a_closed_pipe_exits_141_quietly(tmp_path, argv):
     assert (proc.returncode, proc.stderr) == (141, "")
 
 
-@pytest.mark.parametrize("flag", ["--gpu-mem", "--cpu-mem"])
+@pytest.mark.parametrize("flag", ["--gpu-mem", "--cpu-mem", "--nvme"])
 def test_cli_memory_without_a_unit_asks_for_one(tmp_path, capsys, flag):
     """``--gpu-mem 80`` is 80 bytes: the plan found that nothing fits and did not say why
     (tester-41 F6); a size under 1 MiB is refused, suggesting a unit."""
-    mem = {"--gpu-mem": "80GB", "--cpu-mem": "1TB", flag: "80"}
+    mem = {"--gpu-mem": "80GB", "--cpu-mem": "1TB", flag: "80"}  # --nvme 0 (none) stays allowed
     rc = cli.main(["plan", "--params", "7e9", *[x for kv in mem.items() for x in kv], "--out", str(tmp_path / "p.json")])
     got = capsys.readouterr()
     assert rc == 2 and got.out == ""

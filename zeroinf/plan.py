@@ -432,7 +432,8 @@ def main(args: argparse.Namespace) -> int:
         for flag, size in (("--gpu-mem", args.gpu_mem), ("--cpu-mem", args.cpu_mem)):
             if size <= 0:  # --gpu-mem 0 "fit" a 7B model at 0.00 GB per device (tester-30 t13)
                 raise ValueError(f"{flag}: must be more than 0 bytes, got {size}: nothing runs in no memory")
-            if size < 2**20:  # "--gpu-mem 80" is 80 bytes: nothing fitted, and nothing said why (tester-41 F6)
+        for flag, size in (("--gpu-mem", args.gpu_mem), ("--cpu-mem", args.cpu_mem), ("--nvme", args.nvme)):
+            if 0 < size < 2**20:  # "--gpu-mem 80" is 80 bytes: nothing fitted, and nothing said why (tester-41 F6)
                 hint = f"{size}GB or {size}GiB" if size < 10**4 else "80GB or 512GiB"
                 raise ValueError(f"{flag}: {size} bytes is less than 1 MiB; give a unit (e.g. {hint})")
         info, act, act_formula = resolve_model(args)

@@ -175,6 +175,7 @@ def _compile_command(build_dir: Path) -> str:
 _lock = threading.Lock()
 _loaded: Dict[str, ModuleType] = {}
 _warned: set = set()
+_failed: Dict[str, "OpBuildError"] = {}  # build folder -> its build's error in this process
 
 
 def _jit_build(spec: OpSpec) -> ModuleType:
@@ -187,6 +188,8 @@ def _jit_build(spec: OpSpec) -> ModuleType:
     key = _build_key(spec, cflags, ldflags, cxx)
     build_dir = cache_dir() / spec.name / key
     lock_path = cache_dir() / spec.name / f"{key}.lock"
+    if str(build_dir) in _failed:  # this process tried and failed already (see below)
+        raise _failed[str(build_dir)]
     try:
         build_dir.mkdir(parents=True, exist_ok=True)
         lock_file = open(lock_path, "w")
@@ -226,7 +229,11 @@ def _jit_build(spec: OpSpec) -> ModuleType:
             # SubprocessError: torch's own compiler check (``CXX --version`` failing: a broken
             # wrapper) raised CalledProcessError past this (tester-41 F5)
             log = str(exc)
-            raise OpBuildError(spec.name, _compile_command(build_dir), _first_error_line(log), log) from exc
+            err = OpBuildError(spec.name, _compile_command(build_dir), _first_error_line(log), log)
+            # a retry in this process would be told of a missing .so (torch's half-done
+            # build), not of the compiler (tester-42 F6): it gets this error again
+            _failed[str(build_dir)] = err
+            raise err from exc
         finally:
             if set_jobs:
                 os.environ.pop("MAX_JOBS", None)
