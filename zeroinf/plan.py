@@ -429,10 +429,9 @@ def main(args: argparse.Namespace) -> int:
             raise ValueError(f"--reserve: must be in [0, 1), got {args.reserve}")
         if not (math.isfinite(args.lr) and args.lr >= 0):
             raise ValueError(f"--lr: must be a finite number >= 0, got {args.lr}")
-        for flag, size in (("--gpu-mem", args.gpu_mem), ("--cpu-mem", args.cpu_mem)):
-            if size <= 0:  # --gpu-mem 0 "fit" a 7B model at 0.00 GB per device (tester-30 t13)
-                raise ValueError(f"{flag}: must be more than 0 bytes, got {size}: nothing runs in no memory")
         for flag, size in (("--gpu-mem", args.gpu_mem), ("--cpu-mem", args.cpu_mem), ("--nvme", args.nvme)):
+            if size <= 0 and flag != "--nvme":  # --gpu-mem 0 "fit" a 7B model at 0.00 GB per device (tester-30 t13)
+                raise ValueError(f"{flag}: must be more than 0 bytes, got {size}: nothing runs in no memory")
             if 0 < size < 2**20:  # "--gpu-mem 80" is 80 bytes: nothing fitted, and nothing said why (tester-41 F6)
                 hint = f"{size}GB or {size}GiB" if size < 10**4 else "80GB or 512GiB"
                 raise ValueError(f"{flag}: {size} bytes is less than 1 MiB; give a unit (e.g. {hint})")

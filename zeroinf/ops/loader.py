@@ -196,7 +196,7 @@ def _jit_build(spec: OpSpec) -> ModuleType:
     except OSError as exc:  # a read-only or full home: as with no compiler, the op cannot be built here
         built = build_dir / f"zeroinf_{spec.name}_{key}.so"
         if built.is_file():  # but a cache built before (an image's, a shared one) is loaded as it is (tester-42 F5)
-            return _import_built(built)
+            return _import_built(spec.name, built)
         raise OpUnavailableError(f"cannot write the op cache {cache_dir()} ({exc.strerror or exc}); set "
                                  "ZEROINF_CACHE to a writable folder") from exc
     with lock_file:
@@ -240,12 +240,12 @@ def _jit_build(spec: OpSpec) -> ModuleType:
             fcntl.flock(lock_file, fcntl.LOCK_UN)
 
 
-def _import_built(path: Path) -> ModuleType:
-    """Import a JIT build's extension module from ``path`` without building (its cache cannot be
-    written, so cpp_extension.load, which rewrites build.ninja, cannot run).
+def _import_built(op: str, path: Path) -> ModuleType:
+    """Import op ``op``'s JIT-built extension module from ``path`` without building (its cache
+    cannot be written, so cpp_extension.load, which rewrites build.ninja, cannot run).
 
     Raises:
-        OpBuildError: the import failed.
+        OpBuildError: the import failed (names ``op``).
     """
     import importlib.util
 
@@ -254,7 +254,7 @@ def _import_built(path: Path) -> ModuleType:
         mod = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(mod)
     except (ImportError, OSError) as exc:
-        raise OpBuildError(path.stem, "(none: loading a read-only cache)", str(exc), str(exc)) from exc
+        raise OpBuildError(op, f"(none: importing {path} from a read-only cache)", str(exc), str(exc)) from exc
     return mod
 
 

@@ -628,12 +628,13 @@ class Stage3EngineParams:
         for i, (g, _lo, _hi, _gi) in enumerate(self._subs):
             by_group.setdefault(g.key, []).append(i)
 
-        def resync(groups: List[FlatGroup], written: Dict[str, List[Tuple[int, int]]]) -> None:
+        def resync(groups: List[FlatGroup], written: Dict[str, List[Tuple[int, int]]],
+                   exact: Dict[str, torch.Tensor]) -> None:
             for g in groups:
                 idx = by_group.get(g.key, [])
                 if not idx:
                     continue
-                shard = self.manager.master_source(g)
+                shard = exact[g.key] if g.key in exact else self.manager.param_shard(g)
                 for i in idx:
                     _, lo, hi, _ = self._subs[i]
                     with sub_optimizer.state(i) as (master, m, v):

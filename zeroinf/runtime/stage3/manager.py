@@ -458,8 +458,8 @@ class Stage3ParameterManager:
         self._entry: Optional[nn.Module] = None  # the module whose forward opened the running one
         self._graphs_alive = 0  # this iteration's forward graphs not dropped (_note_graph, _graph_dropped)
         self._placeholders: Dict[torch.dtype, torch.Tensor] = {}
-        self._listeners: List[Callable[[List[FlatGroup], Dict[str, List[Tuple[int, int]]]], None]] = []
-        self._exact_shard: Dict[str, torch.Tensor] = {}  # write_group_values' exact values, for master_source
+        self._listeners: List[Callable[[List[FlatGroup], Dict[str, List[Tuple[int, int]]], Dict[str, torch.Tensor]],
+                                       None]] = []
         self._storage_of: Dict[int, FlatGroup] = {}
         self._handles: list = []
         self._param_hooks: list = []  # the parameters' gradient hooks (see _remove_param_hooks)
@@ -2216,33 +2216,30 @@ class Stage3ParameterManager:
                            exact: Optional[Sequence[torch.Tensor]] = None) -> None:
         """Write full values of some of ``g``'s parameters into this rank's partition (each rank
         keeps the part that falls in its shard), refresh a gathered copy, and notify listeners.
-        ``exact``: the same values in fp32, one per entry of ``values``, for a bf16/fp16 group
-        (a file's fp32 weights): the listeners' fp32 masters take them, not their rounding
-        (:meth:`master_source`)."""
+
+        Args:
+            values: ``(slot, tensor)`` pairs; each tensor holds the slot's ``numel`` elements
+                (any shape), in ``g.dtype`` (on any device).
+            exact: for a bf16/fp16 group, the same values in fp32 (CPU), one per pair (a file's
+                or a state dict's fp32 weights: :func:`~.units.exact_values`): the listeners'
+                fp32 masters take them, not their rounding (tester-40 F3).
+        """
         self._write_partition(g, [(s.offset, v.reshape(-1)) for s, v in values], full=True)
         lo, hi = self._shard_range(g)
         spans = [(max(lo, s.offset) - lo, min(hi, s.offset + s.numel) - lo) for s, _ in values]
         written = {g.key: [(a, b) for a, b in spans if a < b]}
+        exact_shards: Dict[str, torch.Tensor] = {}
         if exact is not None and g.dtype != torch.float32 and self._listeners:
-            src = self.param_shard(g).float()
+            # only the written ranges are read (the listeners' refreshed_master): no read of the
+            # partition back from its tier for the rest
+            src = torch.empty(g.shard_numel, dtype=torch.float32)
             for (s, _), v in zip(values, exact):
                 a, b = max(lo, s.offset), min(hi, s.offset + s.numel)
                 if a < b:
                     src[a - lo:b - lo] = v.reshape(-1)[a - s.offset:b - s.offset]
-            self._exact_shard[g.key] = src
-        try:
-            for fn in self._listeners:
-                fn([g], written)
-        finally:
-            self._exact_shard.pop(g.key, None)
-
-    def master_source(self, g: FlatGroup) -> torch.Tensor:
-        """What a write listener refreshes ``g``'s fp32 masters from: this rank's partition
-        (:meth:`param_shard`), or, while :meth:`write_group_values` was given ``exact`` values,
-        the partition in fp32 with those values in place (a bf16 model's masters loaded from an
-        fp32 file were rounded to bf16: tester-40 F3)."""
-        exact = self._exact_shard.get(g.key)
-        return exact if exact is not None else self.param_shard(g)
+            exact_shards[g.key] = src
+        for fn in self._listeners:
+            fn([g], written, exact_shards)
 
     def write_partition_slice(self, g: FlatGroup, lo: int, values: torch.Tensor) -> None:
         """Write ``values`` (1-D) into this rank's partition of ``g`` at ``[lo, lo + numel)``
@@ -2288,12 +2285,15 @@ class Stage3ParameterManager:
         if local is None:
             self.write_param_shard(g, shard)
 
-    def add_write_listener(self, fn: Callable[[List[FlatGroup], Dict[str, List[Tuple[int, int]]]], None]) -> None:
-        """``fn(groups, written)`` runs after new values were written into partitions outside
-        the optimizer (``gathered_parameters``, a load, a forward's change): ``written`` maps
-        each group's key to the element ranges ``[a, b)`` of this rank's partition that were
+    def add_write_listener(self, fn: Callable[[List[FlatGroup], Dict[str, List[Tuple[int, int]]],
+                                                Dict[str, torch.Tensor]], None]) -> None:
+        """``fn(groups, written, exact)`` runs after new values were written into partitions
+        outside the optimizer (``gathered_parameters``, a load, a forward's change): ``written``
+        maps each group's key to the element ranges ``[a, b)`` of this rank's partition that were
         written (an engine re-reads those parts of its fp32 master weights:
-        :func:`refreshed_master`)."""
+        :func:`refreshed_master`); ``exact`` maps a bf16/fp16 group's key to fp32 values for those
+        ranges (``shard_numel`` elements, valid on the written ranges only) to take instead of
+        the partition's rounding (see :meth:`write_group_values`)."""
         self._listeners.append(fn)
 
     # ------------------------------------------------------------------------ visibility

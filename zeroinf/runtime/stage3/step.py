@@ -71,13 +71,17 @@ class Stage3Optimizer:
         return out
 
     def reload_master(self, groups: Optional[Sequence[FlatGroup]] = None,
-                      written: Optional[Dict[str, List[Tuple[int, int]]]] = None) -> None:
+                      written: Optional[Dict[str, List[Tuple[int, int]]]] = None,
+                      exact: Optional[Dict[str, torch.Tensor]] = None) -> None:
         """Set the master weights of ``groups`` (default all) from their partitions, only at
-        the ranges ``written`` names for a group (partition coordinates; absent: all of it);
-        moments of those groups restart at zero only at construction (later calls keep them)."""
+        the ranges ``written`` names for a group (partition coordinates; absent: all of it), or
+        from ``exact``'s fp32 values for a group it names (see
+        :meth:`Stage3ParameterManager.add_write_listener`); moments of those groups restart at
+        zero only at construction (later calls keep them)."""
         first = not hasattr(self, "_initialised")
+        exact = exact or {}
         for g in self._groups(groups):
-            shard = self.manager.master_source(g)
+            shard = exact[g.key] if g.key in exact else self.manager.param_shard(g)
             for i in self._by_group[g.key]:
                 _, lo, hi = self.chunks[i]
                 if first:  # zeroinf.Init's fp32 values when the partition holds them rounded
