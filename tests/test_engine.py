@@ -924,3 +924,37 @@ def test_trainable_parameters_left_out_of_the_optimizer_warn_and_stay(stage):
     # their gradients did not pile up over the micro-batches (stages 0-2 kept summing them in .grad)
     assert model[2].weight.grad is None and model[2].bias.grad is None
     engine.close()
+
+
+@pytest.mark.parametrize("stage,device", [(0, "cpu"), (1, "cpu"), (2, "cpu"), (2, "nvme")])
+def test_load_state_dict_of_fp32_weights_sets_a_bf16_models_masters_to_them(tmp_path, stage, device):
+    """``model.load_state_dict(fp32 weights)`` on a bf16 model at stages 0-2 after training
+    ("reset to init", restoring the best weights) sets the fp32 masters to those values, as at
+    stage 3: elements whose bf16 rounding had not moved kept their trained fp32 master. A bf16
+    state dict of the model itself, and a value changed after the load, keep the old rule
+    (only elements whose rounded value changed are taken)."""
+    model = make_mlp()
+    init = {k: v.clone() for k, v in model.state_dict().items()}
+    cfg = config(stage=stage, device=device, nvme=tmp_path, bf16={"enabled": True})
+    cfg["optimizer"]["params"].update(lr=1e-3)
+    engine, *_ = zeroinf.initialize(model=model, config=cfg)
+    X, Y = (t.to(torch.bfloat16) for t in batches(3))
+    train(engine, X, Y, 3)
+
+    def masters(tag):
+        engine.save_checkpoint(str(tmp_path / "ck"), tag=tag)
+        return zeroinf.checkpoint.consolidate(str(tmp_path / "ck"), tag, str(tmp_path / f"{tag}.pt"))
+
+    trained = masters("trained")
+    assert not torch.equal(trained["0.weight"], init["0.weight"])
+    model.load_state_dict({k: v.to(torch.bfloat16) for k, v in model.state_dict().items()})  # its own bf16 values
+    same = masters("same")
+    assert all(torch.equal(same[k], trained[k]) for k in trained)
+    model.load_state_dict(init)
+    with torch.no_grad():  # changed after the load: that element is the bf16 value, not the loaded fp32 one
+        model[2].bias[0] = 0.5
+    reset = masters("reset")
+    assert torch.equal(reset["2.bias"][0], torch.tensor(0.5))
+    reset["2.bias"][0] = init["2.bias"][0]
+    assert all(torch.equal(reset[k], init[k]) for k in init)
+    engine.close()

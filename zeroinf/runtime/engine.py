@@ -180,6 +180,25 @@ def _on_parameter_registered(module, name, param):
     return None
 
 
+def _loaded_values_hook(engine_ref, sixteen):
+    """A load pre-hook (``Module.register_load_state_dict_pre_hook``) for a module owning bf16/fp16
+    parameters at stages 0-2: note the fp32 (or fp64) value ``load_state_dict`` copies into each
+    (same shape, not on the meta device) for :meth:`ZeroEngine._adopt_changed_weights`, which
+    gives it to the masters at the next step or checkpoint save. The value is held (a
+    reference, not a copy) until then; a parameter changed again after the load is compared
+    element by element, so a value the load did not copy, or a later change, is never taken for it."""
+    def note(module, state_dict, prefix, *_args):
+        engine = engine_ref()
+        if engine is None:
+            return
+        for name, p in module._parameters.items():
+            v = state_dict.get(prefix + name)
+            if (p in sixteen and isinstance(v, torch.Tensor) and v.dtype in (torch.float32, torch.float64)
+                    and v.shape == p.shape and not v.is_meta):
+                engine._loaded_fp32[p] = v
+    return note
+
+
 
 _STEP_REFUSED = "the zeroinf optimizer steps inside engine.step(); call engine.step() instead"
 _STATE_REFUSED = ("the optimizer state (fp32 master weights, Adam moments, step counts) lives in the zeroinf "
@@ -397,6 +416,8 @@ class ZeroEngine:
         self._shapes = [[p.shape for p in g.params] for g in self.params.groups] if zc.stage != 3 else None
         self._strides = [[p.stride() for p in g.params] for g in self.params.groups] if zc.stage != 3 else None
         self._homes = self._home_list() if zc.stage != 3 else []  # _adopt_replaced_data
+        # fp32 values a load_state_dict gave 16-bit parameters, for their masters (_note_loaded_values)
+        self._loaded_fp32: Dict[torch.nn.Parameter, torch.Tensor] = {}
         self._names = {p: n for n, p, _f in self._requires_grad}  # for errors that name a parameter
         del fp32_copies
 
@@ -421,6 +442,11 @@ class ZeroEngine:
                                  _m.register_module_parameter_registration_hook(_on_parameter_registered)])
         self._guard_hooks = [model.register_forward_pre_hook(self.load_guard.forward_pre_hook, prepend=True),
                              model.register_state_dict_pre_hook(self.load_guard.state_dict_pre_hook)]
+        if self._versions is not None:  # stages 0-2: a 16-bit parameter's master takes a loaded fp32 value
+            sixteen = {p for g in self.params.groups for p in g.params if p.dtype in (torch.bfloat16, torch.float16)}
+            note = _loaded_values_hook(weakref.ref(self), sixteen)
+            self._guard_hooks += [m.register_load_state_dict_pre_hook(note) for m in model.modules()
+                                  if any(p in sixteen for p in m._parameters.values() if p is not None)]
         _GUARD_HOOKS[model] = self._guard_hooks
         if getattr(self.params, "manager", None) is not None:
             self.params.manager.load_guard = self.load_guard
@@ -1117,9 +1143,15 @@ class ZeroEngine:
         compared with its masters rounded to its dtype, and the elements that differ are taken
         into the masters, as ``torch.optim.AdamW`` would step them. The engine's own writes
         (through the kernel's pointers, the all-gather into the flat buffer) move no parameter's
-        counter; an in-place op on ``p.data`` moves none either and is not seen."""
+        counter; an in-place op on ``p.data`` moves none either and is not seen.
+
+        A bf16/fp16 parameter loaded from fp32 (or fp64) values by ``load_state_dict``
+        (:func:`_loaded_values_hook`) gives its masters those values, not their rounding, where it
+        still holds that rounding: the elements whose rounding had not moved kept their trained
+        master (as at stage 3: ``units.exact_values``)."""
         index = self.params._sub_index()
-        todo: Dict[int, list] = {}  # sub-group -> [(start, end, values)] in sub-group coordinates
+        loaded, self._loaded_fp32 = self._loaded_fp32, {}
+        todo: Dict[int, list] = {}  # sub-group -> [(start, end, values, loaded fp32 or None)] in sub-group coordinates
         for gi, g in enumerate(self.params.groups):
             seen = self._versions[gi]
             for j, p in enumerate(g.params):
@@ -1127,22 +1159,31 @@ class ZeroEngine:
                     continue
                 seen[j] = p._version
                 values, off = p.detach().reshape(-1), g.offsets[j]
+                exact = loaded.get(p)
+                if exact is not None:
+                    exact = exact.detach().reshape(-1).to("cpu", torch.float32)
                 for i, (sg, s, n) in enumerate(index):
                     lo = g.part_start + s
                     a, b = max(off, lo), min(off + values.numel(), lo + n)
                     if sg is g and a < b:
-                        todo.setdefault(i, []).append((a - lo, b - lo, values[a - off:b - off].to("cpu")))
+                        todo.setdefault(i, []).append((a - lo, b - lo, values[a - off:b - off].to("cpu"),
+                                                       None if exact is None else exact[a - off:b - off]))
         nvme = self.sub_optimizer.device == "nvme"
         for i, pieces in todo.items():  # each sub-group's state read once, however many parameters changed
             with self.sub_optimizer.state(i) as (master, m, v):
                 if nvme:  # the swap buffer is gone after the block: keep copies to write back
                     master, m, v = master.clone(), m.clone(), v.clone()
                 changed_any = False
-                for a, b, new in pieces:
+                for a, b, new, exact in pieces:
                     old = master[a:b]
                     changed = new != old.to(new.dtype)
+                    src = new.float()
+                    if exact is not None:  # the loaded fp32 value where the parameter still holds its rounding
+                        took = exact.to(new.dtype) == new
+                        src = torch.where(took, exact, src)
+                        changed |= took & (exact != old)
                     if bool(changed.any()):
-                        old[changed] = new[changed].float()
+                        old[changed] = src[changed]
                         changed_any = True
             if nvme and changed_any:
                 self.sub_optimizer.load_state(i, master, m, v)
@@ -1153,6 +1194,7 @@ class ZeroEngine:
         ([Note: weights changed between steps]); a no-op at stage 3."""
         if self._versions is not None:
             self._versions = [[p._version for p in g.params] for g in self.params.groups]
+            self._loaded_fp32 = {}
 
     def _close_backward_step(self) -> None:
         """engine.step() with ``zeroinf.optimizer_in_backward``: the update already runs (since
