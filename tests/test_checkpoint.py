@@ -861,3 +861,26 @@ def test_a_save_inside_an_accumulation_window_warns_that_its_gradients_are_not_s
         engine.save_checkpoint(str(tmp_path), "held")
     assert ["manual" in m or "held" in m for m in caplog.messages] == [True, True], caplog.messages
     engine.close()
+
+
+def test_write_then_rename_leaves_the_old_file_or_the_new_one(tmp_path):
+    """The one writer behind checkpoint files, ``latest``, train's summaries, traces and plan's
+    config: a write that fails, Ctrl-C included, leaves the old bytes and no temporary file; a
+    finished one replaces the file and keeps its permission bits."""
+    from zeroinf.io.atomic import write_text_then_rename, write_then_rename
+
+    path = tmp_path / "f.json"
+    path.write_text("old")
+    os.chmod(path, 0o600)
+
+    def interrupted(tmp):
+        with open(tmp, "w") as f:
+            f.write("half")
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        write_then_rename(path, interrupted)
+    assert path.read_text() == "old" and os.listdir(tmp_path) == ["f.json"]
+    write_text_then_rename(path, "new")
+    assert path.read_text() == "new" and os.listdir(tmp_path) == ["f.json"]
+    assert os.stat(path).st_mode & 0o777 == 0o600

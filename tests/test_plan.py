@@ -288,7 +288,7 @@ def test_cli_out_a_symlink_is_written_through(tmp_path, capsys, monkeypatch, lin
     assert (tmp_path / "link").is_symlink() and os.readlink(tmp_path / "link") == link_to
     assert parse_config(str(tmp_path / link_to)).zero_optimization.stage == 0
     assert capsys.readouterr().out.splitlines()[-1] == f"wrote {tmp_path / link_to} (through the link {tmp_path / 'link'})"
-    assert not list(tmp_path.rglob("*.tmp"))
+    assert not list(tmp_path.rglob("*.tmp*"))
 
 
 @pytest.mark.parametrize("name,link_to,says", [

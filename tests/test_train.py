@@ -547,9 +547,22 @@ def test_a_full_out_disk_leaves_no_empty_summary(tmp_path, monkeypatch):
     target = tmp_path / "summary.json"
     _write_out(target, "old\n")
 
-    def full(self, text, *args, **kwargs):
-        raise OSError(errno.ENOSPC, "No space left on device")
-    monkeypatch.setattr(Path, "write_text", full)
+    import zeroinf.io.atomic
+
+    class Full:  # the file is made and half written, then the disk is full
+        def __init__(self, path, *args, **kwargs):
+            self.f = open(path, "w")
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.f.close()
+
+        def write(self, text):
+            self.f.write(text[:2])
+            raise OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(zeroinf.io.atomic, "open", Full, raising=False)
     with pytest.raises(TrainError, match=r"--out: writing .*summary\.json failed \(No space left on device\)"):
         _write_out(target, "new\n")
     monkeypatch.undo()

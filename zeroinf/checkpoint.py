@@ -32,6 +32,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from zeroinf.io.atomic import write_text_then_rename, write_then_rename
 from zeroinf.io.swapper import tensor_crc32
 from zeroinf.runtime.waits import collective
 
@@ -45,7 +46,7 @@ class CheckpointError(ValueError):
     """A checkpoint is missing, incomplete, or does not match the engine loading it (names the file)."""
 
 
-def _atomic_save(obj: Any, path: str) -> None:
+def save_atomically(obj: Any, path: str) -> None:
     """``torch.save`` (safetensors' ``save_file`` for a ``.safetensors`` path, of a dict of
     contiguous tensors) to a temporary file renamed onto ``path``; on failure the temporary file
     is removed and what was at ``path`` is left as it was. Raises OSError naming ``path`` when the
@@ -53,19 +54,24 @@ def _atomic_save(obj: Any, path: str) -> None:
     stream positions, without the path, and safetensors as a SafetensorError, which is no OSError
     (tester-35 F07); the error number is the one the writer names (``os error 27``), else ENOSPC
     for a full file system, EFBIG at the file-size limit, EIO otherwise."""
-    tmp = f"{path}.tmp{os.getpid()}"
+    written = 0  # how far a failed write got, for the error number
+
+    def write(tmp: str) -> None:
+        nonlocal written
+        try:
+            if path.endswith(".safetensors"):
+                from safetensors.torch import save_file
+                save_file(obj, tmp)
+            else:
+                torch.save(obj, tmp)
+        except BaseException:
+            written = os.path.getsize(tmp) if os.path.exists(tmp) else 0
+            raise
+
     try:
-        if path.endswith(".safetensors"):
-            from safetensors.torch import save_file
-            save_file(obj, tmp)
-        else:
-            torch.save(obj, tmp)
-        os.replace(tmp, path)
-    except BaseException as exc:
-        written = os.path.getsize(tmp) if os.path.exists(tmp) else 0
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        if isinstance(exc, Exception) and not isinstance(exc, OSError):  # the writer's own error types
+        write_then_rename(path, write)
+    except Exception as exc:
+        if not isinstance(exc, OSError):  # the writer's own error types
             free = shutil.disk_usage(os.path.dirname(path) or ".").free
             raise OSError(_write_errno(str(exc), free, written), f"{path}: writing the file failed ({free} bytes free "
                           f"on its file system; {type(exc).__name__}: {str(exc).strip()})") from exc
@@ -73,7 +79,7 @@ def _atomic_save(obj: Any, path: str) -> None:
 
 
 def _write_errno(message: str, free: int, written: int) -> int:
-    """The error number behind a writer's failure message (see :func:`_atomic_save`)."""
+    """The error number behind a writer's failure message (see :func:`save_atomically`)."""
     found = re.search(r"os error (\d+)", message)
     if found:
         return int(found.group(1))
@@ -230,16 +236,17 @@ def _replace_dir(work: str, final: str) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
-def _write_latest(save_dir: str, tag: str) -> None:
+def write_latest(save_dir: str, tag: str) -> None:
+    """Point ``save_dir/latest`` at ``tag`` (DeepSpeed's file: the tag as text), through a
+    rename, so a reader sees the old tag or the new one.
+
+    Raises:
+        OSError: naming ``latest`` and saying that the checkpoint itself is complete.
+    """
     latest = os.path.join(save_dir, "latest")
-    tmp = latest + ".tmp"
     try:
-        with open(tmp, "w") as f:
-            f.write(tag)
-        os.replace(tmp, latest)
+        write_text_then_rename(latest, tag)
     except OSError as exc:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
         raise OSError(exc.errno, f"{latest}: cannot record the tag {tag!r} ({exc.strerror or exc}); the "
                                  f"checkpoint itself is complete in {os.path.join(save_dir, tag)}") from exc
 
@@ -297,10 +304,10 @@ def save(engine, save_dir: str, tag: Optional[str] = None, client_state: Optiona
         os.makedirs(ckpt, exist_ok=True)
         for i, spec in enumerate(opt.specs):
             with opt.state(i) as (master, m, v):
-                _atomic_save({"key": spec.key, "numel": spec.numel, "master": master.clone(), "exp_avg": m.clone(),
+                save_atomically({"key": spec.key, "numel": spec.numel, "master": master.clone(), "exp_avg": m.clone(),
                               "exp_avg_sq": v.clone(), "crc32": [tensor_crc32(t) for t in (master, m, v)],
                               "save_id": save_id}, _optim_file(ckpt, engine.rank, spec.key))
-        _atomic_save({**_rng_state(), "save_id": save_id}, os.path.join(ckpt, f"rng_rank{engine.rank}.pt"))
+        save_atomically({**_rng_state(), "save_id": save_id}, os.path.join(ckpt, f"rng_rank{engine.rank}.pt"))
     except Exception as exc:
         problem = exc
     _agree_or_drop(engine, problem, ckpt, final)
@@ -328,7 +335,7 @@ def save(engine, save_dir: str, tag: Optional[str] = None, client_state: Optiona
             "client_state": client_state or {},
         }
         try:
-            _atomic_save(meta, os.path.join(ckpt, "model_states.pt"))
+            save_atomically(meta, os.path.join(ckpt, "model_states.pt"))
             _replace_dir(ckpt, final)
         except Exception as exc:
             problem = exc
@@ -337,7 +344,7 @@ def save(engine, save_dir: str, tag: Optional[str] = None, client_state: Optiona
         _replace_dir(ckpt, final)
     if engine.rank == 0 and save_latest:
         try:
-            _write_latest(save_dir, tag)
+            write_latest(save_dir, tag)
         except OSError as exc:
             problem = exc
     _agree(engine, problem, lambda bad: OSError(errno.EIO, f"rank 0 could not write {save_dir}/latest (its "
@@ -751,5 +758,5 @@ def consolidate(load_dir: str, tag: Optional[str], out: str) -> Dict[str, torch.
             t = flat[p["offset"]:p["offset"] + n].view(p["shape"])
             for name in p["names"]:
                 sd[name] = t.clone()
-    _atomic_save({k: v.contiguous() for k, v in sd.items()} if out.endswith(".safetensors") else sd, out)
+    save_atomically({k: v.contiguous() for k, v in sd.items()} if out.endswith(".safetensors") else sd, out)
     return sd

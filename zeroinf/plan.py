@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
 from zeroinf.config import ZeroConfig
+from zeroinf.io.atomic import write_text_then_rename
 from zeroinf.estimate import (GB, OPTIMIZERS, format_size, PLAN_SWAP, swap_for, PRECISIONS, Estimate, ModelInfo, Placement, SwapBuffers,
                               add_model_arguments, estimate, flag_type, parse_bytes, resolve_model)
 
@@ -459,18 +460,10 @@ def main(args: argparse.Namespace) -> int:
                           nvme_path=args.nvme_path, swap=swap, lr=args.lr, optimizer=args.optimizer,
                           max_live_parameters=written_live)
         parse_config(cfg, world_size=n)  # the engine's own validation; a failure here is a bug in make_config
-        tmp = out.with_name(out.name + ".tmp")
         try:
             out.parent.mkdir(parents=True, exist_ok=True)
-            tmp.write_text(json.dumps(cfg, indent=2) + "\n")
-            if out.exists():  # a replaced 0600 file came back 0644 (tester-34)
-                os.chmod(tmp, stat.S_IMODE(out.stat().st_mode))
-            tmp.replace(out)
+            write_text_then_rename(out, json.dumps(cfg, indent=2) + "\n")  # keeps a replaced file's mode (tester-34)
         except OSError as exc:
-            try:
-                tmp.unlink(missing_ok=True)
-            except OSError:  # its folder could not be made: nothing was written
-                pass
             print(f"zeroinf plan: error: cannot write {out}: {exc}", file=sys.stderr)
             return 2
     print(f"model {info.name}: P = {info.params:,}; N = {n} ({args.gpus} per node x {args.nodes} nodes); {precision}")

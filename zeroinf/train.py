@@ -43,6 +43,9 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
+from zeroinf.checkpoint import save_atomically, write_latest
+from zeroinf.io.atomic import write_text_then_rename
+
 __all__ = ["add_arguments", "main", "TrainError", "LOG_FIELDS", "COMPARE_ATOL", "PlainEngine", "loss_windows", "loss_label"]
 
 PRESET_DIR = Path(__file__).resolve().parent / "presets"
@@ -96,12 +99,9 @@ def _write_out(path: Path, text: str) -> None:
         TrainError: the write failed (a full disk: it was "[Errno 28] No space left on device"
             with no path, exit 1, and an empty summary.json: tester-42 F3); names the file.
     """
-    tmp = path.with_name(path.name + ".tmp")
     try:
-        tmp.write_text(text)
-        os.replace(tmp, path)
+        write_text_then_rename(path, text)
     except OSError as exc:
-        tmp.unlink(missing_ok=True)
         raise TrainError(f"--out: writing {path} failed ({exc.strerror or exc}); free space there or give --out "
                          "on another disk") from exc
 
@@ -330,9 +330,8 @@ class PlainEngine:
         state = {"module": self.module.state_dict(), "optimizer": self.optimizer.state_dict(),
                  "master": [m.detach() for m in self.master] if self.master is not self.params else [],
                  "global_steps": self.global_steps, "micro_steps": self.micro_steps}
-        torch.save(state, path / "plain_engine.pt.tmp")
-        os.replace(path / "plain_engine.pt.tmp", path / "plain_engine.pt")
-        (Path(save_dir) / "latest").write_text(tag)
+        save_atomically(state, str(path / "plain_engine.pt"))
+        write_latest(str(save_dir), tag)
 
     def load_checkpoint(self, load_dir: str, tag: Optional[str] = None) -> None:
         """Load ``load_dir/tag`` (``tag`` None: the one named in ``load_dir/latest``, as DeepSpeed)."""

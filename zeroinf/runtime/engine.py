@@ -1271,7 +1271,7 @@ class ZeroEngine:
         Raises:
             OSError: the file cannot be written (rank 0; named).
         """
-        from zeroinf.checkpoint import _atomic_save
+        from zeroinf.checkpoint import save_atomically
         self._check_open()
         if self.config.zero_optimization.stage == 3 and not self.config.zero_optimization.stage3_gather_16bit_weights_on_model_save:
             warnings.warn("save_16bit_model: nothing saved; at stage 3 set zero_optimization."
@@ -1284,9 +1284,9 @@ class ZeroEngine:
             os.makedirs(save_dir, exist_ok=True)
             path = os.path.join(save_dir, save_filename)
             if save_filename.endswith(".safetensors"):
-                _atomic_save({k: v.detach().to("cpu").contiguous().clone() for k, v in sd.items()}, path)
+                save_atomically({k: v.detach().to("cpu").contiguous().clone() for k, v in sd.items()}, path)
             else:
-                _atomic_save({k: v.detach().to("cpu") for k, v in sd.items()}, path)
+                save_atomically({k: v.detach().to("cpu") for k, v in sd.items()}, path)
         return True
 
     # DeepSpeed's accessors

@@ -7,6 +7,8 @@ import threading
 import time
 from typing import Any, Dict, List, Optional
 
+from zeroinf.io.atomic import write_then_rename
+
 __all__ = ["Stage3Stats", "TraceRecorder"]
 
 _COUNTERS = (
@@ -167,13 +169,9 @@ class TraceRecorder:
         names = [{"name": "thread_name", "ph": "M", "pid": os.getpid(), "tid": tid, "args": {"name": name}}
                  for name, tid in self._threads.items()]
         events = names + list(self.last)
-        tmp = f"{os.fspath(path)}.tmp{os.getpid()}"
-        try:
+
+        def write(tmp: str) -> None:
             with open(tmp, "w") as f:
                 json.dump({"traceEvents": events, "displayTimeUnit": "ms"}, f)
-            os.replace(tmp, path)
-        except BaseException:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-            raise
+        write_then_rename(path, write)
         return len(events)
