@@ -489,7 +489,7 @@ def test_initialize_rejects_too_little_disk_or_memory_before_allocating(tmp_path
     monkeypatch.setattr(eng_mod.shutil, "disk_usage", lambda p: Usage(10**9, 10**9 - 100, 100))
     with pytest.raises(ConfigError) as ei:
         zeroinf.initialize(make_mlp(), config=config(2, "nvme", tmp_path))
-    assert str(ei.value).startswith("zero_optimization.offload_optimizer.nvme_path: ") and "GB free" in str(ei.value)
+    assert str(ei.value).startswith("zero_optimization.offload_optimizer.nvme_path: ") and "bytes (1e-07 GB) free" in str(ei.value)
     monkeypatch.undo()
     Mem = collections.namedtuple("Mem", "available")
     monkeypatch.setattr(eng_mod.psutil, "virtual_memory", lambda: Mem(1000))

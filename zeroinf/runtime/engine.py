@@ -180,6 +180,12 @@ def _on_parameter_registered(module, name, param):
     return None
 
 
+def _bytes_gb(n: int) -> str:
+    """``n`` bytes exactly, and in decimal GB to 3 significant digits (0.05 GB rounded two different
+    sizes alike: tester-42 F8)."""
+    return f"{n} bytes ({n / 1e9:.3g} GB)"
+
+
 def _loaded_values_hook(engine_ref, sixteen):
     """A load pre-hook (``Module.register_load_state_dict_pre_hook``) for a module owning bf16/fp16
     parameters at stages 0-2: note the fp32 (or fp64) value ``load_state_dict`` copies into each
@@ -500,7 +506,7 @@ class ZeroEngine:
             if key == "zero_optimization.offload_param.nvme_path":  # written while Init's files are still there
                 e["first"] += nbytes
             e["folders"].add(folder)
-            e["what"].append(f"{what}: {nbytes} bytes")
+            e["what"].append(f"{what} {nbytes} bytes")
         for folder, nbytes in freed.items():
             e = by_dev.get(os.stat(folder).st_dev) if os.path.isdir(folder) else None
             if e is not None:
@@ -508,10 +514,12 @@ class ZeroEngine:
         for e in by_dev.values():
             have = shutil.disk_usage(e["path"]).free + sum(reusable_bytes(f) for f in e["folders"])
             if have < e["first"] or have + e["freed"] < e["need"]:
-                init = (f", and the {e['freed'] / 1e9:.3f} GB of zeroinf.Init's swap files that initialize frees "
+                init = (f", and the {_bytes_gb(e['freed'])} of zeroinf.Init's swap files that initialize frees "
                         "once it has taken the parameters" if e["freed"] else "")
-                raise ConfigError(e["key"], f"{e['path']!r} has {have / 1e9:.3f} GB free{init}; this rank's swap files "
-                                  f"need {e['need'] / 1e9:.3f} GB ({e['need']} bytes; {'; '.join(e['what'])})")
+                first = (f"; the parameter and gradient partitions ({_bytes_gb(e['first'])}) are written while "
+                         "Init's files are still there" if e["freed"] and have < e["first"] else "")
+                raise ConfigError(e["key"], f"{e['path']!r} has {_bytes_gb(have)} free{init}; this rank's swap files "
+                                  f"need {_bytes_gb(e['need'])}, for {', '.join(e['what'])}{first}")
 
     def _check_machine(self, specs, bytes_per_element: int = 12) -> None:
         """Raise :class:`ConfigError` when the optimizer's pinned NVMe swap buffers
