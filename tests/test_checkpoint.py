@@ -884,3 +884,55 @@ def test_write_then_rename_leaves_the_old_file_or_the_new_one(tmp_path):
     write_text_then_rename(path, "new")
     assert path.read_text() == "new" and os.listdir(tmp_path) == ["f.json"]
     assert os.stat(path).st_mode & 0o777 == 0o600
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_resume_with_other_gradient_accumulation_steps_starts_a_full_window(tmp_path, stage):
+    """Saved with micro-batch 4 x 2 accumulation steps, resumed with 2 x 4 (the same train batch,
+    less memory): the first optimizer step after the load came after 2 micro-batches, each
+    scaled by 1/4 (tester-43 F1: 1.0e-2 off torch, global_samples 24 -> 32 after 4 samples),
+    because the window's end was counted from the restored micro_steps. As in DeepSpeed, a load
+    starts a new window; after it the run equals torch.optim.AdamW on the same 8 rows per step."""
+    import torch.nn.functional as F
+    from torch import nn
+
+    g = torch.Generator().manual_seed(3)
+    X, Y = torch.randn(5, 8, 7, generator=g), torch.randn(5, 8, 5, generator=g)
+
+    def model():
+        torch.manual_seed(1)
+        return nn.Sequential(nn.Linear(7, 13), nn.Tanh(), nn.Linear(13, 5))
+
+    def cfg(mbs, gas):
+        z = {"stage": stage, "offload_optimizer": {"device": "cpu"}}
+        if stage == 3:
+            z["offload_param"] = {"device": "cpu"}
+        return {"train_micro_batch_size_per_gpu": mbs, "gradient_accumulation_steps": gas,
+                "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01}}, "zero_optimization": z}
+
+    def run(engine, steps, mbs, gas):
+        for s in steps:
+            for k in range(gas):
+                rows = slice(k * mbs, (k + 1) * mbs)
+                assert engine.is_gradient_accumulation_boundary() == (k == gas - 1)
+                engine.backward(F.mse_loss(engine(X[s][rows]), Y[s][rows]))
+                engine.step()
+
+    engine, *_ = zeroinf.initialize(model(), config=cfg(4, 2))
+    run(engine, range(3), 4, 2)
+    engine.save_checkpoint(str(tmp_path / "ck"), "t")
+    engine.close()
+    engine, *_ = zeroinf.initialize(model(), config=cfg(2, 4))
+    engine.load_checkpoint(str(tmp_path / "ck"), "t")
+    run(engine, range(3, 5), 2, 4)
+    assert (engine.global_steps, engine.global_samples) == (5, 40)
+    got = {k: v.clone() for k, v in engine.module.state_dict().items()}
+    engine.close()
+
+    ref = model()
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.01, foreach=False)
+    for s in range(5):
+        opt.zero_grad()
+        F.mse_loss(ref(X[s]), Y[s]).backward()
+        opt.step()
+    assert max((got[k] - v).abs().max().item() for k, v in ref.state_dict().items()) <= 1e-6

@@ -283,7 +283,7 @@ def save(engine, save_dir: str, tag: Optional[str] = None, client_state: Optiona
     if engine._window_backwards and engine.rank == 0:
         _log.warning("save_checkpoint(%r) with the gradients of %d backward(s) not yet stepped (inside a gradient "
                      "accumulation window, or held by no_sync): they are not saved (as in DeepSpeed), so a run resumed "
-                     "from it takes its next optimizer step without them; save after the engine.step() that steps the "
+                     "from it starts a new window without them; save after the engine.step() that steps the "
                      "optimizer to resume exactly", tag, engine._window_backwards)
     engine.synchronize()  # a background optimizer step (stage 3) finishes before its state is read
     problem = None
@@ -700,6 +700,7 @@ def load(engine, load_dir: str, tag: Optional[str] = None) -> Tuple[str, dict]:
             for k, v in h.items():
                 g[k] = tuple(v) if k == "betas" else v
         engine.global_steps, engine.micro_steps = meta["global_steps"], meta["micro_steps"]
+        engine._micro_origin = engine.micro_steps  # a new accumulation window starts here (tester-43 F1)
         # checkpoints from before it was saved: as DeepSpeed, from the steps and this batch size
         engine._global_samples = meta.get("global_samples", meta["global_steps"] * engine.train_batch_size())
         engine.skipped_steps, engine.optimizer_steps = meta["skipped_steps"], meta["optimizer_steps"]

@@ -315,6 +315,10 @@ class ZeroEngine:
         self._global_samples = 0  # global_samples
         self._backwards = 0  # engine.backward calls since the last engine.step (_check_backward_ran)
         self._window_backwards = 0  # engine.backward calls since the last optimizer step (a save warns)
+        # micro_steps at the last checkpoint load: windows are counted from there, as DeepSpeed counts
+        # them from its fresh engine's 0 (it does not restore micro_steps; counting from the restored
+        # total, a resume with other gradient_accumulation_steps put the boundary mid-window: tester-43 F1)
+        self._micro_origin = 0
         self._boundary: Optional[bool] = None  # set_gradient_accumulation_boundary's value, if called
         self._in_no_sync = False  # inside no_sync(): backward leaves the gradients in .grad, unreduced
         self._unreduced = False  # .grad holds gradients no_sync() kept from the reduction
@@ -634,7 +638,7 @@ class ZeroEngine:
         micro-batch, or what :meth:`set_gradient_accumulation_boundary` set last."""
         if self._boundary is not None:
             return self._boundary
-        return (self.micro_steps + 1) % self.gas == 0
+        return (self.micro_steps - self._micro_origin + 1) % self.gas == 0
 
     def set_gradient_accumulation_boundary(self, is_boundary: Optional[bool]) -> None:
         """Decide by hand whether the next :meth:`step` is an optimizer step, instead of counting
