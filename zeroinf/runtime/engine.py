@@ -551,6 +551,25 @@ class ZeroEngine:
     def __call__(self, *args, **kwargs):
         return self.forward(*args, **kwargs)
 
+    def __getattr__(self, name: str):
+        """A public name the engine does not define is the wrapped model's (``engine.generate``,
+        ``engine.lm_head``, ``engine.get_submodule``), as ``DeepSpeedEngine.__getattr__`` answers
+        it; tester-43 F2. Names with a leading underscore are not forwarded (the engine's own
+        state, looked up before it is set, and Python's protocols: ``hasattr(engine, "__len__")``
+        must not answer for a ``Sequential``).
+
+        Raises:
+            AttributeError: neither the engine nor its model has ``name`` (both named).
+        """
+        module = self.__dict__.get("module")  # absent while __init__ runs
+        if name.startswith("_") or module is None:
+            raise AttributeError(f"'{type(self).__name__}' object has no attribute '{name}'")
+        try:
+            return getattr(module, name)
+        except AttributeError as exc:
+            raise AttributeError(f"'{type(self).__name__}' object has no attribute '{name}', nor has its model "
+                                 f"(engine.module, a {type(module).__name__}): {exc}") from None
+
     def forward(self, *args, **kwargs):
         """Run the wrapped module.
 
@@ -1385,9 +1404,43 @@ class ZeroEngine:
         """The config's ``gradient_clipping`` (max global gradient norm; 0: no clipping)."""
         return self.config.gradient_clipping
 
+    def zero_optimization(self) -> bool:
+        """Whether ZeRO partitions anything (stage 1-3), as DeepSpeed answers it."""
+        return self.config.zero_optimization.stage > 0
+
+    def zero_cpu_offload(self) -> bool:
+        """Whether the optimizer state is offloaded to CPU memory (``offload_optimizer.device`` cpu)."""
+        return self.config.zero_optimization.offload_optimizer.device == "cpu"
+
+    def zero_offload_optimizer(self):
+        """The config's ``zero_optimization.offload_optimizer`` block (device, nvme_path, buffers)."""
+        return self.config.zero_optimization.offload_optimizer
+
+    def zero_offload_param(self):
+        """The config's ``zero_optimization.offload_param`` block (device, nvme_path, buffers)."""
+        return self.config.zero_optimization.offload_param
+
+    def steps_per_print(self) -> int:
+        """The config's ``steps_per_print`` (0: never)."""
+        return self.config.steps_per_print
+
+    def dynamic_loss_scale(self) -> bool:
+        """Whether fp16 training scales the loss dynamically (``fp16.loss_scale`` 0)."""
+        return self.config.precision == "fp16" and self.config.fp16.loss_scale == 0
+
+    def get_batch_info(self) -> Tuple[int, int, int]:
+        """``(train_batch_size, train_micro_batch_size_per_gpu, gradient_accumulation_steps)``."""
+        return self.train_batch_size(), self.config.train_micro_batch_size_per_gpu, self.gas
+
+    @property
+    def mp_world_size(self) -> int:
+        """Model-parallel ranks: 1 (zeroinf has no tensor or pipeline parallelism)."""
+        return 1
+
     @property
     def loss_scale(self) -> float:
-        """Current loss scale (1.0 without fp16)."""
+        """Current loss scale (1.0 without fp16). A property, unlike DeepSpeed's engine method of
+        that name (which gives the config's static scale: see :meth:`dynamic_loss_scale`)."""
         return self.loss_scaler.scale if self.loss_scaler is not None else 1.0
 
     def swap_files(self) -> List[str]:
