@@ -130,6 +130,12 @@ def _worker(rank: int, port: int, tmp: str) -> None:
             plain = make_mlp(seed=5)
             plain.load_state_dict(torch.load(os.path.join(tmp, "full.pt"), weights_only=True))
             assert max_diff(plain, ref) <= 1e-6 and set(sd) == set(ref.state_dict())
+        # the weights alone (DeepSpeed's load_module_only) into a stage-3 engine: every rank reads every rank's files
+        model4 = make_mlp(seed=9)
+        engine4, *_ = zeroinf.initialize(model4, config=_cfg(3, "cpu", tmp))
+        engine4.load_checkpoint(ckdir, "two", load_module_only=True)
+        full = zeroinf.checkpoint.consolidate(ckdir, "two", os.path.join(tmp, f"full{rank}.pt"))
+        assert engine4.global_steps == 0 and all(torch.equal(v, full[k]) for k, v in model4.state_dict().items())
 
         # 5. no_sync: the micro-batches inside keep their gradients local; the backward after the
         # block (or the step, when every micro-batch was inside) reduces their sum once
@@ -186,3 +192,12 @@ def _worker(rank: int, port: int, tmp: str) -> None:
 
 def test_two_ranks_equal_one_rank(tmp_path):
     mp.spawn(_worker, args=(_free_port(), str(tmp_path)), nprocs=WORLD, join=True)
+    # the two ranks' checkpoint on one rank: the whole state is refused (its partitions are two
+    # ranks'), the weights alone load
+    engine, *_ = zeroinf.initialize(make_mlp(seed=9), config=config(2, "cpu", tmp_path))
+    with pytest.raises(zeroinf.checkpoint.CheckpointError, match="saved with world size 2"):
+        engine.load_checkpoint(str(tmp_path / "ckpt"), "two")
+    engine.load_checkpoint(str(tmp_path / "ckpt"), "two", load_module_only=True)
+    full = torch.load(tmp_path / "full.pt", weights_only=True)
+    assert all(torch.equal(v, full[k]) for k, v in engine.module.state_dict().items())
+    engine.close()

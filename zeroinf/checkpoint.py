@@ -633,8 +633,9 @@ def _load_stateful(obj, state, what: str, path: str) -> Dict[str, Any]:
     return before
 
 
-def load(engine, load_dir: str, tag: Optional[str] = None) -> Tuple[str, dict]:
+def load(engine, load_dir: str, tag: Optional[str] = None, load_lr_scheduler_states: bool = True) -> Tuple[str, dict]:
     """Restore ``engine`` from ``load_dir/tag`` (tag None: the ``latest`` file). Collective.
+    ``load_lr_scheduler_states`` False: the LR scheduler keeps its state (DeepSpeed's keyword).
 
     Returns ``(folder, client_state)``; ``(None, None)`` when ``tag`` is None and no rank finds
     a ``latest`` file in ``load_dir`` (DeepSpeed's answer: nothing to resume from yet), after a
@@ -678,8 +679,8 @@ def load(engine, load_dir: str, tag: Optional[str] = None) -> Tuple[str, dict]:
     meta_file = os.path.join(ckpt, "model_states.pt")
     undo = []  # (object, its state before) of those already loaded
     try:
-        for obj, state, what in ((engine.lr_scheduler, meta["lr_scheduler"], "LR scheduler"),
-                                 (engine.loss_scaler, meta["loss_scaler"], "loss scaler")):
+        for obj, state, what in ((engine.lr_scheduler if load_lr_scheduler_states else None, meta["lr_scheduler"],
+                                  "LR scheduler"), (engine.loss_scaler, meta["loss_scaler"], "loss scaler")):
             if obj is not None and state is not None:
                 undo.append((obj, _load_stateful(obj, state, what, meta_file)))
     except CheckpointError:
@@ -723,6 +724,59 @@ def load(engine, load_dir: str, tag: Optional[str] = None) -> Tuple[str, dict]:
     return ckpt, meta["client_state"]
 
 
+def load_weights(engine, load_dir: str, tag: Optional[str] = None, strict: bool = True, counters: bool = False,
+                 load_lr_scheduler_states: bool = True) -> Tuple[Optional[str], Optional[dict]]:
+    """DeepSpeed's partial loads: ``load_checkpoint(..., load_module_only=True)`` (``counters``
+    False: the weights alone, for fine-tuning) and ``load_optimizer_states=False`` (``counters``
+    True: the weights, the step counters and, with ``load_lr_scheduler_states``, the LR
+    scheduler). Collective. The weights are the checkpoint's fp32 masters (:func:`consolidate`,
+    so a checkpoint of another world size or stage loads too), given to
+    ``engine.module.load_state_dict(sd, strict=strict)``: a bf16/fp16 model's masters take them
+    exactly, as from any fp32 state dict. The Adam moments, the loss scaler and (``counters``
+    False) the steps stay the engine's; gradients accumulated before the load are dropped and
+    a new accumulation window starts. Every rank builds the whole fp32 state dict in CPU memory
+    (model size x 4 bytes).
+
+    Returns ``(folder, client_state)``, or ``(None, None)`` as :func:`load` when there is no
+    ``latest`` file.
+
+    Raises:
+        CheckpointError: a file is missing or corrupt on this or another rank (nothing loaded);
+            the LR scheduler's saved state does not fit (nothing loaded).
+        RuntimeError: ``strict`` and the keys differ (torch's message, after it copied the keys
+            that match, as ``load_state_dict`` does).
+    """
+    engine.synchronize()
+    tag = _same_tag(engine, None if tag is None else str(tag), "load_checkpoint")
+    if tag is None and _on_every_rank(engine, not os.path.isfile(os.path.join(load_dir, "latest")), "load_checkpoint"):
+        if engine.rank == 0:
+            _log.warning("load_checkpoint(%r): no 'latest' file there, so nothing was loaded (returns None, None); "
+                         "pass tag= to load a checkpoint by name", load_dir)
+        return None, None
+    problem, found = None, None
+    try:
+        found = _consolidated(load_dir, tag)
+        if counters:
+            _check_meta(engine, found[1], os.path.join(found[0], "model_states.pt"))
+    except Exception as exc:  # every rank must reach the agreement
+        problem = exc
+    _agree(engine, problem, lambda bad: CheckpointError(
+        f"rank(s) {bad} could not use their checkpoint files (their errors name them); nothing was loaded on any rank"),
+        "load_checkpoint")
+    ckpt, meta, sd = found
+    if counters and load_lr_scheduler_states and engine.lr_scheduler is not None and meta["lr_scheduler"] is not None:
+        _load_stateful(engine.lr_scheduler, meta["lr_scheduler"], "LR scheduler", os.path.join(ckpt, "model_states.pt"))
+    engine.module.load_state_dict(sd, strict=strict)
+    del sd
+    if counters:
+        engine.global_steps, engine.micro_steps = meta["global_steps"], meta["micro_steps"]
+        engine._global_samples = meta.get("global_samples", meta["global_steps"] * engine.train_batch_size())
+        engine.skipped_steps, engine.optimizer_steps = meta["skipped_steps"], meta["optimizer_steps"]
+    engine._micro_origin = engine.micro_steps  # a new accumulation window starts here
+    engine._forget_gradients()  # computed on the weights the load replaced
+    return ckpt, meta["client_state"]
+
+
 def consolidate(load_dir: str, tag: Optional[str], out: str) -> Dict[str, torch.Tensor]:
     """Write one fp32 state dict (all of the module's keys, tied names included; trainable
     parameters from the fp32 master weights of every rank) to ``out`` (``.safetensors`` → safetensors,
@@ -732,6 +786,13 @@ def consolidate(load_dir: str, tag: Optional[str], out: str) -> Dict[str, torch.
         CheckpointError: a rank's optimizer file is missing, or a tensor it reads does not match
             the CRC-32 written at save (as :func:`load` checks; corrupt data gave wrong weights).
     """
+    _ckpt, _meta, sd = _consolidated(load_dir, tag)
+    save_atomically({k: v.contiguous() for k, v in sd.items()} if out.endswith(".safetensors") else sd, out)
+    return sd
+
+
+def _consolidated(load_dir: str, tag: Optional[str]) -> Tuple[str, Dict[str, Any], Dict[str, torch.Tensor]]:
+    """:func:`consolidate`'s fp32 state dict, in memory; returns (folder, meta, state dict)."""
     ckpt, meta = _load_meta(load_dir, tag)
     _check_module_crcs(meta, os.path.join(ckpt, "model_states.pt"))
     sd = {k: (v.float() if v.is_floating_point() else v).clone() for k, v in meta["module"].items()}
@@ -759,5 +820,4 @@ def consolidate(load_dir: str, tag: Optional[str], out: str) -> Dict[str, torch.
             t = flat[p["offset"]:p["offset"] + n].view(p["shape"])
             for name in p["names"]:
                 sd[name] = t.clone()
-    save_atomically({k: v.contiguous() for k, v in sd.items()} if out.endswith(".safetensors") else sd, out)
-    return sd
+    return ckpt, meta, sd

@@ -1506,28 +1506,28 @@ class ZeroEngine:
                         load_module_only: bool = False):
         """Load from ``load_dir/tag`` (tag default: the ``latest`` file). Returns
         ``(path, client_state)`` like DeepSpeed, and ``(None, None)`` with a warning when tag is
-        None and there is no ``latest`` file (a first run). DeepSpeed's keywords are accepted at
-        their defaults: a load restores the whole state, bit-exactly.
+        None and there is no ``latest`` file (a first run). By default the whole state, bit-exactly
+        (:func:`zeroinf.checkpoint.load`); ``load_lr_scheduler_states=False`` keeps the scheduler's.
+        DeepSpeed's partial loads (:func:`zeroinf.checkpoint.load_weights`):
+        ``load_module_only=True`` takes the weights alone (fine-tuning from a checkpoint: the
+        Adam moments, steps and schedule stay this engine's; another world size or stage loads
+        too), ``load_optimizer_states=False`` the weights, step counters and (unless
+        ``load_lr_scheduler_states=False``) the schedule; ``load_module_strict=False`` lets their
+        keys differ from the model's.
 
         Raises:
-            NotImplementedError: a partial load (``load_optimizer_states`` or
-                ``load_lr_scheduler_states`` False, ``load_module_only`` or ``load_module_strict``
-                otherwise): load weights alone with ``model.load_state_dict`` of
-                :func:`zeroinf.checkpoint.consolidate`'s file.
+            CheckpointError: see :func:`zeroinf.checkpoint.load`.
             RuntimeError: between engine.backward and engine.step with ``zeroinf.optimizer_in_backward``.
         """
         from zeroinf import checkpoint
-        for key, value, default in (("load_module_strict", load_module_strict, True),
-                                    ("load_optimizer_states", load_optimizer_states, True),
-                                    ("load_lr_scheduler_states", load_lr_scheduler_states, True),
-                                    ("load_module_only", load_module_only, False)):
-            if bool(value) != default:
-                raise NotImplementedError(
-                    f"load_checkpoint({key}={value!r}): zeroinf loads the whole state only; for the weights alone, "
-                    "write them with zeroinf.checkpoint.consolidate(dir, tag, out) and model.load_state_dict them")
-        self._check_open(loading=True)
+        partial = bool(load_module_only) or not load_optimizer_states
+        self._check_open(loading=not partial)  # a partial load does not mend a state left half-loaded
         self._check_step_closed("load_checkpoint")
-        return checkpoint.load(self, load_dir, tag)
+        if partial:
+            return checkpoint.load_weights(self, load_dir, tag, strict=bool(load_module_strict),
+                                           counters=not load_module_only,
+                                           load_lr_scheduler_states=bool(load_lr_scheduler_states))
+        return checkpoint.load(self, load_dir, tag, load_lr_scheduler_states=bool(load_lr_scheduler_states))
 
     def _check_step_closed(self, what: str) -> None:
         """Raise RuntimeError between engine.backward and engine.step with

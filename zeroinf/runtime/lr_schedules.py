@@ -133,7 +133,10 @@ class WarmupCosineLR(WarmupLR):
         return {"last_batch_iteration": self.last_batch_iteration, "org_lrs": list(self.org_lrs)}
 
     def load_state_dict(self, sd: Dict[str, Any]) -> None:
-        self.org_lrs = [float(x) for x in sd["org_lrs"]]
+        """The saved position and base lrs; a state saved by another schedule (WarmupLR: a run
+        resumed with a new schedule, which DeepSpeed allows; tester-43 F5) has no base lrs, and
+        this schedule keeps its own, the optimizer's lr at initialize."""
+        self.org_lrs = [float(x) for x in sd.get("org_lrs", self.org_lrs)]
         super().load_state_dict(sd)
 
 
