@@ -764,9 +764,16 @@ def load_weights(engine, load_dir: str, tag: Optional[str] = None, strict: bool 
         f"rank(s) {bad} could not use their checkpoint files (their errors name them); nothing was loaded on any rank"),
         "load_checkpoint")
     ckpt, meta, sd = found
+    undo = None  # the scheduler's state before, restored when the weights do not load
     if counters and load_lr_scheduler_states and engine.lr_scheduler is not None and meta["lr_scheduler"] is not None:
-        _load_stateful(engine.lr_scheduler, meta["lr_scheduler"], "LR scheduler", os.path.join(ckpt, "model_states.pt"))
-    engine.module.load_state_dict(sd, strict=strict)
+        undo = _load_stateful(engine.lr_scheduler, meta["lr_scheduler"], "LR scheduler",
+                              os.path.join(ckpt, "model_states.pt"))
+    try:
+        engine.module.load_state_dict(sd, strict=strict)
+    except BaseException:
+        if undo is not None:
+            engine.lr_scheduler.load_state_dict(undo)
+        raise
     del sd
     if counters:
         engine.global_steps, engine.micro_steps = meta["global_steps"], meta["micro_steps"]

@@ -46,7 +46,6 @@ def write_then_rename(path: "str | os.PathLike", write: Callable[[str], None]) -
         raise
 
 
-
 def write_text_then_rename(path: "str | os.PathLike", text: str) -> None:
     """:func:`write_then_rename` of ``text`` (UTF-8). Raises OSError (a full disk: ENOSPC)."""
     def write(tmp: str) -> None:

@@ -426,7 +426,7 @@ class ZeroEngine:
         self._shapes = [[p.shape for p in g.params] for g in self.params.groups] if zc.stage != 3 else None
         self._strides = [[p.stride() for p in g.params] for g in self.params.groups] if zc.stage != 3 else None
         self._homes = self._home_list() if zc.stage != 3 else []  # _adopt_replaced_data
-        # fp32 values a load_state_dict gave 16-bit parameters, for their masters (_note_loaded_values)
+        # fp32 values a load_state_dict gave 16-bit parameters, for their masters (_loaded_values_hook)
         self._loaded_fp32: Dict[torch.nn.Parameter, torch.Tensor] = {}
         self._names = {p: n for n, p, _f in self._requires_grad}  # for errors that name a parameter
         del fp32_copies
