@@ -443,8 +443,9 @@ class AsyncIOHandle:
     def _submit(self, is_read: bool, buffer, filename, file_offset: int, whole_file: bool = False) -> int:
         self._check_usable()
         path = os.fspath(filename)
-        if not isinstance(file_offset, int) or isinstance(file_offset, bool) or file_offset < 0:
-            raise ValueError(f"file_offset must be an integer >= 0, got {file_offset!r}")
+        if not isinstance(file_offset, int) or isinstance(file_offset, bool) or not 0 <= file_offset < 2**63:
+            # off_t is 64-bit signed: 2**63 and above reached the C++ binding as a raw TypeError (tester-44 F5)
+            raise ValueError(f"file_offset must be an integer in [0, 2**63), got {file_offset!r}")
         if whole_file and file_offset != 0:
             raise ValueError(f"a whole-file read starts at offset 0, got file_offset={file_offset}")
         flat = _byte_view(buffer)

@@ -88,9 +88,28 @@ class CPUAdam(torch.optim.Optimizer):
         load_adam_op()  # the first-use build happens here, not in the first step
 
     def add_param_group(self, param_group: Dict[str, Any]) -> None:
-        """Add a param group (see ``torch.optim.Optimizer.add_param_group``); validates its options."""
+        """Add a param group (see ``torch.optim.Optimizer.add_param_group``); validates its options.
+        A group giving ``adamw_mode`` or torch's ``decoupled_weight_decay`` alone gets the other
+        from it (the defaults filled it in, and every step refused the two disagreeing: tester-44 F2).
+
+        Raises:
+            ValueError: an option out of range (see the class), or a parameter listed twice in
+                the group (torch only warns and steps it twice in order; one fused step would
+                give both updates one bias correction: tester-44 F4); the group is not added.
+        """
         _check_hyper(param_group)
+        for a, b in (("adamw_mode", "decoupled_weight_decay"), ("decoupled_weight_decay", "adamw_mode")):
+            if a in param_group and b not in param_group:
+                param_group[b] = bool(param_group[a])
+        gi = len(self.param_groups)
         super().add_param_group(param_group)
+        seen: Dict[int, int] = {}
+        for pi, p in enumerate(self.param_groups[-1]["params"]):
+            if id(p) in seen:
+                self.param_groups.pop()
+                raise ValueError(f"CPUAdam: param_groups[{gi}]['params'] lists one parameter twice (positions "
+                                 f"{seen[id(p)]} and {pi}); list each parameter once")
+            seen[id(p)] = pi
 
     def __setstate__(self, state: Dict[str, Any]) -> None:
         super().__setstate__(state)
@@ -145,9 +164,9 @@ class CPUAdam(torch.optim.Optimizer):
         super().load_state_dict(state_dict)
         ids = [pid for g in state_dict["param_groups"] for pid in g["params"]]
         params = [p for g in self.param_groups for p in g["params"]]
-        for p in params:  # torch before 1.12 saved the step as a Python number
+        for p in params:  # torch before 1.12 saved the step as a Python number; others an int64 tensor
             st = self.state.get(p)
-            if st and "step" in st and not torch.is_tensor(st["step"]):
+            if st and "step" in st and not (torch.is_tensor(st["step"]) and st["step"].dtype == torch.float32):
                 st["step"] = torch.tensor(float(st["step"]), dtype=torch.float32)
         for pid, p in zip(ids, params):
             if p.dtype != torch.float32 and saved.get(pid):
@@ -229,6 +248,8 @@ class CPUAdam(torch.optim.Optimizer):
             state["step"] = torch.tensor(0.0, dtype=torch.float32)
             state["exp_avg"] = torch.zeros(p.shape, dtype=torch.float32)
             state["exp_avg_sq"] = torch.zeros(p.shape, dtype=torch.float32)
+        elif not (torch.is_tensor(state["step"]) and state["step"].dtype == torch.float32):  # set by hand
+            state["step"] = torch.tensor(float(state["step"]), dtype=torch.float32)
         if p.dtype != torch.float32 and "master_param" not in state:
             state["master_param"] = p.detach().to(torch.float32, copy=True).contiguous()
         elif p.dtype != torch.float32 and self._written.get(p) != (p._version, p.data_ptr()):
@@ -252,6 +273,9 @@ def _check_param(p: torch.Tensor, where: str) -> None:
     """Raise ValueError naming ``where`` (``param_groups[g]['params'][i]``) for a parameter with a
     gradient that CPUAdam cannot step."""
     grad = p.grad
+    if p.device.type == "meta":
+        raise ValueError(f"CPUAdam: {where} is on the meta device (a shape without data: a model built under "
+                         "torch.device('meta') and not materialized with to_empty()); there is nothing to step")
     if p.device.type != "cpu":
         raise ValueError(f"CPUAdam: {where} is on {p.device}; CPUAdam steps CPU parameters only. "
                          f"Use torch.optim.AdamW(fused=True) for accelerator parameters, or offload "
@@ -280,16 +304,25 @@ def _check_group(gi: int, group: Dict[str, Any]) -> None:
                          "value (True: AdamW's decoupled decay, False: Adam's L2 penalty)")
 
 
+def _number(name: str, v: Any) -> float:
+    """``float(v)``; ValueError naming the option for a string or a tensor of several elements
+    (their own messages named neither: tester-44 F7)."""
+    try:
+        return float(v)
+    except (TypeError, ValueError, RuntimeError) as exc:
+        raise ValueError(f"CPUAdam: invalid {name} {v!r} (must be a number or a one-element tensor)") from exc
+
+
 def _check_hyper(group: Dict[str, Any]) -> None:
     if group.get("amsgrad", False):
         raise ValueError("CPUAdam: amsgrad=True is not implemented; use torch.optim.AdamW(amsgrad=True)")
-    if "lr" in group and not 0.0 <= float(group["lr"]) <= _F32_MAX:
+    if "lr" in group and not 0.0 <= _number("lr", group["lr"]) <= _F32_MAX:
         raise ValueError(f"CPUAdam: invalid lr {group['lr']} (must be >= 0 and a finite float32)")
-    if "eps" in group and not float(group["eps"]) >= 0.0:
+    if "eps" in group and not _number("eps", group["eps"]) >= 0.0:
         raise ValueError(f"CPUAdam: invalid eps {group['eps']} (must be >= 0)")
-    if "weight_decay" in group and not float(group["weight_decay"]) >= 0.0:
+    if "weight_decay" in group and not _number("weight_decay", group["weight_decay"]) >= 0.0:
         raise ValueError(f"CPUAdam: invalid weight_decay {group['weight_decay']} (must be >= 0)")
     if "betas" in group:
         betas = tuple(group["betas"])
-        if len(betas) != 2 or not all(0.0 <= float(b) < 1.0 for b in betas):
+        if len(betas) != 2 or not all(0.0 <= _number("betas", b) < 1.0 for b in betas):
             raise ValueError(f"CPUAdam: invalid betas {group['betas']} (need two values in [0, 1))")
