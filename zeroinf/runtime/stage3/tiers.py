@@ -8,8 +8,7 @@ partition itself where it is an addressable tensor (device and CPU tiers) and ``
 from __future__ import annotations
 
 import threading
-from collections import OrderedDict
-from typing import Callable, Optional
+from typing import Callable, Dict, Optional, Set
 
 import torch
 
@@ -137,8 +136,15 @@ class HostStore(DeviceStore):
 
 
 class HostCache:
-    """Host copies of NVMe partitions, at most ``max_elements`` elements, least recently used
-    evicted first (``offload_param.max_in_cpu``). Thread-safe.
+    """Host copies of NVMe partitions, at most ``max_elements`` elements
+    (``offload_param.max_in_cpu``). Thread-safe.
+
+    The partitions cached first keep their place: a partition enters while there is room and
+    is then updated in place by every write (no eviction, no new allocation). The units are
+    read in a cycle (forward in order, backward in reverse, every step), and a least-recently-used
+    cache smaller than the cycle evicts exactly the partition needed next: every read missed,
+    and every write allocated (and pinned) a new copy. On the bench's 101M-parameter model with a
+    quarter of it allowed, the step went from 1.32 to 2.08 s with the optimizer in backward.
 
     The copies are allocated by ``pinned`` (page-locked with ``pin`` and CUDA). ``on_hit(nbytes)``,
     if given, is called for every :meth:`get` that finds its key (a read served from host memory
@@ -148,41 +154,41 @@ class HostCache:
                  on_hit: Optional[Callable[[int], None]] = None):
         self.max_elements, self.pin, self.pinned, self.on_hit = max_elements, pin, pinned, on_hit
         self._lock = threading.RLock()  # re-entered by close() from a signal handler
-        self._entries: "OrderedDict[str, torch.Tensor]" = OrderedDict()
+        self._entries: Dict[str, torch.Tensor] = {}  # the partitions with a place, valid or not
+        self._valid: Set[str] = set()  # those whose copy holds the partition's current values
         self._used = 0
 
     def get(self, key: str) -> Optional[torch.Tensor]:
         with self._lock:
-            t = self._entries.get(key)
-            if t is not None:
-                self._entries.move_to_end(key)
+            t = self._entries.get(key) if key in self._valid else None
         if t is not None and self.on_hit is not None:
             self.on_hit(t.numel() * t.element_size())
         return t
 
     def put(self, key: str, src: torch.Tensor) -> None:
-        """Cache a copy of ``src`` (replacing an older one) if it fits, evicting LRU entries."""
+        """Cache ``src``'s values under ``key``: into its copy when it has a place, else into a
+        new one when ``src`` fits in the room left; else nothing."""
         n = src.numel()
         with self._lock:
-            old = self._entries.pop(key, None)
-            if old is not None:
-                self._used -= old.numel()
-            if n > self.max_elements:
-                return
-            while self._used + n > self.max_elements and self._entries:
-                _, ev = self._entries.popitem(last=False)
-                self._used -= ev.numel()
-            t = self.pinned.empty(n, src.dtype, pin=self.pin)
-            t.copy_(src)
-            self._entries[key] = t
-            self._used += n
+            t = self._entries.get(key)
+            if t is not None and (t.numel() != n or t.dtype != src.dtype):  # another layout: start over
+                del self._entries[key]
+                self._valid.discard(key)
+                self._used -= t.numel()
+                t = None
+            if t is None:
+                if self._used + n > self.max_elements:
+                    return
+                t = self.pinned.empty(n, src.dtype, pin=self.pin)
+                self._entries[key] = t
+                self._used += n
+            t.copy_(src.reshape(-1))
+            self._valid.add(key)
 
     def discard(self, key: str) -> None:
-        """Forget ``key``'s copy (its partition is being rewritten)."""
+        """Forget ``key``'s values (its partition is being rewritten); its place is kept."""
         with self._lock:
-            old = self._entries.pop(key, None)
-            if old is not None:
-                self._used -= old.numel()
+            self._valid.discard(key)
 
     @property
     def used_elements(self) -> int:
