@@ -430,6 +430,15 @@ def test_bad_buffers(tmp_path):
         with pytest.raises(ValueError, match=r"file_offset must be an integer in \[0, 2\*\*63\)"):
             h.sync_pwrite(torch.zeros(4), tmp_path / "f", bad)
     assert isinstance(DiskFullError(errno.ENOSPC, "x", "p"), AIOError)
+    # views whose bytes are not their values, and sparse tensors, are refused saying so (tester-44 F8)
+    for bad, says in ((torch.randn(8, dtype=torch.complex64).conj(), r"lazily conjugated view.*resolve_conj"),
+                      (torch.randn(8)._neg_view(), r"lazily negated view.*resolve_neg"),
+                      (torch.eye(3).to_sparse(), r"torch.sparse_coo tensor, which has no flat bytes")):
+        with pytest.raises(ValueError, match=says):
+            h.sync_pwrite(bad, tmp_path / "f")
+    with pytest.raises(TypeError, match="cannot be pickled .* make one in each process"):
+        import pickle
+        pickle.dumps(h)
 
 
 def test_tune_io_cli_prints_a_loadable_aio_block(tmp_path, capsys):

@@ -232,6 +232,11 @@ def _byte_view(buffer, name: str = "buffer") -> torch.Tensor:
         raise TypeError(f"{name} must be a torch.Tensor, got {type(buffer).__name__}")
     if buffer.device.type != "cpu":
         raise ValueError(f"{name} must be a CPU tensor, got device {buffer.device}")
+    if buffer.layout != torch.strided:  # sparse: it was told to be contiguous (tester-44 F8)
+        raise ValueError(f"{name} is a {buffer.layout} tensor, which has no flat bytes; pass a dense one (.to_dense())")
+    if buffer.is_conj() or buffer.is_neg():  # a lazy view: its bytes are not its values
+        raise ValueError(f"{name} is a lazily {'conjugated' if buffer.is_conj() else 'negated'} view; pass "
+                         f"a plain tensor ({'.resolve_conj()' if buffer.is_conj() else '.resolve_neg()'} makes one, a copy)")
     if not buffer.is_contiguous():
         raise ValueError(f"{name} must be contiguous (a .contiguous() copy would not receive the data)")
     return buffer.reshape(-1).view(torch.uint8)
@@ -616,6 +621,16 @@ class AsyncIOHandle:
                 if exc is not None:
                     self._drained_errors.append(exc)
             self._drained += len(recs)
+
+    def __reduce__(self):
+        """Refused: a handle owns threads, file descriptors and in-flight requests of this
+        process; pickling one failed on its engine with no hint (tester-44 F8).
+
+        Raises:
+            TypeError: always.
+        """
+        raise TypeError("an AsyncIOHandle cannot be pickled or copied to another process: it owns this process's "
+                        "I/O threads and open requests; make one in each process (AsyncIOHandle(...) there)")
 
     def pending(self) -> int:
         """Requests submitted and not yet collected by :meth:`wait`."""
