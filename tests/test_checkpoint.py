@@ -690,6 +690,23 @@ def test_a_scheduler_state_that_does_not_fit_is_refused_before_anything_loads(tm
     assert b.global_steps == 1
 
 
+def test_a_run_resumed_without_its_torch_scheduler(tmp_path):
+    """A torch LR scheduler (given to initialize) writes ``initial_lr`` into the param groups; a
+    run resumed without it (a constant lr, or a scheduler made after the load) was refused
+    ("hyper-parameters this optimizer does not: ['initial_lr']"). It loads."""
+    x = torch.randn(4, 7)
+    a = _build_with_scheduler(None, lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lambda k: 0.5))
+    for _ in range(3):
+        a.backward(a(x).square().mean())
+        a.step()
+    a.save_checkpoint(str(tmp_path), "t")
+    weights = [p.detach().clone() for p in a.module.parameters()]
+    b = _build_with_scheduler(None)
+    b.load_checkpoint(str(tmp_path))
+    assert b.global_steps == 3 and all(torch.equal(p, w) for p, w in zip(b.module.parameters(), weights))
+    assert b.optimizer.param_groups[0]["initial_lr"] == 1e-2
+
+
 def test_a_run_resumed_with_another_deepspeed_schedule(tmp_path):
     """Saved under WarmupLR, loaded into a WarmupCosineLR engine: refused (no 'org_lrs' in the
     state, tester-43 F5), while DeepSpeed's cosine schedule reads only the position. It now

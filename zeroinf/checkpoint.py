@@ -391,7 +391,9 @@ def _check_meta(engine, meta: Dict[str, Any], path: str) -> None:
     if not isinstance(groups, list) or len(groups) != len(mine) or not all(isinstance(h, dict) for h in groups):
         raise CheckpointError(f"{path}: param_groups do not match this engine's {len(mine)} groups")
     for i, (g, h) in enumerate(zip(mine, groups)):
-        unknown = sorted(set(h) - set(g))
+        # initial_lr: a torch LR scheduler's bookkeeping in the groups; a run resumed without that
+        # scheduler (the config's, or none) takes it as torch's load_state_dict would (it was refused)
+        unknown = sorted(set(h) - set(g) - {"initial_lr"})
         if unknown:
             raise CheckpointError(f"{path}: param group {i} has hyper-parameters this optimizer does not: {unknown}")
 
