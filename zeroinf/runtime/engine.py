@@ -1439,8 +1439,8 @@ class ZeroEngine:
 
     @property
     def loss_scale(self) -> float:
-        """Current loss scale (1.0 without fp16). A property, unlike DeepSpeed's engine method of
-        that name (which gives the config's static scale: see :meth:`dynamic_loss_scale`)."""
+        """Current loss scale (1.0 without fp16); a property: ``engine.loss_scale``, not
+        ``engine.loss_scale()``."""
         return self.loss_scaler.scale if self.loss_scaler is not None else 1.0
 
     def swap_files(self) -> List[str]:
