@@ -948,7 +948,10 @@ def test_load_state_dict_of_fp32_weights_sets_a_bf16_models_masters_to_them(tmp_
     model.load_state_dict({k: v.to(torch.bfloat16) for k, v in model.state_dict().items()})  # its own bf16 values
     same = masters("same")
     assert all(torch.equal(same[k], trained[k]) for k in trained)
-    model.load_state_dict(init)
+    source = {k: v.clone() for k, v in init.items()}
+    model.load_state_dict(source)
+    for v in source.values():  # the source changes on (a live fp32 model trained on): its later values are not taken
+        v.add_(1e-4)
     with torch.no_grad():  # changed after the load: that element is the bf16 value, not the loaded fp32 one
         model[2].bias[0] = 0.5
     reset = masters("reset")

@@ -190,9 +190,11 @@ def _loaded_values_hook(engine_ref, sixteen):
     """A load pre-hook (``Module.register_load_state_dict_pre_hook``) for a module owning bf16/fp16
     parameters at stages 0-2: note the fp32 (or fp64) value ``load_state_dict`` copies into each
     (same shape, not on the meta device) for :meth:`ZeroEngine._adopt_changed_weights`, which
-    gives it to the masters at the next step or checkpoint save. The value is held (a
-    reference, not a copy) until then; a parameter changed again after the load is compared
-    element by element, so a value the load did not copy, or a later change, is never taken for it."""
+    gives it to the masters at the next step or checkpoint save. A copy is held until then (4
+    bytes per element on the CPU): a reference took the source's later changes (a live fp32
+    model's weights, trained on after the load: tester-45 F1). A parameter changed again after
+    the load is compared element by element, so a value the load did not copy, or a later
+    change, is never taken for it."""
     def note(module, state_dict, prefix, *_args):
         engine = engine_ref()
         if engine is None:
@@ -201,7 +203,7 @@ def _loaded_values_hook(engine_ref, sixteen):
             v = state_dict.get(prefix + name)
             if (p in sixteen and isinstance(v, torch.Tensor) and v.dtype in (torch.float32, torch.float64)
                     and v.shape == p.shape and not v.is_meta):
-                engine._loaded_fp32[p] = v
+                engine._loaded_fp32[p] = v.detach().to("cpu", torch.float32, copy=True)
     return note
 
 
