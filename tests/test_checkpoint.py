@@ -1047,6 +1047,20 @@ def test_deepspeeds_partial_loads(tmp_path, stage_b):
     c.load_checkpoint(str(tmp_path / "ck"), "a", load_optimizer_states=False)
     assert c.global_steps == 3 and c.global_samples == 12 and c.get_lr() == lr_a
     assert all(torch.equal(v, weights[k]) for k, v in c.module.state_dict().items())
+    # fresh moments with a fresh Adam step count: torch.optim.AdamW from the weights, at the schedule's lr
+    # (the restored count shrank the first updates through the bias correction: tester-45 F2)
+    assert c.optimizer_steps == 0
+    ref = model(2)
+    ref.load_state_dict(weights)
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.01, foreach=False)
+    for s in range(3, 5):
+        opt.param_groups[0]["lr"] = c.get_lr()[0]
+        run(c, [s])
+        opt.zero_grad()
+        F.mse_loss(ref(X[s]), Y[s]).backward()
+        opt.step()
+    got = c.module.state_dict()
+    assert max((got[k] - v).abs().max().item() for k, v in ref.state_dict().items()) <= 1e-6
     c.close()
     if stage_b == 2:  # a whole load (same stage) without the schedule
         d, *_ = zeroinf.initialize(model(2), config=cfg(2, sched=True))

@@ -734,8 +734,8 @@ def load_weights(engine, load_dir: str, tag: Optional[str] = None, strict: bool 
     scheduler). Collective. The weights are the checkpoint's fp32 masters (:func:`consolidate`,
     so a checkpoint of another world size or stage loads too), given to
     ``engine.module.load_state_dict(sd, strict=strict)``: a bf16/fp16 model's masters take them
-    exactly, as from any fp32 state dict. The Adam moments, the loss scaler and (``counters``
-    False) the steps stay the engine's; gradients accumulated before the load are dropped and
+    exactly, as from any fp32 state dict. The Adam moments with their step count
+    (``optimizer_steps``), the loss scaler and (``counters`` False) the other counters stay the engine's; gradients accumulated before the load are dropped and
     a new accumulation window starts. Every rank builds the whole fp32 state dict in CPU memory
     (model size x 4 bytes).
 
@@ -780,7 +780,9 @@ def load_weights(engine, load_dir: str, tag: Optional[str] = None, strict: bool 
     if counters:
         engine.global_steps, engine.micro_steps = meta["global_steps"], meta["micro_steps"]
         engine._global_samples = meta.get("global_samples", meta["global_steps"] * engine.train_batch_size())
-        engine.skipped_steps, engine.optimizer_steps = meta["skipped_steps"], meta["optimizer_steps"]
+        # not optimizer_steps: Adam's step count belongs with the moments, which stay the engine's
+        # (restored beside fresh moments, the bias correction shrank the first updates: tester-45 F2)
+        engine.skipped_steps = meta["skipped_steps"]
     engine._micro_origin = engine.micro_steps  # a new accumulation window starts here
     engine._forget_gradients()  # computed on the weights the load replaced
     return ckpt, meta["client_state"]
