@@ -275,6 +275,12 @@ def test_files_of_two_saves_in_one_folder_are_refused(tmp_path):
     with pytest.raises(CheckpointError, match=rf"{name}: written by another save \('early@steps=1,.*'\) than "
                                               r"model_states.pt \('late@steps=2,.*'\); the folder mixes"):
         engine.load_checkpoint(str(tmp_path), "renamed")
+    # consolidate and the partial loads read the same files (they took them silently: tester-45 F3)
+    for load in (lambda: zeroinf.checkpoint.consolidate(str(tmp_path), "renamed", str(tmp_path / "c.pt")),
+                 lambda: engine.load_checkpoint(str(tmp_path), "renamed", load_module_only=True),
+                 lambda: engine.load_checkpoint(str(tmp_path), "renamed", load_optimizer_states=False)):
+        with pytest.raises(CheckpointError, match=rf"{name}: written by another save .* the folder mixes"):
+            load()
 
 
 def test_a_save_from_an_atexit_hook_at_stage_3_on_nvme(tmp_path):

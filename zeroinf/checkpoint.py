@@ -821,6 +821,11 @@ def _consolidated(load_dir: str, tag: Optional[str]) -> Tuple[str, Dict[str, Any
                 if not os.path.isfile(f):
                     raise CheckpointError(f"{f}: missing; consolidate needs every rank's optimizer files")
                 opt = _read(f, mmap=True)
+                want = meta.get("save_id")  # checkpoints from before save ids have none
+                if want is not None and isinstance(opt, dict) and opt.get("save_id") != want:
+                    raise CheckpointError(f"{f}: written by another save ({opt.get('save_id')!r}) than model_states.pt "
+                                          f"({want!r}); the folder mixes the files of two saves (tester-45 F3: "
+                                          "consolidate and the partial loads took them silently)")
                 _check_crc(opt, 0, f)
                 flat[pos:pos + numel].copy_(opt["master"])
                 pos += numel
