@@ -507,6 +507,17 @@ def test_init_swap_files_count_as_free_for_the_optimizer_files(tmp_path, monkeyp
     disk_with(2 * init_bytes - 10)  # not even the partitions fit beside Init's files
     with pytest.raises(ConfigError, match=rf"the parameter and gradient partitions \({2 * init_bytes} bytes"):
         ZeroEngine._check_disk_room(None, files, {k: 10**9 for k in freed})
+    # an earlier run's optimizer files are overwritten only after the partitions are written: free for
+    # the optimizer's files, not for the partitions (the check passed, then initialize ran out of
+    # space half-way: tester-45 F6)
+    (tmp_path / "o" / "zeroinf-swap").mkdir(parents=True)
+    (tmp_path / "o" / "zeroinf-swap" / "old.swp").write_bytes(b"\0" * (2 * init_bytes))
+    disk_with(2 * init_bytes + 10)  # with the old files: room for everything, once they are overwritten
+    ZeroEngine._check_disk_room(None, files, {})
+    disk_with(2 * init_bytes - 10)
+    with pytest.raises(ConfigError, match=rf"partitions \({2 * init_bytes} bytes .* are written first, with "
+                                          rf"{2 * init_bytes - 10} bytes .* free for them"):
+        ZeroEngine._check_disk_room(None, files, {})
 
 
 @pytest.mark.parametrize("opt_tier", ["cpu", "nvme"])

@@ -507,10 +507,15 @@ class ZeroEngine:
             if problem is not None:
                 raise ConfigError(key, f"{path!r} {problem}")
             e = by_dev.setdefault(os.stat(path).st_dev, {"key": key, "path": path, "need": 0, "first": 0,
-                                                         "folders": set(), "what": [], "freed": 0})
+                                                         "folders": set(), "first_folders": set(), "what": [],
+                                                         "freed": 0})
             e["need"] += nbytes
-            if key == "zero_optimization.offload_param.nvme_path":  # written while Init's files are still there
+            # the partitions are written first: while Init's files are still there, and before an
+            # earlier run's optimizer files are overwritten (counted free for them, initialize then
+            # ran out of space half-way: tester-45 F6)
+            if key == "zero_optimization.offload_param.nvme_path":
                 e["first"] += nbytes
+                e["first_folders"].add(folder)
             e["folders"].add(folder)
             e["what"].append(f"{what} {nbytes} bytes")
         for folder, nbytes in freed.items():
@@ -518,12 +523,15 @@ class ZeroEngine:
             if e is not None:
                 e["freed"] += nbytes
         for e in by_dev.values():
-            have = shutil.disk_usage(e["path"]).free + sum(reusable_bytes(f) for f in e["folders"])
-            if have < e["first"] or have + e["freed"] < e["need"]:
+            free = shutil.disk_usage(e["path"]).free
+            have = free + sum(reusable_bytes(f) for f in e["folders"])
+            have_first = free + sum(reusable_bytes(f) for f in e["first_folders"])
+            if have_first < e["first"] or have + e["freed"] < e["need"]:
                 init = (f", and the {_bytes_gb(e['freed'])} of zeroinf.Init's swap files that initialize frees "
                         "once it has taken the parameters" if e["freed"] else "")
-                first = (f"; the parameter and gradient partitions ({_bytes_gb(e['first'])}) are written while "
-                         "Init's files are still there" if e["freed"] and have < e["first"] else "")
+                first = (f"; the parameter and gradient partitions ({_bytes_gb(e['first'])}) are written first, "
+                         f"with {_bytes_gb(have_first)} free for them (zeroinf.Init's swap files and an earlier run's "
+                         "optimizer files are still there)" if have_first < e["first"] else "")
                 raise ConfigError(e["key"], f"{e['path']!r} has {_bytes_gb(have)} free{init}; this rank's swap files "
                                   f"need {_bytes_gb(e['need'])}, for {', '.join(e['what'])}{first}")
 
