@@ -25,6 +25,7 @@ import os
 import random
 import re
 import shutil
+import traceback
 import zlib
 from typing import Any, Dict, Optional, Tuple
 
@@ -54,25 +55,37 @@ def save_atomically(obj: Any, path: str) -> None:
     stream positions, without the path, and safetensors as a SafetensorError, which is no OSError
     (tester-35 F07); the error number is the one the writer names (``os error 27``), else ENOSPC
     for a full file system, EFBIG at the file-size limit, EIO otherwise."""
-    written = 0  # how far a failed write got, for the error number
+    written, free = 0, None  # how far a failed write got, and the room left then: for the error number
 
     def write(tmp: str) -> None:
-        nonlocal written
+        nonlocal written, free
         try:
             if path.endswith(".safetensors"):
                 from safetensors.torch import save_file
                 save_file(obj, tmp)
             else:
                 torch.save(obj, tmp)
-        except BaseException:
+        except BaseException as exc:
             written = os.path.getsize(tmp) if os.path.exists(tmp) else 0
+            free = shutil.disk_usage(os.path.dirname(path) or ".").free  # before the file below is closed
+            # the writer's frames hold its open file: kept alive by the error (and the OSError
+            # chained to it) until a garbage collection, the unlinked file kept its space and
+            # the full disk stayed full (tester-45 F4); their locals are dropped now
+            seen, chain = set(), [exc]
+            while chain:  # the error and those it was raised during (torch's writer closing)
+                e = chain.pop()
+                if e is not None and id(e) not in seen:
+                    seen.add(id(e))
+                    traceback.clear_frames(e.__traceback__)
+                    chain += [e.__context__, e.__cause__]
             raise
 
     try:
         write_then_rename(path, write)
     except Exception as exc:
         if not isinstance(exc, OSError):  # the writer's own error types
-            free = shutil.disk_usage(os.path.dirname(path) or ".").free
+            if free is None:
+                free = shutil.disk_usage(os.path.dirname(path) or ".").free
             raise OSError(_write_errno(str(exc), free, written), f"{path}: writing the file failed ({free} bytes free "
                           f"on its file system; {type(exc).__name__}: {str(exc).strip()})") from exc
         raise
