@@ -938,6 +938,10 @@ def test_write_then_rename_leaves_the_old_file_or_the_new_one(tmp_path):
     write_text_then_rename(path, "new")
     assert path.read_text() == "new" and os.listdir(tmp_path) == ["f.json"]
     assert os.stat(path).st_mode & 0o777 == 0o600
+    # a legal name near the file system's limit: the temporary name is cut to fit (ENAMETOOLONG: tester-45 F5)
+    long = tmp_path / ("x" * (os.pathconf(tmp_path, "PC_NAME_MAX") - 5) + ".json")
+    write_text_then_rename(long, "long")
+    assert long.read_text() == "long" and sorted(os.listdir(tmp_path)) == sorted(["f.json", long.name])
 
 
 @pytest.mark.parametrize("stage", [2, 3])

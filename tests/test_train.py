@@ -537,6 +537,24 @@ def test_a_full_out_disk_names_the_log_file():
         log.close()
 
 
+def test_a_plot_that_cannot_be_written_is_named(tmp_path, monkeypatch):
+    """loss.png was written in place by matplotlib: a full --out disk ended in "[Errno 28] No space
+    left on device" naming no file, exit 1, after summary.txt had listed loss.png as written
+    (tester-45 F7). It goes through the rename writer, before the summary, and a failure names it."""
+    import errno
+
+    import zeroinf.train as train_mod
+
+    def full(path, write):
+        raise OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(train_mod, "write_then_rename", full)
+    records = [{"step": 1, "loss": 2.0, "tokens_per_s": 1.0, "device_bytes": 0, "pinned_cpu_bytes": 0, "nvme_bytes": 0,
+                "rss_bytes": 0}]
+    with pytest.raises(train_mod.TrainError, match=r"--out: writing .*loss\.png failed \(No space left on device\)"):
+        train_mod._Run._plot(records, tmp_path, title="t")
+    assert not (tmp_path / "summary.txt").exists()
+
+
 def test_a_full_out_disk_leaves_no_empty_summary(tmp_path, monkeypatch):
     """summary.json, summary.txt, run.json and compare.json are written through a temporary file
     and a rename: a full disk gave "[Errno 28]" with no path, exit 1, and an empty summary.json

@@ -44,7 +44,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 
 from zeroinf.checkpoint import save_atomically, write_latest
-from zeroinf.io.atomic import write_text_then_rename
+from zeroinf.io.atomic import write_text_then_rename, write_then_rename
 
 __all__ = ["add_arguments", "main", "TrainError", "LOG_FIELDS", "COMPARE_ATOL", "PlainEngine", "loss_windows", "loss_label"]
 
@@ -737,9 +737,9 @@ class _Run:
             records, interrupted = self._loop(a, engine, batches, grad_accum, device, out)
             code = 0
             if rank0:
-                summary = self._summary(a, records, n_params, dtype, out)
-                if not a.no_plot:
+                if not a.no_plot:  # before the summary, which names loss.png as written
                     self._plot(records, out, title=f"{a.model} {n_params / 1e6:.1f}M, {self.config_source}")
+                summary = self._summary(a, records, n_params, dtype, out)
                 print(summary, flush=True)
             diverged = next((r for r in records if not math.isfinite(r["loss"])), None)
             if diverged is not None and rank0:  # also before an interruption's checkpoint (helper-48 P4)
@@ -1030,8 +1030,13 @@ class _Run:
         ax2.set_title("memory per tier", fontsize=9)
         ax2.legend()
         fig.tight_layout()
-        fig.savefig(out / "loss.png", dpi=90)
-        plt.close(fig)
+        try:  # through a rename, naming the file (a full disk: exit 1, no name: tester-45 F7)
+            write_then_rename(out / "loss.png", lambda tmp: fig.savefig(tmp, dpi=90, format="png"))
+        except OSError as exc:
+            raise TrainError(f"--out: writing {out / 'loss.png'} failed ({exc.strerror or exc}); free space there or "
+                             "give --out on another disk") from exc
+        finally:
+            plt.close(fig)
 
     # ---- --compare ------------------------------------------------------------------------
     def _compare(self, a, cfg, mcfg, batches, grad_accum, out: Path) -> int:

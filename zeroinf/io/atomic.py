@@ -14,7 +14,8 @@ from typing import Callable
 
 def write_then_rename(path: "str | os.PathLike", write: Callable[[str], None]) -> None:
     """Call ``write(tmp)`` to write a temporary file beside ``path`` (``path.tmp<pid>``: ranks and
-    processes writing the same name do not share it), then rename it onto ``path``
+    processes writing the same name do not share it; the name cut to fit the file system's name
+    limit), then rename it onto ``path``
     (``os.replace``, atomic within a file system). A replaced file's permission bits are kept
     (a rename would give the new file the umask's). On any failure, Ctrl-C included, the
     temporary file is removed and what was at ``path`` is left as it was.
@@ -28,7 +29,16 @@ def write_then_rename(path: "str | os.PathLike", write: Callable[[str], None]) -
         add the name their user knows the file by.
     """
     path = os.fspath(path)
-    tmp = f"{path}.tmp{os.getpid()}"
+    folder, name = os.path.split(path)
+    suffix = f".tmp{os.getpid()}"
+    try:
+        limit = os.pathconf(folder or ".", "PC_NAME_MAX")
+    except (OSError, ValueError):
+        limit = 255
+    raw = name.encode()
+    if len(raw) + len(suffix) > limit:  # a legal long name: the suffix made it too long (tester-45 F5)
+        name = raw[:limit - len(suffix)].decode(errors="ignore")
+    tmp = os.path.join(folder, name + suffix)
     try:
         write(tmp)
         try:
