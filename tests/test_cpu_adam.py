@@ -523,7 +523,7 @@ def test_cpuadam_rejects_what_it_cannot_do():
             zo.CPUAdam(q, **{kw: True})
     with pytest.raises(ValueError, match=r"invalid lr 1e\+39"):  # torch: "cannot be converted ... without overflow"
         zo.CPUAdam(q, lr=1e39)
-    for bad in ("abc", torch.tensor([1e-3, 1e-3])):  # Python's and torch's own messages named no option (tester-44 F7)
+    for bad in ("abc", "0.01", torch.tensor([1e-3, 1e-3])):  # Python's and torch's own messages named no option (tester-44 F7)
         with pytest.raises(ValueError, match=r"invalid lr .* \(must be a number or a one-element tensor\)"):
             zo.CPUAdam(q, lr=bad)
     with pytest.raises(ValueError, match="invalid betas"):

@@ -1423,12 +1423,16 @@ class ZeroEngine:
         return self.config.zero_optimization.offload_optimizer.device == "cpu"
 
     def zero_offload_optimizer(self):
-        """The config's ``zero_optimization.offload_optimizer`` block (device, nvme_path, buffers)."""
-        return self.config.zero_optimization.offload_optimizer
+        """The config's ``zero_optimization.offload_optimizer`` block (device, nvme_path, buffers),
+        or None without optimizer offload (device none), as DeepSpeed answers it."""
+        off = self.config.zero_optimization.offload_optimizer
+        return None if off.device == "none" else off
 
     def zero_offload_param(self):
-        """The config's ``zero_optimization.offload_param`` block (device, nvme_path, buffers)."""
-        return self.config.zero_optimization.offload_param
+        """The config's ``zero_optimization.offload_param`` block (device, nvme_path, buffers),
+        or None without parameter offload (device none), as DeepSpeed answers it."""
+        off = self.config.zero_optimization.offload_param
+        return None if off.device == "none" else off
 
     def steps_per_print(self) -> int:
         """The config's ``steps_per_print`` (0: never)."""
