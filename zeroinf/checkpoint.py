@@ -27,7 +27,7 @@ import re
 import shutil
 import traceback
 import zlib
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Callable, Dict, Optional, Tuple
 
 import numpy as np
 import torch
@@ -648,6 +648,47 @@ def _load_stateful(obj, state, what: str, path: str) -> Dict[str, Any]:
     return before
 
 
+def _read_on_every_rank(engine, load_dir: str, tag: Optional[str], read: Callable[[Optional[str]], Any]) -> Any:
+    """The first half of :func:`load` and :func:`load_weights` (collective): every rank takes
+    rank 0's tag; when it is None and no rank finds a ``latest`` file, warn and return None
+    (DeepSpeed's answer, which its auto-resume scripts test for: a first run has nothing to
+    load); else ``read(tag)`` on every rank, and its result once every rank has read.
+
+    Raises:
+        CheckpointError: ``read`` failed on some rank (this rank's own error where it failed);
+            nothing was loaded on any rank.
+        ValueError: the ranks passed different tags (see :func:`_same_tag`).
+    """
+    engine.synchronize()
+    tag = _same_tag(engine, None if tag is None else str(tag), "load_checkpoint")
+    if tag is None and _on_every_rank(engine, not os.path.isfile(os.path.join(load_dir, "latest")), "load_checkpoint"):
+        if engine.rank == 0:
+            _log.warning("load_checkpoint(%r): no 'latest' file there, so nothing was loaded (returns None, None); "
+                         "pass tag= to load a checkpoint by name", load_dir)
+        return None
+    problem, found = None, None
+    try:
+        found = read(tag)
+    except Exception as exc:  # not only CheckpointError: every rank must reach the agreement
+        problem = exc
+    _agree(engine, problem, lambda bad: CheckpointError(
+        f"rank(s) {bad} could not use their checkpoint files (their errors name them); nothing was loaded on any rank"),
+        "load_checkpoint")
+    return found
+
+
+def _restore_counters(engine, meta: Dict[str, Any]) -> None:
+    """The saved step and sample counters (not Adam's ``optimizer_steps``, which goes with the
+    moments); a new accumulation window starts here (DeepSpeed does not restore micro_steps;
+    counted from the restored total, a resume with other gradient_accumulation_steps stepped
+    mid-window: tester-43 F1)."""
+    engine.global_steps, engine.micro_steps = meta["global_steps"], meta["micro_steps"]
+    engine._micro_origin = engine.micro_steps
+    # checkpoints from before it was saved: as DeepSpeed, from the steps and this batch size
+    engine._global_samples = meta.get("global_samples", meta["global_steps"] * engine.train_batch_size())
+    engine.skipped_steps = meta["skipped_steps"]
+
+
 def load(engine, load_dir: str, tag: Optional[str] = None, load_lr_scheduler_states: bool = True) -> Tuple[str, dict]:
     """Restore ``engine`` from ``load_dir/tag`` (tag None: the ``latest`` file). Collective.
     ``load_lr_scheduler_states`` False: the LR scheduler keeps its state (DeepSpeed's keyword).
@@ -675,21 +716,9 @@ def load(engine, load_dir: str, tag: Optional[str] = None, load_lr_scheduler_sta
             this or another rank): the engine is then a mix of the checkpoint and what it held,
             and its forward, backward, step and save_checkpoint raise until a load completes.
     """
-    engine.synchronize()
-    tag = _same_tag(engine, None if tag is None else str(tag), "load_checkpoint")
-    if tag is None and _on_every_rank(engine, not os.path.isfile(os.path.join(load_dir, "latest")), "load_checkpoint"):
-        # DeepSpeed's answer, which its auto-resume scripts test for: a first run has nothing to load
-        if engine.rank == 0:
-            _log.warning("load_checkpoint(%r): no 'latest' file there, so nothing was loaded (returns None, None); "
-                         "pass tag= to load a checkpoint by name", load_dir)
+    found = _read_on_every_rank(engine, load_dir, tag, lambda t: _check_files(engine, load_dir, t))
+    if found is None:
         return None, None
-    problem, found = None, None
-    try:
-        found = _check_files(engine, load_dir, tag)
-    except Exception as exc:  # not only CheckpointError: every rank must reach the agreement
-        problem = exc
-    _agree(engine, problem, lambda bad: CheckpointError(
-        f"rank(s) {bad} could not use their checkpoint files (their errors name them); nothing was loaded on any rank"), "load_checkpoint")
     ckpt, meta, rng, states = found
     meta_file = os.path.join(ckpt, "model_states.pt")
     undo = []  # (object, its state before) of those already loaded
@@ -715,11 +744,8 @@ def load(engine, load_dir: str, tag: Optional[str] = None, load_lr_scheduler_sta
         for g, h in zip(engine.optimizer.param_groups, meta["param_groups"]):
             for k, v in h.items():
                 g[k] = tuple(v) if k == "betas" else v
-        engine.global_steps, engine.micro_steps = meta["global_steps"], meta["micro_steps"]
-        engine._micro_origin = engine.micro_steps  # a new accumulation window starts here (tester-43 F1)
-        # checkpoints from before it was saved: as DeepSpeed, from the steps and this batch size
-        engine._global_samples = meta.get("global_samples", meta["global_steps"] * engine.train_batch_size())
-        engine.skipped_steps, engine.optimizer_steps = meta["skipped_steps"], meta["optimizer_steps"]
+        _restore_counters(engine, meta)
+        engine.optimizer_steps = meta["optimizer_steps"]  # Adam's, with the moments loaded above
         engine._forget_gradients()  # accumulated or held by no_sync before the load: not the saved state's
         engine._mark_weights_current()  # weights and masters came from the same checkpoint
         _set_rng_state(rng)
@@ -761,23 +787,15 @@ def load_weights(engine, load_dir: str, tag: Optional[str] = None, strict: bool 
         RuntimeError: ``strict`` and the keys differ (torch's message, after it copied the keys
             that match, as ``load_state_dict`` does).
     """
-    engine.synchronize()
-    tag = _same_tag(engine, None if tag is None else str(tag), "load_checkpoint")
-    if tag is None and _on_every_rank(engine, not os.path.isfile(os.path.join(load_dir, "latest")), "load_checkpoint"):
-        if engine.rank == 0:
-            _log.warning("load_checkpoint(%r): no 'latest' file there, so nothing was loaded (returns None, None); "
-                         "pass tag= to load a checkpoint by name", load_dir)
-        return None, None
-    problem, found = None, None
-    try:
-        found = _consolidated(load_dir, tag)
+    def read(t: Optional[str]):
+        ckpt, meta, sd = _consolidated(load_dir, t)
         if counters:
-            _check_meta(engine, found[1], os.path.join(found[0], "model_states.pt"))
-    except Exception as exc:  # every rank must reach the agreement
-        problem = exc
-    _agree(engine, problem, lambda bad: CheckpointError(
-        f"rank(s) {bad} could not use their checkpoint files (their errors name them); nothing was loaded on any rank"),
-        "load_checkpoint")
+            _check_meta(engine, meta, os.path.join(ckpt, "model_states.pt"))
+        return ckpt, meta, sd
+
+    found = _read_on_every_rank(engine, load_dir, tag, read)
+    if found is None:
+        return None, None
     ckpt, meta, sd = found
     undo = None  # the scheduler's state before, restored when the weights do not load
     if counters and load_lr_scheduler_states and engine.lr_scheduler is not None and meta["lr_scheduler"] is not None:
@@ -790,12 +808,10 @@ def load_weights(engine, load_dir: str, tag: Optional[str] = None, strict: bool 
             engine.lr_scheduler.load_state_dict(undo)
         raise
     del sd
+    # not optimizer_steps: Adam's step count belongs with the moments, which stay the engine's
+    # (restored beside fresh moments, the bias correction shrank the first updates: tester-45 F2)
     if counters:
-        engine.global_steps, engine.micro_steps = meta["global_steps"], meta["micro_steps"]
-        engine._global_samples = meta.get("global_samples", meta["global_steps"] * engine.train_batch_size())
-        # not optimizer_steps: Adam's step count belongs with the moments, which stay the engine's
-        # (restored beside fresh moments, the bias correction shrank the first updates: tester-45 F2)
-        engine.skipped_steps = meta["skipped_steps"]
+        _restore_counters(engine, meta)
     engine._micro_origin = engine.micro_steps  # a new accumulation window starts here
     engine._forget_gradients()  # computed on the weights the load replaced
     return ckpt, meta["client_state"]
