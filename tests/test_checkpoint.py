@@ -670,16 +670,23 @@ def _build_with_scheduler(scheduler, lr_scheduler=None):
     return zeroinf.initialize(model, config=cfg, lr_scheduler=lr_scheduler)[0]
 
 
+def _saved_after_3_steps(path, tag, scheduler, lr_scheduler=None):
+    """An engine of :func:`_build_with_scheduler` after 3 steps on one batch, saved as ``tag``
+    in ``path``; returns (engine, the batch)."""
+    x = torch.randn(4, 7)
+    a = _build_with_scheduler(scheduler, lr_scheduler)
+    for _ in range(3):
+        a.backward(a(x).square().mean())
+        a.step()
+    a.save_checkpoint(str(path), tag)
+    return a, x
+
+
 def test_a_scheduler_state_that_does_not_fit_is_refused_before_anything_loads(tmp_path):
     """A scheduler state the engine's schedule cannot read (a WarmupLR state in a WarmupCosineLR
     engine raised KeyError 'org_lrs' after the weights had changed, found by a tester; here a
     state without the position) is a CheckpointError, and nothing changed."""
-    x = torch.randn(4, 7)
-    a = _build_with_scheduler({"type": "WarmupLR", "params": {"warmup_num_steps": 5}})
-    for _ in range(3):
-        a.backward(a(x).square().mean())
-        a.step()
-    a.save_checkpoint(str(tmp_path), "w")
+    _a, x = _saved_after_3_steps(tmp_path, "w", {"type": "WarmupLR", "params": {"warmup_num_steps": 5}})
     meta_file = tmp_path / "w" / "model_states.pt"
     meta = torch.load(meta_file, weights_only=True)
     meta["lr_scheduler"] = {"position": 2}
@@ -700,12 +707,7 @@ def test_a_run_resumed_without_its_torch_scheduler(tmp_path):
     """A torch LR scheduler (given to initialize) writes ``initial_lr`` into the param groups; a
     run resumed without it (a constant lr, or a scheduler made after the load) was refused
     ("hyper-parameters this optimizer does not: ['initial_lr']"). It loads."""
-    x = torch.randn(4, 7)
-    a = _build_with_scheduler(None, lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lambda k: 0.5))
-    for _ in range(3):
-        a.backward(a(x).square().mean())
-        a.step()
-    a.save_checkpoint(str(tmp_path), "t")
+    a, _x = _saved_after_3_steps(tmp_path, "t", None, lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lambda k: 0.5))
     weights = [p.detach().clone() for p in a.module.parameters()]
     b = _build_with_scheduler(None)
     b.load_checkpoint(str(tmp_path))
@@ -718,12 +720,7 @@ def test_a_run_resumed_with_another_deepspeed_schedule(tmp_path):
     state, tester-43 F5), while DeepSpeed's cosine schedule reads only the position. It now
     takes the position and keeps its own base lr (the optimizer's at initialize): 1e-2 x the
     cosine ratio at step 3 of 5 warm-up steps."""
-    x = torch.randn(4, 7)
-    a = _build_with_scheduler({"type": "WarmupLR", "params": {"warmup_num_steps": 5}})
-    for _ in range(3):
-        a.backward(a(x).square().mean())
-        a.step()
-    a.save_checkpoint(str(tmp_path), "w")
+    a, x = _saved_after_3_steps(tmp_path, "w", {"type": "WarmupLR", "params": {"warmup_num_steps": 5}})
     b = _build_with_scheduler({"type": "WarmupCosineLR", "params": {"total_num_steps": 20, "warmup_num_steps": 5,
                                                                    "warmup_min_ratio": 0.0}})
     b.load_checkpoint(str(tmp_path))
