@@ -1200,9 +1200,9 @@ class ZeroEngine:
                     continue
                 seen[j] = p._version
                 values, off = p.detach().reshape(-1), g.offsets[j]
-                exact = loaded.get(p)
+                exact = loaded.get(p)  # a CPU fp32 copy already (_loaded_values_hook)
                 if exact is not None:
-                    exact = exact.detach().reshape(-1).to("cpu", torch.float32)
+                    exact = exact.reshape(-1)
                 for i, (sg, s, n) in enumerate(index):
                     lo = g.part_start + s
                     a, b = max(off, lo), min(off + values.numel(), lo + n)
@@ -1218,13 +1218,13 @@ class ZeroEngine:
                 for a, b, new, exact in pieces:
                     old = master[a:b]
                     changed = new != old.to(new.dtype)
-                    src = new.float()
+                    src = new
                     if exact is not None:  # the loaded fp32 value where the parameter still holds its rounding
                         took = exact.to(new.dtype) == new
-                        src = torch.where(took, exact, src)
+                        src = torch.where(took, exact, new.float())
                         changed |= took & (exact != old)
                     if bool(changed.any()):
-                        old[changed] = src[changed]
+                        old[changed] = src[changed].float()
                         changed_any = True
             if nvme and changed_any:
                 self.sub_optimizer.load_state(i, master, m, v)
