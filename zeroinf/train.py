@@ -39,7 +39,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
@@ -91,16 +91,20 @@ def _append_record(log, path: Path, rec: dict) -> None:
                          "space there or give --out on another disk") from exc
 
 
-def _write_out(path: Path, text: str) -> None:
+def _write_out(path: Path, content: "str | Callable[[str], None]") -> None:
     """Write one of ``--out``'s files whole, through a temporary file and a rename: a failed
-    write leaves the old file or none, not an empty one.
+    write leaves the old file or none, not an empty one. ``content``: the text, or a function
+    that writes the file to the name it is given (``loss.png``: matplotlib's ``savefig``).
 
     Raises:
         TrainError: the write failed (a full disk: it was "[Errno 28] No space left on device"
             with no path, exit 1, and an empty summary.json: tester-42 F3); names the file.
     """
     try:
-        write_text_then_rename(path, text)
+        if isinstance(content, str):
+            write_text_then_rename(path, content)
+        else:
+            write_then_rename(path, content)
     except OSError as exc:
         raise TrainError(f"--out: writing {path} failed ({exc.strerror or exc}); free space there or give --out "
                          "on another disk") from exc
@@ -1031,10 +1035,7 @@ class _Run:
         ax2.legend()
         fig.tight_layout()
         try:  # through a rename, naming the file (a full disk: exit 1, no name: tester-45 F7)
-            write_then_rename(out / "loss.png", lambda tmp: fig.savefig(tmp, dpi=90, format="png"))
-        except OSError as exc:
-            raise TrainError(f"--out: writing {out / 'loss.png'} failed ({exc.strerror or exc}); free space there or "
-                             "give --out on another disk") from exc
+            _write_out(out / "loss.png", lambda tmp: fig.savefig(tmp, dpi=90, format="png"))
         finally:
             plt.close(fig)
 

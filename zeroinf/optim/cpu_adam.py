@@ -307,9 +307,9 @@ def _check_group(gi: int, group: Dict[str, Any]) -> None:
 def _number(name: str, v: Any) -> float:
     """``float(v)``; ValueError naming the option for a string or a tensor of several elements
     (their own messages named neither: tester-44 F7)."""
-    if isinstance(v, (str, bytes)):  # float("0.01") would take it; torch.optim refuses a string
-        raise ValueError(f"CPUAdam: invalid {name} {v!r} (must be a number or a one-element tensor)")
     try:
+        if isinstance(v, (str, bytes)):  # float("0.01") would take it; torch.optim refuses a string
+            raise TypeError("a string")
         return float(v)
     except (TypeError, ValueError, RuntimeError) as exc:
         raise ValueError(f"CPUAdam: invalid {name} {v!r} (must be a number or a one-element tensor)") from exc
