@@ -980,3 +980,15 @@ def test_unknown_public_names_are_the_models_as_in_deepspeed(tmp_path):
             engine.dynamic_loss_scale(), engine.get_batch_info(), engine.mp_world_size) == (True, True, 7, True, (4, 4, 1), 1)
     assert engine.zero_offload_optimizer().device == "cpu" and engine.zero_offload_param() is None  # DeepSpeed's None
     engine.close()
+
+
+def test_an_attribute_error_inside_an_engine_property_is_its_own(monkeypatch):
+    """An AttributeError raised inside one of the engine's properties sent Python to
+    ``__getattr__``, which answered "no attribute 'prop', nor has its model": the real error was
+    lost. The property's own error surfaces now."""
+    engine, *_ = zeroinf.initialize(model=make_mlp(), config=config(stage=1))
+    monkeypatch.setattr(type(engine), "broken", property(lambda self: self.config.no_such_section), raising=False)
+    with pytest.raises(AttributeError, match="no_such_section") as info:
+        engine.broken
+    assert "nor has its model" not in str(info.value) and "'broken'" not in str(info.value)
+    engine.close()

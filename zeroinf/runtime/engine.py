@@ -569,8 +569,14 @@ class ZeroEngine:
         must not answer for a ``Sequential``).
 
         Raises:
-            AttributeError: neither the engine nor its model has ``name`` (both named).
+            AttributeError: neither the engine nor its model has ``name`` (both named); or one
+                of the engine's own properties raised it (that error, not the model's).
         """
+        for klass in type(self).__mro__:
+            if name in klass.__dict__:
+                # Python lands here when an engine property raised AttributeError inside: run the
+                # property again so its own error surfaces, not "nor has its model"
+                return klass.__dict__[name].__get__(self, type(self))
         module = self.__dict__.get("module")  # absent while __init__ runs
         if name.startswith("_") or module is None:
             raise AttributeError(f"'{type(self).__name__}' object has no attribute '{name}'")
