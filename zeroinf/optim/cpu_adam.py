@@ -219,22 +219,33 @@ class CPUAdam(torch.optim.Optimizer):
         if not steps:
             return
         # Buffers that are not contiguous (a transposed parameter, a state tensor loaded with
-        # another layout) are stepped through contiguous copies, copied back afterwards. The op
-        # takes any contiguous shape (it checks numel), so no flattening views are needed.
-        copy_back = []
-        for key, lst in bufs.items():
-            for i, t in enumerate(lst):
-                if t is not None and not t.is_contiguous():
-                    lst[i] = t.contiguous()
-                    if key != "grads":
-                        copy_back.append((t, lst[i]))
+        # another layout) are stepped through contiguous copies, copied back right after their
+        # own op call, so a parameter stepped later over the same storage reads the new values,
+        # as torch's parameter-by-parameter step does (tester-44 F3: copied back after the whole
+        # group, a transposed view of another parameter was stepped from stale values, 0.0355
+        # off). Runs of contiguous parameters share one call. The op takes any contiguous shape
+        # (it checks numel), so no flattening views are needed.
         beta1, beta2 = (float(b) for b in group["betas"])
-        adam_step_list(bufs["params"], bufs["grads"], bufs["exp_avgs"], bufs["exp_avg_sqs"], steps=steps,
-                       params_outs=bufs["params_outs"], lr=float(group["lr"]), beta1=beta1, beta2=beta2,
-                       eps=float(group["eps"]), weight_decay=float(group["weight_decay"]),
-                       adamw_mode=bool(group["adamw_mode"]), bias_correction=bool(group["bias_correction"]))
-        for dst, src in copy_back:
-            dst.copy_(src)
+        hyper = dict(lr=float(group["lr"]), beta1=beta1, beta2=beta2, eps=float(group["eps"]),
+                     weight_decay=float(group["weight_decay"]), adamw_mode=bool(group["adamw_mode"]),
+                     bias_correction=bool(group["bias_correction"]))
+        n = len(steps)
+        strided = [any(bufs[k][i] is not None and not bufs[k][i].is_contiguous() for k in bufs) for i in range(n)]
+        lo = 0
+        while lo < n:
+            hi = lo + 1
+            if not strided[lo]:
+                while hi < n and not strided[hi]:
+                    hi += 1
+            seg = {k: [(t.contiguous() if t is not None else None) for t in lst[lo:hi]] for k, lst in bufs.items()}
+            adam_step_list(seg["params"], seg["grads"], seg["exp_avgs"], seg["exp_avg_sqs"], steps=steps[lo:hi],
+                           params_outs=seg["params_outs"], **hyper)
+            for k in bufs:
+                if k != "grads":
+                    for dst, src in zip(bufs[k][lo:hi], seg[k]):
+                        if dst is not None and dst is not src:
+                            dst.copy_(src)
+            lo = hi
         torch._foreach_add_(step_tensors, 1.0)
         for p in group["params"]:
             if p.grad is not None and p.dtype != torch.float32:
