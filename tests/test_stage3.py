@@ -124,6 +124,45 @@ def test_three_steps_equal_adamw_without_engine(param_tier="cpu", opt_tier="cpu"
     opt.close()
 
 
+class _EmbedsLM(TinyLM):
+    """TinyLM that also takes the input embeddings (``inputs_embeds``)."""
+
+    def forward(self, idx=None, embeds=None):
+        x = self.emb(idx) if embeds is None else embeds
+        for i in self.order:
+            x = self.blocks[i](x)
+        return self.head(self.norm(x))
+
+
+def test_a_frozen_submodule_called_before_the_model_joins_its_iteration():
+    """``embeds = model.emb(x)`` with the embedding frozen (peft, NEFTune, LLaVA-style code), then
+    ``model(embeds=...)``: the embedding's forward was an iteration of its own, and the trace
+    broke twice every step (tester-46 F1, 2 invalidations and no prefetch hit per step); under
+    ``no_grad`` the same per generated token (F5). Now one trace per grad mode, followed, and the
+    gradients are plain PyTorch's."""
+    ref = _EmbedsLM()
+    ref.emb.weight.requires_grad_(False)
+    model = copy.deepcopy(ref)
+    mgr = Stage3ParameterManager(model, _opts(max_reuse_distance=0))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "differs from the recorded trace"
+        for seed in range(4):
+            x, y = batch(seed)
+            for m in (model, ref):
+                loss_fn(m(embeds=m.emb(x)), y).backward()
+            want = {n: p.grad for n, p in ref.named_parameters() if p.grad is not None}
+            _assert_close(_grads_of(mgr), want, what=f"gradients, step {seed}")
+            mgr.zero_grad()
+            ref.zero_grad()
+        with torch.no_grad():  # a generate loop: the embedding, then the model, per token
+            for seed in range(4):
+                x, _ = batch(seed)
+                assert torch.allclose(model(embeds=model.emb(x)), ref(embeds=ref.emb(x)), atol=1e-6)
+    st = mgr.stats_dict()
+    assert st["invalidations"] == 0 and st["traces_recorded"] == 2 and st["prefetch_hits"] > 0, st
+    assert mgr.live_numel == 0
+
+
 def test_trace_divergence_invalidates_once_and_rerecords():
     model = TinyLM()
     model.order = [0, 1, 2]  # [A, B, C]

@@ -449,6 +449,9 @@ class Stage3ParameterManager:
         self._forwards_in_iteration = 0
         #: a forward of this iteration hooked its outputs for a backward ([Note: several forwards, one backward])
         self._backward_pending = False
+        #: the last forward was a submodule's called on its own, with no backward through it
+        #: ([Note: a submodule's forward before the model's])
+        self._partial_forward = False
         self._calls: List[Tuple[Unit, List[int]]] = []  # unit calls of this root forward waiting for input gradients
         self._generation = 0  # iterations ended so far (a dropped graph's callback checks it)
         self._in_backward = False
@@ -1522,6 +1525,7 @@ class Stage3ParameterManager:
                 self._forwards_in_iteration = 0
                 self.scheduler.begin(torch.is_grad_enabled())
             self._forwards_in_iteration += 1
+            self._partial_forward = False
             self._callback_queued = False
             self._in_backward = False
             self._t_iter = self.tracer.now()
@@ -1558,9 +1562,23 @@ class Stage3ParameterManager:
         one iteration keeps. A unit of a forward whose graph is kept but never run backward
         stays kept for its inputs' gradients through the next backward, released when room is
         needed (``_release_tiers``)."""
-        return (self._in_iteration and not self._in_backward and self._ctx is None
-                and torch.is_grad_enabled() and self.scheduler.key is True and self._backward_pending
-                and self._forwards_in_iteration < self.MAX_FORWARDS_PER_ITERATION)
+        if not (self._in_iteration and not self._in_backward and self._ctx is None
+                and self._forwards_in_iteration < self.MAX_FORWARDS_PER_ITERATION):
+            return False
+        if self._partial_forward:  # [Note: a submodule's forward before the model's]
+            return torch.is_grad_enabled() is self.scheduler.key
+        return torch.is_grad_enabled() and self.scheduler.key is True and self._backward_pending
+
+    # [Note: a submodule's forward before the model's] A submodule called on its own, whose
+    # output needs no gradient (a frozen input embedding computing ``inputs_embeds``, as peft's
+    # prompt tuning, LLaVA-style and NEFTune-like code do, each step and each generated token),
+    # then the model: ending the iteration at the submodule's forward recorded a trace of that
+    # one call, which the model's forward broke next, and the other way round, every step
+    # (tester-46 F1, F5: 2 invalidations and no prefetch hit per step, warnings once). Such a
+    # forward leaves its iteration open, and the next forward under the same grad mode joins
+    # it, as a second forward with a backward pending does; a forward of the model itself with no
+    # backward still ends its iteration at once, and MAX_FORWARDS_PER_ITERATION bounds a loop
+    # of submodule calls.
 
     def _note_graph(self, outputs: List[torch.Tensor]) -> None:
         """Put one token in the autograd metadata of each output's ``grad_fn``: it lives as long
@@ -1613,7 +1631,10 @@ class Stage3ParameterManager:
             self._inputs_never_come(self._calls)  # no output needs a gradient: no backward through it
             self._calls = []
             if not self._backward_pending:
-                self._end_iteration()
+                if module is self.module:
+                    self._end_iteration()
+                else:  # [Note: a submodule's forward before the model's]
+                    self._partial_forward = True
         finally:
             self._busy -= 1
         return output
@@ -1952,6 +1973,7 @@ class Stage3ParameterManager:
             u.inputs_pending, u.in_backward = 0, False
         self._in_iteration = False
         self._backward_pending = False
+        self._partial_forward = False
         self._graphs_alive = 0
         self._calls = []
         self._generation += 1
