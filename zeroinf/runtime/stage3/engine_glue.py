@@ -137,8 +137,8 @@ def swap_file_bytes(model: torch.nn.Module, cfg, groups: Sequence[Sequence[torch
     this rank, computed from the unit layout before anything is written.
 
     Returns ``(config key, nvme_path, swap folder, bytes, what)`` per kind of file: parameter
-    partitions in the training dtype (``offload_param.device: nvme``), gradient partitions in fp32
-    and in the training dtype (both offloads on NVMe, ZeRO-Infinity, unless
+    partitions in the training dtype (``offload_param.device: nvme``), trainable gradient
+    partitions in fp32 and in the training dtype (both offloads on NVMe, ZeRO-Infinity, unless
     ``zeroinf.optimizer_in_backward``; [Note: gradients on NVMe]), optimizer state at 12 bytes per trainable partition
     element (fp32 master, exp_avg, exp_avg_sq; ``offload_optimizer.device: nvme``), 8 when the
     partitions are the masters (:func:`master_in_partitions`).
@@ -159,9 +159,12 @@ def swap_file_bytes(model: torch.nn.Module, cfg, groups: Sequence[Sequence[torch
         out.append((key, path, folder, sum(g.shard_numel * torch.empty(0, dtype=g.dtype).element_size()
                                            for g in parts), "parameter partitions"))
         if _grads_on_nvme(cfg):
-            # fp32 (accumulated) and, for bf16/fp16 training, one micro-batch's in the training dtype
+            # fp32 (accumulated) and, for bf16/fp16 training, one micro-batch's in the training
+            # dtype; none for frozen groups (the manager makes no file for them)
             out.append((key, path, folder, sum((4 + (0 if g.dtype == torch.float32 else g.dtype.itemsize))
-                                               * g.shard_numel for g in parts), "gradient partitions"))
+                                               * g.shard_numel for g in parts
+                                               if any(s.param.requires_grad for s in g.slots)),
+                        "gradient partitions"))
     if zc.offload_optimizer.device == "nvme":
         path = zc.offload_optimizer.nvme_path
         masters = master_in_partitions(cfg) and _all_fp32(  # as Stage3EngineParams decides

@@ -629,7 +629,8 @@ class Stage3ParameterManager:
                 if opts.max_in_cpu > 0 else None
             self._io = _IOThread(1, thread_name_prefix="zeroinf-stage3-io")
         if opts.grads_on_nvme:
-            for g in self.groups():
+            # frozen groups get no gradient: no file (tester-46 F2, a LoRA base's 420 GB at 70B bf16)
+            for g in (g for g in self.groups() if any(s.param.requires_grad for s in g.slots)):
                 self._swapper.register(self._grad_key(g), g.shard_numel, torch.float32)
                 if g.dtype != torch.float32:
                     self._swapper.register(self._grad_key(g, g.dtype), g.shard_numel, g.dtype)
