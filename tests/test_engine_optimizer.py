@@ -78,10 +78,13 @@ def test_subset_of_sub_groups_and_errors(tmp_path):
     opt.close()
 
 
+@pytest.mark.parametrize("block", [True, False])
 @pytest.mark.parametrize("sizes", [[5000], [5000, 17]])
-def test_prefetch_and_in_flight_tail_write_keep_the_bits(sizes, tmp_path):
+def test_prefetch_and_in_flight_tail_write_keep_the_bits(sizes, block, tmp_path):
     """The step leaves its last swap-out in flight and prefetch() reads ahead, also of the same
-    sub-group (one sub-group): the results stay those of CPU-resident state."""
+    sub-group (one sub-group): the results stay those of CPU-resident state. ``block=False``
+    (the stage-3 optimizer in backward's reads in the forward) does not wait for that swap-out:
+    it reads only the sub-groups before the one being written, into the buffers free."""
     sp = [SubGroupSpec(f"s{i}", n) for i, n in enumerate(sizes)]
     ref = SubGroupOptimizer(sp, device="cpu")
     opt = SubGroupOptimizer(sp, device="nvme", swap_dir=str(tmp_path), buffer_count=3, pipeline_read=True,
@@ -95,7 +98,10 @@ def test_prefetch_and_in_flight_tail_write_keep_the_bits(sizes, tmp_path):
         grads = [torch.randn(n, generator=g) for n in sizes]
         for o in (ref, opt):
             if o is opt and t > 1:
-                opt.prefetch()
+                tail = opt._tail
+                opt.prefetch(block=block)
+                if not block:  # the file being written is not read; its buffer stays taken
+                    assert opt._tail == tail == len(sizes) - 1 and opt._ahead == list(range(len(sizes) - 1))
             o.step(step=t, hyper=HYPER, grad=lambda i: grads[i], out=lambda i, o=o: outs[id(o)][i])
         assert all(torch.equal(a, b) for a, b in zip(outs[id(ref)], outs[id(opt)])), t
     opt.prefetch()

@@ -163,6 +163,26 @@ def test_a_frozen_submodule_called_before_the_model_joins_its_iteration():
     assert mgr.live_numel == 0
 
 
+def test_call_in_forward_runs_once_in_the_next_grad_enabled_forward():
+    """``call_in_forward(n, fn)`` (the optimizer in backward's reads in the forward): once, after
+    the n-th unit's forward of the next grad-enabled forward; not under no_grad; None cancels."""
+    model = TinyLM()
+    mgr = Stage3ParameterManager(model, _opts())
+    calls = []
+    mgr.call_in_forward(2, lambda: calls.append(mgr._fwd_units_done))
+    x, y = batch(0)
+    with torch.no_grad():
+        model(x)
+    assert calls == []
+    for _ in range(2):
+        loss_fn(model(x), y).backward()
+    assert calls == [2]
+    mgr.call_in_forward(1, lambda: calls.append("cancelled"))
+    mgr.call_in_forward(1, None)
+    loss_fn(model(x), y).backward()
+    assert calls == [2]
+
+
 def test_trace_divergence_invalidates_once_and_rerecords():
     model = TinyLM()
     model.order = [0, 1, 2]  # [A, B, C]

@@ -46,6 +46,38 @@ def _spy_masters(monkeypatch, mgr):
     return raw_reads, copies
 
 
+def test_the_next_backwards_first_optimizer_reads_start_halfway_through_the_forward(tmp_path, monkeypatch):
+    """[Note: optimizer reads in the forward] from the second step on, the first groups'
+    moments for the next backward are read once half the units' forwards ran, without waiting
+    for the last step's swap-out, and the step uses them; a checkpoint load between steps drops
+    such reads (their state is replaced). The numbers stay torch.optim.AdamW's."""
+    ref = TinyLM(tied=True)
+    swaps = {"device": "nvme", "nvme_path": str(tmp_path / "nv"), "buffer_count": 4, "pipeline_read": True,
+             "pipeline_write": True}
+    engine = _engine(tmp_path / "nv", copy.deepcopy(ref), True, zero={"offload_optimizer": swaps})
+    opt, mgr = engine.sub_optimizer, engine.params.manager
+    seen, prefetch = [], opt.prefetch
+
+    def spy(indices=None, *, block=True):
+        prefetch(indices, block=block)
+        if not block:
+            seen.append((mgr._fwd_units_done, list(opt._ahead), opt._tail))
+    monkeypatch.setattr(opt, "prefetch", spy)
+    got = _run(engine, 2)
+    assert [(n, bool(ahead)) for n, ahead, _ in seen] == [(len(mgr.units) // 2, True)]
+    assert all(tail not in ahead for _, ahead, tail in seen)  # the file being written is not read
+    engine.save_checkpoint(str(tmp_path / "ckpt"), tag="t")
+    x, y = batch(9)
+    engine(x)  # under grad, no backward: it reads ahead again
+    assert len(seen) == 2 and opt._ahead
+    engine.load_checkpoint(str(tmp_path / "ckpt"), tag="t")
+    assert not opt._ahead  # dropped: the load rewrote the state they were read from
+    with pytest.warns(RuntimeWarning, match="differs from the recorded trace"):  # that forward had no backward
+        got += _run(engine, 2, start=3)
+    _assert_like_reference(engine, ref, got, _reference(ref, 4))
+    engine.close()
+
+
 @pytest.mark.parametrize("in_backward,loop_cap", [(True, None), (True, 2), (False, None)])
 def test_the_worker_beside_a_cpu_backward_runs_adam_on_half_its_threads(tmp_path, monkeypatch, in_backward, loop_cap):
     """[Note: worker threads] the optimizer in backward caps its OpenMP threads at half the

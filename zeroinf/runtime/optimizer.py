@@ -327,16 +327,24 @@ class SubGroupOptimizer:
             if not keep_ahead:
                 self._ahead = []
 
-    def prefetch(self, indices: Optional[Sequence[int]] = None) -> None:
+    def prefetch(self, indices: Optional[Sequence[int]] = None, *, block: bool = True) -> None:
         """Start reading the state of the first sub-groups of ``indices`` (default: all, in
         order), as many as there are swap buffers (NVMe with ``pipeline_read``), so that the
         next :meth:`step` over that order finds them there; the engine calls it before the
         backward of the last micro-batch, which then hides the reads. No-op otherwise or when
-        prefetches are already in flight."""
+        prefetches are already in flight.
+
+        ``block=False`` never waits: the last step's swap-out, if still in flight, keeps its
+        buffer, and the reads stop before that sub-group (its file is being written) and at the
+        buffers free now. The stage-3 optimizer in backward calls it from the forward
+        ([Note: optimizer reads in the forward] in stage3/in_backward.py)."""
         if self.device != "nvme" or not self.pipeline_read or self._ahead or not self._records:
             return
         order = list(range(len(self._records))) if indices is None else list(indices)
-        self._settle()  # the last step's swap-out: its buffer is free again
+        if block:
+            self._settle()  # the last step's swap-out: its buffer is free again
+        elif self._tail in order:
+            order = order[:order.index(self._tail)]
         for i in order[:len(self._free)]:
             rec = self._records[i]
             self._check_initialised(rec)

@@ -530,21 +530,36 @@ class Stage3EngineParams:
         self._flush()
         self._flush_grad(write=False)
         m.check_grad_io(wait=True)
-        keys = list(dict.fromkeys(g.key for g, _lo, _hi, _gi in self._subs))
-        order = [k for k in self._bwd_order if k in keys] if self._bwd_order else []
-        order += [k for k in reversed(keys) if k not in order]  # first step: reverse forward order
+        order = self._backward_order()
         # kept before it starts: an interrupt anywhere in start() finds it for abort_backward_step
         self._bwd_step = b = BackwardStep(self, sub_optimizer, step=step, hyper=hyper, norm_type=norm_type,
                                           order=order)
         b.start()
         self._worker = b.thread
 
+    def _backward_order(self) -> List[str]:
+        """Flat-group keys in the order the next backward is expected to reduce them: the last
+        backward's arrival order, at first the reverse forward order."""
+        keys = list(dict.fromkeys(g.key for g, _lo, _hi, _gi in self._subs))
+        order = [k for k in self._bwd_order if k in keys] if self._bwd_order else []
+        return order + [k for k in reversed(keys) if k not in order]
+
     def end_backward_step(self) -> None:
-        """After autograd returned: hand the groups without a gradient over (zeros) and keep
-        this backward's arrival order for the next step."""
+        """After autograd returned: hand the groups without a gradient over (zeros), keep
+        this backward's arrival order for the next step, and arm the next step's first optimizer
+        reads halfway through the next forward ([Note: optimizer reads in the forward] in
+        in_backward.py)."""
+        from .in_backward import sub_group_indices
+
         b = self._bwd_step
         b.end_backward()
         self._bwd_order = list(b.arrival)
+        m, opt, indices = self.manager, b.opt, sub_group_indices(self._subs, self._backward_order())
+
+        def read_ahead() -> None:
+            if m.step_gate.idle():  # the worker returned: the optimizer state is this thread's
+                opt.prefetch(indices, block=False)
+        m.call_in_forward(len(m.units) // 2, read_ahead)
 
     def abort_backward_step(self, exc: BaseException) -> bool:
         """The backward raised ``exc``: stop the background step. Returns True when no gradient

@@ -438,6 +438,8 @@ class Stage3ParameterManager:
         self.stats = Stage3Stats()
         self.tracer = TraceRecorder()
         self._busy = 0
+        self._in_forward_call: Optional[Tuple[int, Callable[[], None]]] = None  # call_in_forward
+        self._fwd_units_done = 0  # units whose forward ran in this grad-enabled forward
         self._live = 0
         self._active: List[Unit] = []
         self._foreign: List[Unit] = []
@@ -1527,6 +1529,7 @@ class Stage3ParameterManager:
                 self.scheduler.begin(torch.is_grad_enabled())
             self._forwards_in_iteration += 1
             self._partial_forward = False
+            self._fwd_units_done = 0
             self._callback_queued = False
             self._in_backward = False
             self._t_iter = self.tracer.now()
@@ -1682,6 +1685,12 @@ class Stage3ParameterManager:
             self.tracer.span(f"fwd {unit.name}", "unit", getattr(unit, "_t0", self.tracer.now()), self.tracer.now())
             if torch.is_grad_enabled():
                 self._hook_outputs(unit, output)
+                if not self._in_backward:
+                    self._fwd_units_done += 1
+                    call = self._in_forward_call
+                    if call is not None and self._fwd_units_done >= call[0]:
+                        self._in_forward_call = None
+                        call[1]()
             self._release_foreign()
             # in the backward this forward is activation checkpointing's recompute: the unit's own
             # backward comes next and reads the parameters it saved, so it stays gathered until its
@@ -2333,6 +2342,13 @@ class Stage3ParameterManager:
         """Write the last iteration's transfers and unit executions as Chrome/Perfetto JSON."""
         return self.tracer.write(path)
 
+    def call_in_forward(self, after_units: int, fn: Optional[Callable[[], None]]) -> None:
+        """Call ``fn()`` once, on the compute thread, when the next grad-enabled forward has
+        run ``after_units`` units (not counting activation checkpointing's recomputes in the
+        backward); ``fn=None`` cancels. One call is armed at a time: a new one replaces it. What
+        ``fn`` raises propagates out of that unit's forward."""
+        self._in_forward_call = None if fn is None else (max(1, int(after_units)), fn)
+
     def close(self) -> None:
         """Release everything: gathered units, the I/O thread, the swapper, the pinned (locked)
         staging buffers and the host cache; :func:`managers` no longer lists it (but with
@@ -2356,6 +2372,7 @@ class Stage3ParameterManager:
                                "need: closing here could wait for ever. Nothing was closed. Set a flag in the handler "
                                "and call engine.close() after the interrupted call returns")
         self._closed = True
+        self._in_forward_call = None
         try:
             self.step_gate.wait()
         finally:

@@ -103,6 +103,12 @@ class StepGate:
             self._worker = None
             self._cv.notify_all()
 
+    def idle(self) -> bool:
+        """Whether no step is running or pending and none failed: the optimizer state is the
+        caller's (the worker returned)."""
+        with self._cv:
+            return not self._pending and self._error is None
+
     def pending(self, keys: Optional[Iterable[str]] = None) -> bool:
         """Whether any of ``keys`` (default: any group) still waits for its update."""
         with self._cv:
