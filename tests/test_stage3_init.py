@@ -153,6 +153,74 @@ def test_pretrained_safetensors_stream_into_partitions(tmp_path):
     engine.close()
 
 
+class _LoraLinear(nn.Module):
+    """What peft's LoRA makes of a Linear: the layer kept as ``base_layer`` beside its adapters."""
+
+    def __init__(self, base: nn.Linear):
+        super().__init__()
+        self.base_layer = base
+        self.lora_A = nn.Linear(base.in_features, 2, bias=False)
+        self.lora_B = nn.Linear(2, base.out_features, bias=False)
+
+    def forward(self, x):
+        return self.base_layer(x) + self.lora_B(self.lora_A(x))
+
+
+class _PeftLike(nn.Module):
+    """A model wrapped as peft wraps one: ``base_model.model`` is the original."""
+
+    def __init__(self, inner: nn.Module):
+        super().__init__()
+        self.base_model = nn.Module()
+        self.base_model.model = inner
+
+    def forward(self, x):
+        return self.base_model.model(x)
+
+
+def test_load_safetensors_into_a_peft_wrapped_model_or_its_inner_model(tmp_path):
+    """A base checkpoint streamed into the model after peft wrapped it (tester-46 F3): the
+    wrapper's keys are the file's behind ``base_model.model.`` and ``.base_layer``; the inner
+    model was refused as "no stage-3 manager", and ``strict=False`` on the wrapper loaded nothing
+    and said nothing. Now both load the base weights exactly, the adapters are named as missing
+    (strict says why), and a file that matches no parameter raises."""
+    from safetensors.torch import save_file, save_model
+
+    from zeroinf.runtime.stage3 import load_safetensors
+
+    torch.manual_seed(1)
+    pretrained = TinyLM()
+    save_model(pretrained, str(tmp_path / "model.safetensors"))
+    cfg = {**_cfg("cpu", tmp_path), "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}
+    torch.manual_seed(2)
+    inner = TinyLM()
+    for b in inner.blocks:
+        b.ff[0] = _LoraLinear(b.ff[0])
+    model = _PeftLike(inner)
+    adapters = sorted(n[len("base_model.model."):] for n, _ in model.named_parameters() if ".lora_" in n)
+    engine, *_ = zeroinf.initialize(model=model, config=cfg)
+    with pytest.raises(KeyError, match="peft adapter weights"):
+        load_safetensors(model, tmp_path)
+    for target, prefix in ((model, "base_model.model."), (inner, "")):
+        with torch.no_grad():  # other values first, so the load is seen
+            with zeroinf.gathered_parameters(list(model.parameters()), modifier_rank=0):
+                for p in model.parameters():
+                    p.fill_(0.5)
+        assert sorted(load_safetensors(target, tmp_path, strict=False)) == [prefix + n for n in adapters]
+        sd = engine.module.state_dict()
+        for name, p in pretrained.named_parameters():
+            got = sd["base_model.model." + name.replace("ff.0.", "ff.0.base_layer.")]
+            assert torch.equal(got, p.detach()), (target is inner, name)
+        assert all(torch.equal(sd["base_model.model." + n], torch.full_like(sd["base_model.model." + n], 0.5))
+                   for n in adapters)
+    save_file({"nothing.like.it": torch.zeros(3)}, str(tmp_path / "other.safetensors"))
+    with pytest.raises(KeyError, match="none of the .* parameters is in"):
+        load_safetensors(model, tmp_path / "other.safetensors", strict=False)
+    with pytest.raises(ValueError, match="not a stage-3 model nor part of one"):
+        load_safetensors(nn.Linear(2, 2), tmp_path)
+    engine.close()
+
+
 @pytest.mark.parametrize("tier", ["cpu", "nvme"])
 def test_bf16_masters_are_the_values_as_constructed(tmp_path, tier):
     """Built under Init then trained in bf16: the fp32 master weights equal the fp32 values of a

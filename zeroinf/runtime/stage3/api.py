@@ -179,13 +179,28 @@ def _conversion_hint(model: nn.Module, file_keys) -> str:
             "(safetensors.torch.save_file(model.state_dict(), ...)) and stream those")
 
 
+def _names_in_file(name: str) -> List[str]:
+    """The names a parameter ``name`` may have in a checkpoint saved before peft wrapped the
+    model: itself, without peft's ``base_model.model.`` prefix, and without the ``.base_layer``
+    peft puts between a wrapped layer and its weights (tester-46 F3)."""
+    out = [name]
+    if name.startswith("base_model.model."):
+        out.append(name[len("base_model.model."):])
+    return out + [n.replace(".base_layer.", ".") for n in out if ".base_layer." in n]
+
+
 def load_safetensors(model: nn.Module, path, *, strict: bool = True) -> List[str]:
     """Stream pretrained weights into a stage-3 model's partitions, one flat group at a time
     (each tensor is read from the file only when its group is written; the whole model is never
     in memory). Each rank keeps the part of each tensor that falls in its partition.
 
     Args:
-        model: a module managed by a ``Stage3ParameterManager`` (after ``zeroinf.initialize``).
+        model: a module managed by a ``Stage3ParameterManager`` (after ``zeroinf.initialize``),
+            or a submodule of one (a peft model's ``base_model.model``): then only its own
+            parameters are loaded, under names relative to it. A parameter is found in the
+            files under its own name or, for a model wrapped by peft after the file was saved,
+            without peft's ``base_model.model.`` prefix and ``.base_layer`` (the adapters'
+            own weights are then missing: ``strict=False``).
         path: a ``.safetensors`` file, or a Hugging Face model folder (``model.safetensors`` or
             ``model.safetensors.index.json`` with its shards).
         strict: every managed parameter must be in the files (checked before anything is written).
@@ -194,15 +209,19 @@ def load_safetensors(model: nn.Module, path, *, strict: bool = True) -> List[str
         Names of managed parameters not found in the files (empty when ``strict``).
 
     Raises:
-        KeyError: ``strict`` and some parameters are missing (all are named); nothing written.
-        ValueError: a tensor's shape differs from its parameter's; nothing written.
+        KeyError: ``strict`` and some parameters are missing (all are named), or none of the
+            model's parameters is in the files (also without ``strict``); nothing written.
+        ValueError: ``model`` is in no stage-3 model; or a tensor's shape differs from its
+            parameter's; nothing written.
         FileNotFoundError: ``path`` holds no safetensors weights.
     """
     from safetensors import safe_open
 
-    mgr = next((m for m in managers(include_closed=True) if m.module is model), None)
+    mgr = next((m for m in managers(include_closed=True) if m.module is model), None) or next(
+        (m for m in managers(include_closed=True) if any(sub is model for sub in m.module.modules())), None)
     if mgr is None:
-        raise ValueError("load_safetensors: this model has no stage-3 manager (run zeroinf.initialize with stage 3)")
+        raise ValueError(f"load_safetensors: this {type(model).__name__} is not a stage-3 model nor part of one "
+                         "(run zeroinf.initialize with stage 3 on it, or on the model that contains it)")
     files = _safetensors_files(path)
     where = {}
     for f in files:
@@ -212,13 +231,16 @@ def load_safetensors(model: nn.Module, path, *, strict: bool = True) -> List[str
     names = {}
     for n, p in model.named_parameters(remove_duplicate=False):
         names.setdefault(p, []).append(n)
+    whole = mgr.module is model
     plan, missing = [], []
     for g in mgr.groups():
         items = []
         for s in g.slots:
-            found = next((n for n in names.get(s.param, [s.name]) if n in where), None)
+            if not whole and s.param not in names:
+                continue  # outside the submodule being loaded
+            found = next((c for n in names.get(s.param, [s.name]) for c in _names_in_file(n) if c in where), None)
             if found is None:
-                missing.append(s.name)
+                missing.append(names.get(s.param, [s.name])[0])
                 continue
             f, shape = where[found]
             if tuple(shape) != tuple(s.shape):
@@ -226,9 +248,15 @@ def load_safetensors(model: nn.Module, path, *, strict: bool = True) -> List[str
                                  f"parameter has {tuple(s.shape)}; nothing was written")
             items.append((s, found, f))
         plan.append((g, items))
+    if not any(items for _g, items in plan):
+        raise KeyError(f"load_safetensors: none of the {type(model).__name__}'s {len(missing)} parameters is in "
+                       f"{os.fspath(path)} (the model's names look like {missing[:3]}, the file's like "
+                       f"{sorted(where)[:3]}); nothing was written{_conversion_hint(model, where)}")
     if missing and strict:
+        adapters = any(".lora_" in n for n in missing)
         raise KeyError(f"load_safetensors: {len(missing)} parameters are not in {os.fspath(path)}: {missing[:8]}"
-                       f"{'...' if len(missing) > 8 else ''}; nothing was written (strict=False loads the rest)"
+                       f"{'...' if len(missing) > 8 else ''}; nothing was written (strict=False loads the rest"
+                       f"{': a base checkpoint holds no peft adapter weights, which keep their init' if adapters else ''})"
                        f"{_conversion_hint(model, where)}")
     for g, items in plan:
         if not items:
