@@ -1,5 +1,6 @@
 """zeroinf.initialize / ZeroEngine, one process: stages 0-2 x offload none/cpu/nvme against plain
 PyTorch + torch.optim.AdamW (foreach=False), fp32, 1e-6 per parameter unless said."""
+import copy
 import math
 import warnings
 
@@ -991,4 +992,30 @@ def test_an_attribute_error_inside_an_engine_property_is_its_own(monkeypatch):
     with pytest.raises(AttributeError, match="no_such_section") as info:
         engine.broken
     assert "nor has its model" not in str(info.value) and "'broken'" not in str(info.value)
+    engine.close()
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2])
+@pytest.mark.parametrize("with_optimizer", [False, True])
+def test_a_frozen_model_runs_at_stages_0_to_2(tmp_path, stage, with_optimizer):
+    """TRL's prepare_deepspeed wraps a DPO/PPO reference model at stage 0 with no optimizer,
+    which DeepSpeed accepts (tester-46 F4a); stages 0-2 refused a model with no trainable
+    parameter, with or without an optimizer entry (stage 3 ran it). Its forward is the plain
+    model's, a backward through it says it has nothing to train, and a checkpoint round trip
+    keeps its weights."""
+    ref = make_mlp().requires_grad_(False)
+    cfg = config(stage=stage, device="cpu" if stage else "none")
+    if not with_optimizer:
+        del cfg["optimizer"]
+    engine, *_ = zeroinf.initialize(model=copy.deepcopy(ref), config=cfg)
+    x, y = batches(1)
+    with torch.no_grad():
+        assert torch.equal(engine(x[0]), ref(x[0]))
+    with pytest.raises(ValueError, match="requires grad"):
+        engine.backward(F.mse_loss(engine(x[0]), y[0]))
+    engine.save_checkpoint(str(tmp_path), tag="t")
+    with torch.no_grad():
+        engine.module[0].weight.zero_()
+    engine.load_checkpoint(str(tmp_path), tag="t")
+    assert torch.equal(engine.module[0].weight, ref[0].weight)
     engine.close()

@@ -1679,7 +1679,7 @@ def initialize(model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer
             o = cfg.optimizer
             optimizer = ZeroOptimizer(params, lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay,
                                       adamw_mode=o.adam_w_mode, bias_correction=o.bias_correction)
-        elif cfg.zero_optimization.stage == 3 and not any(p.requires_grad for p in params):
+        elif not any(p.requires_grad for p in params):
             # a frozen model (an RLHF reference, a distillation teacher) needs none, as in DeepSpeed
             optimizer = ZeroOptimizer(params)
         else:

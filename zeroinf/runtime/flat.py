@@ -91,7 +91,7 @@ class FlatParamManager:
             plain copies on the CPU); see [Note: stage 1/2 transfers].
 
     Raises:
-        ValueError: no trainable parameter, mixed devices/dtypes, a parameter in two groups.
+        ValueError: mixed devices/dtypes, a parameter in two groups.
     """
 
     def __init__(self, param_groups: Sequence[Sequence[torch.nn.Parameter]], *, stage: int, sub_group_size: int,
@@ -103,17 +103,15 @@ class FlatParamManager:
         self.nparts = 1 if stage == 0 else world_size
         seen: Dict[int, int] = {}
         all_params = [p for ps in param_groups for p in ps]
-        if not all_params:
-            raise ValueError("no trainable parameters (requires_grad=True) were given; stages 0-2 train a model, "
-                             "stage 3 also runs a frozen one (a reference or teacher), partitioned and offloaded")
         for gi, ps in enumerate(param_groups):
             for p in ps:
                 if id(p) in seen:
                     raise ValueError(f"a parameter of shape {tuple(p.shape)} appears in param groups "
                                      f"{seen[id(p)]} and {gi}")
                 seen[id(p)] = gi
-        devices = {p.device for p in all_params}
-        dtypes = {p.dtype for p in all_params}
+        # a frozen model (a reference, a teacher) has none: nothing to flatten or reduce
+        devices = {p.device for p in all_params} or {torch.device("cpu")}
+        dtypes = {p.dtype for p in all_params} or {torch.float32}
         if len(devices) != 1 or len(dtypes) != 1:
             raise ValueError(f"all trainable parameters must share one device and dtype, got {devices} / {dtypes}")
         self.device, self.dtype = devices.pop(), dtypes.pop()
