@@ -1105,3 +1105,64 @@ def test_a_save_that_fills_the_disk_gives_its_space_back(tmp_path):
         gc.enable()
         gc.collect()
         subprocess.run(["umount", str(mnt)], check=True)
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_a_checkpoint_without_its_frozen_parameters(tmp_path, stage):
+    """``save_checkpoint(exclude_frozen_parameters=True)`` (DeepSpeed's keyword, which the HF
+    Trainer passes for peft models) raised TypeError, and every LoRA checkpoint held the whole
+    frozen base (tester-46 F4b). The module state now leaves the frozen parameters out; a
+    rebuilt engine (the base from the same pretrained weights) resumes bit-exactly from it, by
+    a whole load and by ``load_module_only``; a trainable parameter missing is still refused."""
+    import copy
+
+    from stage3_models import TinyLM
+    from test_stage3_engine import _config
+
+    def build():
+        torch.manual_seed(0)
+        model = TinyLM()
+        for b in model.blocks[:3]:
+            b.requires_grad_(False)
+        cfg = _config("nvme" if stage == 3 else "none", "cpu", tmp_path / "nv")
+        cfg["zero_optimization"]["stage"] = stage
+        if stage == 3:
+            cfg["zero_optimization"]["offload_param"]["buffer_count"] = 4  # frozen and trainable partitions
+        return zeroinf.initialize(model=model, config=cfg,
+                                  model_parameters=[p for p in model.parameters() if p.requires_grad])[0]
+
+    engine = build()
+    _train(engine, 2)
+    frozen = zeroinf.checkpoint.frozen_names(engine.module)
+    assert frozen and all(k.startswith("blocks.") for k in frozen)
+    engine.save_checkpoint(str(tmp_path / "ck"), tag="lora", exclude_frozen_parameters=True)
+    engine.save_checkpoint(str(tmp_path / "ck"), tag="whole")
+    meta = torch.load(tmp_path / "ck" / "lora" / "model_states.pt", weights_only=False)
+    assert not set(frozen) & set(meta["module"]) and meta["excluded_frozen"] == frozen
+    whole = torch.load(tmp_path / "ck" / "whole" / "model_states.pt", weights_only=False)
+    assert set(whole["module"]) - set(meta["module"]) == set(frozen)
+    _train(engine, 2, seed=2)
+    want = _engine_state(engine)
+    engine.close()
+    for how in ("load", "load_module_only"):
+        engine = build()
+        if how == "load":
+            engine.load_checkpoint(str(tmp_path / "ck"), tag="lora")
+        else:  # the weights only: this engine's fresh moments and counters, so compare the weights
+            engine.load_checkpoint(str(tmp_path / "ck"), tag="lora", load_module_only=True)
+            assert engine.module.state_dict().keys() == whole["module"].keys()
+            for k, v in engine.module.state_dict().items():
+                assert torch.equal(v, whole["module"][k]), k
+            engine.close()
+            continue
+        _train(engine, 2, seed=2)
+        got = _engine_state(engine)
+        assert got[2] == want[2] and all(torch.equal(got[0][k], want[0][k]) for k in want[0])
+        assert all(torch.equal(a, b) for ga, wa in zip(got[1], want[1]) for a, b in zip(ga, wa))
+        engine.close()
+    meta["module"].pop("head.weight")  # trainable: still refused
+    torch.save(meta, tmp_path / "ck" / "lora" / "model_states.pt")
+    engine = build()
+    with pytest.raises(CheckpointError, match=r"missing \['head.weight'\]"):
+        engine.load_checkpoint(str(tmp_path / "ck"), tag="lora")
+    engine.close()

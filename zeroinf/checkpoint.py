@@ -27,7 +27,7 @@ import re
 import shutil
 import traceback
 import zlib
-from typing import Any, Callable, Dict, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -37,7 +37,7 @@ from zeroinf.io.atomic import write_text_then_rename, write_then_rename
 from zeroinf.io.swapper import tensor_crc32
 from zeroinf.runtime.waits import collective
 
-__all__ = ["save", "load", "consolidate", "CheckpointError"]
+__all__ = ["save", "load", "consolidate", "frozen_names", "CheckpointError"]
 
 _FORMAT = 1
 _log = logging.getLogger("zeroinf")
@@ -270,9 +270,35 @@ def _module_state(module: torch.nn.Module) -> Dict[str, Any]:
             for k, v in module.state_dict().items()}
 
 
+def frozen_names(module: torch.nn.Module) -> List[str]:
+    """State-dict names of ``module``'s parameters with ``requires_grad=False`` (a tied one under
+    each of its names), sorted."""
+    return sorted({n for n, p in module.named_parameters(remove_duplicate=False) if not p.requires_grad})
+
+
+def _load_module(module: torch.nn.Module, sd: dict, excluded: List[str], strict: bool = True) -> None:
+    """``module.load_state_dict(sd, strict)``, where the frozen parameters a save excluded
+    (``excluded``) may be missing: they keep the values the module holds.
+
+    Raises:
+        RuntimeError: ``strict`` and keys other than those differ (torch's wording)."""
+    if not excluded:
+        module.load_state_dict(sd, strict=strict)
+        return
+    res = module.load_state_dict(sd, strict=False)
+    missing = sorted(set(res.missing_keys) - set(excluded))
+    if strict and (missing or res.unexpected_keys):
+        raise RuntimeError(f"Error(s) in loading state_dict for {type(module).__name__}: missing keys {missing[:5]}, "
+                           f"unexpected keys {sorted(res.unexpected_keys)[:5]} (the frozen parameters the save "
+                           "excluded may be missing)")
+
+
 def save(engine, save_dir: str, tag: Optional[str] = None, client_state: Optional[dict] = None,
-         save_latest: bool = True) -> str:
+         save_latest: bool = True, exclude_frozen_parameters: bool = False) -> str:
     """Save ``engine`` to ``save_dir/tag`` (collective: every rank calls it). Returns the folder.
+    ``exclude_frozen_parameters``: the module state leaves out parameters with
+    ``requires_grad=False`` (DeepSpeed's keyword: a LoRA checkpoint without its frozen base); a
+    load then keeps the values the model holds for them.
 
     The files are written into ``save_dir/tag.saving`` and the folder is renamed onto
     ``save_dir/tag`` once every rank has written its part, so a save that fails leaves an
@@ -327,6 +353,9 @@ def save(engine, save_dir: str, tag: Optional[str] = None, client_state: Optiona
     # every rank builds the module state dict: under stage 3 it all-gathers each partition (a
     # collective), so rank 0 alone would wait forever for the others
     module_sd = _module_state(engine.module)
+    excluded = frozen_names(engine.module) if exclude_frozen_parameters else []
+    for k in excluded:
+        module_sd.pop(k, None)
     if engine.rank != 0:
         module_sd = None
     if engine.rank == 0:
@@ -343,7 +372,7 @@ def save(engine, save_dir: str, tag: Optional[str] = None, client_state: Optiona
             "loss_scaler": engine.loss_scaler.state_dict() if engine.loss_scaler is not None else None,
             "lr_scheduler": engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None,
             "param_groups": hyper, "layout": _layout(engine),
-            "module": module_sd,
+            "module": module_sd, "excluded_frozen": excluded,
             "module_crc32": {k: tensor_crc32(v) for k, v in module_sd.items() if isinstance(v, torch.Tensor)},
             "client_state": client_state or {},
         }
@@ -411,7 +440,8 @@ def _check_meta(engine, meta: Dict[str, Any], path: str) -> None:
             raise CheckpointError(f"{path}: param group {i} has hyper-parameters this optimizer does not: {unknown}")
 
 
-def _check_module_state(module: torch.nn.Module, sd: Any, path: str, engine_hooks=None) -> None:
+def _check_module_state(module: torch.nn.Module, sd: Any, path: str, engine_hooks=None,
+                        excluded: Sequence[str] = ()) -> None:
     """Raise CheckpointError naming ``path`` unless ``sd`` has exactly ``module``'s state-dict
     keys with its shapes (a stage-3 partitioned parameter's full shape is ``ds_shape``), so that
     ``load_state_dict`` cannot fail half-way. When a module has load pre-hooks of the user's
@@ -438,7 +468,7 @@ def _check_module_state(module: torch.nn.Module, sd: Any, path: str, engine_hook
                 want[pre + name] = tuple(b.shape)
         if type(m).get_extra_state is not torch.nn.Module.get_extra_state:
             want[pre + "_extra_state"] = None  # any object
-    missing = sorted(set(want) - set(sd))
+    missing = sorted(set(want) - set(sd) - set(excluded))  # excluded: frozen ones a save left out
     unexpected = sorted(set(sd) - set(want))
     wrong = sorted(k for k in set(want) & set(sd) if want[k] is not None
                    and (not isinstance(sd[k], torch.Tensor) or tuple(sd[k].shape) != want[k]))
@@ -566,7 +596,8 @@ def _check_files(engine, load_dir: str, tag: Optional[str]):
         states.append(sd)
     meta_file = os.path.join(ckpt, "model_states.pt")
     _check_meta(engine, meta, meta_file)
-    _check_module_state(engine.module, meta.get("module"), meta_file, getattr(engine.params, "state_hooks", None))
+    _check_module_state(engine.module, meta.get("module"), meta_file, getattr(engine.params, "state_hooks", None),
+                        meta.get("excluded_frozen", ()))
     _check_module_crcs(meta, meta_file)
     return ckpt, meta, rng, states
 
@@ -735,7 +766,7 @@ def load(engine, load_dir: str, tag: Optional[str] = None, load_lr_scheduler_sta
     # loaded, and the engine refuses to train on until a load completes (engine.load_guard)
     problem = None
     try:
-        engine.module.load_state_dict(meta["module"])
+        _load_module(engine.module, meta["module"], meta.get("excluded_frozen", []))
         if hasattr(engine.params, "settle_host_copies"):  # CUDA stages 1/2: a copy may still read the masters
             engine.params.settle_host_copies()
         for i, sd in enumerate(states):
@@ -802,7 +833,7 @@ def load_weights(engine, load_dir: str, tag: Optional[str] = None, strict: bool 
         undo = _load_stateful(engine.lr_scheduler, meta["lr_scheduler"], "LR scheduler",
                               os.path.join(ckpt, "model_states.pt"))
     try:
-        engine.module.load_state_dict(sd, strict=strict)
+        _load_module(engine.module, sd, meta.get("excluded_frozen", []), strict=strict)
     except BaseException:
         if undo is not None:
             engine.lr_scheduler.load_state_dict(undo)
@@ -818,8 +849,9 @@ def load_weights(engine, load_dir: str, tag: Optional[str] = None, strict: bool 
 
 
 def consolidate(load_dir: str, tag: Optional[str], out: str) -> Dict[str, torch.Tensor]:
-    """Write one fp32 state dict (all of the module's keys, tied names included; trainable
-    parameters from the fp32 master weights of every rank) to ``out`` (``.safetensors`` → safetensors,
+    """Write one fp32 state dict (all of the module's keys, tied names included, but the frozen
+    parameters a save with ``exclude_frozen_parameters`` left out; trainable parameters from the
+    fp32 master weights of every rank) to ``out`` (``.safetensors`` → safetensors,
     else ``torch.save``). Runs in one process, no torch.distributed needed. Returns the dict.
 
     Raises:

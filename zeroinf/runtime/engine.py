@@ -664,7 +664,8 @@ class ZeroEngine:
         collective), without parameters that have ``requires_grad=False`` if asked."""
         sd = self.module.state_dict()
         if exclude_frozen_parameters:
-            frozen = {n for n, p in self.module.named_parameters() if not p.requires_grad}
+            from zeroinf.checkpoint import frozen_names
+            frozen = set(frozen_names(self.module))  # a tied one under each of its names
             sd = {k: v for k, v in sd.items() if k not in frozen}
         return sd
 
@@ -1503,10 +1504,11 @@ class ZeroEngine:
     # ------------------------------------------------------------------------------------------
 
     def save_checkpoint(self, save_dir: str, tag: Optional[str] = None, client_state: Optional[dict] = None,
-                        save_latest: bool = True) -> str:
+                        save_latest: bool = True, exclude_frozen_parameters: bool = False) -> str:
         """Save to ``save_dir/tag`` (tag default ``global_step{N}``); see :mod:`zeroinf.checkpoint`.
-        ``save_latest``: point ``save_dir/latest`` at it (DeepSpeed's keyword). Returns the
-        checkpoint folder.
+        ``save_latest``: point ``save_dir/latest`` at it; ``exclude_frozen_parameters``: leave the
+        ``requires_grad=False`` parameters out (a LoRA checkpoint without its base; a load keeps
+        the model's values for them). DeepSpeed's keywords. Returns the checkpoint folder.
 
         Raises:
             RuntimeError: between engine.backward and engine.step with
@@ -1519,7 +1521,8 @@ class ZeroEngine:
             self._adopt_replaced_data()
             with torch.no_grad():
                 self._adopt_changed_weights()
-        return checkpoint.save(self, save_dir, tag, client_state, save_latest=save_latest)
+        return checkpoint.save(self, save_dir, tag, client_state, save_latest=save_latest,
+                               exclude_frozen_parameters=exclude_frozen_parameters)
 
     def load_checkpoint(self, load_dir: str, tag: Optional[str] = None, load_module_strict: bool = True,
                         load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
