@@ -6,7 +6,10 @@ one process, fp32, micro-batch 2 x ``--seq`` tokens, AdamW (lr 1e-4, weight deca
 after the first):
 
 * ``resident``: stage 3 with offload_param and offload_optimizer ``none``;
-* ``nvme``: offload_param and offload_optimizer ``nvme`` (read-ahead, pipelined optimizer swaps);
+* ``nvme``: offload_param and offload_optimizer ``nvme`` (read-ahead, pipelined optimizer swaps,
+  ``--optimizer-buffers`` swap buffers, default 8: the first sub-groups' state is read during
+  the backward, and the more buffers, the more of it; 3 gave 1.26 and 1.35 for the two goal
+  ratios below where 8 gave 1.20 and 1.25, same host, one run after the other);
 * ``io-floor``: the NVMe bytes the nvme step moved (parameter partitions read and written, the
   optimizer's 12 bytes/param in and out) divided by the sequential read/write bandwidth of an
   ``AsyncIOHandle`` on the same directory (bench/step.py's measurement);
@@ -38,7 +41,8 @@ the share of the whole step's I/O time hidden (1 - (nvme - resident) / io-floor:
 nvme step costs no more than the resident one, 0 when it costs the whole floor on top), and
 each engine's nvme / resident ratio.
 
-    python bench/stage3_step.py [--blocks 12] [--width 1024] [--nvme-path DIR] [--steps 3] [--rounds 3] [--no-peers]
+    python bench/stage3_step.py [--blocks 12] [--width 1024] [--nvme-path DIR] [--optimizer-buffers 8] [--steps 3]
+                                [--rounds 3] [--no-peers]
 """
 from __future__ import annotations
 
@@ -112,7 +116,8 @@ def run(args, tier: str, nvme: str, in_backward: bool = False) -> dict:
          "offload_param": {"device": tier}, "offload_optimizer": {"device": tier}}
     if tier == "nvme":
         z["offload_param"].update(nvme_path=nvme, buffer_count=6, buffer_size=9 * args.width * args.width, max_in_cpu=0)
-        z["offload_optimizer"].update(nvme_path=nvme, buffer_count=3, pipeline_read=True, pipeline_write=True)
+        z["offload_optimizer"].update(nvme_path=nvme, buffer_count=args.optimizer_buffers, pipeline_read=True,
+                                      pipeline_write=True)
     cfg = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": ADAMW},
            "zero_optimization": z, "zeroinf": {"optimizer_in_backward": in_backward}}
     torch.manual_seed(0)
@@ -186,6 +191,8 @@ def main() -> int:
     p.add_argument("--seq", type=int, default=64)
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--nvme-path", default=None)
+    p.add_argument("--optimizer-buffers", type=int, default=8,
+                   help="zeroinf rows' offload_optimizer.buffer_count (each one sub-group's moments, pinned)")
     p.add_argument("--rounds", type=int, default=3, help="rounds of the zeroinf rows, order rotated")
     p.add_argument("--no-peers", action="store_true", help="skip the DeepSpeed rows")
     p.add_argument("--peer-row", choices=["none", "nvme"], help=argparse.SUPPRESS)  # run_peer's subprocess
