@@ -1687,7 +1687,7 @@ def initialize(model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer
             optimizer = ZeroOptimizer(params)
         else:
             raise ConfigError("optimizer", "required: set optimizer {type, params} or pass optimizer= (a model with "
-                              "no trainable parameter, such as a frozen reference or teacher, needs none at stage 3)")
+                              "no trainable parameter, such as a frozen reference or teacher, needs none)")
     else:
         _hyper_from_client(optimizer)
     engine = ZeroEngine(model, cfg, optimizer, lr_scheduler=lr_scheduler, rank=rank, world_size=world_size)
