@@ -353,37 +353,47 @@ def test_a_model_left_in_bf16_under_fp32_precision_keeps_its_own_masters(tmp_pat
     engine.close()
 
 
-def test_frozen_groups_get_no_gradient_swap_files(tmp_path):
+@pytest.mark.parametrize("how", ["frozen", "left out"])
+def test_groups_the_optimizer_does_not_step_get_no_gradient(tmp_path, how):
     """ZeRO-Infinity keeps gradient partitions on NVMe; a file was made, fully allocated, for
     every flat group, the frozen ones too, and the disk check asked room for them (tester-46 F2:
-    a LoRA base's gradient files, 3x its bf16 partitions, never written). Training still equals
-    plain PyTorch."""
+    a LoRA base's gradient files, 3x its bf16 partitions, never written). Parameters that
+    require grad but were left out of ``model_parameters`` ("left out") had their gradients
+    reduced, kept and counted in the clipping norm (tester-47 F1: 1.69 against the 1.38 of
+    stages 0-2 and of torch over the optimizer's parameters, weights 5e-4 off). Now neither
+    kind gets a gradient file, and training equals torch clipping over the optimizer's
+    parameters."""
     from zeroinf.runtime.stage3.engine_glue import swap_file_bytes
 
     torch.manual_seed(0)
     ref = TinyLM()
-    for b in ref.blocks[:3]:
-        b.requires_grad_(False)
+    if how == "frozen":
+        for b in ref.blocks[:3]:
+            b.requires_grad_(False)
     model = copy.deepcopy(ref)
-    trainable = [p for p in model.parameters() if p.requires_grad]
+    trainable = [p for n, p in model.named_parameters() if not n.startswith(("blocks.0.", "blocks.1.", "blocks.2."))]
+    ref_params = [p for n, p in ref.named_parameters() if not n.startswith(("blocks.0.", "blocks.1.", "blocks.2."))]
     cfg = _config("nvme", "nvme", tmp_path)
-    cfg["zero_optimization"]["offload_param"]["buffer_count"] = 4  # frozen and trainable: two partitions per unit
+    cfg["gradient_clipping"] = 0.05
+    cfg["zero_optimization"]["offload_param"]["buffer_count"] = 4  # two partitions per unit
     files = swap_file_bytes(model, zeroinf.config.parse_config(cfg), [trainable])
-    engine, *_ = zeroinf.initialize(model=model, config=cfg, model_parameters=trainable)
+    with pytest.warns(UserWarning, match="not in the optimizer") if how == "left out" else contextlib.nullcontext():
+        engine, *_ = zeroinf.initialize(model=model, config=cfg, model_parameters=trainable)
     groups = engine.params.manager.groups()
-    live = [g for g in groups if any(s.param.requires_grad for s in g.slots)]
+    live = [g for g in groups if any(s.param in set(trainable) for s in g.slots)]
     assert 0 < len(live) < len(groups)
     want = 4 * sum(g.shard_numel for g in live)
     assert [b for *_, b, w in files if w == "gradient partitions"] == [want]
-    ref_opt = torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], lr=LR, betas=BETAS, eps=EPS,
-                                weight_decay=WD, foreach=False)
+    ref_opt = torch.optim.AdamW(ref_params, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, foreach=False)
     for seed in range(3):
         x, y = batch(seed)
         engine.backward(loss_fn(engine(x), y))
         engine.step()
         loss_fn(ref(x), y).backward()
+        norm = torch.nn.utils.clip_grad_norm_(ref_params, 0.05)
+        assert abs(engine.get_global_grad_norm() - norm.item()) <= 1e-5 * norm.item(), (seed, norm)
         ref_opt.step()
-        ref_opt.zero_grad()
+        ref.zero_grad()
     grad_files = [f for f in engine.swap_files() if os.path.basename(f).startswith("grad_") and f.endswith(".swp")]
     assert len(grad_files) == len(live) and sum(os.path.getsize(f) for f in grad_files) == want
     sd = _state(engine)

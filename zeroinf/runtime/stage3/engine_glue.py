@@ -160,10 +160,10 @@ def swap_file_bytes(model: torch.nn.Module, cfg, groups: Sequence[Sequence[torch
                                            for g in parts), "parameter partitions"))
         if _grads_on_nvme(cfg):
             # fp32 (accumulated) and, for bf16/fp16 training, one micro-batch's in the training
-            # dtype; none for frozen groups (the manager makes no file for them)
+            # dtype; none for groups the optimizer does not step (the manager makes no file for them)
             out.append((key, path, folder, sum((4 + (0 if g.dtype == torch.float32 else g.dtype.itemsize))
                                                * g.shard_numel for g in parts
-                                               if any(s.param.requires_grad for s in g.slots)),
+                                               if any(s.param in trainable for s in g.slots)),
                         "gradient partitions"))
     if zc.offload_optimizer.device == "nvme":
         path = zc.offload_optimizer.nvme_path

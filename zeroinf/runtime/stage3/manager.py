@@ -398,7 +398,9 @@ class Stage3ParameterManager:
         unit_modules: ``(name, module)`` of the unit modules (default: :func:`find_unit_modules`).
         param_group_of: parameter -> optimizer param-group index; a unit's parameters of two
             param groups, or frozen and trainable ones, go to separate flat groups (default:
-            split only frozen from trainable).
+            split only frozen from trainable). A parameter that requires grad but is in none
+            (``model_parameters`` a subset) is not stepped, so its gradient is not reduced,
+            kept, or counted in the norm, as at stages 0-2 (tester-47 F1).
 
     Raises:
         Stage3ConfigError: ``offload_param.nvme_path`` cannot hold swap files (NVMe tier, no
@@ -500,6 +502,8 @@ class Stage3ParameterManager:
         self._slot_of: Dict[nn.Parameter, Tuple[Unit, FlatGroup, ParamSlot]] = {}
         for u in self.units:
             for g in u.groups:
+                g.optimized = any(s.param.requires_grad and (param_group_of is None or s.param in param_group_of)
+                                  for s in g.slots)
                 for s in g.slots:
                     self._slot_of[s.param] = (u, g, s)
         self._check_limits()
@@ -631,8 +635,9 @@ class Stage3ParameterManager:
                 if opts.max_in_cpu > 0 else None
             self._io = _IOThread(1, thread_name_prefix="zeroinf-stage3-io")
         if opts.grads_on_nvme:
-            # frozen groups get no gradient: no file (tester-46 F2, a LoRA base's 420 GB at 70B bf16)
-            for g in (g for g in self.groups() if any(s.param.requires_grad for s in g.slots)):
+            # groups the optimizer does not step keep no gradient: no file (tester-46 F2, a LoRA
+            # base's 420 GB at 70B bf16; tester-47 F1, parameters left out of model_parameters)
+            for g in (g for g in self.groups() if g.optimized):
                 self._swapper.register(self._grad_key(g), g.shard_numel, torch.float32)
                 if g.dtype != torch.float32:
                     self._swapper.register(self._grad_key(g, g.dtype), g.shard_numel, g.dtype)
@@ -1819,6 +1824,10 @@ class Stage3ParameterManager:
         did = False
         for g in unit.groups:
             if g.grad_full is None:
+                continue
+            if not g.optimized:  # requires grad, in no optimizer param group: nothing steps it
+                self.scratch.give(g.grad_full)
+                g.grad_full, g.grad_written = None, None
                 continue
             t0 = self.tracer.now()
             self._zero_unwritten(g)

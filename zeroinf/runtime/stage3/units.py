@@ -89,6 +89,9 @@ class FlatGroup:
     grad_nvme_dtype: torch.dtype = torch.float32  # which swap file holds it ([Note: gradients on NVMe])
     grad_norm_part: Optional[float] = None  # [Note: norm while reducing] of the accumulated gradient
     partition_snapshot: Optional[torch.Tensor] = None  # this rank's partition as read for the backward (partition_copy)
+    #: the optimizer steps it (its parameters are in an optimizer param group, or, without one
+    #: given, require grad): only then are its gradients reduced, kept and counted in the norm
+    optimized: bool = True
 
     def drop_grad_shard(self) -> None:
         """Zero the accumulated gradient: ``grad_shard`` becomes None, its buffer is kept for
