@@ -1119,12 +1119,12 @@ def test_a_checkpoint_without_its_frozen_parameters(tmp_path, stage):
     from stage3_models import TinyLM
     from test_stage3_engine import _config
 
-    def build():
+    def build(frozen=3):
         torch.manual_seed(0)
         model = TinyLM()
-        for b in model.blocks[:3]:
+        for b in model.blocks[:frozen]:
             b.requires_grad_(False)
-        cfg = _config("nvme" if stage == 3 else "none", "cpu", tmp_path / "nv")
+        cfg = _config("nvme" if stage == 3 else "none", "cpu", tmp_path / f"nv{frozen}")
         cfg["zero_optimization"]["stage"] = stage
         if stage == 3:
             cfg["zero_optimization"]["offload_param"]["buffer_count"] = 4  # frozen and trainable partitions
@@ -1160,6 +1160,10 @@ def test_a_checkpoint_without_its_frozen_parameters(tmp_path, stage):
         assert got[2] == want[2] and all(torch.equal(got[0][k], want[0][k]) for k in want[0])
         assert all(torch.equal(a, b) for ga, wa in zip(got[1], want[1]) for a, b in zip(ga, wa))
         engine.close()
+    engine = build(frozen=2)  # another trainable set: its message said "saved with 1 sub-groups, this engine has 1"
+    with pytest.raises(CheckpointError, match="which of its parameters are trainable"):
+        engine.load_checkpoint(str(tmp_path / "ck"), tag="lora")
+    engine.close()
     meta["module"].pop("head.weight")  # trainable: still refused
     torch.save(meta, tmp_path / "ck" / "lora" / "model_states.pt")
     engine = build()

@@ -558,9 +558,11 @@ def _check_files(engine, load_dir: str, tag: Optional[str]):
     if saved != mine:
         i = next((i for i, (a, b) in enumerate(zip(saved, mine)) if a != b), min(len(saved), len(mine)))
         at = lambda lay: f"{lay[i]}" if i < len(lay) else "none"  # noqa: E731
-        layout = ("the model, its param groups, sub_group_size, or at stage 3 the units "
-                  "(stage3_param_persistence_threshold, the unit classes)")
-        raise CheckpointError(f"{ckpt}: saved with {len(saved)} optimizer sub-groups, this engine has {len(mine)}; "
+        layout = ("the model, which of its parameters are trainable, its param groups, sub_group_size, or at "
+                  "stage 3 the units (stage3_param_persistence_threshold, the unit classes)")
+        count = (f"saved with {len(saved)} optimizer sub-groups, this engine has {len(mine)}" if len(saved) != len(mine)
+                 else f"the optimizer's {len(mine)} sub-groups differ from the saved ones")
+        raise CheckpointError(f"{ckpt}: {count}; "
                               f"the first that differs, [key, elements, param group]: saved {at(saved)}, here {at(mine)}. "
                               f"The layout follows {layout}: use the same settings, or consolidate() the "
                               "checkpoint and load its fp32 weights")
