@@ -181,12 +181,17 @@ def _conversion_hint(model: nn.Module, file_keys) -> str:
 
 def _names_in_file(name: str) -> List[str]:
     """The names a parameter ``name`` may have in a checkpoint saved before peft wrapped the
-    model: itself, without peft's ``base_model.model.`` prefix, and without the ``.base_layer``
-    peft puts between a wrapped layer and its weights (tester-46 F3)."""
+    model: itself, without peft's ``base_model.model.`` prefix, and without what peft puts
+    between a wrapped layer and its weights: ``.base_layer`` (LoRA, tester-46 F3), and
+    ``.original_module`` or ``.modules_to_save.<adapter>`` (``modules_to_save``: the frozen
+    original and its trained copy both start from the file's weights, tester-47 F2)."""
+    import re
     out = [name]
     if name.startswith("base_model.model."):
         out.append(name[len("base_model.model."):])
-    return out + [n.replace(".base_layer.", ".") for n in out if ".base_layer." in n]
+    for pattern in (r"\.base_layer\.", r"\.original_module\.", r"\.modules_to_save\.[^.]+\."):
+        out += [re.sub(pattern, ".", n) for n in out if re.search(pattern, n)]
+    return out
 
 
 def load_safetensors(model: nn.Module, path, *, strict: bool = True) -> List[str]:
@@ -199,8 +204,9 @@ def load_safetensors(model: nn.Module, path, *, strict: bool = True) -> List[str
             or a submodule of one (a peft model's ``base_model.model``): then only its own
             parameters are loaded, under names relative to it. A parameter is found in the
             files under its own name or, for a model wrapped by peft after the file was saved,
-            without peft's ``base_model.model.`` prefix and ``.base_layer`` (the adapters'
-            own weights are then missing: ``strict=False``).
+            without peft's ``base_model.model.`` prefix, ``.base_layer``, ``.original_module``
+            and ``.modules_to_save.<adapter>`` (the adapters' own weights are then missing:
+            ``strict=False``).
         path: a ``.safetensors`` file, or a Hugging Face model folder (``model.safetensors`` or
             ``model.safetensors.index.json`` with its shards).
         strict: every managed parameter must be in the files (checked before anything is written).
