@@ -163,6 +163,24 @@ def test_a_frozen_submodule_called_before_the_model_joins_its_iteration():
     assert mgr.live_numel == 0
 
 
+def test_many_submodule_calls_before_the_model_stay_in_one_iteration():
+    """A frozen submodule called 20 times on its own before the model (a vision tower per
+    image): at 16 forwards the iteration was cut, and its two halves took turns as the trace,
+    no prefetch hit (tester-47 F4). Submodule calls have their own, larger bound."""
+    model = _EmbedsLM()
+    model.emb.weight.requires_grad_(False)
+    mgr = Stage3ParameterManager(model, _opts(max_reuse_distance=0))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for seed in range(4):
+            x, y = batch(seed)
+            embeds = sum(model.emb(x) for _ in range(20)) / 20
+            loss_fn(model(embeds=embeds), y).backward()
+            mgr.zero_grad()
+    st = mgr.stats_dict()
+    assert st["invalidations"] == 0 and st["traces_recorded"] == 1 and st["prefetch_hits"] > 0, st
+
+
 def test_call_in_forward_runs_once_in_the_next_grad_enabled_forward():
     """``call_in_forward(n, fn)`` (the optimizer in backward's reads in the forward): once, after
     the n-th unit's forward of the next grad-enabled forward; not under no_grad; None cancels."""

@@ -450,7 +450,8 @@ class Stage3ParameterManager:
         self.reduced_since_check = False
         self._in_iteration = False
         self._param_epoch = 0  # params_updated() calls so far (saved weights remember it)
-        self._forwards_in_iteration = 0
+        self._forwards_in_iteration = 0  # the model's own forwards in this iteration
+        self._submodule_forwards = 0  # submodules' forwards called on their own in it
         #: a forward of this iteration hooked its outputs for a backward ([Note: several forwards, one backward])
         self._backward_pending = False
         #: the last forward was a submodule's called on its own, with no backward through it
@@ -1531,8 +1532,12 @@ class Stage3ParameterManager:
             if not self._in_iteration:
                 self._in_iteration = True
                 self._forwards_in_iteration = 0
+                self._submodule_forwards = 0
                 self.scheduler.begin(torch.is_grad_enabled())
-            self._forwards_in_iteration += 1
+            if module is self.module:
+                self._forwards_in_iteration += 1
+            else:
+                self._submodule_forwards += 1
             self._partial_forward = False
             self._fwd_units_done = 0
             self._callback_queued = False
@@ -1551,8 +1556,14 @@ class Stage3ParameterManager:
         finally:
             self._busy -= 1
 
-    #: forwards one iteration may span before its backward ([Note: several forwards, one backward])
+    #: forwards of the model one iteration may span before its backward ([Note: several forwards,
+    #: one backward])
     MAX_FORWARDS_PER_ITERATION = 16
+    #: submodule forwards called on their own one iteration may span ([Note: a submodule's forward
+    #: before the model's]): a frozen vision tower run once per image of the batch (at 16 in all,
+    #: the iteration was cut there and its two halves took turns as the trace: no prefetch hit,
+    #: tester-47 F4)
+    MAX_SUBMODULE_FORWARDS_PER_ITERATION = 1024
 
     def _continues_iteration(self) -> bool:
         """[Note: several forwards, one backward] A grad-enabled forward whose output awaits a
@@ -1572,7 +1583,8 @@ class Stage3ParameterManager:
         stays kept for its inputs' gradients through the next backward, released when room is
         needed (``_release_tiers``)."""
         if not (self._in_iteration and not self._in_backward and self._ctx is None
-                and self._forwards_in_iteration < self.MAX_FORWARDS_PER_ITERATION):
+                and self._forwards_in_iteration < self.MAX_FORWARDS_PER_ITERATION
+                and self._submodule_forwards < self.MAX_SUBMODULE_FORWARDS_PER_ITERATION):
             return False
         if self._partial_forward:  # [Note: a submodule's forward before the model's]
             return torch.is_grad_enabled() is self.scheduler.key
@@ -1586,8 +1598,8 @@ class Stage3ParameterManager:
     # (tester-46 F1, F5: 2 invalidations and no prefetch hit per step, warnings once). Such a
     # forward leaves its iteration open, and the next forward under the same grad mode joins
     # it, as a second forward with a backward pending does; a forward of the model itself with no
-    # backward still ends its iteration at once, and MAX_FORWARDS_PER_ITERATION bounds a loop
-    # of submodule calls.
+    # backward still ends its iteration at once, and MAX_SUBMODULE_FORWARDS_PER_ITERATION bounds
+    # a loop of submodule calls.
 
     def _note_graph(self, outputs: List[torch.Tensor]) -> None:
         """Put one token in the autograd metadata of each output's ``grad_fn``: it lives as long
