@@ -93,9 +93,11 @@ class CPUAdam(torch.optim.Optimizer):
         from it (the defaults filled it in, and every step refused the two disagreeing: tester-44 F2).
 
         Raises:
-            ValueError: an option out of range (see the class), or a parameter listed twice in
+            ValueError: an option out of range (see the class), a parameter listed twice in
                 the group (torch only warns and steps it twice in order; one fused step would
-                give both updates one bias correction: tester-44 F4); the group is not added.
+                give both updates one bias correction: tester-44 F4), or a bf16/fp16 parameter
+                over the same memory as another one (each steps its own fp32 master); the group
+                is not added.
         """
         _check_hyper(param_group)
         for a, b in (("adamw_mode", "decoupled_weight_decay"), ("decoupled_weight_decay", "adamw_mode")):
@@ -110,6 +112,15 @@ class CPUAdam(torch.optim.Optimizer):
                 raise ValueError(f"CPUAdam: param_groups[{gi}]['params'] lists one parameter twice (positions "
                                  f"{seen[id(p)]} and {pi}); list each parameter once")
             seen[id(p)] = pi
+        clash = _shared_16bit_memory([(f"param_groups[{g}]['params'][{i}]", p)
+                                      for g, grp in enumerate(self.param_groups) for i, p in enumerate(grp["params"])])
+        if clash is not None:
+            self.param_groups.pop()
+            a, b, dtype = clash
+            raise ValueError(f"CPUAdam: {a} and {b} are {dtype} parameters over the same memory; CPUAdam keeps one fp32 "
+                             "master per 16-bit parameter, so each would step from its own master and the one written "
+                             "last would drop the other's update (tester-47 F3). Make them one parameter, or keep them "
+                             "in fp32 (aliased fp32 parameters are stepped one after the other, as torch does)")
 
     def __setstate__(self, state: Dict[str, Any]) -> None:
         super().__setstate__(state)
@@ -278,6 +289,28 @@ class CPUAdam(torch.optim.Optimizer):
         if p.dtype == torch.float32:
             return p.detach(), None, grad, state
         return state["master_param"], p.detach(), grad, state
+
+
+def _shared_16bit_memory(named) -> Optional[Tuple[str, str, torch.dtype]]:
+    """The first two bf16/fp16 parameters of ``named`` (``(where, tensor)`` pairs) whose
+    elements share memory, as ``(where_a, where_b, dtype)``; None when none do. Views that only
+    interleave (columns of one matrix) do not count."""
+    spans: Dict[int, list] = {}
+    for where, p in named:
+        if p.dtype in (torch.bfloat16, torch.float16) and p.numel() and p.device.type == "cpu":
+            lo = p.storage_offset()
+            hi = lo + sum((n - 1) * st for n, st in zip(p.shape, p.stride())) + 1
+            spans.setdefault(p.untyped_storage().data_ptr(), []).append((lo, hi, where, p))
+    for group in spans.values():
+        for k, (lo, hi, where, p) in enumerate(group):
+            for lo2, hi2, where2, q in group[k + 1:]:
+                if lo < hi2 and lo2 < hi and p is not q:  # extents overlap: compare the elements
+                    top = torch.arange(max(hi, hi2))
+                    mine = torch.as_strided(top, p.shape, p.stride(), lo).reshape(-1)
+                    theirs = torch.as_strided(top, q.shape, q.stride(), lo2).reshape(-1)
+                    if bool(torch.isin(mine, theirs).any()):
+                        return where, where2, p.dtype
+    return None
 
 
 def _check_param(p: torch.Tensor, where: str) -> None:
