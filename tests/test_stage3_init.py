@@ -229,6 +229,9 @@ def test_load_safetensors_into_a_peft_wrapped_model_or_its_inner_model(tmp_path)
                 assert torch.equal(sd["base_model.model." + c], p.detach()), (target is inner, c)
         assert all(torch.equal(sd["base_model.model." + n], torch.full_like(sd["base_model.model." + n], 0.5))
                    for n in adapters)
+    with pytest.raises(KeyError, match=r"without their leading 'model' are the file's: load into that submodule "
+                                        r"\(model.model\)"):
+        load_safetensors(model.base_model, tmp_path)  # peft's LoraModel: names model.<...>, tester-47
     save_file({"nothing.like.it": torch.zeros(3)}, str(tmp_path / "other.safetensors"))
     with pytest.raises(KeyError, match="none of the .* parameters is in"):
         load_safetensors(model, tmp_path / "other.safetensors", strict=False)

@@ -255,9 +255,15 @@ def load_safetensors(model: nn.Module, path, *, strict: bool = True) -> List[str
             items.append((s, found, f))
         plan.append((g, items))
     if not any(items for _g, items in plan):
+        # the file saved from a submodule: the model's names behind one leading component match
+        # (peft's LoraModel, ``peft_model.base_model``, names its model's weights ``model.<...>``)
+        lead = sorted({n.split(".", 1)[0] for n in missing
+                       if "." in n and any(c in where for c in _names_in_file(n.split(".", 1)[1]))})
+        hint = (f"; its names without their leading {lead[0]!r} are the file's: load into that submodule "
+                f"(model.{lead[0]})" if lead else "")
         raise KeyError(f"load_safetensors: none of the {type(model).__name__}'s {len(missing)} parameters is in "
                        f"{os.fspath(path)} (the model's names look like {missing[:3]}, the file's like "
-                       f"{sorted(where)[:3]}); nothing was written{_conversion_hint(model, where)}")
+                       f"{sorted(where)[:3]}){hint}; nothing was written{_conversion_hint(model, where)}")
     if missing and strict:
         adapters = any(".lora_" in n for n in missing)
         raise KeyError(f"load_safetensors: {len(missing)} parameters are not in {os.fspath(path)}: {missing[:8]}"
