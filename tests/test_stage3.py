@@ -163,6 +163,28 @@ def test_a_frozen_submodule_called_before_the_model_joins_its_iteration():
     assert mgr.live_numel == 0
 
 
+def test_a_submodule_call_ended_by_an_eval_records_no_trace():
+    """A frozen submodule called on its own, then an eval under no_grad (another grad mode,
+    which ends the iteration), then the training step: the one-call iteration was recorded as
+    the trace, which the step then broke, and the other way round (tester-47: 9 traces, 0
+    prefetch hits in 4 steps). An iteration of submodule calls alone records nothing."""
+    model = _EmbedsLM()
+    model.emb.weight.requires_grad_(False)
+    mgr = Stage3ParameterManager(model, _opts(max_reuse_distance=0))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for seed in range(4):
+            x, y = batch(seed)
+            model.emb(x)
+            with torch.no_grad():
+                model(x)
+            loss_fn(model(embeds=model.emb(x)), y).backward()
+            mgr.zero_grad()
+    st = mgr.stats_dict()
+    assert st["invalidations"] == 0 and st["traces_recorded"] == 2 and st["prefetch_hits"] > 0, st
+    assert mgr.live_numel == 0
+
+
 def test_many_submodule_calls_before_the_model_stay_in_one_iteration():
     """A frozen submodule called 20 times on its own before the model (a vision tower per
     image): at 16 forwards the iteration was cut, and its two halves took turns as the trace,

@@ -1987,7 +1987,14 @@ class Stage3ParameterManager:
             if g.grad_full is not None:  # be added into the next backward's
                 full, g.grad_full, g.grad_written = g.grad_full, None, None
                 self.scratch.give(full)
-        self.scheduler.end()
+        if self._forwards_in_iteration == 0 and not self._backward_pending:
+            # only submodules called on their own, none with a backward (a frozen embedding,
+            # then an eval under no_grad): the model's next forward is this iteration's, so
+            # record nothing ([Note: a submodule's forward before the model's]; recorded, the
+            # trace broke twice a step, tester-47)
+            self.scheduler.abort()
+        else:
+            self.scheduler.end()
         self._active.clear()
         self._foreign.clear()
         # the persistent unit too: gathered between iterations (after a forward with no backward,
