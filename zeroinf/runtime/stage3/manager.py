@@ -454,9 +454,6 @@ class Stage3ParameterManager:
         self._submodule_forwards = 0  # submodules' forwards called on their own in it
         #: a forward of this iteration hooked its outputs for a backward ([Note: several forwards, one backward])
         self._backward_pending = False
-        #: the last forward was a submodule's called on its own, with no backward through it
-        #: ([Note: a submodule's forward before the model's])
-        self._partial_forward = False
         self._calls: List[Tuple[Unit, List[int]]] = []  # unit calls of this root forward waiting for input gradients
         self._generation = 0  # iterations ended so far (a dropped graph's callback checks it)
         self._in_backward = False
@@ -1538,7 +1535,6 @@ class Stage3ParameterManager:
                 self._forwards_in_iteration += 1
             else:
                 self._submodule_forwards += 1
-            self._partial_forward = False
             self._fwd_units_done = 0
             self._callback_queued = False
             self._in_backward = False
@@ -1586,9 +1582,11 @@ class Stage3ParameterManager:
                 and self._forwards_in_iteration < self.MAX_FORWARDS_PER_ITERATION
                 and self._submodule_forwards < self.MAX_SUBMODULE_FORWARDS_PER_ITERATION):
             return False
-        if self._partial_forward:  # [Note: a submodule's forward before the model's]
+        if not self._backward_pending:
+            # open with no backward pending: only submodules' forwards so far, which the next
+            # forward under the same grad mode joins ([Note: a submodule's forward before the model's])
             return torch.is_grad_enabled() is self.scheduler.key
-        return torch.is_grad_enabled() and self.scheduler.key is True and self._backward_pending
+        return torch.is_grad_enabled() and self.scheduler.key is True
 
     # [Note: a submodule's forward before the model's] A submodule called on its own, whose
     # output needs no gradient (a frozen input embedding computing ``inputs_embeds``, as peft's
@@ -1651,11 +1649,10 @@ class Stage3ParameterManager:
                 return output
             self._inputs_never_come(self._calls)  # no output needs a gradient: no backward through it
             self._calls = []
-            if not self._backward_pending:
-                if module is self.module:
-                    self._end_iteration()
-                else:  # [Note: a submodule's forward before the model's]
-                    self._partial_forward = True
+            if not self._backward_pending and module is self.module:
+                # a submodule's forward leaves the iteration open ([Note: a submodule's forward
+                # before the model's])
+                self._end_iteration()
         finally:
             self._busy -= 1
         return output
@@ -2011,7 +2008,6 @@ class Stage3ParameterManager:
             u.inputs_pending, u.in_backward = 0, False
         self._in_iteration = False
         self._backward_pending = False
-        self._partial_forward = False
         self._graphs_alive = 0
         self._calls = []
         self._generation += 1
