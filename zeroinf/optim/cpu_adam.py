@@ -302,14 +302,20 @@ def _shared_16bit_memory(named) -> Optional[Tuple[str, str, torch.dtype]]:
             hi = lo + sum((n - 1) * st for n, st in zip(p.shape, p.stride())) + 1
             spans.setdefault(p.untyped_storage().data_ptr(), []).append((lo, hi, where, p))
     for group in spans.values():
-        for k, (lo, hi, where, p) in enumerate(group):
-            for lo2, hi2, where2, q in group[k + 1:]:
-                if lo < hi2 and lo2 < hi and p is not q:  # extents overlap: compare the elements
+        # a sweep in offset order: parameters that are views of one flat buffer (disjoint, one
+        # after the other) compare with none, where all pairs were N^2 extents
+        group.sort(key=lambda span: span[0])
+        open_spans: list = []  # those started before the current one and not ended by its start
+        for lo, hi, where, p in group:
+            open_spans = [span for span in open_spans if span[1] > lo]
+            for lo2, hi2, where2, q in open_spans:
+                if q is not p:  # extents overlap: compare the elements
                     top = torch.arange(max(hi, hi2))
                     mine = torch.as_strided(top, p.shape, p.stride(), lo).reshape(-1)
                     theirs = torch.as_strided(top, q.shape, q.stride(), lo2).reshape(-1)
                     if bool(torch.isin(mine, theirs).any()):
-                        return where, where2, p.dtype
+                        return where2, where, p.dtype
+            open_spans.append((lo, hi, where, p))
     return None
 
 
