@@ -264,10 +264,12 @@ def write_latest(save_dir: str, tag: str) -> None:
                                  f"checkpoint itself is complete in {os.path.join(save_dir, tag)}") from exc
 
 
-def _module_state(module: torch.nn.Module) -> Dict[str, Any]:
-    """A detached copy of the module's state dict (extra states, which may be any object, deep-copied)."""
+def _module_state(module: torch.nn.Module, skip: Sequence[str] = ()) -> Dict[str, Any]:
+    """A detached copy of the module's state dict (extra states, which may be any object,
+    deep-copied), without the keys ``skip`` (not copied first: a LoRA base is most of the model)."""
+    skip = set(skip)
     return {k: v.detach().clone() if isinstance(v, torch.Tensor) else copy.deepcopy(v)
-            for k, v in module.state_dict().items()}
+            for k, v in module.state_dict().items() if k not in skip}
 
 
 def frozen_names(module: torch.nn.Module) -> List[str]:
@@ -352,10 +354,8 @@ def save(engine, save_dir: str, tag: Optional[str] = None, client_state: Optiona
     _agree_or_drop(engine, problem, ckpt, final)
     # every rank builds the module state dict: under stage 3 it all-gathers each partition (a
     # collective), so rank 0 alone would wait forever for the others
-    module_sd = _module_state(engine.module)
     excluded = frozen_names(engine.module) if exclude_frozen_parameters else []
-    for k in excluded:
-        module_sd.pop(k, None)
+    module_sd = _module_state(engine.module, skip=excluded)
     if engine.rank != 0:
         module_sd = None
     if engine.rank == 0:
