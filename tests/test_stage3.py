@@ -163,23 +163,31 @@ def test_a_frozen_submodule_called_before_the_model_joins_its_iteration():
     assert mgr.live_numel == 0
 
 
-def test_a_submodule_call_ended_by_an_eval_records_no_trace():
-    """A frozen submodule called on its own, then an eval under no_grad (another grad mode,
-    which ends the iteration), then the training step: the one-call iteration was recorded as
-    the trace, which the step then broke, and the other way round (tester-47: 9 traces, 0
-    prefetch hits in 4 steps). An iteration of submodule calls alone records nothing."""
+def _frozen_embedding_steps(step) -> Stage3ParameterManager:
+    """Four steps ``step(model, x, y)`` (forwards and a backward) of an _EmbedsLM whose embedding is
+    frozen, under a stage-3 manager, with any warning (a broken trace) an error; returns the manager."""
     model = _EmbedsLM()
     model.emb.weight.requires_grad_(False)
     mgr = Stage3ParameterManager(model, _opts(max_reuse_distance=0))
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         for seed in range(4):
-            x, y = batch(seed)
-            model.emb(x)
-            with torch.no_grad():
-                model(x)
-            loss_fn(model(embeds=model.emb(x)), y).backward()
+            step(model, *batch(seed))
             mgr.zero_grad()
+    return mgr
+
+
+def test_a_submodule_call_ended_by_an_eval_records_no_trace():
+    """A frozen submodule called on its own, then an eval under no_grad (another grad mode,
+    which ends the iteration), then the training step: the one-call iteration was recorded as
+    the trace, which the step then broke, and the other way round (tester-47: 9 traces, 0
+    prefetch hits in 4 steps). An iteration of submodule calls alone records nothing."""
+    def step(model, x, y):
+        model.emb(x)
+        with torch.no_grad():
+            model(x)
+        loss_fn(model(embeds=model.emb(x)), y).backward()
+    mgr = _frozen_embedding_steps(step)
     st = mgr.stats_dict()
     assert st["invalidations"] == 0 and st["traces_recorded"] == 2 and st["prefetch_hits"] > 0, st
     assert mgr.live_numel == 0
@@ -189,16 +197,8 @@ def test_many_submodule_calls_before_the_model_stay_in_one_iteration():
     """A frozen submodule called 20 times on its own before the model (a vision tower per
     image): at 16 forwards the iteration was cut, and its two halves took turns as the trace,
     no prefetch hit (tester-47 F4). Submodule calls have their own, larger bound."""
-    model = _EmbedsLM()
-    model.emb.weight.requires_grad_(False)
-    mgr = Stage3ParameterManager(model, _opts(max_reuse_distance=0))
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        for seed in range(4):
-            x, y = batch(seed)
-            embeds = sum(model.emb(x) for _ in range(20)) / 20
-            loss_fn(model(embeds=embeds), y).backward()
-            mgr.zero_grad()
+    mgr = _frozen_embedding_steps(
+        lambda model, x, y: loss_fn(model(embeds=sum(model.emb(x) for _ in range(20)) / 20), y).backward())
     st = mgr.stats_dict()
     assert st["invalidations"] == 0 and st["traces_recorded"] == 1 and st["prefetch_hits"] > 0, st
 
