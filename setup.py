@@ -91,6 +91,10 @@ setup(
     long_description_content_type="text/markdown",
     python_requires=">=3.9",
     packages=find_packages(include=["zeroinf", "zeroinf.*"]),
+    # An explicit root makes an editable install a plain path entry, not an import hook: a folder
+    # named zeroinf/ in the working directory (the clone, seen from its parent) is then only a
+    # namespace candidate, and the regular package behind the path entry wins over it.
+    package_dir={"": "."},
     package_data={"zeroinf": ["csrc/**/*", "presets/*.json", "_build_info.json"]},
     install_requires=["torch>=2.4", "numpy", "psutil", "ninja", "pybind11", "tqdm"],
     extras_require={

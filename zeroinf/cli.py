@@ -104,9 +104,16 @@ def _run(argv: Optional[List[str]]) -> int:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, (_module, help_text) in COMMANDS.items():
         sub.add_parser(name, help=help_text, add_help=False)
-    if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
+    if argv and argv[0] in ("-h", "--help"):
         parser.print_help()
-        return 0 if not argv or argv[0] in ("-h", "--help") else 2
+        return 0
+    if not argv or argv[0] not in COMMANDS:
+        # no subcommand is a usage error, as for git or pip: usage on stderr, status 2
+        parser.print_help(sys.stderr)
+        if argv:
+            print(f"zeroinf: error: unknown command {argv[0]!r} (choose from {', '.join(COMMANDS)})",
+                  file=sys.stderr)
+        return 2
     module = importlib.import_module(COMMANDS[argv[0]][0])
     cmd_parser = _Parser(prog=f"zeroinf {argv[0]}", description=COMMANDS[argv[0]][1])
     module.add_arguments(cmd_parser)

@@ -1,0 +1,44 @@
+"""The ``zeroinf`` entry point: usage errors and how the package is found."""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from zeroinf import cli
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_no_command_is_a_usage_error(capsys):
+    assert cli.main([]) == 2
+    out = capsys.readouterr()
+    assert out.out == "" and "usage: zeroinf" in out.err and "train" in out.err
+
+
+def test_unknown_command_names_it(capsys):
+    assert cli.main(["trian"]) == 2
+    err = capsys.readouterr().err
+    assert "unknown command 'trian'" in err and "train" in err
+
+
+def test_help_exits_0(capsys):
+    assert cli.main(["--help"]) == 0
+    assert "usage: zeroinf" in capsys.readouterr().out
+
+
+def test_import_from_the_folder_that_holds_a_clone(tmp_path):
+    """A folder named zeroinf/ in the working directory (the clone itself, seen from its parent)
+    is not taken for the package: the installed zeroinf is imported."""
+    (tmp_path / "zeroinf").mkdir()
+    (tmp_path / "zeroinf" / "README.md").write_text("a clone's root holds no __init__.py\n")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    probe = "import zeroinf, sys; print(zeroinf.__file__); zeroinf.initialize"
+    r = subprocess.run([sys.executable, "-c", probe], cwd=tmp_path, env=env, capture_output=True, text=True)
+    if r.returncode != 0 and "No module named 'zeroinf'" in r.stderr:
+        pytest.skip("zeroinf is not installed in this interpreter (run from the repository only)")
+    assert r.returncode == 0, r.stderr
+    found = Path(r.stdout.strip())
+    assert found.name == "__init__.py" and found.parent.name == "zeroinf"
+    assert found.parent != tmp_path / "zeroinf"
