@@ -21,6 +21,7 @@ the op, the compiler command and the first compiler error line — never a later
 """
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import functools
 import hashlib
@@ -37,6 +38,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Dict, Optional
 
+from ..progress import ticking
 from .specs import OPS, OpSpec, csrc_root, cuda_blockers
 
 __all__ = [
@@ -205,7 +207,8 @@ def _jit_build(spec: OpSpec) -> ModuleType:
         # (Ctrl-C in a spawned rank, a test timeout) leaves it behind and every later build would
         # wait on it forever. Holding our lock, no other zeroinf build can be using it.
         (build_dir / "lock").unlink(missing_ok=True)
-        if not any(build_dir.glob("*.so")):
+        first_build = not any(build_dir.glob("*.so"))
+        if first_build:
             # A first-use build takes 30-60 s on 2 cores: say so on stderr rather than stall silently
             # (the time also lands in whatever the caller is timing, e.g. the first optimizer step).
             print(f"zeroinf: compiling op '{spec.name}' on first use (cached in {build_dir})",
@@ -215,16 +218,17 @@ def _jit_build(spec: OpSpec) -> ModuleType:
         if set_jobs:
             os.environ["MAX_JOBS"] = str(_max_jobs())
         try:
-            return cpp_extension.load(
-                name=f"zeroinf_{spec.name}_{key}",
-                sources=[str(p) for p in spec.source_paths()],
-                extra_cflags=cflags,
-                extra_ldflags=ldflags,
-                extra_cuda_cflags=list(spec.cuda_cflags) if spec.cuda else None,
-                extra_include_paths=[str(csrc_root() / "includes"), str(csrc_root() / spec.name)],
-                build_directory=str(build_dir),
-                verbose=False,
-            )
+            with ticking(f"zeroinf: compiling op '{spec.name}'", expected_s=60) if first_build else contextlib.nullcontext():
+                return cpp_extension.load(
+                    name=f"zeroinf_{spec.name}_{key}",
+                    sources=[str(p) for p in spec.source_paths()],
+                    extra_cflags=cflags,
+                    extra_ldflags=ldflags,
+                    extra_cuda_cflags=list(spec.cuda_cflags) if spec.cuda else None,
+                    extra_include_paths=[str(csrc_root() / "includes"), str(csrc_root() / spec.name)],
+                    build_directory=str(build_dir),
+                    verbose=False,
+                )
         except (RuntimeError, ImportError, OSError, subprocess.SubprocessError) as exc:
             # SubprocessError: torch's own compiler check (``CXX --version`` failing: a broken
             # wrapper) raised CalledProcessError past this (tester-41 F5)
