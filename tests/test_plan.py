@@ -100,6 +100,16 @@ def test_cli_writes_config(tmp_path, capsys):
     # writes 12 + 2 GB at 2 GB/s -> 15 s
     assert "step time >= 1 s set by optimizer" in text
     assert "step time >= 15 s set by nvme" in text
+    assert "does not exist" not in text
+
+
+def test_cli_says_when_nvme_path_does_not_exist(tmp_path, capsys):
+    missing = tmp_path / "no" / "such"
+    rc = cli.main(["plan", "--params", "1e9", "--gpu-mem", "1GB", "--cpu-mem", "9GB", "--nvme", "1TB",
+                   "--reserve", "0", "--out", str(tmp_path / "ds.json"), "--nvme-path", str(missing)])
+    assert rc == 0
+    assert f"nvme_path {missing} (--nvme-path) does not exist" in capsys.readouterr().out
+    assert parse_config(str(tmp_path / "ds.json")).zero_optimization.offload_param.nvme_path == str(missing)
 
 
 def test_cli_nothing_fits_writes_nothing(tmp_path, capsys):

@@ -496,6 +496,9 @@ def main(args: argparse.Namespace) -> int:
               "start-up a model whose root and largest unit together need more)")
     for note in notes:
         print(note)
+    if "nvme" in (pl.offload_param, pl.offload_optimizer) and not os.path.isdir(args.nvme_path):
+        print(f"note: nvme_path {args.nvme_path} (--nvme-path) does not exist on this machine; the engine creates "
+              "it, so point it at a fast local disk with room, or give --nvme-path DIR")
     bounds = step_time_bounds(plan.chosen, adam_params_per_s=adam, nvme_read_gbps=rd, nvme_write_gbps=wr,
                               precision=precision, optimizer=args.optimizer)
     for what, (secs, formula) in bounds.items():
