@@ -408,7 +408,8 @@ class ZeroEngine:
         alias = dtype == torch.float32 and off.device != "nvme" and zc.stage != 3
         for i in range(len(specs)):
             target = self.params.param_target(i) if alias else None
-            if target is not None and (target.device.type != "cpu" or not target.is_contiguous()):
+            if target is not None and (target.device.type != "cpu" or not target.is_contiguous()
+                                       or target.dtype != torch.float32):  # a bf16/fp16 model: own fp32 master
                 target = None
             values = None if master_io is not None else self.params.master_init(i, fp32_copies)  # None: the partition
             self.sub_optimizer.init_master(i, values, storage=target)
