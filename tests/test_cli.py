@@ -5,6 +5,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from zeroinf import cli
 
@@ -42,3 +43,34 @@ def test_import_from_the_folder_that_holds_a_clone(tmp_path):
     found = Path(r.stdout.strip())
     assert found.name == "__init__.py" and found.parent.name == "zeroinf"
     assert found.parent != tmp_path / "zeroinf"
+
+
+_SAVE = """
+import torch, zeroinf
+from torch import nn
+torch.manual_seed(0)
+m = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 2))
+cfg = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+       "zero_optimization": {"stage": 3}}
+engine, _, _, _ = zeroinf.initialize(model=m, config=cfg)
+loss = engine(torch.randn(2, 8)).pow(2).mean()
+engine.backward(loss)
+engine.step()
+engine.save_checkpoint("ckpt", tag="step100")
+with zeroinf.gathered_parameters(engine.module.parameters()):
+    torch.save({k: v.detach().clone() for k, v in engine.module.state_dict().items()}, "expected.pt")
+"""
+
+
+def test_readme_consolidate_runs_in_a_fresh_process(tmp_path):
+    """The README's consolidate line, ``zeroinf.checkpoint.consolidate(...)`` after a bare
+    ``import zeroinf``, in a process of its own, gives the trained weights."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
+    for code in (_SAVE, 'import zeroinf\nzeroinf.checkpoint.consolidate("ckpt", "step100", "model_fp32.pt")\n'):
+        r = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True)
+        assert r.returncode == 0, r.stderr
+    got = torch.load(tmp_path / "model_fp32.pt")
+    want = torch.load(tmp_path / "expected.pt")
+    assert sorted(got) == sorted(want)
+    for k in want:
+        torch.testing.assert_close(got[k], want[k].float(), rtol=0, atol=0)

@@ -16,10 +16,18 @@ def initialize(*args, **kwargs):
     return _initialize(*args, **kwargs)
 
 
+#: subpackages and modules reachable as attributes of ``zeroinf`` without their own import
+#: (``zeroinf.checkpoint.consolidate(...)`` in a fresh process), imported on first access
+_SUBMODULES = ("checkpoint", "config", "io", "ops", "optim", "runtime")
+
+
 def __getattr__(name):
-    """Lazy stage-3 exports: ``zeroinf.gathered_parameters`` and ``zeroinf.Init``
-    (see :mod:`zeroinf.runtime.stage3`)."""
+    """Lazy exports: the stage-3 names ``zeroinf.gathered_parameters`` and ``zeroinf.Init``
+    (see :mod:`zeroinf.runtime.stage3`), and the submodules of :data:`_SUBMODULES`."""
     if name in ("gathered_parameters", "Init"):
         from zeroinf.runtime import stage3
         return getattr(stage3, name)
+    if name in _SUBMODULES:
+        import importlib
+        return importlib.import_module(f"zeroinf.{name}")
     raise AttributeError(f"module 'zeroinf' has no attribute {name!r}")
