@@ -548,7 +548,7 @@ def test_a_plot_that_cannot_be_written_is_named(tmp_path, monkeypatch):
     def full(path, write):
         raise OSError(errno.ENOSPC, "No space left on device")
     monkeypatch.setattr(train_mod, "write_then_rename", full)
-    records = [{"step": 1, "loss": 2.0, "tokens_per_s": 1.0, "device_bytes": 0, "pinned_cpu_bytes": 0, "nvme_bytes": 0,
+    records = [{"step": 1, "loss": 2.0, "lr": 1e-3, "step_s": 1.0, "tokens_per_s": 1.0, "device_bytes": 0, "pinned_cpu_bytes": 0, "nvme_bytes": 0,
                 "rss_bytes": 0}]
     with pytest.raises(train_mod.TrainError, match=r"--out: writing .*loss\.png failed \(No space left on device\)"):
         train_mod._Run._plot(records, tmp_path, title="t")

@@ -988,7 +988,9 @@ class _Run:
             "compute_s": mean("compute_s"), "io_wait_s": mean("io_wait_s"), "optimizer_s": mean("optimizer_s"),
             "loss_window": k, "loss_first": loss_first, "loss_last": loss_last,
             "peak_rss_bytes": peak_rss,
-            "peak_device_bytes": max(r["device_bytes"] for r in records),
+            # the accelerator's high-water mark (activations and buffers included); None on a CPU run
+            "peak_device_bytes": _device_peak_bytes(),
+            "params_grads_on_device_bytes": max(r["device_bytes"] for r in records),
             "peak_pinned_cpu_bytes": max(r["pinned_cpu_bytes"] for r in records),
             "peak_nvme_bytes": max(r["nvme_bytes"] for r in records),
         }
@@ -1000,10 +1002,11 @@ class _Run:
             f"{loss_label(k, len(records)):<26}{loss_first:.4f} -> {loss_last:.4f}",
             f"{'step time (median)':<26}{med:.3f} s   {s['tokens_per_s']:.0f} tokens/s",
             f"{'  compute / io wait / opt':<26}{s['compute_s']:.3f} / {s['io_wait_s']:.3f} / {s['optimizer_s']:.3f} s (mean)",
-            # device: the model's parameters and gradients there after a step, not activations or
-            # optimizer state ("peak memory ... device" read as the device's peak: helper-46 t12)
-            f"{'peak memory (MiB)':<26}params+grads on device {s['peak_device_bytes'] / mib:.1f}  pinned CPU "
-            f"{s['peak_pinned_cpu_bytes'] / mib:.1f}  NVMe {s['peak_nvme_bytes'] / mib:.1f}  RSS {peak_rss / mib:.1f}",
+            # true peaks: the process's resident high-water mark (getrusage) and, on an accelerator, its
+            # allocator's; pinned buffers and swap files are held for the run, so their largest sample is theirs
+            f"{'peak memory (MiB)':<26}RSS {peak_rss / mib:.1f}  "
+            + ("device: none (CPU run)" if s["peak_device_bytes"] is None else f"device {s['peak_device_bytes'] / mib:.1f}")
+            + f"  pinned CPU {s['peak_pinned_cpu_bytes'] / mib:.1f}  NVMe files {s['peak_nvme_bytes'] / mib:.1f}",
             f"{'written':<26}{out / 'log.jsonl'}" + ("" if a.no_plot else f", {out / 'loss.png'}")
             + f", {out / 'summary.json'}" + (f", {self.trace_files}" if a.trace and self.trace_files else ""),
         ]
@@ -1013,31 +1016,10 @@ class _Run:
 
     @staticmethod
     def _plot(records: List[dict], out: Path, title: str, reference: Optional[List[float]] = None) -> None:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-        steps = [r["step"] for r in records]
-        fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
-        ax1.plot(steps, [r["loss"] for r in records], label="this run")
-        if reference is not None:
-            ax1.plot(steps[:len(reference)], reference, "--", label="no offload (PyTorch)")
-        ax1.set_xlabel("step")
-        ax1.set_ylabel("loss")
-        ax1.set_title(title, fontsize=9)
-        ax1.legend()
-        for key, label in (("device_bytes", "device"), ("pinned_cpu_bytes", "pinned CPU"),
-                           ("nvme_bytes", "NVMe"), ("rss_bytes", "process RSS")):
-            ax2.plot(steps, [r[key] / 2 ** 20 for r in records], label=label)
-        ax2.set_yscale("symlog", linthresh=1.0)
-        ax2.set_xlabel("step")
-        ax2.set_ylabel("MiB (log scale above 1)")
-        ax2.set_title("memory per tier", fontsize=9)
-        ax2.legend()
-        fig.tight_layout()
-        try:  # through a rename, naming the file (a full disk: exit 1, no name: tester-45 F7)
-            _write_out(out / "loss.png", lambda tmp: fig.savefig(tmp, dpi=90, format="png"))
-        finally:
-            plt.close(fig)
+        from .train_plot import draw
+        # through a rename, naming the file on failure (a full disk: exit 1 with the path)
+        draw(records, lambda fig: _write_out(out / "loss.png", lambda tmp: fig.savefig(tmp, dpi=90, format="png")),
+             title, reference)
 
     # ---- --compare ------------------------------------------------------------------------
     def _compare(self, a, cfg, mcfg, batches, grad_accum, out: Path) -> int:
@@ -1095,6 +1077,14 @@ class _Run:
         if not a.no_plot:
             self._plot(records, out, title="this run vs no offload", reference=ref)
         return 0 if ok else EXIT_MISMATCH
+
+
+def _device_peak_bytes() -> Optional[int]:
+    """Bytes at the accelerator allocator's high-water mark in this process (``torch.cuda.
+    max_memory_allocated``), or None when no CUDA device was used (a CPU run has no device tier)."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        return int(torch.cuda.max_memory_allocated())
+    return None
 
 
 def _engine_stats(engine) -> dict:
