@@ -214,10 +214,26 @@ def test_init_from_safetensors_reproduces_the_seeded_model(main_run, tmp_path):
            tmp_path)
     got, want = _log(tmp_path / "o"), _log(main_run[0] / "out")[:2]
     np.testing.assert_allclose([r["loss"] for r in got], [r["loss"] for r in want], rtol=0, atol=1e-6)
+    assert json.loads((tmp_path / "o" / "summary.json").read_text())["model"] == "w.safetensors (llama)"
     wrong = {k: v for k, v in model.state_dict().items() if not k.endswith("norm.weight")}
     save_file({k: v.contiguous() for k, v in wrong.items()}, str(tmp_path / "partial.safetensors"))
     proc = _train(["--init", "partial.safetensors", "--steps", "1", "--out", "p"], tmp_path, check=False)
     assert proc.returncode == 2 and "partial.safetensors" in proc.stderr and "missing keys" in proc.stderr
+
+
+def test_the_model_is_named_after_its_init_folder(tmp_path):
+    """An --init Hugging Face folder names the run's model (its own architecture), not the default
+    --model/--size it overrides."""
+    import transformers
+
+    from zeroinf.models import build_config
+    from zeroinf.train import model_name
+    transformers.GPT2Config(n_layer=1, n_head=2, n_embd=8, vocab_size=256).save_pretrained(tmp_path / "gpt")
+    mcfg = build_config("llama", "tiny", 256, 64, str(tmp_path / "gpt"))
+    assert mcfg.model_type == "gpt2"
+    assert model_name("llama", "tiny", str(tmp_path / "gpt") + "/", mcfg) == "gpt (gpt2)"
+    assert model_name("llama", "tiny", None, build_config("llama", "tiny")) == "llama tiny"
+    assert model_name("/a/cfg.json", "tiny", None, mcfg) == "cfg.json (gpt2)"
 
 
 @pytest.mark.parametrize("n,k", [(1, 1), (2, 1), (5, 2), (9, 4), (10, 5), (40, 5)])

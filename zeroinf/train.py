@@ -718,6 +718,7 @@ class _Run:
         ended = False  # every rank got through without an exception: the closing barrier is safe
         try:
             mcfg = build_config(a.model, a.size, tokenizer.vocab_size, a.seq_len, a.init)
+            self.model_name = model_name(a.model, a.size, a.init, mcfg)
             model, shapes = self._build_model(a, mcfg, cfg)
             n_params = self.n_params = sum(shapes[p].numel() if p in shapes else p.numel()
                                            for p in {id(p): p for p in model.parameters()}.values())
@@ -732,8 +733,7 @@ class _Run:
                                      "belong to one run")
             dtype = self.zcfg.precision
             if rank0:
-                print(f"zeroinf train: {a.model} {a.size if a.model in ('llama', 'gpt2') else ''} "
-                      f"{n_params / 1e6:.2f}M params, {dtype}, {self.config_source}, "
+                print(f"zeroinf train: {self.model_name} {n_params / 1e6:.2f}M params, {dtype}, {self.config_source}, "
                       f"{self.dist.world_size} rank(s) x micro-batch {micro_batch} x accum {grad_accum} x "
                       f"seq {a.seq_len}, {_count(tokens.numel())} tokens of "
                       f"{a.data or 'Python standard library'}; out {out}" + _swap_where(self.zcfg, self.dist.world_size, self.tmp_nvme is not None),
@@ -742,7 +742,7 @@ class _Run:
             code = 0
             if rank0:
                 if not a.no_plot:  # before the summary, which names loss.png as written
-                    self._plot(records, out, title=f"{a.model} {n_params / 1e6:.1f}M, {self.config_source}")
+                    self._plot(records, out, title=f"{self.model_name} {n_params / 1e6:.1f}M, {self.config_source}")
                 summary = self._summary(a, records, n_params, dtype, out)
                 print(summary, flush=True)
             diverged = next((r for r in records if not math.isfinite(r["loss"])), None)
@@ -982,7 +982,7 @@ class _Run:
         # the kernel's high-water mark can lag a sample taken after it (it was below a step's rss_bytes: helper-46)
         peak_rss = max(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, max(r["rss_bytes"] for r in records))
         s = {
-            "params": n_params, "dtype": dtype, "config": self.config_source, "ranks": self.dist.world_size,
+            "model": self.model_name, "params": n_params, "dtype": dtype, "config": self.config_source, "ranks": self.dist.world_size,
             "steps": len(records), "tokens_per_step": records[-1]["tokens"],
             "median_step_s": med, "tokens_per_s": records[-1]["tokens"] / med,
             "compute_s": mean("compute_s"), "io_wait_s": mean("io_wait_s"), "optimizer_s": mean("optimizer_s"),
@@ -997,6 +997,7 @@ class _Run:
         _write_out(out / "summary.json", json.dumps(s, indent=1) + "\n")
         mib = 2 ** 20
         lines = [
+            f"{'model':<26}{self.model_name}",
             f"{'params':<26}{n_params:,} ({dtype}, {self.config_source}, {self.dist.world_size} rank(s))",
             f"{'steps':<26}{len(records)} x {records[-1]['tokens']} tokens",
             f"{loss_label(k, len(records)):<26}{loss_first:.4f} -> {loss_last:.4f}",
@@ -1077,6 +1078,18 @@ class _Run:
         if not a.no_plot:
             self._plot(records, out, title="this run vs no offload", reference=ref)
         return 0 if ok else EXIT_MISMATCH
+
+
+def model_name(model: str, size: str, init: Optional[str], mcfg) -> str:
+    """How the log and summary name the model: the ``--init`` file or folder (its base name) when
+    weights come from one, else the ``--model`` config file, else the preset (``llama tiny``); with the architecture
+    (``model_type`` of ``mcfg``, a transformers config) where the name alone does not give it."""
+    kind = getattr(mcfg, "model_type", None) or model
+    if init is not None:
+        return f"{os.path.basename(os.path.normpath(init))} ({kind})"
+    if model not in ("llama", "gpt2"):
+        return f"{os.path.basename(model)} ({kind})"
+    return f"{model} {size}"
 
 
 def _device_peak_bytes() -> Optional[int]:
