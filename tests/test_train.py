@@ -601,3 +601,23 @@ def test_a_full_out_disk_leaves_no_empty_summary(tmp_path, monkeypatch):
         _write_out(target, "new\n")
     monkeypatch.undo()
     assert target.read_text() == "old\n" and sorted(p.name for p in tmp_path.iterdir()) == ["summary.json"]
+
+
+def test_ctrl_c_during_compare_ends_with_one_line(tmp_path):
+    """SIGINT while --compare replays the run: one line on stderr, exit 130, no traceback; the
+    run's own outputs stay complete."""
+    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+    proc = subprocess.Popen([sys.executable, "-m", "zeroinf", "train", "--offload", "cpu", "--steps", "60", *TINY,
+                             "--compare", "--no-plot", "--out", "o"], cwd=tmp_path, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    summary = tmp_path / "o" / "summary.json"
+    deadline = time.time() + 180
+    while not summary.exists() and proc.poll() is None:
+        assert time.time() < deadline, "the run did not finish its own steps in time"
+        time.sleep(0.01)
+    time.sleep(0.3)  # into the replay (about 60 x 20-70 ms)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, (proc.returncode, err[-2000:])
+    assert "Traceback" not in err and "--compare interrupted after replaying" in err
+    assert len(_log(tmp_path / "o")) == 60 and json.loads(summary.read_text())["steps"] == 60

@@ -1046,19 +1046,30 @@ class _Run:
         world = self.dist.world_size
         ref_batches = Batches(batches.tokens, batches.seq_len, batches.micro_batch, batches.seed)
         engine = PlainEngine(build_model(mcfg, a.seed, a.init), data_parallel=False, **self._reference_params(self.zcfg))
+        from tqdm import tqdm
         ref = []
         t0 = time.perf_counter()
-        for r in records:
-            step = r["step"]
-            engine.set_lr(r["lr"])
-            losses = []
-            for micro in range(grad_accum):
-                x = ref_batches.get(step, micro, world_size=world, rows=slice(None))
-                loss = engine(input_ids=x, labels=x).loss
-                engine.backward(loss)
-                engine.step()
-                losses.append(float(loss.detach().float()))
-            ref.append(sum(losses) / len(losses))
+        bar = tqdm(records, desc="--compare: replaying without offload", unit="step", dynamic_ncols=True,
+                   file=sys.stderr)
+        try:
+            for r in bar:
+                step = r["step"]
+                engine.set_lr(r["lr"])
+                losses = []
+                for micro in range(grad_accum):
+                    x = ref_batches.get(step, micro, world_size=world, rows=slice(None))
+                    loss = engine(input_ids=x, labels=x).loss
+                    engine.backward(loss)
+                    engine.step()
+                    losses.append(float(loss.detach().float()))
+                ref.append(sum(losses) / len(losses))
+        except KeyboardInterrupt:
+            bar.close()
+            print(f"zeroinf train: --compare interrupted after replaying {len(ref)} of {len(records)} steps; "
+                  f"the run's own outputs in {out} are complete", file=sys.stderr, flush=True)
+            return EXIT_INTERRUPTED
+        finally:
+            bar.close()
         ref_s = (time.perf_counter() - t0) / max(1, len(records))
         diffs = [abs(r["loss"] - x) for r, x in zip(records, ref)]
         worst = max(range(len(diffs)), key=diffs.__getitem__)
