@@ -125,7 +125,11 @@ def _same_losses(out, reference):
 def test_sigkill_after_a_checkpoint_resumes_the_uninterrupted_losses(reference, tmp_path):
     """Killed after step 7 (checkpoints after steps 2, 4, 6; the newest 2 kept): the resumed run
     starts after step 6, runs step 7 again and ends with the uninterrupted run's losses."""
-    _kill(_hang_at("log:7", [*TINY, "--save-every", "2", "--keep-checkpoints", "2", "--out", "cut"], tmp_path))
+    proc = _hang_at("log:7", [*TINY, "--save-every", "2", "--keep-checkpoints", "2", "--out", "cut"], tmp_path)
+    # a --resume of the run still going would clear its unfinished save: refused
+    busy = _train(["--resume", "cut"], tmp_path, check=False)
+    assert busy.returncode == 2 and "another zeroinf train is running there" in busy.stderr, busy.stderr
+    _kill(proc)
     assert len(_log(tmp_path / "cut")) == 7
     assert _entries(tmp_path / "cut") == ["latest", "step4", "step6"]
     assert (tmp_path / "cut" / "checkpoint" / "latest").read_text() == "step6"

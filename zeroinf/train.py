@@ -45,8 +45,8 @@ import torch
 
 from zeroinf.checkpoint import save_atomically, write_latest
 from zeroinf.io.atomic import write_text_then_rename, write_then_rename
-from zeroinf.train_checkpoints import (CheckpointDir, RunState, SaveClock, parse_save_every, read_run_state,
-                                       save_every_arg, write_run_json)
+from zeroinf.train_checkpoints import (CheckpointDir, RunState, SaveClock, lock_out, parse_save_every,
+                                       read_run_state, save_every_arg, write_run_json)
 
 __all__ = ["add_arguments", "main", "TrainError", "LOG_FIELDS", "COMPARE_ATOL", "PlainEngine", "loss_windows", "loss_label"]
 
@@ -175,7 +175,7 @@ def main(args: argparse.Namespace) -> int:
     try:
         return run.run()
     except KeyboardInterrupt:  # outside the training loop's handler, or a second Ctrl-C
-        print(f"\nzeroinf train: interrupted{run.resume_hint()}", file=sys.stderr, flush=True)
+        print(f"zeroinf train: interrupted{run.resume_hint()}", file=sys.stderr, flush=True)
         return EXIT_INTERRUPTED
     except (ConfigError, DataError, ModelError, TrainError) as exc:
         print(f"zeroinf train: error: {_one_line(exc)}", file=sys.stderr)
@@ -741,12 +741,20 @@ class _Run:
         device = f"cuda:{self.dist.local_rank}" if torch.cuda.is_available() else "cpu"
         self._check_batch_fits_memory(a, cfg, tokenizer.vocab_size, device)
         made = []  # the folders of --out this run creates, outermost first: removed if left empty by a failure
+        out_lock = None  # rank 0's flock on --out, held until the run ends
         if rank0:
             made = [d for d in reversed((out, *out.parents)) if not d.exists()]
             try:
                 out.mkdir(parents=True, exist_ok=True)
             except OSError as exc:  # a traceback after the model was built (helper-46 t10)
                 raise TrainError(f"--out {out}: cannot be created ({exc.strerror or exc})") from exc
+            try:
+                out_lock = lock_out(out)
+            except BlockingIOError as exc:
+                raise TrainError(f"--out {out}: another zeroinf train is running there; let it end (Ctrl-C saves "
+                                 "it) before a --resume or a new run there") from exc
+            except OSError as exc:
+                raise TrainError(f"--out {out}: cannot be opened ({exc.strerror or exc})") from exc
         engine = None
         ended = False  # every rank got through without an exception: the closing barrier is safe
         try:
@@ -819,6 +827,8 @@ class _Run:
             if self.dist.initialized_here:
                 from zeroinf.runtime.engine import destroy_process_group
                 destroy_process_group(barrier=ended)
+            if out_lock is not None:
+                os.close(out_lock)
 
     def _check_batch_fits_corpus(self, a, cfg: dict, n_tokens: int) -> None:
         """Refuse a micro-batch whose rows over all ranks outnumber the corpus's distinct

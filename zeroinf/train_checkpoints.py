@@ -33,7 +33,7 @@ from typing import Callable, List, Optional, Tuple
 from zeroinf.io.atomic import write_then_rename
 
 __all__ = ["SaveEvery", "SaveClock", "CheckpointDir", "RunState", "parse_save_every", "write_run_json",
-           "read_run_state", "AUTO_SAVE_SHARE"]
+           "read_run_state", "lock_out", "AUTO_SAVE_SHARE"]
 
 #: ``--save-every auto`` keeps the wall time spent saving at or below this share of the run
 AUTO_SAVE_SHARE = 0.05
@@ -267,3 +267,25 @@ def read_run_state(saved: dict) -> RunState:
     if "interrupted" in saved:
         return RunState.INTERRUPTED if saved["interrupted"] else RunState.COMPLETED
     return RunState.RUNNING
+
+
+def lock_out(out: Path) -> int:
+    """flock() the folder ``out`` for the run's lifetime, so that a second run (a ``--resume``
+    of a run still going) cannot clear or overwrite its checkpoints; the kernel drops the lock
+    when the process dies, however it dies. Returns the descriptor to close at the end (where
+    the file system has no flock, unlocked).
+
+    Raises:
+        BlockingIOError: a live process holds ``out``'s lock.
+        OSError: ``out`` cannot be opened.
+    """
+    import fcntl
+    fd = os.open(out, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise
+    except OSError:
+        pass  # no flock on this file system
+    return fd
