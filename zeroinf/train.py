@@ -907,15 +907,12 @@ class _Run:
                 records = [json.loads(line) for line in log_path.read_text().splitlines() if line.strip()]
                 records = [r for r in records if r["step"] < self.start_step]
             _write_out(log_path, "".join(json.dumps(r) + "\n" for r in records))
-            try:
-                write_run_json(out, saved_args, RunState.RUNNING, self.start_step - 1)
-            except OSError as exc:
-                raise TrainError(f"--out: writing {out / 'run.json'} failed ({exc.strerror or exc})") from exc
+            self._write_run_json(out, saved_args, RunState.RUNNING, self.start_step - 1)
             log = open(log_path, "a")
         clock = SaveClock(parse_save_every(a.save_every), self.start_step)
         self.keep_checkpoints = a.keep_checkpoints
         self.completed = self.start_step - 1
-        saved_step = self.start_step - 1 if self.resume_from is not None else None
+        saved_step = None  # the step of this run's newest checkpoint
         tokens_per_step = batches.micro_batch * batches.seq_len * grad_accum * self.dist.world_size
         trace_step = min(self.start_step + 1, a.steps) if a.trace else None
         bar = tqdm(total=a.steps, initial=self.start_step - 1, disable=not rank0, unit="step",
@@ -962,12 +959,18 @@ class _Run:
             ckpts.drop_all()
         self.dist.barrier()
         if rank0:
-            try:
-                write_run_json(out, saved_args, RunState.INTERRUPTED if interrupted else RunState.COMPLETED,
-                               self.completed)
-            except OSError as exc:
-                raise TrainError(f"--out: writing {out / 'run.json'} failed ({exc.strerror or exc})") from exc
+            self._write_run_json(out, saved_args, RunState.INTERRUPTED if interrupted else RunState.COMPLETED,
+                                 self.completed)
         return records, interrupted
+
+    @staticmethod
+    def _write_run_json(out: Path, args: dict, state: RunState, completed: int) -> None:
+        """:func:`write_run_json`; raises TrainError naming the file when the write fails."""
+        try:
+            write_run_json(out, args, state, completed)
+        except OSError as exc:
+            raise TrainError(f"--out: writing {out / 'run.json'} failed ({exc.strerror or exc}); free space there "
+                             "or give --out on another disk") from exc
 
     def _save(self, ckpts: CheckpointDir, engine, step: int, log) -> float:
         """Checkpoint after ``step`` (every rank); returns the seconds it took.
