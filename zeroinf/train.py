@@ -742,6 +742,7 @@ class _Run:
         self._check_batch_fits_memory(a, cfg, tokenizer.vocab_size, device)
         made = []  # the folders of --out this run creates, outermost first: removed if left empty by a failure
         out_lock = None  # rank 0's flock on --out, held until the run ends
+        busy = False  # a live run holds --out
         if rank0:
             made = [d for d in reversed((out, *out.parents)) if not d.exists()]
             try:
@@ -750,11 +751,13 @@ class _Run:
                 raise TrainError(f"--out {out}: cannot be created ({exc.strerror or exc})") from exc
             try:
                 out_lock = lock_out(out)
-            except BlockingIOError as exc:
-                raise TrainError(f"--out {out}: another zeroinf train is running there; let it end (Ctrl-C saves "
-                                 "it) before a --resume or a new run there") from exc
+            except BlockingIOError:
+                busy = True
             except OSError as exc:
                 raise TrainError(f"--out {out}: cannot be opened ({exc.strerror or exc})") from exc
+        if self.dist.all_max(1.0 if busy else 0.0) > 0:  # every rank stops before it clears anything there
+            raise TrainError(f"--out {out}: another zeroinf train is running there; let it end (Ctrl-C saves it) "
+                             "before a --resume or a new run there")
         engine = None
         ended = False  # every rank got through without an exception: the closing barrier is safe
         try:

@@ -119,7 +119,7 @@ def _fsync_path(path: str, directory: bool = False) -> None:
 def fsync_tree(folder: str) -> None:
     """fsync() every regular file under ``folder``, every folder in it, ``folder`` itself and its
     parent (which holds its name). Raises OSError naming the path that failed."""
-    for here, dirs, files in os.walk(folder):
+    for here, _dirs, files in os.walk(folder):
         for name in files:
             p = os.path.join(here, name)
             if os.path.isfile(p) and not os.path.islink(p):
