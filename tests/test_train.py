@@ -163,12 +163,13 @@ def test_interrupt_and_resume_reproduce_the_trajectory(main_run, tmp_path):
     # --steps at or below the steps done ran nothing and dropped the resume point (helper-42 f03)
     bad = _train(["--resume", "cut", "--steps", str(stopped)], tmp_path, check=False)
     assert bad.returncode == 2 and f"has completed {stopped} steps already" in bad.stderr, bad.stderr
-    run_json = tmp_path / "cut" / "run.json"
-    run = json.loads(run_json.read_text())
-    run_json.write_text(json.dumps({**run, "completed_steps": stopped + 1}))  # run.json and checkpoint disagree
+    ckpt = tmp_path / "cut" / "checkpoint"
+    (ckpt / f"step{stopped}").rename(ckpt / f"step{stopped + 1}")   # the tag and the checkpoint disagree
+    (ckpt / "latest").write_text(f"step{stopped + 1}")
     bad = _train(["--resume", "cut"], tmp_path, check=False)
-    assert bad.returncode == 2 and f"holds step {stopped}, but run.json says {stopped + 1}" in bad.stderr, bad.stderr
-    run_json.write_text(json.dumps(run))
+    assert bad.returncode == 2 and f"checkpoint/step{stopped + 1} holds step {stopped}" in bad.stderr, bad.stderr
+    (ckpt / f"step{stopped + 1}").rename(ckpt / f"step{stopped}")
+    (ckpt / "latest").write_text(f"step{stopped}")
     _train(["--resume", "cut"], tmp_path)
     full, cut = _log(main_run[0] / "out"), _log(tmp_path / "cut")
     assert [r["step"] for r in cut] == list(range(1, 21))
@@ -177,7 +178,7 @@ def test_interrupt_and_resume_reproduce_the_trajectory(main_run, tmp_path):
     # --steps 30 took it up and numbered its steps 21.. from run.json, 10 steps of training lost
     # silently (helper-40 f06); it is refused now
     more = _train(["--resume", "cut", "--steps", "30"], tmp_path, check=False)
-    assert more.returncode == 2 and "no checkpoint/latest there" in more.stderr, more.stderr
+    assert more.returncode == 2 and "the run completed its 20 steps" in more.stderr, more.stderr
 
 
 def test_batches_are_deterministic_and_split_over_ranks():
@@ -266,7 +267,7 @@ def test_resume_from_another_directory_reads_the_files_the_run_read(tmp_path, mo
     a = _resolved(["--data", "data/d.txt", "--out", "run"], tmp_path / "a", monkeypatch)
     assert a.data == str(tmp_path / "a" / "data" / "d.txt") and a.out == str(tmp_path / "a" / "run")
     run = tmp_path / "a" / "run"
-    (run / "checkpoint").mkdir(parents=True)
+    (run / "checkpoint" / "step3").mkdir(parents=True)
     (run / "checkpoint" / "latest").write_text("step3")
     (run / "run.json").write_text(json.dumps({"args": {k: v for k, v in vars(a).items() if k != "resume"},
                                               "completed_steps": 3}))

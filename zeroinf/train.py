@@ -9,8 +9,9 @@ shipped in ``zeroinf/presets``) or ``--config FILE.json``. The loop is the DeepS
 
 Outputs under ``--out`` (rank 0 writes them): ``log.jsonl`` (one record per optimizer step, fields in
 :data:`LOG_FIELDS`), ``loss.png`` (loss curve and memory per tier), ``summary.json`` /
-``summary.txt``, ``run.json`` (the run's arguments, for ``--resume``), ``checkpoint/`` (written on
-Ctrl-C / SIGTERM), ``trace.json`` (``--trace``).
+``summary.txt``, ``run.json`` (the run's arguments and state, for ``--resume``; written as the first
+step starts), ``checkpoint/`` (periodic checkpoints, ``--save-every``, and one on Ctrl-C / SIGTERM;
+removed when the run completes: :mod:`zeroinf.train_checkpoints`), ``trace.json`` (``--trace``).
 
 ``--compare`` trains the same steps again with plain PyTorch (``torch.optim.AdamW``, fp32 master
 weights when the run is bf16/fp16, same clipping, same learning rate per step, all ranks' rows in one
@@ -24,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import datetime
 import json
 import math
 import os
@@ -45,6 +45,8 @@ import torch
 
 from zeroinf.checkpoint import save_atomically, write_latest
 from zeroinf.io.atomic import write_text_then_rename, write_then_rename
+from zeroinf.train_checkpoints import (CheckpointDir, RunState, SaveClock, lock_out, parse_save_every,
+                                       read_run_state, save_every_arg, write_run_json)
 
 __all__ = ["add_arguments", "main", "TrainError", "LOG_FIELDS", "COMPARE_ATOL", "PlainEngine", "loss_windows", "loss_label"]
 
@@ -147,13 +149,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--trace", action="store_true", help="write the Perfetto trace of one step to OUT/trace.json")
     g.add_argument("--compare", action="store_true",
                    help="also train without offload (plain PyTorch) and check both loss curves agree")
-    g.add_argument("--resume", default=None, metavar="DIR", help="continue the run whose --out was DIR")
+    g.add_argument("--resume", default=None, metavar="DIR",
+                   help="continue the run whose --out was DIR from its newest complete checkpoint")
+    g.add_argument("--save-every", type=save_every_arg, default=None, metavar="N|Nm|Ns|auto",
+                   help="checkpoint to OUT/checkpoint every N steps, N minutes or seconds, or 0 for never (default "
+                        "auto: as often as keeps saving under 5%% of the run's time)")
+    g.add_argument("--keep-checkpoints", type=int, default=None, metavar="K",
+                   help="keep the newest K checkpoints (default 2)")
     g.add_argument("--no-plot", action="store_true", help="skip the PNG")
 
 
 #: options a --resume may change; everything else is taken from the interrupted run
-_RESUME_OVERRIDABLE = ("steps", "compare", "trace", "keep", "no_plot", "nvme_path")
-_DEFAULTS = dict(model="llama", size="tiny", steps=40, seq_len=128, seed=0, out="zeroinf-train", engine="zeroinf")
+_RESUME_OVERRIDABLE = ("steps", "compare", "trace", "keep", "no_plot", "nvme_path", "save_every", "keep_checkpoints")
+_DEFAULTS = dict(model="llama", size="tiny", steps=40, seq_len=128, seed=0, out="zeroinf-train", engine="zeroinf",
+                 save_every="auto", keep_checkpoints=2)
 
 
 def main(args: argparse.Namespace) -> int:
@@ -165,6 +174,9 @@ def main(args: argparse.Namespace) -> int:
     run = _Run(args)
     try:
         return run.run()
+    except KeyboardInterrupt:  # outside the training loop's handler, or a second Ctrl-C
+        print(f"zeroinf train: interrupted{run.resume_hint()}", file=sys.stderr, flush=True)
+        return EXIT_INTERRUPTED
     except (ConfigError, DataError, ModelError, TrainError) as exc:
         print(f"zeroinf train: error: {_one_line(exc)}", file=sys.stderr)
         return EXIT_BAD_INPUT
@@ -328,14 +340,15 @@ class PlainEngine:
     def stats(self) -> Dict[str, float]:
         return {}
 
-    def save_checkpoint(self, save_dir: str, tag: str) -> None:
+    def save_checkpoint(self, save_dir: str, tag: str, save_latest: bool = True) -> None:
         path = Path(save_dir) / tag
         path.mkdir(parents=True, exist_ok=True)
         state = {"module": self.module.state_dict(), "optimizer": self.optimizer.state_dict(),
                  "master": [m.detach() for m in self.master] if self.master is not self.params else [],
                  "global_steps": self.global_steps, "micro_steps": self.micro_steps}
         save_atomically(state, str(path / "plain_engine.pt"))
-        write_latest(str(save_dir), tag)
+        if save_latest:
+            write_latest(str(save_dir), tag)
 
     def load_checkpoint(self, load_dir: str, tag: Optional[str] = None) -> None:
         """Load ``load_dir/tag`` (``tag`` None: the one named in ``load_dir/latest``, as DeepSpeed)."""
@@ -497,6 +510,18 @@ class _Run:
         self.tmp_nvme: Optional[Path] = None
         self._tmp_lock: Optional[int] = None  # the fd whose flock marks tmp_nvme as in use
         self.trace_files = ""  # the --trace files written, for the summary
+        self.out: Optional[Path] = None  # --out, once resolved
+        self.resume_from: Optional[Tuple[str, int]] = None  # (tag, step) a --resume loads; None: from step 1
+
+    def resume_hint(self) -> str:
+        """``"; continue with: zeroinf train --resume OUT"`` when OUT holds a complete checkpoint, else ``""``."""
+        try:
+            found = self.out is not None and CheckpointDir(self.out / "checkpoint").newest_complete()
+        except (OSError, ValueError):
+            found = None
+        if not found:
+            return ""
+        return f" (checkpoint of step {found[1]} in {self.out / 'checkpoint'}); continue with: zeroinf train --resume {self.out}"
 
     def remove_tmp_nvme(self) -> None:
         """Remove the default private swap directory (not a user's --nvme-path), unless --keep."""
@@ -522,10 +547,18 @@ class _Run:
             run_json = Path(a.resume) / "run.json"
             if not run_json.is_file():
                 raise TrainError(f"--resume {a.resume}: no run.json there (is it the --out of an earlier run?)")
-            saved = json.loads(run_json.read_text())
-            if not (Path(a.resume) / "checkpoint" / "latest").exists():
-                raise TrainError(f"--resume {a.resume}: no checkpoint/latest there (the run was not interrupted, "
-                                 "or it completed after its last interruption)")
+            try:
+                saved = json.loads(run_json.read_text())
+                state = read_run_state(saved)
+            except (OSError, ValueError) as exc:  # json's JSONDecodeError is a ValueError
+                raise TrainError(f"--resume {a.resume}: {run_json} is unreadable ({_one_line(exc)})") from exc
+            try:
+                self.resume_from = CheckpointDir(Path(a.resume) / "checkpoint").newest_complete()
+            except (OSError, ValueError) as exc:
+                raise TrainError(f"--resume {a.resume}: {_one_line(exc)}") from exc
+            if state is RunState.COMPLETED:
+                raise TrainError(f"--resume {a.resume}: the run completed its {saved.get('completed_steps')} steps; "
+                                 "nothing to resume (its checkpoints were removed)")
             saved_args = _absolute_saved_args(a.resume, saved["args"])
             changed = [f"--{k.replace('_', '-')} {getattr(a, k)!r} (the run has "
                        f"{'its default' if v is None else repr(v)})" for k, v in saved_args.items()
@@ -541,7 +574,7 @@ class _Run:
                 if k not in _RESUME_OVERRIDABLE or getattr(a, k, None) is None:
                     setattr(a, k, v)
             a.out = os.path.abspath(a.resume)
-            self.start_step = int(saved["completed_steps"]) + 1
+            self.start_step = 1 if self.resume_from is None else self.resume_from[1] + 1
             if a.steps is not None and a.steps < self.start_step:
                 # it ran no step and dropped checkpoint/latest as a completed run does: the resume point was lost
                 raise TrainError(f"--resume {a.resume} --steps {a.steps}: the run has completed {self.start_step - 1} "
@@ -549,15 +582,15 @@ class _Run:
         for k, v in _DEFAULTS.items():
             if getattr(a, k) is None:
                 setattr(a, k, os.path.abspath(v) if k in _PATH_ARGS else v)
-        out = Path(a.out)
-        if not a.resume and (out / "checkpoint" / "latest").exists() and (out / "run.json").is_file():
+        out = self.out = Path(a.out)
+        if not a.resume and (out / "checkpoint" / "latest").exists():
             # a fresh run there kept the old run.json and checkpoint until it ended: killed before,
             # a --resume went on from the old checkpoint with the new run's log (helper-46 t09)
             raise TrainError(f"--out {out}: holds an interrupted run (its checkpoint); continue it with "
                              f"zeroinf train --resume {out}, or give another --out")
         if out.exists() and not out.is_dir():
             raise TrainError(f"--out {out}: exists and is not a folder")
-        for name in ("steps", "seq_len", "micro_batch", "grad_accum"):
+        for name in ("steps", "seq_len", "micro_batch", "grad_accum", "keep_checkpoints"):
             v = getattr(a, name)
             if v is not None and v < 1:
                 raise TrainError(f"--{name.replace('_', '-')} {v}: must be >= 1")
@@ -708,12 +741,23 @@ class _Run:
         device = f"cuda:{self.dist.local_rank}" if torch.cuda.is_available() else "cpu"
         self._check_batch_fits_memory(a, cfg, tokenizer.vocab_size, device)
         made = []  # the folders of --out this run creates, outermost first: removed if left empty by a failure
+        out_lock = None  # rank 0's flock on --out, held until the run ends
+        busy = False  # a live run holds --out
         if rank0:
             made = [d for d in reversed((out, *out.parents)) if not d.exists()]
             try:
                 out.mkdir(parents=True, exist_ok=True)
             except OSError as exc:  # a traceback after the model was built (helper-46 t10)
                 raise TrainError(f"--out {out}: cannot be created ({exc.strerror or exc})") from exc
+            try:
+                out_lock = lock_out(out)
+            except BlockingIOError:
+                busy = True
+            except OSError as exc:
+                raise TrainError(f"--out {out}: cannot be opened ({exc.strerror or exc})") from exc
+        if self.dist.all_max(1.0 if busy else 0.0) > 0:  # every rank stops before it clears anything there
+            raise TrainError(f"--out {out}: another zeroinf train is running there; let it end (Ctrl-C saves it) "
+                             "before a --resume or a new run there")
         engine = None
         ended = False  # every rank got through without an exception: the closing barrier is safe
         try:
@@ -725,26 +769,35 @@ class _Run:
             micro_batch, grad_accum = self.zcfg.train_micro_batch_size_per_gpu, self.zcfg.gradient_accumulation_steps
             batches = Batches(tokens, a.seq_len, micro_batch, a.seed)
             engine = self._make_engine(a, cfg, model, device)
-            if a.resume:
-                engine.load_checkpoint(str(out / "checkpoint"), None)
-                if engine.global_steps != self.start_step - 1:  # run.json and the checkpoint must tell one story
-                    raise TrainError(f"--resume {a.resume}: checkpoint/latest holds step {engine.global_steps}, but "
-                                     f"run.json says {self.start_step - 1} steps were completed; the two no longer "
-                                     "belong to one run")
+            ckpts = CheckpointDir(out / "checkpoint", self.dist.rank, self.dist.barrier)
+            # what a killed save left (and, in a fresh run, an earlier run's unfinished saves)
+            ckpts.clear_partial(None if self.resume_from is None else self.resume_from[1])
+            if self.resume_from is not None:
+                tag, step = self.resume_from
+                engine.load_checkpoint(str(out / "checkpoint"), tag)
+                if engine.global_steps != step:  # the tag and the checkpoint must tell one story
+                    raise TrainError(f"--resume {a.resume}: checkpoint/{tag} holds step {engine.global_steps}; "
+                                     "the checkpoint folders were renamed or mixed")
+            elif a.resume and rank0:
+                print(f"zeroinf train: --resume {a.resume}: the run saved no checkpoint before it stopped; "
+                      "starting over from step 1 with its settings", flush=True)
             dtype = self.zcfg.precision
             if rank0:
                 print(f"zeroinf train: {self.model_name} {n_params / 1e6:.2f}M params, {dtype}, {self.config_source}, "
                       f"{self.dist.world_size} rank(s) x micro-batch {micro_batch} x accum {grad_accum} x "
                       f"seq {a.seq_len}, {_count(tokens.numel())} tokens of "
-                      f"{a.data or 'Python standard library'}; out {out}" + _swap_where(self.zcfg, self.dist.world_size, self.tmp_nvme is not None),
+                      f"{a.data or 'Python standard library'}; out {out}"
+                      + (f"; resumed after step {self.start_step - 1}" if self.resume_from is not None else "")
+                      + _swap_where(self.zcfg, self.dist.world_size, self.tmp_nvme is not None),
                       flush=True)
-            records, interrupted = self._loop(a, engine, batches, grad_accum, device, out)
+            records, interrupted = self._loop(a, engine, batches, grad_accum, device, out, ckpts)
             code = 0
             if rank0:
                 if not a.no_plot:  # before the summary, which names loss.png as written
                     self._plot(records, out, title=f"{self.model_name} {n_params / 1e6:.1f}M, {self.config_source}")
                 summary = self._summary(a, records, n_params, dtype, out)
-                print(summary, flush=True)
+                if not interrupted:  # an interruption says one line (the summary is in summary.txt)
+                    print(summary, flush=True)
             diverged = next((r for r in records if not math.isfinite(r["loss"])), None)
             if diverged is not None and rank0:  # also before an interruption's checkpoint (helper-48 P4)
                 print(f"zeroinf train: error: the loss is {diverged['loss']} from step {diverged['step']} on: "
@@ -753,7 +806,8 @@ class _Run:
             if interrupted:
                 if rank0:
                     print(f"zeroinf train: interrupted after step {self.completed}; checkpoint in "
-                          f"{out / 'checkpoint'}; continue with: zeroinf train --resume {out}", flush=True)
+                          f"{out / 'checkpoint' / CheckpointDir.tag(self.completed)}; continue with: "
+                          f"zeroinf train --resume {out}", flush=True)
                 ended = True
                 return EXIT_INTERRUPTED
             if diverged is not None:  # reported as a success before (helper-46 t08)
@@ -776,6 +830,8 @@ class _Run:
             if self.dist.initialized_here:
                 from zeroinf.runtime.engine import destroy_process_group
                 destroy_process_group(barrier=ended)
+            if out_lock is not None:
+                os.close(out_lock)
 
     def _check_batch_fits_corpus(self, a, cfg: dict, n_tokens: int) -> None:
         """Refuse a micro-batch whose rows over all ranks outnumber the corpus's distinct
@@ -834,20 +890,32 @@ class _Run:
                          f"their gradient) take {mbs * per_row / 2**30:,.1f} GiB, but {where} {free / 2**30:,.1f} GiB free; "
                          f"{advice} (activations come on top)")
 
-    def _loop(self, a, engine, batches, grad_accum, device, out: Path):
+    def _loop(self, a, engine, batches, grad_accum, device, out: Path, ckpts: CheckpointDir):
+        """Steps ``start_step..a.steps``; returns ``(records of log.jsonl, interrupted)``.
+
+        The log keeps the records of the steps up to the checkpoint resumed from (those a killed
+        run logged after it are dropped: the steps run again), rewritten through a rename, then
+        appended to. ``run.json`` is written before the first step, so a run killed from then on
+        is resumable; a checkpoint follows the step after which ``--save-every`` finds one due
+        (the log record is synced first, so the log holds every step the checkpoint has).
+        """
         from tqdm import tqdm
         rank0 = self.dist.rank == 0
         records: List[dict] = []
         log_path = out / "log.jsonl"
-        if rank0 and a.resume:
-            records = [json.loads(line) for line in log_path.read_text().splitlines() if line.strip()]
-            records = [r for r in records if r["step"] < self.start_step]
-        log = open(log_path, "w") if rank0 else None
-        if log is not None:
-            for r in records:
-                log.write(json.dumps(r) + "\n")
-            log.flush()
+        saved_args = {k: v for k, v in vars(a).items() if k != "resume"}
+        log = None
+        if rank0:
+            if a.resume and log_path.is_file():
+                records = [json.loads(line) for line in log_path.read_text().splitlines() if line.strip()]
+                records = [r for r in records if r["step"] < self.start_step]
+            _write_out(log_path, "".join(json.dumps(r) + "\n" for r in records))
+            self._write_run_json(out, saved_args, RunState.RUNNING, self.start_step - 1)
+            log = open(log_path, "a")
+        clock = SaveClock(parse_save_every(a.save_every), self.start_step)
+        self.keep_checkpoints = a.keep_checkpoints
         self.completed = self.start_step - 1
+        saved_step = None  # the step of this run's newest checkpoint
         tokens_per_step = batches.micro_batch * batches.seq_len * grad_accum * self.dist.world_size
         trace_step = min(self.start_step + 1, a.steps) if a.trace else None
         bar = tqdm(total=a.steps, initial=self.start_step - 1, disable=not rank0, unit="step",
@@ -875,6 +943,10 @@ class _Run:
                     if self.dist.all_max(1.0 if stop.requested else 0.0) > 0 and step < a.steps:
                         interrupted = True
                         break
+                    # rank 0's clock decides for every rank
+                    if step < a.steps and self.dist.all_max(1.0 if rank0 and clock.due(step) else 0.0) > 0:
+                        clock.saved(step, self._save(ckpts, engine, step, log))
+                        saved_step = step
         finally:
             bar.close()
             if log is not None:
@@ -882,19 +954,41 @@ class _Run:
                     log.close()
                 except OSError:  # the write that failed left its bytes buffered: _append_record raised for it
                     pass
-        if interrupted:
-            engine.save_checkpoint(str(out / "checkpoint"), f"step{self.completed}")
-        elif rank0:
-            # completed: the interruption's checkpoint is not where the run stands any more (a later
-            # --resume --steps M took it up and numbered its steps from run.json: helper-40 f06)
-            (out / "checkpoint" / "latest").unlink(missing_ok=True)
+        if interrupted and saved_step != self.completed:
+            self._save(ckpts, engine, self.completed, None)
+        elif not interrupted and rank0:
+            # completed: the checkpoints are not where the run stands any more (a later --resume
+            # --steps M took one up and numbered its steps from run.json: helper-40 f06)
+            ckpts.drop_all()
         self.dist.barrier()
         if rank0:
-            run = {"args": {k: v for k, v in vars(a).items() if k != "resume"},
-                   "completed_steps": self.completed, "interrupted": interrupted,
-                   "time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
-            _write_out(out / "run.json", json.dumps(run, indent=1))
+            self._write_run_json(out, saved_args, RunState.INTERRUPTED if interrupted else RunState.COMPLETED,
+                                 self.completed)
         return records, interrupted
+
+    @staticmethod
+    def _write_run_json(out: Path, args: dict, state: RunState, completed: int) -> None:
+        """:func:`write_run_json`; raises TrainError naming the file when the write fails."""
+        try:
+            write_run_json(out, args, state, completed)
+        except OSError as exc:
+            raise TrainError(f"--out: writing {out / 'run.json'} failed ({exc.strerror or exc}); free space there "
+                             "or give --out on another disk") from exc
+
+    def _save(self, ckpts: CheckpointDir, engine, step: int, log) -> float:
+        """Checkpoint after ``step`` (every rank); returns the seconds it took.
+
+        Raises:
+            TrainError: a checkpoint file cannot be written or synced (the message names it; the
+                previous checkpoint stays the one ``--resume`` takes).
+        """
+        try:
+            if log is not None:
+                os.fsync(log.fileno())  # the log's records up to ``step`` outlive a crash as the checkpoint does
+            return ckpts.save(engine, step, self.keep_checkpoints)
+        except OSError as exc:
+            raise TrainError(f"--out: checkpoint of step {step} failed ({_one_line(exc)}); the previous "
+                             "checkpoint is still the one --resume takes; free space there or give --save-every 0") from exc
 
     @staticmethod
     def _write_trace(engine, prof, out: Path) -> List[Path]:
