@@ -156,9 +156,11 @@ def _existing(path: str) -> Path:
     return next(q for q in (p, *p.parents) if q.exists())
 
 
-def free_bytes(device, paths: List[str] = ()) -> Dict[str, int]:
-    """Free bytes now: ``"device"`` (CUDA only), ``"host"`` and ``"disk:<path>"`` per path, each
-    replaced by :data:`FREE_ENV`'s ``device=``, ``host=`` or ``disk=`` when set.
+def free_bytes(device, paths: List[str] = (), given: Optional[Mapping[str, int]] = None) -> Dict[str, int]:
+    """Free bytes now: ``"device"`` (CUDA only), ``"host"`` and ``"disk:<path>"`` per path.
+
+    ``given`` (``{"host": n, "device": n, "disk": n}``, any of them; default :data:`FREE_ENV`'s
+    ``host=8GB,...``) replaces the measured figures, ``"disk"`` for every path.
 
     Raises:
         ValueError: :data:`FREE_ENV` is malformed (names it).
@@ -166,20 +168,19 @@ def free_bytes(device, paths: List[str] = ()) -> Dict[str, int]:
     import psutil
     import torch
 
+    if given is None:
+        given = {}
+        for item in filter(None, (x.strip() for x in os.environ.get(FREE_ENV, "").split(","))):
+            key, _, value = item.partition("=")
+            if key not in ("host", "device", "disk") or not value:
+                raise ValueError(f"{FREE_ENV}: {item!r} is not host=SIZE, device=SIZE or disk=SIZE")
+            given[key] = parse_bytes(value)
     device = torch.device(device)
-    out = {"host": psutil.virtual_memory().available}
+    out = {"host": given["host"] if "host" in given else psutil.virtual_memory().available}
     if device.type == "cuda":
-        out["device"] = torch.cuda.mem_get_info(device)[0]
+        out["device"] = given["device"] if "device" in given else torch.cuda.mem_get_info(device)[0]
     for path in paths:
-        out[f"disk:{path}"] = shutil.disk_usage(_existing(path)).free
-    given = os.environ.get(FREE_ENV, "").strip()
-    for item in filter(None, (x.strip() for x in given.split(","))):
-        key, _, value = item.partition("=")
-        if key not in ("host", "device", "disk") or not value:
-            raise ValueError(f"{FREE_ENV}: {item!r} is not host=SIZE, device=SIZE or disk=SIZE")
-        for k in list(out):
-            if k == key or k.startswith(key + ":"):
-                out[k] = parse_bytes(value)
+        out[f"disk:{path}"] = given["disk"] if "disk" in given else shutil.disk_usage(_existing(path)).free
     return out
 
 
@@ -215,8 +216,9 @@ def assess(module, cfg, *, world_size: int = 1, rank: int = 0, gpus_per_node: Op
     """Figures of ``cfg`` (a parsed config, :func:`zeroinf.config.parse_config`) for ``module`` on
     ``device`` (``"cpu"`` or a CUDA device); no allocation. ``gpus_per_node``: ranks per node
     (default ``LOCAL_WORLD_SIZE``, else ``world_size``). ``freed``: bytes of ``zeroinf.Init``
-    swap files initialize removes, by folder. ``free``: free bytes as :func:`free_bytes` returns
-    them (default: measured now). The suggestion, when ``cfg`` does not fit, is
+    swap files initialize removes, by folder. ``free``: ``{"host": bytes, "device": bytes,
+    "disk": bytes}`` in place of measured figures (any of them; see :func:`free_bytes`). The
+    suggestion, when ``cfg`` does not fit, is
     :func:`zeroinf.plan.choose`'s first placement that fits the same free memory."""
     import torch
 
@@ -229,16 +231,15 @@ def assess(module, cfg, *, world_size: int = 1, rank: int = 0, gpus_per_node: Op
     zero = cfg.zero_optimization
     info = model_info_of(module, zero, world_size)
     placement = placement_from_config(cfg)
-    kwargs = dict(world_size=world_size, gpus_per_node=gpn, precision=cfg.precision, optimizer="adam",
-                  unit_sizes=info.unit_sizes)
+    common = dict(world_size=world_size, gpus_per_node=gpn, precision=cfg.precision, optimizer="adam")
     est = estimate(info.params, placement, live_params=info.live_params, live_params_formula=info.live_formula,
                    swap=swap_buffers_from_config(cfg), optimizer_pin_memory=zero.offload_optimizer.pin_memory,
-                   param_pin_memory=zero.offload_param.pin_memory, **kwargs)
+                   param_pin_memory=zero.offload_param.pin_memory, unit_sizes=info.unit_sizes, **common)
     disk = _disk_needs(est, zero, rank)
     # the suggestion's swap files go to the config's nvme_path, else under the working directory
     spare = zero.offload_param.nvme_path or zero.offload_optimizer.nvme_path or os.getcwd()
     paths = list(dict.fromkeys([*disk, spare]))
-    free = dict(free) if free is not None else free_bytes(device, paths)
+    free = free_bytes(device, paths, free)
     freed = freed or {}
 
     def keep(n: int) -> int:
@@ -256,6 +257,8 @@ def assess(module, cfg, *, world_size: int = 1, rank: int = 0, gpus_per_node: Op
                                min(held, est.per_device_bytes)))
         tiers.append(TierCheck("host", "host RAM", est.per_host_bytes, free["host"], keep(free["host"])))
     for path in paths:
+        if shutil.disk_usage(_existing(path)).total == 0:
+            continue  # procfs, sysfs: no disk; the engine's path check names the path it cannot write
         nbytes, folders = disk.get(path, (0, []))
         have = free[f"disk:{path}"] + sum(reusable_bytes(f) for f in folders)
         have += sum(n for f, n in freed.items() if Path(f).absolute().is_relative_to(Path(path).absolute()))
@@ -264,10 +267,10 @@ def assess(module, cfg, *, world_size: int = 1, rank: int = 0, gpus_per_node: Op
     if report.fits:
         return report
     host_free = keep(free["host"]) + (held if on_cpu else 0)
-    spare_free = next(t.free for t in tiers if t.tier == "disk" and t.where == str(Path(spare).absolute()))
+    spare_free = next((t.free for t in tiers if t.tier == "disk" and t.where == str(Path(spare).absolute())), 0)
     limits = Limits(gpu_mem=host_free if on_cpu else keep(free["device"]) + held, cpu_mem=host_free,
                     nvme=spare_free, reserve=0.0, device_is_host=on_cpu)
-    plan = choose(info, limits, **{k: v for k, v in kwargs.items() if k != "unit_sizes"})
+    plan = choose(info, limits, **common)
     if plan.chosen is None:
         return report
     block = make_config(plan.chosen.placement, precision=cfg.precision, nvme_path=str(Path(spare).absolute()),

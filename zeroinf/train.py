@@ -161,10 +161,14 @@ def main(args: argparse.Namespace) -> int:
     from zeroinf.config import ConfigError
     from zeroinf.data import DataError
     from zeroinf.io.errors import DiskFullError
+    from zeroinf.memcheck import InsufficientMemoryError
     from zeroinf.models import ModelError
     run = _Run(args)
     try:
         return run.run()
+    except InsufficientMemoryError as exc:  # a headline and one line per figure
+        print(f"zeroinf train: error: {exc}", file=sys.stderr)
+        return EXIT_BAD_INPUT
     except (ConfigError, DataError, ModelError, TrainError) as exc:
         print(f"zeroinf train: error: {_one_line(exc)}", file=sys.stderr)
         return EXIT_BAD_INPUT
@@ -718,6 +722,9 @@ class _Run:
         ended = False  # every rank got through without an exception: the closing barrier is safe
         try:
             mcfg = build_config(a.model, a.size, tokenizer.vocab_size, a.seq_len, a.init)
+            if a.engine == "zeroinf" and self.zcfg.zeroinf.check_memory:  # before the model is built
+                from zeroinf.memcheck import check_hf_config
+                check_hf_config(mcfg, self.zcfg, world_size=self.dist.world_size, rank=self.dist.rank, device=device)
             model, shapes = self._build_model(a, mcfg, cfg)
             n_params = self.n_params = sum(shapes[p].numel() if p in shapes else p.numel()
                                            for p in {id(p): p for p in model.parameters()}.values())
