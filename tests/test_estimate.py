@@ -158,14 +158,14 @@ def llama_closed_form(v, h, i, layers, heads, kv_heads, tied):
     return v * h + layers * per_layer + h + (0 if tied else v * h)
 
 
-# (tied, kv_heads, vocab, largest unit, live params without prefetch or reuse) with persistence
-# threshold 1000: the norms
+# (tied, kv_heads, vocab, largest unit, live params without prefetch or reuse: persistent, root and
+# two neighbouring blocks) with persistence threshold 1000: the norms
 # (64 elements each, 3 x 2 + 1 of them = 448) are persistent; a block's other weights are
 # q, o 4096 each, k, v 64 x kv_heads x 16 each, gate/up/down 64 x 176 each; the root unit holds the
 # embedding and the untied lm_head (V x 64 each).
-UNIT_CASES = [(False, 4, 1000, 128_000, 448 + 128_000 + 50_176),
-              (True, 4, 1000, 64_000, 448 + 64_000 + 50_176),
-              (False, 2, 100, 46_080, 448 + 12_800 + 46_080)]
+UNIT_CASES = [(False, 4, 1000, 128_000, 448 + 128_000 + 2 * 50_176),
+              (True, 4, 1000, 64_000, 448 + 64_000 + 2 * 50_176),
+              (False, 2, 100, 46_080, 448 + 12_800 + 2 * 46_080)]
 
 
 @pytest.mark.parametrize("tied,kv_heads,vocab,largest,live", UNIT_CASES)
@@ -179,7 +179,8 @@ def test_llama_config_count_equals_closed_form(tmp_path, tied, kv_heads, vocab, 
     info = model_info(str(path), persistence_threshold=1000)
     assert info.params == want
     assert (info.hidden, info.layers, info.heads, info.vocab) == (64, 3, 4, vocab)
-    # without prefetch or reuse a rank gathers the persistent and root units and one block
+    # without prefetch or reuse a rank gathers the persistent and root units and two blocks (in the
+    # backward a block is held until its gradients are reduced, while the one before it begins)
     alone = model_info(str(path), persistence_threshold=1000,
                        limits=GatherLimits(prefetch_bucket_size=0, max_reuse_distance=0))
     assert (alone.largest_unit, alone.live_params) == (largest, live)
@@ -192,11 +193,12 @@ def test_llama_config_count_equals_closed_form(tmp_path, tied, kv_heads, vocab, 
 
 @pytest.mark.parametrize("limits,gathered", [
     # blocks 10, 30, 20, 30 (module order); persistent 5, root 7
-    (GatherLimits(prefetch_bucket_size=0, max_reuse_distance=0), 30),          # one block in use
-    # a 30-block with its 20-block neighbour ahead (20 + 30 would overflow the bucket)
-    (GatherLimits(prefetch_bucket_size=30, max_reuse_distance=0), 30 + 20),
-    (GatherLimits(prefetch_bucket_size=50, max_reuse_distance=0), 30 + 20 + 30),  # block 1 with blocks 2 and 3 ahead
+    (GatherLimits(prefetch_bucket_size=0, max_reuse_distance=0), 30 + 20),     # two neighbouring blocks in use
+    (GatherLimits(prefetch_bucket_size=30, max_reuse_distance=0), 30 + 20 + 30),  # and the third within the bucket
+    (GatherLimits(prefetch_bucket_size=20, max_reuse_distance=0), 10 + 30 + 20),  # a 20-block fits a bucket of 20
+    (GatherLimits(prefetch_bucket_size=50, max_reuse_distance=0), 90),          # blocks 0, 1 in use, 2 and 3 ahead
     (GatherLimits(prefetch_bucket_size=0, max_reuse_distance=60), 30 + 20),   # 2 x 30 after block 2: the last two kept
+    (GatherLimits(prefetch_bucket_size=0, max_reuse_distance=100), 30 + 20 + 30),  # 2 x 50 after block 1: three kept
     (GatherLimits(prefetch_bucket_size=0, max_reuse_distance=10**9), 90),      # every block kept at the turn
     (GatherLimits(prefetch_bucket_size=10**9, max_live_parameters=40), 40),   # capped by max_live (root inside it)
 ])
@@ -226,7 +228,7 @@ def test_stage3_units_agree_with_the_engine():
     sizes = {u.name: sum(g.numel for g in u.groups) for u in units}
     blocks = [v for k, v in sizes.items() if k not in ("<persistent>", "<root>")]
     assert stage3_units(model, 1000, GatherLimits(prefetch_bucket_size=0, max_reuse_distance=0)) == (
-        max(sizes.values()), sizes["<persistent>"] + sizes["<root>"] + max(blocks))
+        max(sizes.values()), sizes["<persistent>"] + sizes["<root>"] + max(a + b for a, b in zip(blocks, blocks[1:])))
     assert stage3_units(model, 1000) == (max(sizes.values()), sum(sizes.values()))
     assert stage3_unit_sizes(model, 1000) == (sizes["<persistent>"], sizes["<root>"], tuple(blocks))
 

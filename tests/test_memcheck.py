@@ -15,7 +15,7 @@ from zeroinf.config import parse_config
 from zeroinf.estimate import format_size
 from zeroinf.memcheck import FREE_ENV, InsufficientMemoryError, assess, check, model_info_of
 
-from stage3_models import TinyLM
+from stage3_models import TinyLM, batch, loss_fn
 
 BIG = 10**13
 
@@ -121,7 +121,7 @@ def test_initialize_refuses_before_casting_and_the_config_key_skips_the_check(tm
     before = {k: v.clone() for k, v in model.state_dict().items()}
     monkeypatch.setenv(FREE_ENV, "host=1000")
     cfg = config(2, "none", "cpu", bf16={"enabled": True})
-    with pytest.raises(InsufficientMemoryError, match="host RAM"):
+    with pytest.raises(zeroinf.InsufficientMemoryError, match="host RAM"):
         zeroinf.initialize(model=model, config=cfg)
     assert all(p.dtype == torch.float32 for p in model.parameters())  # not cast to bf16
     assert all(torch.equal(model.state_dict()[k], v) for k, v in before.items())
@@ -130,6 +130,28 @@ def test_initialize_refuses_before_casting_and_the_config_key_skips_the_check(tm
     monkeypatch.setenv(FREE_ENV, "ram=1GB")
     with pytest.raises(ValueError, match=FREE_ENV):
         zeroinf.initialize(model=mlp(), config=cfg)
+
+
+@pytest.mark.parametrize("limits", [dict(stage3_prefetch_bucket_size=0, stage3_max_reuse_distance=0),
+                                    dict(stage3_prefetch_bucket_size=3000, stage3_max_reuse_distance=0),
+                                    dict(stage3_prefetch_bucket_size=0, stage3_max_reuse_distance=6000), {}])
+def test_the_working_set_is_what_the_engine_gathers_at_once(limits):
+    """TinyLM at stage 3 (4 blocks of 2,080 elements, root 1,184, persistent 224 with threshold
+    20): the estimated working set less the persistent unit equals the engine's own high-water
+    mark of gathered elements over three steps (the first records the trace prefetch follows)."""
+    cfg = config(3, "cpu", "cpu")
+    cfg["zero_optimization"].update(stage3_param_persistence_threshold=20, **limits)
+    model = TinyLM()
+    info = model_info_of(model, parse_config(cfg).zero_optimization)
+    engine, *_ = zeroinf.initialize(model=model, config=cfg)
+    manager = engine.params.manager
+    for step in range(3):
+        x, y = batch(step)
+        engine.backward(loss_fn(engine(x), y))
+        engine.step()
+    persistent = manager.units[0].numel
+    assert info.live_params - persistent == manager.stats.live_high_water_all
+    engine.close()
 
 
 def test_a_model_built_under_init_counts_its_full_shapes(tmp_path):

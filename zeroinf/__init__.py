@@ -17,9 +17,13 @@ def initialize(*args, **kwargs):
 
 
 def __getattr__(name):
-    """Lazy stage-3 exports: ``zeroinf.gathered_parameters`` and ``zeroinf.Init``
-    (see :mod:`zeroinf.runtime.stage3`)."""
+    """Lazy exports: ``zeroinf.gathered_parameters`` and ``zeroinf.Init`` (see
+    :mod:`zeroinf.runtime.stage3`), and ``zeroinf.InsufficientMemoryError``, which ``initialize``
+    raises for a config that needs more memory or disk than is free (see :mod:`zeroinf.memcheck`)."""
     if name in ("gathered_parameters", "Init"):
         from zeroinf.runtime import stage3
         return getattr(stage3, name)
+    if name == "InsufficientMemoryError":
+        from zeroinf.memcheck import InsufficientMemoryError
+        return InsufficientMemoryError
     raise AttributeError(f"module 'zeroinf' has no attribute {name!r}")

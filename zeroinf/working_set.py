@@ -4,8 +4,10 @@ A stage-3 rank keeps only partitions; for compute it gathers whole units (see
 ``zeroinf/runtime/stage3/units.py``): the persistent unit (parameters under
 ``stage3_param_persistence_threshold`` elements, gathered once and kept), the root unit (every
 parameter outside the transformer blocks, gathered for the whole forward and backward) and one
-unit per block. What is gathered besides the block in use is bounded by three keys of
-``zero_optimization`` (``zeroinf/runtime/stage3/prefetch.py``, ``manager.py``):
+unit per block. Two neighbouring blocks are in use at once: in the backward a block stays
+gathered until its gradients are reduced, and the backward of the block before it has begun by
+then. What is gathered besides them is bounded by three keys of ``zero_optimization``
+(``zeroinf/runtime/stage3/prefetch.py``, ``manager.py``):
 
 * ``stage3_prefetch_bucket_size``: the scheduler gathers the next blocks of the trace ahead of
   use, whole blocks in order, while their elements fit in the bucket (0: no prefetch);
@@ -63,21 +65,23 @@ def working_set(persistent: int, root: int, blocks: Sequence[int],
         limits: the bounding keys.
 
     Returns:
-        ``(elements, formula)``: ``persistent + min(max_live, max(root + b_i + ahead_i,
-        root + kept))`` where ``ahead_i`` is the most elements of whole blocks next to block
-        ``b_i`` (either direction: forward or backward) that fit in the prefetch bucket, and
-        ``kept`` the blocks gathered at the forward-to-backward turn (within the reuse distance,
-        the last block included); never below ``persistent + root + max(blocks)``, which the
-        engine needs and checks.
+        ``(elements, formula)``: ``persistent + min(max_live, max(root + b_i + b_i+1 + ahead_i,
+        root + kept))`` over neighbouring blocks ``b_i``, ``b_i+1``, where ``ahead_i`` is the most
+        elements of whole blocks beyond the pair (either direction: forward or backward) that fit
+        in the prefetch bucket, and ``kept`` the blocks gathered at the forward-to-backward turn
+        (within the reuse distance, the last block included); never below ``persistent + root +
+        max(blocks)``, which the engine needs and checks. ``engine.stats()``'s
+        ``live_high_water`` is this figure less ``persistent``.
     """
     blocks = [b for b in blocks if b > 0]
     largest = max(blocks, default=0)
     bucket = limits.prefetch_bucket_size
     steady, at = largest, None
-    for i, b in enumerate(blocks):
-        ahead = max(_run(blocks, i + 1, 1, bucket), _run(blocks, i - 1, -1, bucket)) if bucket > 0 else 0
-        if b + ahead > steady:
-            steady, at = b + ahead, i
+    for i in range(max(len(blocks) - 1, 1) if blocks else 0):
+        pair = sum(blocks[i:i + 2])
+        ahead = max(_run(blocks, i + 2, 1, bucket), _run(blocks, i - 1, -1, bucket)) if bucket > 0 else 0
+        if pair + ahead > steady:
+            steady, at = pair + ahead, i
     kept, after = 0, 0
     for b in reversed(blocks):
         if 2 * after > limits.max_reuse_distance:
@@ -88,8 +92,9 @@ def working_set(persistent: int, root: int, blocks: Sequence[int],
     gathered = max(gathered, root + largest)
     total = persistent + gathered
     formula = (f"persistent {persistent:,} + min(max_live {limits.max_live_parameters:,}, root {root:,} + "
-               f"max(block in use with prefetched ones {steady:,}"
-               + (f" (block {at} and {steady - blocks[at]:,} ahead within bucket {bucket:,})" if at is not None else "")
+               f"max(blocks in use with prefetched ones {steady:,}"
+               + (f" (blocks {at}, {at + 1} and {steady - sum(blocks[at:at + 2]):,} ahead within bucket {bucket:,})"
+                  if at is not None else "")
                + f", blocks kept at the forward/backward turn within reuse distance {limits.max_reuse_distance:,}: "
                f"{kept:,})) = {total:,}")
     return total, formula
