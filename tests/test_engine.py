@@ -482,20 +482,27 @@ def test_client_torch_optimizers_keep_their_weight_decay_rule(make):
 
 
 def test_initialize_rejects_too_little_disk_or_memory_before_allocating(tmp_path, monkeypatch):
+    """The engine's own checks, behind the memory check (zeroinf.memcheck, which refuses first)."""
     import collections
 
     import zeroinf.runtime.engine as eng_mod
+    from zeroinf.memcheck import InsufficientMemoryError
 
+    unchecked = dict(zeroinf={"check_memory": False})
     Usage = collections.namedtuple("Usage", "total used free")
     monkeypatch.setattr(eng_mod.shutil, "disk_usage", lambda p: Usage(10**9, 10**9 - 100, 100))
-    with pytest.raises(ConfigError) as ei:
+    with pytest.raises(InsufficientMemoryError, match="SHORT"):
         zeroinf.initialize(make_mlp(), config=config(2, "nvme", tmp_path))
+    with pytest.raises(ConfigError) as ei:
+        zeroinf.initialize(make_mlp(), config=config(2, "nvme", tmp_path, **unchecked))
     assert str(ei.value).startswith("zero_optimization.offload_optimizer.nvme_path: ") and "bytes (1e-07 GB) free" in str(ei.value)
     monkeypatch.undo()
     Mem = collections.namedtuple("Mem", "available")
     monkeypatch.setattr(eng_mod.psutil, "virtual_memory", lambda: Mem(1000))
-    with pytest.raises(ConfigError) as ei:
+    with pytest.raises(InsufficientMemoryError, match="SHORT"):
         zeroinf.initialize(make_mlp(), config=config(2, "nvme", tmp_path))
+    with pytest.raises(ConfigError) as ei:
+        zeroinf.initialize(make_mlp(), config=config(2, "nvme", tmp_path, **unchecked))
     assert ei.value.key_path == "zero_optimization.offload_optimizer.buffer_count" and "available memory" in str(ei.value)
     assert not (tmp_path / "zeroinf_optimizer").exists()  # nothing was written
 

@@ -14,6 +14,7 @@ from zeroinf.config import parse_config
 from zeroinf.estimate import (GB, GiB, PLACEMENTS, Placement, SwapBuffers, activation_bytes, count_params,
                               estimate, model_info, parse_bytes, parse_count, placement_from_config,
                               swap_buffers_from_config)
+from zeroinf.working_set import GatherLimits, working_set
 
 # --- formulas on a small exact case --------------------------------------------------------------
 # P = 1000, N = 4 (2 ranks per node), bf16 + Adam: Ψp = Ψg = 2, K = 12, ceil(P/N) = 250.
@@ -157,13 +158,14 @@ def llama_closed_form(v, h, i, layers, heads, kv_heads, tied):
     return v * h + layers * per_layer + h + (0 if tied else v * h)
 
 
-# (tied, kv_heads, vocab, largest unit, live params) with persistence threshold 1000: the norms
+# (tied, kv_heads, vocab, largest unit, live params without prefetch or reuse: persistent, root and
+# two neighbouring blocks) with persistence threshold 1000: the norms
 # (64 elements each, 3 x 2 + 1 of them = 448) are persistent; a block's other weights are
 # q, o 4096 each, k, v 64 x kv_heads x 16 each, gate/up/down 64 x 176 each; the root unit holds the
 # embedding and the untied lm_head (V x 64 each).
-UNIT_CASES = [(False, 4, 1000, 128_000, 448 + 128_000 + 50_176),
-              (True, 4, 1000, 64_000, 448 + 64_000 + 50_176),
-              (False, 2, 100, 46_080, 448 + 12_800 + 46_080)]
+UNIT_CASES = [(False, 4, 1000, 128_000, 448 + 128_000 + 2 * 50_176),
+              (True, 4, 1000, 64_000, 448 + 64_000 + 2 * 50_176),
+              (False, 2, 100, 46_080, 448 + 12_800 + 2 * 46_080)]
 
 
 @pytest.mark.parametrize("tied,kv_heads,vocab,largest,live", UNIT_CASES)
@@ -177,9 +179,38 @@ def test_llama_config_count_equals_closed_form(tmp_path, tied, kv_heads, vocab, 
     info = model_info(str(path), persistence_threshold=1000)
     assert info.params == want
     assert (info.hidden, info.layers, info.heads, info.vocab) == (64, 3, 4, vocab)
-    assert (info.largest_unit, info.live_params) == (largest, live)
+    # without prefetch or reuse a rank gathers the persistent and root units and two blocks (in the
+    # backward a block is held until its gradients are reduced, while the one before it begins)
+    alone = model_info(str(path), persistence_threshold=1000,
+                       limits=GatherLimits(prefetch_bucket_size=0, max_reuse_distance=0))
+    assert (alone.largest_unit, alone.live_params) == (largest, live)
+    # with the default bucket (5e7 elements) the other blocks are gathered ahead, and within the
+    # default reuse distance (1e9) kept for the backward: the whole model is the working set
+    assert (info.largest_unit, info.live_params) == (largest, want)
     # with the default threshold (1e5) every weight of this small model is persistent: one unit
     assert model_info(cfg).largest_unit == model_info(cfg).live_params == want
+
+
+@pytest.mark.parametrize("limits,gathered", [
+    # blocks 10, 30, 20, 30 (module order); persistent 5, root 7
+    (GatherLimits(prefetch_bucket_size=0, max_reuse_distance=0), 30 + 20),     # two neighbouring blocks in use
+    (GatherLimits(prefetch_bucket_size=30, max_reuse_distance=0), 30 + 20 + 30),  # and the third within the bucket
+    (GatherLimits(prefetch_bucket_size=20, max_reuse_distance=0), 10 + 30 + 20),  # a 20-block fits a bucket of 20
+    (GatherLimits(prefetch_bucket_size=50, max_reuse_distance=0), 90),          # blocks 0, 1 in use, 2 and 3 ahead
+    (GatherLimits(prefetch_bucket_size=0, max_reuse_distance=60), 30 + 20),   # 2 x 30 after block 2: the last two kept
+    (GatherLimits(prefetch_bucket_size=0, max_reuse_distance=100), 30 + 20 + 30),  # 2 x 50 after block 1: three kept
+    (GatherLimits(prefetch_bucket_size=0, max_reuse_distance=10**9), 90),      # every block kept at the turn
+    (GatherLimits(prefetch_bucket_size=10**9, max_live_parameters=40), 40),   # capped by max_live (root inside it)
+])
+def test_working_set_counts_prefetched_and_kept_blocks(limits, gathered):
+    elements, formula = working_set(5, 7, (10, 30, 20, 30), limits)
+    want = 5 + min(limits.max_live_parameters, 7 + gathered) if limits.max_live_parameters >= 37 else 5 + 37
+    assert elements == want and formula.endswith(f"= {want:,}")
+
+
+def test_working_set_never_below_root_and_largest_block():
+    # a max_live the engine refuses at start-up (below root + largest) does not shrink the estimate
+    assert working_set(0, 7, (30,), GatherLimits(max_live_parameters=1))[0] == 37
 
 
 def test_stage3_units_agree_with_the_engine():
@@ -196,8 +227,9 @@ def test_stage3_units_agree_with_the_engine():
     units = units_mod.build_units(model, units_mod.find_unit_modules(model), 1000, world_size=1)
     sizes = {u.name: sum(g.numel for g in u.groups) for u in units}
     blocks = [v for k, v in sizes.items() if k not in ("<persistent>", "<root>")]
-    assert stage3_units(model, 1000) == (max(sizes.values()),
-                                         sizes["<persistent>"] + sizes["<root>"] + max(blocks))
+    assert stage3_units(model, 1000, GatherLimits(prefetch_bucket_size=0, max_reuse_distance=0)) == (
+        max(sizes.values()), sizes["<persistent>"] + sizes["<root>"] + max(a + b for a, b in zip(blocks, blocks[1:])))
+    assert stage3_units(model, 1000) == (max(sizes.values()), sum(sizes.values()))
     assert stage3_unit_sizes(model, 1000) == (sizes["<persistent>"], sizes["<root>"], tuple(blocks))
 
 
@@ -316,7 +348,9 @@ def test_cli_json_llama65b(capsys):
                                    "pinned_bytes_per_rank_cuda"}
     plain = {r["stage"]: r["per_device_bytes"] for r in out["rows"]
              if r["offload_param"] == r["offload_optimizer"] == "none"}
-    assert plain == {0: 1040 * GB, 1: 266_093_750_000, 2: 137_109_375_000, 3: 8_125_000_000}
+    # stage 3 adds its working set: without the units, min(P, stage3_max_live_parameters 1e9)
+    # gathered parameters and gradients, 2 + 2 bytes each
+    assert plain == {0: 1040 * GB, 1: 266_093_750_000, 2: 137_109_375_000, 3: 8_125_000_000 + 4 * 10**9}
     # stage 2 + optimizer on CPU: 8 ranks per node each keep 16 B x P/N on the host
     row = next(r for r in out["rows"] if (r["stage"], r["offload_optimizer"]) == (2, "cpu"))
     assert (row["per_device_bytes"], row["per_host_bytes"]) == (130 * GB, 8 * 16 * 507_812_500)
@@ -345,7 +379,9 @@ def test_cli_with_config_and_activations(tmp_path, capsys):
     (row,) = json.loads(capsys.readouterr().out)["rows"]
     assert (row["stage"], row["offload_param"], row["offload_optimizer"]) == (3, "cpu", "nvme")
     act = 2 * (8 * 4 * 34 + 5 * 2 * 64)
-    assert row["per_device_bytes"] == act
+    # the working set with units unknown: min(P, stage3_max_live_parameters) = 1e6 parameters
+    # gathered with their gradients, fp16: 2 + 2 bytes each (it read 0 with the parameters offloaded)
+    assert row["per_device_bytes"] == act + (2 + 2) * 10**6
     # params, fp32 grads, min(3 buffers, 500 sub-groups) x round_up(12 B x 1000, 4096): with
     # pipeline_read every buffer is filled by the prefetch during the last backward
     per_rank_host = 2 * 500_000 + 4 * 500_000 + 3 * 12_288

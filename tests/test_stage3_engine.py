@@ -1210,10 +1210,15 @@ def test_default_buffer_size_pins_only_the_largest_partition(tmp_path):
 def test_disk_check_counts_parameter_gradient_and_optimizer_swap_files(tmp_path, monkeypatch):
     """Stage 3 fp32 with both offloads on NVMe writes 4 (parameters, also the optimizer's
     masters) + 4 (fp32 gradients) + 8 (Adam moments) bytes per partition element; initialize
-    must refuse a disk one byte short."""
+    must refuse a disk one byte short: the memory check first (zeroinf.memcheck), and the
+    engine's own check of the swap files behind it."""
     import collections
 
     import zeroinf.runtime.engine as eng_mod
+    from zeroinf.memcheck import InsufficientMemoryError
+
+    def unchecked(cfg):  # the engine's own disk check, without the memory check in front of it
+        return {**cfg, "zeroinf": {"check_memory": False}}
 
     (tmp_path / "a").mkdir()
     torch.manual_seed(0)
@@ -1232,16 +1237,20 @@ def test_disk_check_counts_parameter_gradient_and_optimizer_swap_files(tmp_path,
         if ok:
             zeroinf.initialize(model=TinyLM(), config=_config("nvme", "nvme", d))[0].close()
             continue
-        with pytest.raises(zeroinf.config.ConfigError) as ei:
+        with pytest.raises(InsufficientMemoryError, match=f"needs {need / 1e9:.3g} GB, .*: SHORT"):
             zeroinf.initialize(model=TinyLM(), config=_config("nvme", "nvme", d))
+        with pytest.raises(zeroinf.config.ConfigError) as ei:
+            zeroinf.initialize(model=TinyLM(), config=unchecked(_config("nvme", "nvme", d)))
         assert f"need {need} bytes (" in str(ei.value) and "gradient partitions" in str(ei.value), ei.value
         assert not list(d.iterdir())  # refused before any swap file was written
     # a rerun on "a" overwrites its own files: they count as free. With an engine still live on
     # "a", a second one takes other folders (zeroinf-swap.1), and the first's files are not free
     monkeypatch.setattr(eng_mod.shutil, "disk_usage", lambda p: Usage(10**12, 10**12, 0))
     live = zeroinf.initialize(model=TinyLM(), config=_config("nvme", "nvme", tmp_path / "a"))[0]
-    with pytest.raises(zeroinf.config.ConfigError, match=r"has 0 bytes \(0 GB\) free"):
+    with pytest.raises(InsufficientMemoryError, match="SHORT"):
         zeroinf.initialize(model=TinyLM(), config=_config("nvme", "nvme", tmp_path / "a"))
+    with pytest.raises(zeroinf.config.ConfigError, match=r"has 0 bytes \(0 GB\) free"):
+        zeroinf.initialize(model=TinyLM(), config=unchecked(_config("nvme", "nvme", tmp_path / "a")))
     live.close()
 
 

@@ -23,10 +23,15 @@ _SUBMODULES = ("checkpoint", "config", "io", "ops", "optim", "runtime")
 
 def __getattr__(name):
     """Lazy exports: the stage-3 names ``zeroinf.gathered_parameters`` and ``zeroinf.Init``
-    (see :mod:`zeroinf.runtime.stage3`), and the submodules of :data:`_SUBMODULES`."""
+    (see :mod:`zeroinf.runtime.stage3`); ``zeroinf.InsufficientMemoryError``, which ``initialize``
+    raises for a config that needs more memory or disk than is free (see :mod:`zeroinf.memcheck`);
+    and the submodules of :data:`_SUBMODULES`."""
     if name in ("gathered_parameters", "Init"):
         from zeroinf.runtime import stage3
         return getattr(stage3, name)
+    if name == "InsufficientMemoryError":
+        from zeroinf.memcheck import InsufficientMemoryError
+        return InsufficientMemoryError
     if name in _SUBMODULES:
         import importlib
         return importlib.import_module(f"zeroinf.{name}")

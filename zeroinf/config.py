@@ -17,7 +17,9 @@ the machine (``nvme_path`` writable, free disk, pinned-memory budget) run in
 Extension: the ``"zeroinf"`` block holds the few settings DeepSpeed has no key for
 (``grad_norm_type``: the norm used for ``gradient_clipping`` and the global gradient norm,
 2.0 by default as in DeepSpeed, or ``"inf"``; ``overlap_step``: stage 3 runs the optimizer
-step in the background, overlapped with the next forward, true by default).
+step in the background, overlapped with the next forward, true by default; ``check_memory``:
+``initialize`` compares what the config needs with free memory and disk before allocating,
+true by default, see :mod:`zeroinf.memcheck`).
 """
 from __future__ import annotations
 
@@ -299,6 +301,9 @@ class ZeroInfExtraConfig:
     #: reduced, so gradients are never stored (requires gradient_accumulation_steps 1, no
     #: gradient_clipping, no fp16; see [Note: optimizer in backward] in stage3/in_backward.py)
     optimizer_in_backward: bool = False
+    #: initialize refuses a config whose estimated device, host or disk bytes exceed what is free
+    #: (:func:`zeroinf.memcheck.check`), before anything is allocated
+    check_memory: bool = True
 
 
 @dataclass(frozen=True)
@@ -699,7 +704,7 @@ def parse_config(config: "Mapping[str, Any] | str | os.PathLike", world_size: in
     if fp16.enabled and bf16.enabled:
         raise ConfigError("fp16.enabled", "fp16 and bf16 cannot both be enabled")
     extra = _block(config, "zeroinf", "")
-    _check_keys(extra, "zeroinf", ("grad_norm_type", "overlap_step", "optimizer_in_backward"))
+    _check_keys(extra, "zeroinf", ("grad_norm_type", "overlap_step", "optimizer_in_backward", "check_memory"))
     norm_type = _float(extra, "grad_norm_type", "zeroinf", 2.0, allow_inf=True)
     if not (norm_type == math.inf or norm_type >= 1.0):
         raise ConfigError("zeroinf.grad_norm_type", f"expected a number >= 1 or \"inf\", got {norm_type!r}")
@@ -725,4 +730,5 @@ def parse_config(config: "Mapping[str, Any] | str | os.PathLike", world_size: in
         wall_clock_breakdown=_bool(config, "wall_clock_breakdown", "", False),
         zeroinf=ZeroInfExtraConfig(grad_norm_type=norm_type,
                                    overlap_step=_bool(extra, "overlap_step", "zeroinf", True),
-                                   optimizer_in_backward=in_bwd))
+                                   optimizer_in_backward=in_bwd,
+                                   check_memory=_bool(extra, "check_memory", "zeroinf", True)))

@@ -30,9 +30,11 @@ add a 1.5x safety factor and the host copy made while the model is built):
   engine swaps the fp32 gradient partition to NVMe too. With partitioned gradients (stage 2, 3) the accelerator then keeps none
   (only a reduce bucket, not counted); with stages 0 and 1 it still computes the full gradient.
 * ``offload_param`` cpu|nvme (stage 3 only): the Ψp-byte parameter partition goes to host
-  memory or NVMe. The accelerator holds only the units gathered for compute; with a model (not a
-  bare parameter count) every stage-3 row counts ``(Ψp + Ψg) x`` the parameters held gathered at
-  once (:func:`stage3_units`).
+  memory or NVMe. The accelerator holds only the units gathered for compute: every stage-3 row
+  counts ``(Ψp + Ψg) x`` the parameters held gathered at once, the working set of
+  :func:`zeroinf.working_set.working_set` (the largest block with those prefetched or kept for
+  reuse beside it, bounded by ``stage3_max_live_parameters``) with a model, and with a bare
+  parameter count ``min(P, stage3_max_live_parameters)``, the most the engine gathers.
 * NVMe rows add the pinned host memory the swapping needs (buffers and the ``max_in_cpu`` parameter
   cache; defaults of :mod:`zeroinf.config` unless a config gives them; see :class:`SwapBuffers`).
   Buffer bytes come from :func:`zeroinf.io.pinned_pool_bytes`, the bytes the pool will lock. At
@@ -71,6 +73,7 @@ from pathlib import Path
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 from zeroinf.sizes import parse_bytes as _parse_bytes
+from zeroinf.working_set import GatherLimits, working_set
 
 __all__ = [
     "GB", "GiB", "PRESETS", "PRECISIONS", "OPTIMIZERS", "PLACEMENTS", "Precision", "Placement",
@@ -383,8 +386,9 @@ class ModelInfo:
         params: P, unique parameters (tied weights once, embeddings included).
         largest_unit: elements of the largest stage-3 unit (see :func:`stage3_units`); an
             ``offload_param.buffer_size`` must hold its partition. None when unknown.
-        live_params: parameters a stage-3 rank holds gathered at once (see :func:`stage3_units`);
-            None when unknown.
+        live_params: parameters a stage-3 rank holds gathered at once, its working set (see
+            :func:`stage3_units`); None when unknown.
+        live_formula: how ``live_params`` was computed, with its numbers; None when unknown.
         unit_sizes: elements of each stage-3 unit that has parameters (persistent, root, then the
             blocks, as :func:`stage3_unit_sizes` groups them); the engine cuts the optimizer's
             sub-groups per unit, so they size its NVMe swap buffers. None when unknown.
@@ -395,6 +399,7 @@ class ModelInfo:
     params: int
     largest_unit: Optional[int] = None
     live_params: Optional[int] = None
+    live_formula: Optional[str] = None
     unit_sizes: Optional[Tuple[int, ...]] = None
     hidden: Optional[int] = None
     layers: Optional[int] = None
@@ -489,23 +494,25 @@ def stage3_unit_sizes(model, persistence_threshold: int = PERSISTENCE_THRESHOLD
     return persistent, root, tuple(sizes)
 
 
-def stage3_units(model, persistence_threshold: int = PERSISTENCE_THRESHOLD) -> Optional[Tuple[int, int]]:
-    """``(largest unit, live parameters)`` in elements, from :func:`stage3_unit_sizes`.
-
-    A rank holds at least ``persistent + root + the largest block`` gathered (more with prefetch,
-    up to ``stage3_max_live_parameters``). Returns None when the model names no block classes.
+def stage3_units(model, persistence_threshold: int = PERSISTENCE_THRESHOLD,
+                 limits: GatherLimits = GatherLimits()) -> Optional[Tuple[int, int]]:
+    """``(largest unit, live parameters)`` in elements, from :func:`stage3_unit_sizes`: the live
+    parameters are the working set under ``limits`` (:func:`zeroinf.working_set.working_set`), at
+    least ``persistent + root + the largest block``. Returns None when the model names no block
+    classes.
     """
     units = stage3_unit_sizes(model, persistence_threshold)
-    return None if units is None else _largest_and_live(*units)
+    return None if units is None else _largest_and_live(*units, limits)[:2]
 
 
-def _largest_and_live(persistent: int, root: int, blocks: Tuple[int, ...]) -> Tuple[int, int]:
-    largest_block = max(blocks, default=0)
-    return max(persistent, root, largest_block), persistent + root + largest_block
+def _largest_and_live(persistent: int, root: int, blocks: Tuple[int, ...],
+                      limits: GatherLimits) -> Tuple[int, int, str]:
+    live, formula = working_set(persistent, root, blocks, limits)
+    return max(persistent, root, max(blocks, default=0)), live, formula
 
 
 def model_info(model: Union[str, os.PathLike, Mapping], *,
-               persistence_threshold: int = PERSISTENCE_THRESHOLD) -> ModelInfo:
+               persistence_threshold: int = PERSISTENCE_THRESHOLD, limits: GatherLimits = GatherLimits()) -> ModelInfo:
     """Count a model's parameters by building it on the meta device (no memory, no download).
 
     Args:
@@ -513,7 +520,8 @@ def model_info(model: Union[str, os.PathLike, Mapping], *,
 
     Returns:
         :class:`ModelInfo` with P = unique parameters of ``AutoModelForCausalLM.from_config`` (tied
-        input/output embeddings counted once) and the stage-3 unit sizes of :func:`stage3_units`.
+        input/output embeddings counted once) and the stage-3 unit sizes and working set of
+        :func:`stage3_units` under ``limits``.
 
     Raises:
         ValueError: see :func:`load_model_config`, or a config transformers cannot build.
@@ -531,8 +539,8 @@ def model_info(model: Union[str, os.PathLike, Mapping], *,
         return value if isinstance(value, int) else None
 
     units = stage3_unit_sizes(built, persistence_threshold)
-    largest, live = _largest_and_live(*units) if units else (None, None)
-    return ModelInfo(name=name, params=params, largest_unit=largest, live_params=live,
+    largest, live, formula = _largest_and_live(*units, limits) if units else (None, None, None)
+    return ModelInfo(name=name, params=params, largest_unit=largest, live_params=live, live_formula=formula,
                      unit_sizes=tuple(n for n in (units[0], units[1], *units[2]) if n) if units else None,
                      hidden=attr("hidden_size"), layers=attr("num_hidden_layers"),
                      heads=attr("num_attention_heads"), vocab=attr("vocab_size"))
@@ -594,7 +602,8 @@ def estimate(params: int, placement: Placement, *, world_size: int = 1, gpus_per
              precision: str = "bf16", optimizer: str = "adam", live_params: Optional[int] = None,
              activations: int = 0, activations_formula: str = "Korthikanti et al. 2022, Sec. 4",
              swap: SwapBuffers = SwapBuffers(), optimizer_pin_memory: bool = False,
-             param_pin_memory: bool = False, unit_sizes: Optional[Sequence[int]] = None) -> Estimate:
+             param_pin_memory: bool = False, unit_sizes: Optional[Sequence[int]] = None,
+             live_params_formula: Optional[str] = None) -> Estimate:
     """Bytes per accelerator, per host and on NVMe for one placement (formulas: module docstring).
 
     Args:
@@ -605,6 +614,7 @@ def estimate(params: int, placement: Placement, *, world_size: int = 1, gpus_per
         precision: ``"bf16"``/``"fp16"`` (fp32 master weights) or ``"fp32"``.
         optimizer: a key of :data:`OPTIMIZERS`.
         live_params: parameters a stage-3 rank holds gathered at once (None: not counted).
+        live_params_formula: where ``live_params`` comes from, shown with its term.
         activations: activation bytes per accelerator (see :func:`activation_bytes`), added as a term.
         activations_formula: how ``activations`` was computed, shown with the term.
         swap: pinned buffer sizes for NVMe rows.
@@ -662,7 +672,8 @@ def estimate(params: int, placement: Placement, *, world_size: int = 1, gpus_per
     if st == 3 and live_params:
         terms.append(Term("gathered units (params + grads)", "device",
                           (prec.param_bytes + prec.grad_bytes) * live_params,
-                          f"({prec.param_bytes} + {prec.grad_bytes}) B x live params {_fmt(live_params)}"))
+                          f"({prec.param_bytes} + {prec.grad_bytes}) B x live params {_fmt(live_params)}"
+                          + (f": {live_params_formula}" if live_params_formula else "")))
     # gradients
     numel, what = count(st >= 2)
     if placement.offload_optimizer == "none" or st < 2:
@@ -801,9 +812,10 @@ def world_size(args: argparse.Namespace) -> int:
     return args.gpus * args.nodes
 
 
-def resolve_model(args: argparse.Namespace, *,
-                  persistence_threshold: int = PERSISTENCE_THRESHOLD) -> Tuple[ModelInfo, int, str]:
-    """The model, the activation bytes per device and their formula, as the shared options describe.
+def resolve_model(args: argparse.Namespace, *, persistence_threshold: int = PERSISTENCE_THRESHOLD,
+                  limits: GatherLimits = GatherLimits()) -> Tuple[ModelInfo, int, str]:
+    """The model, the activation bytes per device and their formula, as the shared options describe;
+    the stage-3 working set under ``limits`` (``--live-params`` replaces it).
 
     Raises:
         ValueError: a bad model, a count below 1 (``--gpus``, ``--nodes``, ``--micro-batch``,
@@ -816,11 +828,11 @@ def resolve_model(args: argparse.Namespace, *,
         if getattr(args, key) is not None and getattr(args, key) < 1:
             raise ValueError(f"--{key.replace('_', '-')}: must be >= 1, got {getattr(args, key)}")
     if args.model:
-        info = model_info(args.model, persistence_threshold=persistence_threshold)
+        info = model_info(args.model, persistence_threshold=persistence_threshold, limits=limits)
     else:
         info = ModelInfo(name=f"P={_fmt(args.params)}", params=args.params)
     if args.live_params is not None:
-        info = dataclasses.replace(info, live_params=args.live_params)
+        info = dataclasses.replace(info, live_params=args.live_params, live_formula="--live-params")
     act, formula = 0, ""
     if args.seq_len is not None:
         shape = {k: getattr(args, k) if getattr(args, k) is not None else getattr(info, k)
@@ -891,6 +903,7 @@ def main(args: argparse.Namespace) -> int:
         pins = {}  # without --config: pin_memory false, the config default
         placements = list(PLACEMENTS)
         threshold = PERSISTENCE_THRESHOLD
+        limits = GatherLimits()
         n = world_size(args)
         if args.config:
             from zeroinf.config import parse_config
@@ -900,16 +913,23 @@ def main(args: argparse.Namespace) -> int:
             swap = swap_buffers_from_config(cfg)
             precision = args.precision or cfg.precision
             threshold = cfg.zero_optimization.stage3_param_persistence_threshold
+            limits = GatherLimits.from_zero_config(cfg.zero_optimization)
             pins = dict(optimizer_pin_memory=cfg.zero_optimization.offload_optimizer.pin_memory,
                         param_pin_memory=cfg.zero_optimization.offload_param.pin_memory)
-        info, act, act_formula = resolve_model(args, persistence_threshold=threshold)
+        info, act, act_formula = resolve_model(args, persistence_threshold=threshold, limits=limits)
+        live, live_formula = info.live_params, info.live_formula
+        if live is None:  # units unknown: the engine gathers at most stage3_max_live_parameters
+            live = min(info.params, limits.max_live_parameters)
+            live_formula = (f"units unknown: min(P, stage3_max_live_parameters {_fmt(limits.max_live_parameters)}), "
+                            "the most the engine gathers")
         if not args.config:  # the parameter buffers zeroinf plan would write for this model
             swap = swap_for(info, n)
         if args.stage is not None:
             placements = [p for p in placements if p.stage == args.stage]
         rows = [estimate(info.params, pl, world_size=n, gpus_per_node=args.gpus, precision=precision,
-                         optimizer=args.optimizer, live_params=info.live_params, activations=act,
-                         activations_formula=act_formula, swap=swap, unit_sizes=info.unit_sizes, **pins)
+                         optimizer=args.optimizer, live_params=live, live_params_formula=live_formula,
+                         activations=act, activations_formula=act_formula, swap=swap, unit_sizes=info.unit_sizes,
+                         **pins)
                 for pl in placements]
     except (ValueError, OSError) as exc:  # ConfigError is a ValueError
         print(f"zeroinf estimate: error: {exc}", file=sys.stderr)

@@ -70,12 +70,15 @@ class Limits:
         cpu_mem: bytes of host memory per node.
         nvme: bytes of NVMe swap space per node (0: no NVMe).
         reserve: fraction of each held back (CUDA context, fragmentation, the OS), 0 <= reserve < 1.
+        device_is_host: the compute device is the CPU (no accelerator): device and host bytes
+            share ``cpu_mem``, and a placement fits only when their sum over the node's ranks does.
     """
 
     gpu_mem: int
     cpu_mem: int
     nvme: int = 0
     reserve: float = 0.1
+    device_is_host: bool = False
 
     def usable(self, tier: str) -> int:
         total = {"device": self.gpu_mem, "host": self.cpu_mem, "nvme": self.nvme}[tier]
@@ -118,6 +121,10 @@ def check_fit(est: Estimate, limits: Limits) -> Tuple[str, ...]:
                 reasons.append(f"needs {format_size(used)} GB of NVMe and --nvme gives none")
             else:
                 reasons.append(f"{what} {format_size(used)} GB > {format_size(cap)} GB usable")
+    both = est.per_device_bytes * est.gpus_per_node + est.per_host_bytes  # per node
+    if limits.device_is_host and not reasons and both > limits.usable("host"):
+        reasons.append(f"device + host (one memory: the device is the CPU) {format_size(both)} GB > "
+                       f"{format_size(limits.usable('host'))} GB usable")
     return tuple(reasons)
 
 

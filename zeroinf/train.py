@@ -170,6 +170,7 @@ def main(args: argparse.Namespace) -> int:
     from zeroinf.config import ConfigError
     from zeroinf.data import DataError
     from zeroinf.io.errors import DiskFullError
+    from zeroinf.memcheck import InsufficientMemoryError
     from zeroinf.models import ModelError
     run = _Run(args)
     try:
@@ -177,6 +178,9 @@ def main(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:  # outside the training loop's handler, or a second Ctrl-C
         print(f"zeroinf train: interrupted{run.resume_hint()}", file=sys.stderr, flush=True)
         return EXIT_INTERRUPTED
+    except InsufficientMemoryError as exc:  # a headline and one line per figure
+        print(f"zeroinf train: error: {exc}", file=sys.stderr)
+        return EXIT_BAD_INPUT
     except (ConfigError, DataError, ModelError, TrainError) as exc:
         print(f"zeroinf train: error: {_one_line(exc)}", file=sys.stderr)
         return EXIT_BAD_INPUT
@@ -763,6 +767,9 @@ class _Run:
         try:
             mcfg = build_config(a.model, a.size, tokenizer.vocab_size, a.seq_len, a.init)
             self.model_name = model_name(a.model, a.size, a.init, mcfg)
+            if a.engine == "zeroinf" and self.zcfg.zeroinf.check_memory:  # before the model is built
+                from zeroinf.memcheck import check_hf_config
+                check_hf_config(mcfg, self.zcfg, world_size=self.dist.world_size, rank=self.dist.rank, device=device)
             model, shapes = self._build_model(a, mcfg, cfg)
             n_params = self.n_params = sum(shapes[p].numel() if p in shapes else p.numel()
                                            for p in {id(p): p for p in model.parameters()}.values())

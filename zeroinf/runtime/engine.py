@@ -271,6 +271,11 @@ def _world() -> tuple:
     return 0, 1
 
 
+def _compute_device() -> torch.device:
+    """The device training computes on: this rank's CUDA device when there is one, else the CPU."""
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
 def _hyper_from_client(opt: torch.optim.Optimizer) -> None:
     """Check a client optimizer is Adam-like and complete its groups' hyper-parameters in place
     (``adamw_mode``: torch's ``decoupled_weight_decay``, true for AdamW; CPUAdam's own key)."""
@@ -1658,6 +1663,9 @@ def initialize(model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer
 
     Raises:
         ValueError: a parameter or buffer of ``model`` is on the meta device (named).
+        zeroinf.memcheck.InsufficientMemoryError: the estimated device, host or disk bytes of the
+            config exceed what is free (unless ``"zeroinf": {"check_memory": false}``); the
+            message lists each figure and a placement that fits. Nothing is allocated.
         ConfigError: invalid config, or a machine check failed (``nvme_path`` not writable, or
             missing and impossible to create, as DeepSpeed creates it; not enough free disk, pinned budget over RAM or ``ulimit -l``); the message
             starts with the key path.
@@ -1673,6 +1681,11 @@ def initialize(model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer
                          "under torch.device('meta'), or a loader that did not fill them. Give them values first "
                          "(model.to_empty(device=...) and load the weights), or build a model too large for memory "
                          "under zeroinf.Init")
+    if cfg.zeroinf.check_memory:  # before the first allocation: casts, partitions, pinned buffers, swap files
+        from zeroinf.memcheck import check
+        from zeroinf.runtime.stage3.init import swap_bytes_freed_by
+        check(model, cfg, world_size=world_size, rank=rank, device=_compute_device(),
+              freed=swap_bytes_freed_by(model.parameters()))
     if optimizer is not None and cfg.optimizer is not None:
         raise ConfigError("optimizer", "given both in the config and to initialize(); use one")
     if lr_scheduler is not None and cfg.scheduler is not None:
