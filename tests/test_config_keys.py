@@ -245,13 +245,15 @@ def test_cpu_offload_true_maps_to_the_optimizer_on_cpu():
         2, "cpu", 50_000_000, 50_000_000)
     assert c.fp16.initial_scale_power == 12
     with pytest.warns(ConfigDeprecationWarning):
-        z = parse_config({"train_batch_size": 2, "zero_optimization": {"stage": 2, "cpu_offload": False}}).zero_optimization
+        z = parse_config({"train_batch_size": 2,
+                          "zero_optimization": {"stage": 2, "cpu_offload": False}}).zero_optimization
     assert z.offload_optimizer.device == "none"
     with pytest.warns(ConfigDeprecationWarning):
         z = parse_config({"train_batch_size": 2, "zero_optimization": {
             "stage": 3, "cpu_offload_param": True, "cpu_offload_use_pin_memory": True}}).zero_optimization
     assert (z.offload_param.device, z.offload_optimizer.device) == ("cpu", "none")
-    e = err({"train_batch_size": 2, "zero_optimization": {"cpu_offload": True, "offload_optimizer": {"device": "nvme"}}})
+    e = err({"train_batch_size": 2,
+             "zero_optimization": {"cpu_offload": True, "offload_optimizer": {"device": "nvme"}}})
     assert e.key_path == "zero_optimization.cpu_offload" and "given together" in str(e)
 
 
@@ -387,7 +389,8 @@ BASE = {"train_micro_batch_size_per_gpu": 2}
 # a config that sets each SUPPORTED key to a value other than its default, and the parsed value read
 # back (None: a block, or a key accepted at any value with no effect; checked only to parse)
 SUPPORTED = {
-    "train_batch_size": ({"train_batch_size": 8, "train_micro_batch_size_per_gpu": None}, lambda c: c.train_batch_size, 8),
+    "train_batch_size": ({"train_batch_size": 8, "train_micro_batch_size_per_gpu": None},
+                         lambda c: c.train_batch_size, 8),
     "train_micro_batch_size_per_gpu": ({}, lambda c: c.train_micro_batch_size_per_gpu, 2),
     "gradient_accumulation_steps": ({"gradient_accumulation_steps": 3}, lambda c: c.train_batch_size, 6),
     "steps_per_print": ({"steps_per_print": 7}, lambda c: c.steps_per_print, 7),
@@ -399,7 +402,8 @@ SUPPORTED = {
     "scheduler": ({"scheduler": {"type": "WarmupLR"}}, lambda c: c.scheduler.type, "WarmupLR"),
     "scheduler.type": ({"scheduler": {"type": "warmupcosinelr", "params": {"total_num_steps": 9}}},
                        lambda c: c.scheduler.type, "WarmupCosineLR"),
-    "scheduler.params": ({"scheduler": {"type": "WarmupLR", "params": {}}}, lambda c: c.scheduler.warmup_num_steps, 1000),
+    "scheduler.params": ({"scheduler": {"type": "WarmupLR", "params": {}}},
+                         lambda c: c.scheduler.warmup_num_steps, 1000),
     "fp16": ({"fp16": {"enabled": True}}, lambda c: c.precision, "fp16"),
     "bf16": ({"bf16": {"enabled": True}}, lambda c: c.precision, "bf16"),
     "bf16.enabled": ({"bf16": {"enabled": True}}, lambda c: c.bf16.enabled, True),
@@ -526,3 +530,11 @@ def test_the_docs_table_is_generated_from_the_code_table():
     doc = Path(__file__).resolve().parents[1] / "docs" / "deepspeed-config.md"
     assert doc.read_text() == render_markdown(), "regenerate: python -m zeroinf.config_keys > docs/deepspeed-config.md"
     assert sum(line.startswith("| `") for line in doc.read_text().splitlines()) == len(TABLE)
+
+
+def test_zero_optimization_as_a_bool_is_deepspeeds_oldest_form():
+    with pytest.warns(ConfigDeprecationWarning, match="zero_optimization is a deprecated spelling"):
+        z = parse_config({"train_batch_size": 2, "zero_optimization": True, "allgather_size": 1000}).zero_optimization
+    assert (z.stage, z.allgather_bucket_size) == (1, 1000)
+    with pytest.warns(ConfigDeprecationWarning):
+        assert parse_config({"train_batch_size": 2, "zero_optimization": False}).zero_optimization.stage == 0

@@ -31,8 +31,8 @@ from zeroinf.config_keys import (TABLE, ConfigDeprecationWarning, ConfigWarning,
 
 __all__ = [
     "AioConfig", "BF16Config", "CheckpointConfig", "ConfigDeprecationWarning", "ConfigError", "ConfigWarning",
-    "FP16Config", "OffloadOptimizerConfig", "OffloadParamConfig", "OptimizerConfig", "SchedulerConfig", "ZeroConfig", "ZeroInfConfig",
-    "ZeroInfExtraConfig", "min_optimizer_buffer_count", "parse_config",
+    "FP16Config", "OffloadOptimizerConfig", "OffloadParamConfig", "OptimizerConfig", "SchedulerConfig", "ZeroConfig",
+    "ZeroInfConfig", "ZeroInfExtraConfig", "min_optimizer_buffer_count", "parse_config",
 ]
 
 
