@@ -143,7 +143,8 @@ _RECORDS: Tuple[Key, ...] = (
     Key("fp16.fp16_master_weights_and_grads", N, "fp16 master weights (zeroinf keeps them in fp32)", (False,)),
     Key("bf16.enabled", S),
     Key("bf16.immediate_grad_update", N, "immediate gradient updates", (False,)),
-    Key("bf16.check_grad_overflow", N, "skipping bf16 steps with inf/nan gradients", (False,)),
+    Key("bf16.check_grad_overflow", N, "applying steps whose gradients are inf/nan (zeroinf skips them, as "
+        "DeepSpeed's default true does; zeroinf.optimizer_in_backward applies them with a warning)", (True,)),
     Key("bf16.bf16_master_weights_and_grads", N, "bf16 master weights (zeroinf keeps them in fp32)", (False,)),
     Key("bf16.bf16_optimizer_states", N, "bf16 optimizer states (zeroinf keeps them in fp32)", (False,)),
     Key("data_types.grad_accum_dtype", N, "accumulating gradients in bf16/fp16 (zeroinf accumulates in fp32)",
