@@ -2,12 +2,10 @@
 
 Key names, meanings and defaults follow DeepSpeed's config (``deepspeed/runtime/config.py``,
 ``deepspeed/runtime/zero/config.py``, ``offload_config.py``, ``fp16/loss_scaler.py``,
-``lr_schedules.py``), so a user's existing config carries over. Three kinds of key:
-
-* implemented keys are parsed into the dataclasses below, with their type checked;
-* DeepSpeed keys this project does not implement yet raise :class:`ConfigError` saying
-  "not supported yet" (never silently ignored);
-* any other key raises :class:`ConfigError` listing the allowed keys of its block.
+``lr_schedules.py``), so a user's existing config carries over. :mod:`zeroinf.config_keys`
+holds the table of every DeepSpeed 0.19.8 key (supported, mapped from a deprecated spelling,
+ignored with a warning, or refused as not implemented) and applies it first; the keys left are
+parsed into the dataclasses below, with their type and range checked.
 
 Every error message starts with the key path (``"zero_optimization.offload_optimizer.device: ..."``)
 and the exception carries it as ``.key_path``. This module has no side effects: checks that touch
@@ -26,13 +24,17 @@ from __future__ import annotations
 import json
 import math
 import os
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Dict, Mapping, Optional, Tuple
 
+from zeroinf.config_keys import (TABLE, ConfigDeprecationWarning, ConfigWarning, did_you_mean, normalize,
+                                 unknown_key_message)
+
 __all__ = [
-    "AioConfig", "BF16Config", "CheckpointConfig", "ConfigError", "FP16Config", "OffloadOptimizerConfig",
-    "OffloadParamConfig", "OptimizerConfig", "SchedulerConfig", "ZeroConfig", "ZeroInfConfig",
-    "ZeroInfExtraConfig", "min_optimizer_buffer_count", "parse_config",
+    "AioConfig", "BF16Config", "CheckpointConfig", "ConfigDeprecationWarning", "ConfigError", "ConfigWarning",
+    "FP16Config", "OffloadOptimizerConfig", "OffloadParamConfig", "OptimizerConfig", "SchedulerConfig", "ZeroConfig",
+    "ZeroInfConfig", "ZeroInfExtraConfig", "min_optimizer_buffer_count", "parse_config",
 ]
 
 
@@ -109,29 +111,6 @@ def _block(config: Mapping, key: str, prefix: str) -> Dict[str, Any]:
     if not isinstance(v, Mapping):
         raise ConfigError(_path(prefix, key), f"expected an object (dict), got {type(v).__name__}")
     return dict(v)
-
-
-def _check_keys(block: Mapping, prefix: str, allowed: Tuple[str, ...], unsupported: Mapping[str, str] = {}) -> None:
-    """Raise for the first key of ``block`` that is unsupported or unknown (in sorted order)."""
-    for key in sorted(block):
-        if key in unsupported and isinstance(block[key], Mapping) and block[key].get("enabled", True) is False:
-            continue  # a disabled feature block (e.g. "tensorboard": {"enabled": false}) asks for nothing
-        if key in unsupported and key in _NOOP_VALUES and any(
-                type(block[key]) is type(v) and block[key] == v for v in _NOOP_VALUES[key]):
-            continue  # DeepSpeed's own default / no-op value: asks for nothing we lack
-        if key in unsupported:
-            why = unsupported[key]
-            raise ConfigError(_path(prefix, key), f"not supported yet{': ' + why if why else ''}")
-        if key not in allowed:
-            raise ConfigError(_path(prefix, key), f"unknown key; allowed keys{' in ' + prefix if prefix else ''}: "
-                              f"{', '.join(sorted(allowed))}")
-
-
-def _unsupported_if(block: Mapping, key: str, prefix: str, harmless: Any) -> None:
-    """A DeepSpeed key we accept only at its no-op value ``harmless``."""
-    if key in block and block[key] is not None and block[key] != harmless:
-        raise ConfigError(_path(prefix, key), f"not supported yet (only {json.dumps(harmless)} is accepted), "
-                          f"got {block[key]!r}")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -324,7 +303,7 @@ class ZeroInfConfig:
     zero_optimization: ZeroConfig = field(default_factory=ZeroConfig)
     aio: AioConfig = field(default_factory=AioConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
-    steps_per_print: int = 10  #: rank 0 reports step, skipped steps and lr (engine._progress: the ``zeroinf`` logger, or stderr); 0: never
+    steps_per_print: "int | float" = 10  #: rank 0 reports step, skipped steps and lr (engine._progress: the ``zeroinf`` logger, or stderr); 0: never
     wall_clock_breakdown: bool = False  #: ... and the last step's seconds per phase
     zeroinf: ZeroInfExtraConfig = field(default_factory=ZeroInfExtraConfig)
 
@@ -335,89 +314,24 @@ class ZeroInfConfig:
 
 
 # ----------------------------------------------------------------------------------------------
-# DeepSpeed keys that exist but are not implemented here (value: why / what to do instead)
+# keys: which DeepSpeed keys are supported, mapped, ignored or refused is the table in
+# zeroinf/config_keys.py; the dataclass fields below are accepted in their blocks besides it
 
-_TOP_UNSUPPORTED = {
-    "amp": "use bf16 or fp16",
-    "activation_checkpointing": "use torch.utils.checkpoint in the model",
-    "autotuning": "", "comms_logger": "", "communication_data_type": "", "compression_training": "",
-    "curriculum_learning": "", "data_efficiency": "", "data_types": "", "dataloader_drop_last": "",
-    "elasticity": "", "flops_profiler": "", "gradient_predivide_factor": "", "prescale_gradients": "",
-    "pipeline": "", "sparse_attention": "", "sparse_gradients": "", "tensorboard": "", "wandb": "",
-    "csv_monitor": "", "monitor_config": "", "quantize_training": "",
-    "eigenvalue": "", "progressive_layer_drop": "", "memory_breakdown": "", "dump_state": "",
-    "torch_autocast": "", "fp8": "", "seq_parallel_communication_data_type": "", "hybrid_engine": "",
-    "zero_allow_untested_optimizer": "", "zero_force_ds_cpu_optimizer": "", "timers": "",
-    "disable_allgather": "", "weight_quantization": "", "graph_harvesting": "", "compile": "",
-    "use_node_local_storage": "", "load_universal_checkpoint": "", "nebula": "",
+_EXTENSIONS = {
+    "zero_optimization": tuple(ZeroConfig.__dataclass_fields__),
+    "zero_optimization.offload_optimizer": tuple(OffloadOptimizerConfig.__dataclass_fields__),
+    "zero_optimization.offload_param": tuple(OffloadParamConfig.__dataclass_fields__),
+    "fp16": tuple(FP16Config.__dataclass_fields__), "bf16": tuple(BF16Config.__dataclass_fields__),
+    "aio": tuple(AioConfig.__dataclass_fields__), "checkpoint": tuple(CheckpointConfig.__dataclass_fields__),
+    "zeroinf": tuple(ZeroInfExtraConfig.__dataclass_fields__),
 }
-# Values of unsupported DeepSpeed keys that change nothing here (mostly DeepSpeed's defaults), so
-# stock configs that spell them out are accepted; any other value still says "not supported yet".
-_NOOP_VALUES = {
-    "prescale_gradients": (False,), "memory_breakdown": (False,), "dump_state": (False,),
-    "dataloader_drop_last": (False,), "sparse_gradients": (False,), "disable_allgather": (False,),
-    "gradient_predivide_factor": (1.0, 1), "load_universal_checkpoint": (False,),
-    "zero_allow_untested_optimizer": (True, False), "zero_force_ds_cpu_optimizer": (True, False),
-    "ignore_unused_parameters": (True,), "load_from_fp32_weights": (True,), "legacy_stage1": (False,),
-    "elastic_checkpoint": (False,), "zero_quantized_weights": (False,), "zero_quantized_gradients": (False,),
-    "zero_quantized_nontrainable_weights": (False,), "zero_hpz_partition_size": (1,),
-    "mics_shard_size": (-1,), "log_trace_cache_warnings": (False,), "use_all_reduce_for_fetch_params": (False,),
-    "allgather_sequential": (False,), "pipeline_loading_checkpoint": (False,), "save_mmap_storage": (False,),
-    "log_memory_usage": (False,), "module_granularity_threshold": (0,),
-    "stage3_module_granularity_threshold": (0,),
-    "ratio": (1.0, 1),  # offload_optimizer: the whole state, what zeroinf offloads
-    "auto_cast": (False,),  # fp16: DeepSpeed's default
-    # fp16 / bf16: DeepSpeed's defaults (fp32 masters, gradients and states; delayed updates),
-    # which is what zeroinf does (helper-43, t06_config_matrix.py)
-    "fp16_master_weights_and_grads": (False,), "fp16_optimizer_states": (False,),
-    "bf16_master_weights_and_grads": (False,), "bf16_optimizer_states": (False,), "immediate_grad_update": (False,),
-}
-_TOP_ALLOWED = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
-                "optimizer", "scheduler", "fp16", "bf16", "bfloat16", "gradient_clipping",
-                "zero_optimization", "aio", "checkpoint", "steps_per_print", "wall_clock_breakdown", "zeroinf")
-
-_ZERO_ALLOWED = tuple(f.name for f in ZeroConfig.__dataclass_fields__.values()) + (
-    "stage3_gather_fp16_weights_on_model_save",)
-_ZERO_UNSUPPORTED = {
-    "cpu_offload": "deprecated in DeepSpeed; use offload_optimizer {device: cpu}",
-    "cpu_offload_param": "deprecated in DeepSpeed; use offload_param {device: cpu}",
-    "cpu_offload_use_pin_memory": "deprecated in DeepSpeed; use offload_optimizer.pin_memory",
-    "elastic_checkpoint": "", "ignore_unused_parameters": "", "legacy_stage1": "",
-    "load_from_fp32_weights": "", "zero_hpz_partition_size": "", "zero_quantized_weights": "",
-    "zero_quantized_nontrainable_weights": "", "zero_quantized_gradients": "", "mics_shard_size": "",
-    "mics_hierarchical_params_gather": "", "memory_efficient_linear": "", "pipeline_loading_checkpoint": "",
-    "override_module_apply": "", "log_trace_cache_warnings": "", "use_multi_rank_bucket_allreduce": "",
-    "module_granularity_threshold": "", "use_all_reduce_for_fetch_params": "",
-    "stage3_module_granularity_threshold": "", "offload_optimizer_config": "", "zeropp_loco_param": "",
-    "allgather_sequential": "", "prefetch_bucket_size": "use stage3_prefetch_bucket_size",
-    "param_persistence_threshold": "use stage3_param_persistence_threshold",
-    "max_live_parameters": "use stage3_max_live_parameters",
-    "max_reuse_distance": "use stage3_max_reuse_distance",
-    "gather_16bit_weights_on_model_save": "use stage3_gather_16bit_weights_on_model_save",
-    "save_mmap_storage": "", "log_memory_usage": "",
-}
-_OFFLOAD_OPT_ALLOWED = tuple(OffloadOptimizerConfig.__dataclass_fields__)
-_OFFLOAD_OPT_UNSUPPORTED = {"ratio": "only the whole optimizer state can be offloaded (ratio 1.0)",
-                            "super_offload": "", "cpuadam_cores_perc": ""}
-_OFFLOAD_PARAM_ALLOWED = tuple(OffloadParamConfig.__dataclass_fields__)
-_OPT_PARAMS_ALLOWED = ("lr", "betas", "eps", "weight_decay", "adam_w_mode", "bias_correction", "amsgrad",
-                       "torch_adam", "fused")
 _SCHED_PARAMS = {
-    "warmuplr": ("warmup_min_lr", "warmup_max_lr", "warmup_num_steps", "warmup_type", "last_batch_iteration"),
-    "warmupdecaylr": ("warmup_min_lr", "warmup_max_lr", "warmup_num_steps", "warmup_type", "total_num_steps",
-                      "last_batch_iteration"),
-    "warmupcosinelr": ("total_num_steps", "warmup_min_ratio", "warmup_num_steps", "cos_min_ratio", "warmup_type",
-                       "last_batch_iteration"),
+    "warmuplr": ("warmup_min_lr", "warmup_max_lr", "warmup_num_steps", "warmup_type"),
+    "warmupdecaylr": ("warmup_min_lr", "warmup_max_lr", "warmup_num_steps", "warmup_type", "total_num_steps"),
+    "warmupcosinelr": ("total_num_steps", "warmup_min_ratio", "warmup_num_steps", "cos_min_ratio", "warmup_type"),
 }
 _SCHED_NAMES = {"warmuplr": "WarmupLR", "warmupdecaylr": "WarmupDecayLR", "warmupcosinelr": "WarmupCosineLR"}
 _SCHED_UNSUPPORTED = ("onecycle", "lrrangetest")
-_FP16_ALLOWED = tuple(FP16Config.__dataclass_fields__)
-_FP16_UNSUPPORTED = {"auto_cast": "", "fp16_master_weights_and_grads": "", "fp16_optimizer_states": ""}
-_BF16_ALLOWED = ("enabled",)
-_BF16_UNSUPPORTED = {"immediate_grad_update": "", "check_grad_overflow": "", "bf16_master_weights_and_grads": "",
-                     "bf16_optimizer_states": ""}
-_AIO_ALLOWED = tuple(AioConfig.__dataclass_fields__) + ("thread_count",)
-_AIO_UNSUPPORTED = {"use_gds": "GPUDirect Storage"}
 
 
 def min_optimizer_buffer_count(pipeline_read: bool, pipeline_write: bool) -> int:
@@ -439,7 +353,6 @@ def _parse_optimizer(config: Mapping) -> Optional[OptimizerConfig]:
     block = _block(config, "optimizer", "")
     if not block:
         return None
-    _check_keys(block, "optimizer", ("type", "params"))
     typ = block.get("type")
     if not isinstance(typ, str):
         raise ConfigError("optimizer.type", f"expected one of Adam, AdamW, got {typ!r}")
@@ -448,8 +361,6 @@ def _parse_optimizer(config: Mapping) -> Optional[OptimizerConfig]:
     typ = typ.lower()
     p = _block(block, "params", "optimizer")
     pre = "optimizer.params"
-    _check_keys(p, pre, _OPT_PARAMS_ALLOWED)
-    _unsupported_if(p, "amsgrad", pre, False)
     for k in ("torch_adam", "fused"):   # implementation choices of DeepSpeed; ours is always CPU Adam
         if k in p and not isinstance(p[k], bool):
             raise ConfigError(f"{pre}.{k}", f"expected true or false, got {p[k]!r}")
@@ -471,7 +382,6 @@ def _parse_scheduler(config: Mapping) -> Optional[SchedulerConfig]:
     block = _block(config, "scheduler", "")
     if not block:
         return None
-    _check_keys(block, "scheduler", ("type", "params"))
     typ = block.get("type")
     if not isinstance(typ, str) or typ.lower() not in _SCHED_PARAMS:
         if isinstance(typ, str) and typ.lower() in _SCHED_UNSUPPORTED:
@@ -480,8 +390,13 @@ def _parse_scheduler(config: Mapping) -> Optional[SchedulerConfig]:
     key = typ.lower()
     p = _block(block, "params", "scheduler")
     pre = "scheduler.params"
-    _check_keys(p, pre, _SCHED_PARAMS[key])
-    _unsupported_if(p, "last_batch_iteration", pre, -1)
+    for k in sorted(p):  # the table checked the keys of every type; these are this type's
+        if k not in _SCHED_PARAMS[key]:
+            if f"{pre}.{k}" not in TABLE:
+                raise ConfigError(f"{pre}.{k}", unknown_key_message(f"{pre}.{k}", _SCHED_PARAMS[key]))
+            raise ConfigError(f"{pre}.{k}", f"not a parameter of {_SCHED_NAMES[key]}"
+                              f"{did_you_mean(f'{pre}.{k}', _SCHED_PARAMS[key])} {_SCHED_NAMES[key]} takes: "
+                              f"{', '.join(_SCHED_PARAMS[key])}")
     total = _int(p, "total_num_steps", pre, None, min_value=1)
     if key != "warmuplr" and total is None:
         raise ConfigError(f"{pre}.total_num_steps", f"required by {_SCHED_NAMES[key]}")
@@ -497,7 +412,6 @@ def _parse_scheduler(config: Mapping) -> Optional[SchedulerConfig]:
 
 def _parse_fp16(config: Mapping) -> FP16Config:
     p = _block(config, "fp16", "")
-    _check_keys(p, "fp16", _FP16_ALLOWED, _FP16_UNSUPPORTED)
     return FP16Config(enabled=_bool(p, "enabled", "fp16", False),
                       loss_scale=_float(p, "loss_scale", "fp16", 0.0, min_value=0.0),
                       initial_scale_power=_int(p, "initial_scale_power", "fp16", 16, min_value=0,
@@ -509,28 +423,18 @@ def _parse_fp16(config: Mapping) -> FP16Config:
 
 
 def _parse_bf16(config: Mapping) -> BF16Config:
-    if "bf16" in config and "bfloat16" in config:
-        raise ConfigError("bfloat16", "given together with bf16; use only bf16")
-    name = "bfloat16" if "bfloat16" in config else "bf16"
-    p = _block(config, name, "")
-    _check_keys(p, name, _BF16_ALLOWED, _BF16_UNSUPPORTED)
-    return BF16Config(enabled=_bool(p, "enabled", name, False))
+    return BF16Config(enabled=_bool(_block(config, "bf16", ""), "enabled", "bf16", False))
 
 
 def _parse_zero(config: Mapping) -> ZeroConfig:
     z = _block(config, "zero_optimization", "")
     pre = "zero_optimization"
-    _check_keys(z, pre, _ZERO_ALLOWED, _ZERO_UNSUPPORTED)
-    if "stage3_gather_fp16_weights_on_model_save" in z and "stage3_gather_16bit_weights_on_model_save" in z:
-        raise ConfigError(f"{pre}.stage3_gather_fp16_weights_on_model_save",
-                          "given together with stage3_gather_16bit_weights_on_model_save; use only the latter")
     stage = _int(z, "stage", pre, 0)
     if stage not in (0, 1, 2, 3):
         raise ConfigError(f"{pre}.stage", f"expected one of 0, 1, 2, 3, got {stage}")
 
     oo = _block(z, "offload_optimizer", pre)
     opre = f"{pre}.offload_optimizer"
-    _check_keys(oo, opre, _OFFLOAD_OPT_ALLOWED, _OFFLOAD_OPT_UNSUPPORTED)
     oo_cfg = OffloadOptimizerConfig(
         device=_choice(oo, "device", opre, "none", ("none", "cpu", "nvme")),
         nvme_path=_nvme_path(oo, opre), buffer_count=_int(oo, "buffer_count", opre, 4, min_value=1),
@@ -548,7 +452,6 @@ def _parse_zero(config: Mapping) -> ZeroConfig:
 
     op = _block(z, "offload_param", pre)
     ppre = f"{pre}.offload_param"
-    _check_keys(op, ppre, _OFFLOAD_PARAM_ALLOWED)
     op_cfg = OffloadParamConfig(
         device=_choice(op, "device", ppre, "none", ("none", "cpu", "nvme")), nvme_path=_nvme_path(op, ppre),
         buffer_count=_int(op, "buffer_count", ppre, 5, min_value=1),
@@ -556,13 +459,18 @@ def _parse_zero(config: Mapping) -> ZeroConfig:
         max_in_cpu=_int(op, "max_in_cpu", ppre, 1_000_000_000, min_value=0),
         pin_memory=_bool(op, "pin_memory", ppre, False))
     if op_cfg.device != "none" and stage != 3:
-        raise ConfigError(f"{ppre}.device", f"parameter offload needs zero_optimization.stage 3, got stage {stage}")
+        # DeepSpeed reads offload_param at stage 3 only (DeepSpeed-Chat writes it at every stage)
+        warnings.warn(f"zeroinf config: {ppre}.device {op_cfg.device!r} has no effect at zero_optimization.stage "
+                      f"{stage} (parameters are offloaded at stage 3 only, as in DeepSpeed); ignored",
+                      ConfigWarning, stacklevel=3)
+        op_cfg = OffloadParamConfig()
     if op_cfg.device == "nvme" and not op_cfg.nvme_path:
         raise ConfigError(f"{ppre}.nvme_path", "required when device is nvme")
-    gather16 = z.get("stage3_gather_16bit_weights_on_model_save", z.get("stage3_gather_fp16_weights_on_model_save"))
     return ZeroConfig(
         stage=stage, offload_optimizer=oo_cfg, offload_param=op_cfg,
-        sub_group_size=_int(z, "sub_group_size", pre, 1_000_000_000, min_value=1),
+        # 0 (DeepSpeed: one parameter per sub-group) takes the default: the sub-group size tiles
+        # the optimizer step and changes no result
+        sub_group_size=_int(z, "sub_group_size", pre, 1_000_000_000, min_value=0) or 1_000_000_000,
         reduce_bucket_size=_int(z, "reduce_bucket_size", pre, 500_000_000, min_value=1),
         allgather_bucket_size=_int(z, "allgather_bucket_size", pre, 500_000_000, min_value=1),
         overlap_comm=_bool(z, "overlap_comm", pre, stage == 3),
@@ -574,8 +482,7 @@ def _parse_zero(config: Mapping) -> ZeroConfig:
         stage3_param_persistence_threshold=_int(z, "stage3_param_persistence_threshold", pre, 100_000, min_value=0),
         stage3_max_live_parameters=_int(z, "stage3_max_live_parameters", pre, 1_000_000_000, min_value=1),
         stage3_max_reuse_distance=_int(z, "stage3_max_reuse_distance", pre, 1_000_000_000, min_value=0),
-        stage3_gather_16bit_weights_on_model_save=_bool(
-            {"v": gather16}, "v", f"{pre}.stage3_gather_16bit_weights_on_model_save", False))
+        stage3_gather_16bit_weights_on_model_save=_bool(z, "stage3_gather_16bit_weights_on_model_save", pre, False))
 
 
 def _nvme_path(block: Mapping, prefix: str) -> Optional[str]:
@@ -592,12 +499,7 @@ def _nvme_path(block: Mapping, prefix: str) -> Optional[str]:
 
 def _parse_aio(config: Mapping) -> AioConfig:
     a = _block(config, "aio", "")
-    _check_keys(a, "aio", _AIO_ALLOWED, _AIO_UNSUPPORTED)
-    if "thread_count" in a and "intra_op_parallelism" in a:
-        raise ConfigError("aio.thread_count", "given together with intra_op_parallelism (its new name); use only one")
-    par = _int(a, "intra_op_parallelism", "aio", None, min_value=1)
-    if par is None:
-        par = _int(a, "thread_count", "aio", 1, min_value=1)
+    par = _int(a, "intra_op_parallelism", "aio", 1, min_value=1)
     block_size = _int(a, "block_size", "aio", 1 << 20, min_value=512)
     if block_size % 512:
         raise ConfigError("aio.block_size", f"must be a multiple of 512 bytes (O_DIRECT), got {block_size}")
@@ -608,30 +510,8 @@ def _parse_aio(config: Mapping) -> AioConfig:
 
 def _parse_checkpoint(config: Mapping) -> CheckpointConfig:
     c = _block(config, "checkpoint", "")
-    _check_keys(c, "checkpoint", ("tag_validation", "load_universal", "use_node_local_storage", "parallel_write"))
-    for key in ("load_universal", "use_node_local_storage"):
-        _unsupported_if(c, key, "checkpoint", False)
-    par = _block(c, "parallel_write", "checkpoint")
-    _check_keys(par, "checkpoint.parallel_write", ("pipeline_stage",))
-    _unsupported_if(par, "pipeline_stage", "checkpoint.parallel_write", False)
+    _block(c, "parallel_write", "checkpoint")  # its one key, pipeline_stage, is accepted only at false
     return CheckpointConfig(tag_validation=_choice(c, "tag_validation", "checkpoint", "warn", ("ignore", "warn", "fail")))
-
-
-def _find_auto(block: Any, prefix: str) -> Optional[str]:
-    """The key path of the first ``"auto"`` value in ``block`` (sorted key order), or None."""
-    if isinstance(block, Mapping):
-        for key in sorted(block, key=str):
-            found = _find_auto(block[key], _path(prefix, str(key)))
-            if found is not None:
-                return found
-    elif isinstance(block, (list, tuple)):
-        for i, v in enumerate(block):
-            found = _find_auto(v, f"{prefix}[{i}]")
-            if found is not None:
-                return found
-    elif isinstance(block, str) and block.strip().lower() == "auto":
-        return prefix
-    return None
 
 
 def _parse_batch(config: Mapping, world_size: int) -> Tuple[int, int, int]:
@@ -667,44 +547,86 @@ def _parse_batch(config: Mapping, world_size: int) -> Tuple[int, int, int]:
     return tbs, mbs, gas
 
 
-def parse_config(config: "Mapping[str, Any] | str | os.PathLike", world_size: int = 1) -> ZeroInfConfig:
+def _load(path: "str | os.PathLike") -> Any:
+    """A config file as DeepSpeed reads it: JSON, or hjson (a superset of JSON with comments
+    and unquoted keys) when that package is installed; a key given twice in one object is an
+    error, as in DeepSpeed."""
+    def no_duplicates(pairs):
+        seen = {}
+        for k, v in pairs:
+            if k in seen:
+                raise ConfigError(k, f"given twice in {os.fspath(path)}")
+            seen[k] = v
+        return seen
+    try:
+        import hjson
+    except ImportError:
+        hjson = None
+    with open(path, "r", encoding="utf-8") as f:
+        text = f.read()
+    try:
+        # JSON first: Python's json writes and reads Infinity (Accelerate's steps_per_print), hjson does not
+        return json.loads(text, object_pairs_hook=no_duplicates)
+    except json.JSONDecodeError as e:
+        if hjson is None:
+            raise ConfigError("", f"{os.fspath(path)} is not valid JSON: {e}") from None
+    try:
+        return hjson.loads(text, object_pairs_hook=no_duplicates)
+    except ValueError as e:  # hjson.HjsonDecodeError
+        raise ConfigError("", f"{os.fspath(path)} is not valid JSON or hjson: {e}") from None
+
+
+def _steps_per_print(config: Mapping) -> "int | float":
+    """``steps_per_print``: any number >= 0; inf (Accelerate writes it) and 0 mean never (0)."""
+    v = _float(config, "steps_per_print", "", 10, min_value=0.0, allow_inf=True)
+    if v != v:
+        raise ConfigError("steps_per_print", "expected a number >= 0 or inf, got nan")
+    if math.isinf(v):
+        return 0
+    return int(v) if v == int(v) else v
+
+
+def parse_config(config: "Mapping[str, Any] | str | os.PathLike", world_size: int = 1, *,
+                 auto_values: Optional[Mapping[str, Any]] = None) -> ZeroInfConfig:
     """Validate a DeepSpeed-format config and return it as frozen dataclasses.
 
+    Which DeepSpeed keys are supported, mapped, ignored or refused is the table in
+    :mod:`zeroinf.config_keys` (``docs/deepspeed-config.md``).
+
     Args:
-        config: the config dict, or the path of a JSON file holding it.
+        config: the config dict, or the path of a JSON file (hjson when that package is installed).
         world_size: data-parallel degree the batch sizes are checked against.
+        auto_values: key path (``"optimizer.params.lr"``) -> value, for keys whose value is
+            ``"auto"``: what an integration (a trainer) knows. An ``"auto"`` not given here takes
+            DeepSpeed's default inside ``zero_optimization``, is derived for a batch size whose two
+            partners are numbers, and raises elsewhere.
 
     Returns:
         :class:`ZeroInfConfig` with every default filled in and the batch sizes resolved.
 
+    Warns:
+        zeroinf.config_keys.ConfigDeprecationWarning: a deprecated spelling was read as its new key.
+        zeroinf.config_keys.ConfigWarning: keys with no effect here were ignored, or an ``"auto"``
+            took DeepSpeed's default.
+
     Raises:
-        ConfigError: an unknown key (the message lists the allowed keys), a DeepSpeed key not
-            supported yet, a wrong type, or an impossible combination; the message starts with the
-            key path and ``.key_path`` holds it.
+        ConfigError: an unknown key (with a did-you-mean), a DeepSpeed feature not implemented
+            (named), an ``"auto"`` with no value, a wrong type, or an impossible combination; the
+            message starts with the key path and ``.key_path`` holds it.
         FileNotFoundError: ``config`` is a path that does not exist.
     """
     if isinstance(config, (str, os.PathLike)):
-        with open(config, "r", encoding="utf-8") as f:
-            try:
-                config = json.load(f)
-            except json.JSONDecodeError as e:
-                raise ConfigError("", f"{os.fspath(config)} is not valid JSON: {e}") from None
+        config = _load(config)
     if not isinstance(config, Mapping):
         raise ConfigError("", f"expected a dict or a JSON file path, got {type(config).__name__}")
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be a positive int, got {world_size!r}")
-    auto = _find_auto(config, "")
-    if auto is not None:
-        raise ConfigError(auto, "\"auto\" is a placeholder that the Hugging Face Trainer and Accelerate replace with "
-                                "their own values before DeepSpeed reads the config (DeepSpeed itself refuses it too); "
-                                "zeroinf reads the config as given: put a value (or leave the key out for its default)")
-    _check_keys(config, "", _TOP_ALLOWED, _TOP_UNSUPPORTED)
+    config = normalize(config, ConfigError, extensions=_EXTENSIONS, auto_values=auto_values or {})
     tbs, mbs, gas = _parse_batch(config, world_size)
     fp16, bf16 = _parse_fp16(config), _parse_bf16(config)
     if fp16.enabled and bf16.enabled:
         raise ConfigError("fp16.enabled", "fp16 and bf16 cannot both be enabled")
     extra = _block(config, "zeroinf", "")
-    _check_keys(extra, "zeroinf", ("grad_norm_type", "overlap_step", "optimizer_in_backward", "check_memory"))
     norm_type = _float(extra, "grad_norm_type", "zeroinf", 2.0, allow_inf=True)
     if not (norm_type == math.inf or norm_type >= 1.0):
         raise ConfigError("zeroinf.grad_norm_type", f"expected a number >= 1 or \"inf\", got {norm_type!r}")
@@ -726,7 +648,7 @@ def parse_config(config: "Mapping[str, Any] | str | os.PathLike", world_size: in
         world_size=world_size, optimizer=_parse_optimizer(config), scheduler=_parse_scheduler(config),
         fp16=fp16, bf16=bf16, gradient_clipping=clipping,
         zero_optimization=zero, aio=_parse_aio(config), checkpoint=_parse_checkpoint(config),
-        steps_per_print=_int(config, "steps_per_print", "", 10, min_value=0),
+        steps_per_print=_steps_per_print(config),
         wall_clock_breakdown=_bool(config, "wall_clock_breakdown", "", False),
         zeroinf=ZeroInfExtraConfig(grad_norm_type=norm_type,
                                    overlap_step=_bool(extra, "overlap_step", "zeroinf", True),
