@@ -539,3 +539,13 @@ def test_zero_optimization_as_a_bool_is_deepspeeds_oldest_form():
     assert (z.stage, z.allgather_bucket_size) == (1, 1000)
     with pytest.warns(ConfigDeprecationWarning):
         assert parse_config({"train_batch_size": 2, "zero_optimization": False}).zero_optimization.stage == 0
+
+
+def test_top_level_keys_deepspeed_never_reads_are_ignored_with_a_warning():
+    """DeepSpeed reads its top level by name and never looks at other keys; public configs carry
+    notes there. Such a key is ignored with one warning; one close to a known key is a typo."""
+    with pytest.warns(ConfigWarning, match=r"description, wandb_project: not a DeepSpeed config key; ignored"):
+        cfg = parse_config({"train_batch_size": 2, "description": "z3 offload", "wandb_project": "x"})
+    assert cfg.train_batch_size == 2
+    e = err({"train_batch_size": 2, "gradient_cliping": 1.0})
+    assert e.key_path == "gradient_cliping" and "did you mean gradient_clipping?" in str(e)

@@ -14,7 +14,8 @@ One :class:`Key` record per key path (dotted, as DeepSpeed nests them). Its :cla
 An ``IGNORED`` or ``NOT_IMPLEMENTED`` key at one of its ``noop`` values (DeepSpeed's default or
 another value that asks for nothing), or a block of them with ``"enabled": false``, is accepted
 silently. A key DeepSpeed does not know either is refused with a did-you-mean, so a typo never
-passes silently. :func:`normalize` applies the table to a raw config; :func:`render_markdown`
+passes silently; at the top level, which DeepSpeed reads by name only, one close to no known key
+(a note, a launcher's setting) is ignored with one warning, as DeepSpeed ignores it. :func:`normalize` applies the table to a raw config; :func:`render_markdown`
 writes ``docs/deepspeed-config.md`` from it.
 """
 from __future__ import annotations
@@ -313,6 +314,7 @@ class _Walk:
         self.extensions = {k: set(v) for k, v in extensions.items()}
         self.auto_values = dict(auto_values)
         self.ignored: List[str] = []
+        self.unread: List[str] = []         # top-level keys DeepSpeed does not know and never reads
         self.auto_defaults: List[str] = []
         self.deprecated: List[Tuple[str, str]] = []
 
@@ -329,6 +331,12 @@ class _Walk:
             if rec is None and str(key) in self.extensions.get(prefix, ()):
                 rec = Key(path, Status.SUPPORTED)
             if rec is None:
+                if not prefix and did_you_mean(path, self.known(prefix)) == ".":
+                    # DeepSpeed reads the top level by name and never looks at other keys (public
+                    # configs carry notes and launcher settings there): ignored, as there. A key
+                    # close to a known one is taken for a typo and refused below.
+                    self.unread.append(path)
+                    continue
                 raise self.error(path, unknown_key_message(path, self.known(prefix),
                                                            self.known(prefix, Status.SUPPORTED)))
             if rec.status in (Status.IGNORED, Status.NOT_IMPLEMENTED):
@@ -461,6 +469,9 @@ def normalize(config: Mapping[str, Any], error, *, extensions: Mapping[str, Iter
     if walk.ignored:
         warnings.warn(f"zeroinf config: {', '.join(walk.ignored)}: no effect in zeroinf, ignored "
                       f"({'; '.join(sorted({TABLE[p].note for p in walk.ignored}))})", ConfigWarning, stacklevel=3)
+    if walk.unread:
+        warnings.warn(f"zeroinf config: {', '.join(walk.unread)}: not a DeepSpeed config key; ignored, as "
+                      "DeepSpeed ignores it (a typo of a known key is refused)", ConfigWarning, stacklevel=3)
     if walk.auto_defaults:
         warnings.warn(f"zeroinf config: {', '.join(walk.auto_defaults)}: \"auto\" takes DeepSpeed's default, "
                       "as DeepSpeed does", ConfigWarning, stacklevel=3)
@@ -484,7 +495,8 @@ def render_markdown() -> str:
              "- `\"auto\"`: inside `zero_optimization` it takes DeepSpeed's default, as DeepSpeed does; a batch",
              "  size is derived from the other two; any other `\"auto\"` is refused naming the key unless the",
              "  caller passes `parse_config(auto_values={path: value})`.",
-             "- A key DeepSpeed does not know either is refused with a did-you-mean.", "",
+             "- A key DeepSpeed does not know either is refused with a did-you-mean; at the top level, one "
+             "close to no known key is ignored with a warning, as DeepSpeed ignores it.", "",
              "| key | status | accepted silently at | note |", "| --- | --- | --- | --- |"]
     for k in _RECORDS:
         noop = ", ".join(f"`{_json(v)}`" for v in k.noop)
