@@ -1,12 +1,15 @@
 // Asynchronous file I/O engine (see aio_handle.h for the contract and the alignment rules).
 #include "aio_handle.h"
 
+#include "crc32c.h"
+
 #include <errno.h>
 #include <fcntl.h>
 #include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <exception>
 #include <stdexcept>
 #include <system_error>
@@ -22,6 +25,13 @@ struct Request {
   int64_t id = 0;
   bool is_read = false;
   int64_t nbytes = 0;
+  int64_t file_offset = 0;
+  // Checksum pieces: the buffer [0, nbytes) cut at job ends and at multiples of crc_chunk, in
+  // order; piece i is [piece_start[i], piece_start[i + 1]) (the last one ends at nbytes). Each
+  // piece_crc element is written by the one worker that runs its job, read after the last job.
+  int64_t crc_chunk = 0;
+  std::vector<int64_t> piece_start;
+  std::vector<uint32_t> piece_crc;
   std::atomic<int64_t> jobs_left{0};
   std::atomic<int64_t> bytes_done{0};
   std::mutex mu;
@@ -59,6 +69,34 @@ AlignedBuf aligned_buffer(int64_t nbytes) {
 }
 
 bool is_aligned(int64_t v) { return (v % kAlign) == 0; }
+
+// CRC-32C of each checksum piece of `job`, whose bytes are at `data` (the caller's buffer or
+// the bounce buffer holding the same bytes). No-op for a request without checksums.
+void checksum_job(const Job& job, const char* data) noexcept {
+  Request& r = *job.req;
+  if (r.crc_chunk <= 0) return;
+  const int64_t pos = job.file_offset - r.file_offset;  // the job's offset in the buffer
+  const int64_t end = pos + job.nbytes;
+  const int64_t n = static_cast<int64_t>(r.piece_start.size());
+  for (int64_t i = job.first_piece; i < n && r.piece_start[i] < end; ++i) {
+    const int64_t a = r.piece_start[i];
+    const int64_t b = i + 1 < n ? r.piece_start[i + 1] : r.nbytes;
+    r.piece_crc[i] = crc32c(0, data + (a - pos), static_cast<size_t>(b - a));
+  }
+}
+
+// One CRC-32C per chunk of a finished request, merged from its pieces in order.
+std::vector<uint32_t> chunk_crcs(const Request& r) {
+  const int64_t n = static_cast<int64_t>(r.piece_start.size());
+  std::vector<uint32_t> out(static_cast<size_t>((r.nbytes + r.crc_chunk - 1) / r.crc_chunk), 0);
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t a = r.piece_start[i];
+    const int64_t b = i + 1 < n ? r.piece_start[i + 1] : r.nbytes;
+    uint32_t& c = out[static_cast<size_t>(a / r.crc_chunk)];
+    c = (a % r.crc_chunk == 0) ? r.piece_crc[i] : crc32c_combine(c, r.piece_crc[i], static_cast<uint64_t>(b - a));
+  }
+  return out;
+}
 
 }  // namespace
 
@@ -263,10 +301,15 @@ void Engine::shutdown() noexcept {
 }
 
 int64_t Engine::submit(bool is_read, char* buffer, int64_t nbytes, int fd_direct, int fd_buffered,
-                       int64_t file_offset) {
+                       int64_t file_offset, int64_t checksum_chunk) {
+  if (checksum_chunk < 0) {
+    throw std::invalid_argument("checksum_chunk must be >= 0 bytes, got " + std::to_string(checksum_chunk));
+  }
   auto req = std::make_shared<Request>();
   req->is_read = is_read;
   req->nbytes = nbytes;
+  req->file_offset = file_offset;
+  req->crc_chunk = checksum_chunk;
   std::vector<Job> jobs;
   auto add = [&](int64_t start, int64_t len, int fd, bool direct) {
     for (int64_t pos = start; pos < start + len; pos += block_size_) {
@@ -275,6 +318,12 @@ int64_t Engine::submit(bool is_read, char* buffer, int64_t nbytes, int fd_direct
       j.buf = buffer + pos;
       j.nbytes = std::min(block_size_, start + len - pos);
       j.file_offset = file_offset + pos;
+      if (checksum_chunk > 0) {
+        j.first_piece = static_cast<int64_t>(req->piece_start.size());
+        for (int64_t a = pos; a < pos + j.nbytes; a = std::min(pos + j.nbytes, (a / checksum_chunk + 1) * checksum_chunk)) {
+          req->piece_start.push_back(a);
+        }
+      }
       j.fd = fd;
       j.direct = direct;
       j.bounce = direct && !is_aligned(reinterpret_cast<intptr_t>(j.buf));
@@ -288,6 +337,7 @@ int64_t Engine::submit(bool is_read, char* buffer, int64_t nbytes, int fd_direct
   } else {
     add(0, nbytes, fd_buffered, false);
   }
+  req->piece_crc.assign(req->piece_start.size(), 0);
   req->jobs_left = static_cast<int64_t>(jobs.size());
   if (forked_child()) {
     throw std::runtime_error("aio engine was created in process " + std::to_string(owner_pid_) +
@@ -325,6 +375,15 @@ void Engine::job_finished(const std::shared_ptr<Request>& req) noexcept {
     try {
       c.what = req->what;
     } catch (...) {  // keep the errno; lose only the text
+    }
+  }
+  if (c.err == 0 && req->crc_chunk > 0) {
+    try {
+      c.crcs = chunk_crcs(*req);
+    } catch (...) {  // no memory for the list: the request cannot be reported verified
+      c.err = ENOMEM;
+      c.err_offset = req->file_offset;
+      c.what = "out of memory collecting the request's checksums";
     }
   }
   {
@@ -405,6 +464,7 @@ void Engine::run_sync_job(Job& job, char* bounce) {
     return;
   }
   if (job.bounce && !rd) memcpy(bounce, job.buf, job.nbytes);
+  if (!rd) checksum_job(job, base);
   int64_t done = 0;
   int zero_writes = 0;
   while (done < job.nbytes) {
@@ -442,6 +502,7 @@ void Engine::run_sync_job(Job& job, char* bounce) {
     }
   }
   if (job.bounce && rd && done == job.nbytes) memcpy(job.buf, bounce, job.nbytes);
+  if (rd && done == job.nbytes) checksum_job(job, job.buf);
   req.bytes_done += done;
 }
 
@@ -505,6 +566,7 @@ void Engine::libaio_worker_body(int index) {
     if (s->job.bounce && req.is_read && s->done == s->job.nbytes) {
       memcpy(s->job.buf, s->bounce.get(), s->job.nbytes);
     }
+    if (req.is_read && s->done == s->job.nbytes) checksum_job(s->job, s->job.buf);
     req.bytes_done += s->done;
     std::shared_ptr<Request> keep = std::move(s->job.req);
     s->job = Job();
@@ -581,6 +643,7 @@ void Engine::libaio_worker_body(int index) {
             }
             if (!s->job.req->is_read) memcpy(s->bounce.get(), s->job.buf, s->job.nbytes);
           }
+          if (!s->job.req->is_read) checksum_job(s->job, s->job.bounce ? s->bounce.get() : s->job.buf);
           if (prep(s)) {
             to_submit.push_back(s);
           } else {

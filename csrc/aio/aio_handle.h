@@ -14,6 +14,15 @@
 //     buffer (one per in-flight slot, block_size bytes).
 //   * Without a direct fd, or with an unaligned file offset, every job uses the buffered fd.
 //
+// Checksums: a request submitted with checksum_chunk > 0 gets one CRC-32C (crc32c.h) per
+// checksum_chunk bytes of the buffer ([0, chunk), [chunk, 2 chunk), ..., the last one shorter),
+// in Completion::crcs. Each job checksums its own bytes in the worker thread that moves them:
+// a write right before its first transfer is submitted, a read right after its last one
+// completed (after the bounce copy), so the bytes are in cache. A job's bytes are cut at chunk
+// boundaries into pieces; the pieces of one chunk (from jobs of block_size < chunk, or the
+// O_DIRECT prefix and the buffered tail) are merged with crc32c_combine when the request ends.
+// A failed request carries no checksums.
+//
 // Every completion is checked against the bytes asked for: a short transfer is resubmitted for
 // the remainder; a zero-byte transfer or a negative result fails the request with its errno.
 // Nothing here throws after construction: failures are returned as Completion records.
@@ -60,6 +69,7 @@ struct Completion {
   int err = 0;              // 0 on success, else an errno value
   int64_t err_offset = -1;  // file offset where the failing transfer started
   std::string what;         // short description of the failure ("" on success)
+  std::vector<uint32_t> crcs;  // CRC-32C per checksum chunk (empty: not asked for, or failed)
 };
 
 struct Request;
@@ -69,6 +79,7 @@ struct Job {
   char* buf = nullptr;      // caller memory for this job
   int64_t nbytes = 0;
   int64_t file_offset = 0;
+  int64_t first_piece = 0;  // index of the job's first checksum piece in its Request
   int fd = -1;
   bool direct = false;      // fd is O_DIRECT: length/offset are kAlign multiples
   bool bounce = false;      // direct and buf is unaligned: stage through an aligned buffer
@@ -92,9 +103,11 @@ class Engine {
   bool forked_child() const;
 
   // Queue a request; returns its id at once. `buffer` must stay valid until it is waited for.
-  // Throws std::runtime_error after shutdown() or in a process forked from the owner.
+  // checksum_chunk > 0 (bytes): fill Completion::crcs (see the top of this file); 0: none.
+  // Throws std::runtime_error after shutdown() or in a process forked from the owner,
+  // std::invalid_argument for a negative checksum_chunk.
   int64_t submit(bool is_read, char* buffer, int64_t nbytes, int fd_direct, int fd_buffered,
-                 int64_t file_offset);
+                 int64_t file_offset, int64_t checksum_chunk = 0);
   // Block until request `id` finished; returns its record (err = EINVAL if id is unknown).
   Completion wait_one(int64_t id);
   // Block until nothing is in flight; return every finished, not yet collected record.
