@@ -110,3 +110,24 @@ def test_a_failed_transfer_reports_no_checksums(tmp_path, monkeypatch, backend):
         h.sync_pwrite(torch.ones(20000, dtype=torch.uint8), tmp_path / "f", checksums=sums)
     h.close()
     assert sums.crcs is None
+
+
+def test_without_the_cxx_op_the_python_backend_verifies_with_the_numpy_crc(tmp_path):
+    """ZEROINF_DISABLE_OPS=1: the python backend's checksums come from crc32c_reference, and a
+    flipped byte still raises naming the file and the chunk's offset."""
+    code = ("import sys, torch; from zeroinf.io import AsyncIOHandle, TensorSwapper, ChecksumMismatchError\n"
+            "from zeroinf.io import checksum\n"
+            "s = TensorSwapper(sys.argv[1], AsyncIOHandle(backend='python'))\n"
+            "src = torch.randn(300_000); s.register('k', src.numel(), torch.float32)\n"
+            "s.swap_out([('k', src)], async_op=False)\n"
+            "assert checksum._native() is None\n"
+            "assert s.manifest()['k']['crc32c'] == [checksum.crc32c_reference(src.view(torch.uint8)[i:i + (1 << 20)])"
+            " for i in range(0, 1_200_000, 1 << 20)]\n"
+            "f = open(s.path_for('k'), 'r+b'); f.seek(1_100_000); b = f.read(1); f.seek(1_100_000)\n"
+            "f.write(bytes([b[0] ^ 1])); f.close()\n"
+            "try:\n    s.swap_in([('k', torch.zeros(300_000))], async_op=False)\n"
+            "except ChecksumMismatchError as e:\n    print(e.offset, e.filename == str(s.path_for('k')))\n")
+    env = {**os.environ, "ZEROINF_DISABLE_OPS": "1"}
+    out = subprocess.run([sys.executable, "-c", code, str(tmp_path)], env=env, capture_output=True, text=True,
+                         check=True).stdout.split()
+    assert out == [str(1 << 20), "True"]

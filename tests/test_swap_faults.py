@@ -204,3 +204,18 @@ def test_removed_swap_folder_is_one_line_naming_the_file(tmp_path):
         s.swap_out([("k", torch.randn(5000))], async_op=False)
     assert str(s.directory) in str(info.value) and "\n" not in str(info.value)
     s.close()
+
+
+def test_verify_checksums_key_is_validated_and_reaches_the_handle():
+    from zeroinf.config import ConfigError, parse_config
+
+    base = {"train_micro_batch_size_per_gpu": 1}
+    assert parse_config(base).aio.verify_checksums is True
+    assert parse_config({**base, "aio": {"verify_checksums": False}}).aio.as_dict()["verify_checksums"] is False
+    with pytest.raises(ConfigError, match="aio.verify_checksums"):
+        parse_config({**base, "aio": {"verify_checksums": "no"}})
+    with pytest.raises(ValueError, match="aio.verify_checksums"):
+        AsyncIOHandle.from_config({"verify_checksums": 1})
+    h = AsyncIOHandle.from_config({"verify_checksums": False})
+    assert h.verify_checksums is False
+    h.close()
