@@ -321,7 +321,7 @@ class TensorSwapper:
         if stale:
             path, first = stale[0]
             warnings.warn(f"{len(stale)} stale swap file(s) in {self.directory} (left by a run with other sizes, "
-                          f"e.g. another sub_group_size) were reset and will not be read as data; first: "
+                          f"e.g. another sub_group_size, or without checksums) were reset and will not be read as data; first: "
                           f"{path.name} ({first})", RuntimeWarning, stacklevel=3)
         return len(stale)
 
