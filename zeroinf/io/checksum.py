@@ -2,9 +2,9 @@
 
 A write asked to checksum (``AsyncIOHandle.async_pwrite(..., checksums=ChunkChecksums())``) gets
 the CRC-32C of each chunk ``[0, C)``, ``[C, 2C)``, ... of its bytes (the last chunk shorter),
-computed by the engine's worker threads while the bytes are in cache (csrc/aio/crc32c.cpp:
-SSE4.2 where the CPU has it, a sliced table elsewhere); a read asked the same gets the CRCs of
-the bytes it read. :class:`~zeroinf.io.TensorSwapper` records the write's list and compares
+computed by the engine's threads as each block completes (csrc/aio/aio_handle.h says which
+thread; csrc/aio/crc32c.cpp: SSE4.2 where the CPU has it, a sliced table elsewhere); a read
+asked the same gets the CRCs of the bytes it read. :class:`~zeroinf.io.TensorSwapper` records the write's list and compares
 the read's with it, so a mismatch names the first bad chunk's byte offset.
 
 Values are the standard CRC-32C (Castagnoli): ``crc32c(b"123456789") == 0xE3069283``. The
