@@ -16,6 +16,9 @@ after the first):
 * ``resident-in-bwd`` / ``nvme-in-bwd`` / ``io-floor-in-bwd``: the same with
   ``zeroinf.optimizer_in_backward`` (each flat group stepped inside the backward as soon as its
   gradient is reduced: no gradient partitions on NVMe);
+* ``nvme-nocrc``: the nvme row with ``aio.verify_checksums: false`` (no CRC-32C recorded at swap
+  out nor verified at swap in); the nvme / nvme-nocrc ratio, per round and its median, is the
+  cost of verified swaps (goal <= 1.03). ``--checksum-ratio`` runs only these two rows;
 * ``serial``: resident + io-floor, the step with its compute and its I/O one after the other;
 * ``deepspeed-resident`` / ``deepspeed-nvme``: the same model, data and optimizer under DeepSpeed
   ZeRO-3 (CPU accelerator, gloo, one process), without offload and with parameters and optimizer
@@ -42,7 +45,7 @@ nvme step costs no more than the resident one, 0 when it costs the whole floor o
 each engine's nvme / resident ratio.
 
     python bench/stage3_step.py [--blocks 12] [--width 1024] [--nvme-path DIR] [--optimizer-buffers 8] [--steps 3]
-                                [--rounds 3] [--no-peers]
+                                [--rounds 3] [--no-peers] [--checksum-ratio]
 """
 from __future__ import annotations
 
@@ -108,9 +111,10 @@ def _timed_steps(engine, args) -> dict:
             "disk_written": (io1.write_bytes - io0.write_bytes) / args.steps}
 
 
-def run(args, tier: str, nvme: str, in_backward: bool = False) -> dict:
+def run(args, tier: str, nvme: str, in_backward: bool = False, checksums: bool = True) -> dict:
     """zeroinf stage 3, parameters and optimizer on ``tier`` ("none" or "nvme"); with
-    ``in_backward``, ``zeroinf.optimizer_in_backward`` (each group stepped inside the backward)."""
+    ``in_backward``, ``zeroinf.optimizer_in_backward`` (each group stepped inside the backward);
+    ``checksums``: the ``aio.verify_checksums`` key."""
     z = {"stage": 3, "sub_group_size": 20_000_000, "stage3_max_reuse_distance": 0,
          "stage3_prefetch_bucket_size": 3 * args.width * args.width * 8,
          "offload_param": {"device": tier}, "offload_optimizer": {"device": tier}}
@@ -119,7 +123,8 @@ def run(args, tier: str, nvme: str, in_backward: bool = False) -> dict:
         z["offload_optimizer"].update(nvme_path=nvme, buffer_count=args.optimizer_buffers, pipeline_read=True,
                                       pipeline_write=True)
     cfg = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": ADAMW},
-           "zero_optimization": z, "zeroinf": {"optimizer_in_backward": in_backward}}
+           "zero_optimization": z, "zeroinf": {"optimizer_in_backward": in_backward},
+           "aio": {"verify_checksums": checksums}}
     torch.manual_seed(0)
     with zeroinf.Init(config=cfg, enabled=tier == "nvme"):
         model = LM(args.blocks, args.width)
@@ -195,6 +200,8 @@ def main() -> int:
                    help="zeroinf rows' offload_optimizer.buffer_count (each one sub-group's moments, pinned)")
     p.add_argument("--rounds", type=int, default=3, help="rounds of the zeroinf rows, order rotated")
     p.add_argument("--no-peers", action="store_true", help="skip the DeepSpeed rows")
+    p.add_argument("--checksum-ratio", action="store_true",
+                   help="run only the nvme and nvme-nocrc rows and print their ratio (the checksums' cost)")
     p.add_argument("--peer-row", choices=["none", "nvme"], help=argparse.SUPPRESS)  # run_peer's subprocess
     args = p.parse_args()
     if args.peer_row:
@@ -203,19 +210,32 @@ def main() -> int:
     peers = not args.no_peers and importlib.util.find_spec("deepspeed") is not None
     os.makedirs(args.nvme_path, exist_ok=True)  # as the engine makes a missing nvme_path (it raised here)
     nvme = tempfile.mkdtemp(prefix="zeroinf_bench_s3_", dir=args.nvme_path)
-    kinds = {"resident": ("none", False), "nvme": ("nvme", False), "resident-in-bwd": ("none", True),
-             "nvme-in-bwd": ("nvme", True)}
+    kinds = {"resident": ("none", False, True), "nvme": ("nvme", False, True), "resident-in-bwd": ("none", True, True),
+             "nvme-in-bwd": ("nvme", True, True), "nvme-nocrc": ("nvme", False, False)}
+    if args.checksum_ratio:
+        kinds = {n: kinds[n] for n in ("nvme", "nvme-nocrc")}
     rounds = []
     try:
         for k in range(max(1, args.rounds)):
             names = list(kinds)[k % len(kinds):] + list(kinds)[:k % len(kinds)]
-            got = {n: run(args, kinds[n][0], nvme, in_backward=kinds[n][1]) for n in names}
-            got["bw"] = io_bandwidth(nvme, 1 << 30, {})  # the default aio block, as the runs above
+            got = {n: run(args, kinds[n][0], nvme, in_backward=kinds[n][1], checksums=kinds[n][2]) for n in names}
+            if not args.checksum_ratio:
+                got["bw"] = io_bandwidth(nvme, 1 << 30, {})  # the default aio block, as the runs above
             rounds.append(got)
-        ds_res = run_peer(args, "none", nvme) if peers else None
-        ds_off = run_peer(args, "nvme", os.path.join(nvme, "deepspeed")) if peers else None
+        ds_res = run_peer(args, "none", nvme) if peers and not args.checksum_ratio else None
+        ds_off = run_peer(args, "nvme", os.path.join(nvme, "deepspeed")) if peers and not args.checksum_ratio else None
     finally:
         shutil.rmtree(nvme, ignore_errors=True)
+
+    crc = [g["nvme"]["step_s"] / g["nvme-nocrc"]["step_s"] for g in rounds]
+    crc_line = (f"nvme / nvme-nocrc (verified swaps' cost) = {statistics.median(crc):.3f} "
+                f"(rounds {', '.join(f'{c:.3f}' for c in crc)}; goal <= 1.03)")
+    if args.checksum_ratio:
+        for k, g in enumerate(rounds):
+            print(f"round {k + 1}: nvme {g['nvme']['step_s']:.3f} s (loss {g['nvme']['loss']:.5f}), "
+                  f"nvme-nocrc {g['nvme-nocrc']['step_s']:.3f} s (loss {g['nvme-nocrc']['loss']:.5f})")
+        print(crc_line)
+        return 0
 
     def floor_of(r: dict, bw) -> float:  # seconds to move the row's bytes at the round's bandwidth
         return r["read_bytes"] / (bw[1] * 1e9) + r["write_bytes"] / (bw[0] * 1e9)
@@ -230,7 +250,7 @@ def main() -> int:
         out = dict(rounds[-1][name])
         out["step_s"] = statistics.median(g[name]["step_s"] for g in rounds)
         return out
-    res, off, res_ib, off_ib = (median_row(n) for n in kinds)
+    res, off, res_ib, off_ib, off_nocrc = (median_row(n) for n in kinds)
     w_bw = statistics.median(g["bw"][0] for g in rounds)
     r_bw = statistics.median(g["bw"][1] for g in rounds)
     floor = statistics.median(floor_of(g["nvme"], g["bw"]) for g in rounds)
@@ -254,6 +274,7 @@ def main() -> int:
 
     row("resident", res)
     row("nvme", off, engine_note(off))
+    row("nvme-nocrc", off_nocrc, "aio.verify_checksums: false")
     print(f"{'io-floor':<19} {floor:8.3f}")
     row("resident-in-bwd", res_ib, "zeroinf.optimizer_in_backward")
     row("nvme-in-bwd", off_ib, engine_note(off_ib))
@@ -284,6 +305,7 @@ def main() -> int:
     print(f"nvme-in-bwd / max(min(resident, resident-in-bwd), io-floor-in-bwd) = "
           f"{statistics.median(b for _, b in per_round):.2f} (rounds {', '.join(f'{b:.2f}' for _, b in per_round)}; "
           "goal <= 1.25)")
+    print(crc_line)
     print(f"nvme / resident: zeroinf {off['step_s'] / res['step_s']:.2f}", end="")
     if peers and "error" not in ds_res and "error" not in ds_off:
         print(f", deepspeed {ds_off['step_s'] / ds_res['step_s']:.2f}; "

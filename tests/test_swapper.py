@@ -13,6 +13,7 @@ import torch
 from zeroinf.io import (AsyncIOHandle, ChecksumMismatchError, DiskFullError, PinnedBufferPool, PinnedMemoryError,
                         PoolExhaustedError, StaleSwapFileError, TensorSwapper, pinned_pool_bytes)
 from zeroinf.io import pool as io_pool
+from zeroinf.io.checksum import crc32c
 
 KEYS = {"rank0/subgroup0/fp32": (1000, torch.float32, (10, 100)),
         "rank0/subgroup0/exp_avg": (4097, torch.float32, None),
@@ -198,7 +199,8 @@ def test_truncated_file_detected(swapper):
 
 
 def test_checksum_detects_corruption(tmp_path):
-    s = TensorSwapper(tmp_path, checksum=True)
+    s = TensorSwapper(tmp_path)  # verified by default
+    assert s.checksum
     s.register("k", 5000, torch.float32)
     src = torch.randn(5000)
     s.swap_out([("k", src)], async_op=False)
@@ -207,10 +209,12 @@ def test_checksum_detects_corruption(tmp_path):
         b = f.read(1)
         f.seek(12345)
         f.write(bytes([b[0] ^ 0xFF]))
-    with pytest.raises(ChecksumMismatchError, match="CRC32"):
+    with pytest.raises(ChecksumMismatchError, match=r"CRC-32C of bytes \[0, 20000\)") as info:
         s.swap_in([("k", torch.zeros(5000))], async_op=False)
+    assert info.value.filename == str(s.path_for("k")) and info.value.offset == 0
+    assert "\n" not in str(info.value)
     entry = json.loads(s.path_for("k").with_suffix(".json").read_text())
-    assert entry["written"] is True and entry["crc32"] is not None
+    assert entry["written"] is True and entry["crc32c"] == [crc32c(src)]
 
 
 def test_failed_write_is_never_read(tmp_path, monkeypatch):

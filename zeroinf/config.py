@@ -247,12 +247,15 @@ class AioConfig:
     intra_op_parallelism: int = 1
     single_submit: bool = False
     overlap_events: bool = True
+    #: zeroinf's: every swap write records CRC-32Cs and every swap read checks them (parameters,
+    #: gradients and optimizer state on NVMe); false skips both
+    verify_checksums: bool = True
 
     def as_dict(self) -> Dict[str, Any]:
         """The block as a dict for :meth:`zeroinf.io.AsyncIOHandle.from_config`."""
         return {"block_size": self.block_size, "queue_depth": self.queue_depth,
                 "intra_op_parallelism": self.intra_op_parallelism, "single_submit": self.single_submit,
-                "overlap_events": self.overlap_events}
+                "overlap_events": self.overlap_events, "verify_checksums": self.verify_checksums}
 
 
 @dataclass(frozen=True)
@@ -505,7 +508,8 @@ def _parse_aio(config: Mapping) -> AioConfig:
         raise ConfigError("aio.block_size", f"must be a multiple of 512 bytes (O_DIRECT), got {block_size}")
     return AioConfig(block_size=block_size, queue_depth=_int(a, "queue_depth", "aio", 8, min_value=1),
                      intra_op_parallelism=par, single_submit=_bool(a, "single_submit", "aio", False),
-                     overlap_events=_bool(a, "overlap_events", "aio", True))
+                     overlap_events=_bool(a, "overlap_events", "aio", True),
+                     verify_checksums=_bool(a, "verify_checksums", "aio", True))
 
 
 def _parse_checkpoint(config: Mapping) -> CheckpointConfig:

@@ -3,6 +3,7 @@
 #include <torch/extension.h>
 
 #include "aio_handle.h"
+#include "crc32c.h"
 
 namespace py = pybind11;
 using zeroinf::aio::Backend;
@@ -12,7 +13,9 @@ using zeroinf::aio::Engine;
 namespace {
 
 py::tuple to_tuple(const Completion& c) {
-  return py::make_tuple(c.id, c.is_read, c.bytes_requested, c.bytes_done, c.err, c.err_offset, c.what);
+  py::list crcs;
+  for (uint32_t v : c.crcs) crcs.append(v);
+  return py::make_tuple(c.id, c.is_read, c.bytes_requested, c.bytes_done, c.err, c.err_offset, c.what, crcs);
 }
 
 // Deletes engines, except in a process forked from the one that built the engine: there the
@@ -41,7 +44,7 @@ EnginePtr make_engine(const std::string& backend, int64_t block_size, int queue_
 }
 
 int64_t submit(Engine& e, bool is_read, const torch::Tensor& buffer, int64_t nbytes, int fd_direct,
-               int fd_buffered, int64_t file_offset) {
+               int fd_buffered, int64_t file_offset, int64_t checksum_chunk) {
   TORCH_CHECK(buffer.device().is_cpu(), "aio buffer must be a CPU tensor, got ", buffer.device());
   TORCH_CHECK(buffer.is_contiguous(), "aio buffer must be contiguous");
   const int64_t have = buffer.numel() * static_cast<int64_t>(buffer.element_size());
@@ -49,7 +52,17 @@ int64_t submit(Engine& e, bool is_read, const torch::Tensor& buffer, int64_t nby
   TORCH_CHECK(file_offset >= 0, "file_offset must be >= 0, got ", file_offset);
   TORCH_CHECK(fd_buffered >= 0, "a buffered file descriptor is required");
   char* ptr = static_cast<char*>(buffer.data_ptr());
-  return e.submit(is_read, ptr, nbytes, fd_direct, fd_buffered, file_offset);
+  return e.submit(is_read, ptr, nbytes, fd_direct, fd_buffered, file_offset, checksum_chunk);
+}
+
+// CRC-32C of a contiguous CPU tensor's bytes, continuing `value`; the GIL is released.
+uint32_t tensor_crc32c(const torch::Tensor& t, uint32_t value) {
+  TORCH_CHECK(t.device().is_cpu(), "crc32c: expected a CPU tensor, got ", t.device());
+  TORCH_CHECK(t.is_contiguous(), "crc32c: expected a contiguous tensor");
+  const char* p = static_cast<const char*>(t.data_ptr());
+  const size_t n = static_cast<size_t>(t.numel()) * t.element_size();
+  py::gil_scoped_release nogil;
+  return zeroinf::aio::crc32c(value, p, n);
 }
 
 }  // namespace
@@ -62,8 +75,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("intra_op_parallelism"), py::arg("single_submit"), py::arg("overlap_events"),
            py::arg("fault") = "")
       .def("submit", &submit, py::arg("is_read"), py::arg("buffer"), py::arg("nbytes"),
-           py::arg("fd_direct"), py::arg("fd_buffered"), py::arg("file_offset"),
-           "Queue a transfer of the buffer's first nbytes; returns the request id.")
+           py::arg("fd_direct"), py::arg("fd_buffered"), py::arg("file_offset"), py::arg("checksum_chunk") = 0,
+           "Queue a transfer of the buffer's first nbytes; returns the request id. checksum_chunk > 0: "
+           "the record's last field lists one CRC-32C per checksum_chunk bytes.")
       .def(
           "wait_one",
           [](Engine& e, int64_t id) {
@@ -75,7 +89,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
             return to_tuple(c);
           },
           py::arg("id"),
-          "Block until request id finished: (id, is_read, requested, done, errno, err_offset, what).")
+          "Block until request id finished: (id, is_read, requested, done, errno, err_offset, what, crcs).")
       .def(
           "wait_all",
           [](Engine& e) {
@@ -98,6 +112,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           },
           "Finish queued jobs, then stop and join the worker threads; idempotent. Later submits raise.")
       .def_property_readonly("is_shut_down", &Engine::is_shut_down);
+  m.def("crc32c", &tensor_crc32c, py::arg("tensor"), py::arg("value") = 0,
+        "CRC-32C of a contiguous CPU tensor's bytes, continuing value (0 to start).");
+  m.def("crc32c_combine", &zeroinf::aio::crc32c_combine, py::arg("crc1"), py::arg("crc2"), py::arg("len2"),
+        "CRC-32C of A || B from crc32c(A), crc32c(B) and len(B) in bytes.");
+  m.def("crc32c_hardware", &zeroinf::aio::crc32c_hardware, "True when crc32c uses the SSE4.2 instruction here.");
   m.def(
       "libaio_status",
       []() {

@@ -92,22 +92,47 @@ def _fault_clip(kind: str, at: int, is_write: bool, offset: int, nbytes: int, di
 
 
 class _PyRequest:
-    __slots__ = ("id", "is_read", "nbytes", "jobs_left", "done", "err", "err_offset", "what", "lock")
+    __slots__ = ("id", "is_read", "nbytes", "jobs_left", "done", "err", "err_offset", "what", "lock", "chunk",
+                 "pieces")
 
-    def __init__(self, rid: int, is_read: bool, nbytes: int):
+    def __init__(self, rid: int, is_read: bool, nbytes: int, chunk: int = 0):
         self.id, self.is_read, self.nbytes = rid, is_read, nbytes
         self.jobs_left = 0
         self.done = 0
         self.err, self.err_offset, self.what = 0, -1, ""
         self.lock = threading.Lock()
+        self.chunk = chunk  # checksum chunk in bytes (0: no checksums)
+        self.pieces: Dict[int, Tuple[int, int]] = {}  # buffer offset -> (crc, length), as aio_handle.cpp
 
     def fail(self, err: int, offset: int, what: str) -> None:
         with self.lock:
             if self.err == 0 or offset < self.err_offset:
                 self.err, self.err_offset, self.what = err, offset, what
 
+    def checksum(self, view: memoryview, pos: int) -> None:
+        """CRC-32C of the pieces of the job at buffer offset ``pos`` (cut at chunk boundaries)."""
+        if not self.chunk:
+            return
+        from .checksum import crc32c
+
+        t = torch.frombuffer(view, dtype=torch.uint8) if len(view) else torch.empty(0, dtype=torch.uint8)
+        a = pos
+        while a < pos + len(view):
+            b = min(pos + len(view), (a // self.chunk + 1) * self.chunk)
+            self.pieces[a] = (crc32c(t[a - pos:b - pos]), b - a)  # one writer per key; dict ops hold the GIL
+            a = b
+
     def record(self) -> tuple:
-        return (self.id, self.is_read, self.nbytes, self.done, self.err, self.err_offset, self.what)
+        crcs: List[int] = []
+        if self.chunk and not self.err:
+            from .checksum import crc32c_combine
+
+            crcs = [0] * (-(-self.nbytes // self.chunk))
+            for a in sorted(self.pieces):
+                crc, n = self.pieces[a]
+                k = a // self.chunk
+                crcs[k] = crc if a % self.chunk == 0 else crc32c_combine(crcs[k], crc, n)
+        return (self.id, self.is_read, self.nbytes, self.done, self.err, self.err_offset, self.what, crcs)
 
 
 class PythonEngine:
@@ -135,18 +160,21 @@ class PythonEngine:
         self._done: Dict[int, tuple] = {}
 
     def submit(self, is_read: bool, buffer: torch.Tensor, nbytes: int, fd_direct: int, fd_buffered: int,
-               file_offset: int) -> int:
-        """Queue a transfer of ``buffer``'s first ``nbytes`` bytes (a flat uint8 CPU tensor)."""
+               file_offset: int, checksum_chunk: int = 0) -> int:
+        """Queue a transfer of ``buffer``'s first ``nbytes`` bytes (a flat uint8 CPU tensor);
+        ``checksum_chunk`` > 0 asks for one CRC-32C per that many bytes (the record's last field)."""
         mv = memoryview(buffer.numpy()).cast("B")
         if nbytes > len(mv):
             raise ValueError(f"aio request of {nbytes} bytes but the buffer holds {len(mv)}")
-        req = _PyRequest(next(self._ids), is_read, nbytes)
+        if checksum_chunk < 0:
+            raise ValueError(f"checksum_chunk must be >= 0 bytes, got {checksum_chunk}")
+        req = _PyRequest(next(self._ids), is_read, nbytes, checksum_chunk)
         jobs = []
 
         def add(start: int, length: int, fd: int, direct: bool) -> None:
             for pos in range(start, start + length, self._block):
                 n = min(self._block, start + length - pos)
-                jobs.append((mv[pos:pos + n], file_offset + pos, fd, direct))
+                jobs.append((mv[pos:pos + n], file_offset + pos, pos, fd, direct))
 
         aligned_buf = buffer.data_ptr() % ALIGN == 0
         if fd_direct >= 0 and file_offset % ALIGN == 0 and aligned_buf:
@@ -165,10 +193,12 @@ class PythonEngine:
             self._pool.submit(self._run, req, *job)
         return req.id
 
-    def _run(self, req: _PyRequest, view: memoryview, offset: int, fd: int, direct: bool) -> None:
+    def _run(self, req: _PyRequest, view: memoryview, offset: int, pos: int, fd: int, direct: bool) -> None:
         done, zero_writes, n = 0, 0, len(view)
         kind, at = self._fault
         try:
+            if not req.is_read:
+                req.checksum(view, pos)
             while done < n:
                 off = offset + done
                 want = _fault_clip(kind, at, not req.is_read, off, n - done, direct)
@@ -200,6 +230,8 @@ class PythonEngine:
                              "short O_DIRECT read: the file ends before the requested range" if req.is_read
                              else "short unaligned O_DIRECT write")
                     break
+            if req.is_read and done == n:
+                req.checksum(view, pos)
         except BaseException as exc:  # never lose a job: an unexpected error fails the request
             req.fail(errno.EIO, offset + done, f"unexpected {type(exc).__name__}: {exc}")
         with req.lock:
@@ -216,7 +248,7 @@ class PythonEngine:
         """Block until request ``rid`` finished; its record (see the C++ ``Engine.wait_one``)."""
         with self._cv:
             if rid not in self._running and rid not in self._done:
-                return (rid, False, 0, 0, errno.EINVAL, -1, "unknown or already collected request id")
+                return (rid, False, 0, 0, errno.EINVAL, -1, "unknown or already collected request id", [])
             self._cv.wait_for(lambda: rid in self._done)
             return self._done.pop(rid)
 

@@ -56,6 +56,7 @@ from typing import Dict, Iterator, List, Optional
 import torch
 
 from .backends import ALIGN, choose_backend, fault_spec, make_engine
+from .checksum import ChunkChecksums
 from .errors import AIOError, SizeMismatchError, ReadPastEndError, make_error
 from .pool import HUGE_PAGE, PinnedMemoryError, _available_bytes, _locked_bytes, _memlock_limit, _mlock, _munlock
 
@@ -213,7 +214,7 @@ def _close_live_handles() -> None:
 atexit.register(_close_live_handles)
 
 _AIO_KEYS = ("block_size", "queue_depth", "intra_op_parallelism", "thread_count", "single_submit",
-             "overlap_events", "use_gds", "backend")
+             "overlap_events", "use_gds", "backend", "verify_checksums")
 
 
 @dataclass
@@ -225,6 +226,7 @@ class _Pending:
     fd_buffered: int
     fd_direct: int
     tensor: torch.Tensor  # keeps the caller's memory alive until the request is collected
+    checksums: Optional[ChunkChecksums] = None  # filled by _finish when the request succeeds
 
 
 def _byte_view(buffer, name: str = "buffer") -> torch.Tensor:
@@ -296,7 +298,7 @@ class AsyncIOHandle:
 
     def __init__(self, block_size: int = 1 << 20, queue_depth: int = 8, single_submit: bool = False,
                  overlap_events: bool = True, intra_op_parallelism: int = 1, backend: Optional[str] = None,
-                 *, thread_count: Optional[int] = None):
+                 *, thread_count: Optional[int] = None, verify_checksums: bool = True):
         if thread_count is not None:
             if intra_op_parallelism not in (1, thread_count):
                 raise ValueError(f"thread_count: {thread_count} disagrees with intra_op_parallelism="
@@ -315,6 +317,10 @@ class AsyncIOHandle:
         self.intra_op_parallelism = intra_op_parallelism
         self.single_submit = bool(single_submit)
         self.overlap_events = bool(overlap_events)
+        #: whether a :class:`~zeroinf.io.TensorSwapper` on this handle records and verifies
+        #: CRC-32Cs by default (the ``aio.verify_checksums`` config key); the handle itself
+        #: checksums exactly the requests passed a ``checksums=`` sink
+        self.verify_checksums = bool(verify_checksums)
         self._fault = fault_spec()
         self.backend = choose_backend(backend)
         self._engine = make_engine(self.backend, block_size, queue_depth, intra_op_parallelism,
@@ -335,7 +341,8 @@ class AsyncIOHandle:
 
         Accepted keys: ``block_size``, ``queue_depth``, ``intra_op_parallelism`` (or the old
         ``thread_count``), ``single_submit``, ``overlap_events``, ``use_gds`` (must be false), and
-        zeroinf's ``backend``.
+        zeroinf's ``backend`` and ``verify_checksums`` (default true: swappers on the handle
+        record and verify CRC-32Cs).
 
         Raises:
             ValueError: an unknown key or a bad value; the message starts with ``aio.<key>:``.
@@ -347,11 +354,11 @@ class AsyncIOHandle:
                 raise ValueError(f"aio.{key}: unknown key; known keys: {', '.join(_AIO_KEYS)}")
         if aio.get("use_gds"):
             raise ValueError("aio.use_gds: GPUDirect Storage is not supported by zeroinf; set it to false")
-        for key in ("single_submit", "overlap_events"):
+        for key in ("single_submit", "overlap_events", "verify_checksums"):
             if key in aio and not isinstance(aio[key], bool):
                 raise ValueError(f"aio.{key}: expected true or false, got {aio[key]!r}")
         kwargs = {k: aio[k] for k in ("block_size", "queue_depth", "intra_op_parallelism", "single_submit",
-                                      "overlap_events", "backend", "thread_count") if k in aio}
+                                      "overlap_events", "backend", "thread_count", "verify_checksums") if k in aio}
         try:
             return cls(**kwargs)
         except ValueError as exc:
@@ -445,7 +452,8 @@ class AsyncIOHandle:
                                f"process {os.getpid()} (its worker threads exist only in the parent); "
                                "create a new AsyncIOHandle")
 
-    def _submit(self, is_read: bool, buffer, filename, file_offset: int, whole_file: bool = False) -> int:
+    def _submit(self, is_read: bool, buffer, filename, file_offset: int, whole_file: bool = False,
+                checksums: Optional[ChunkChecksums] = None) -> int:
         self._check_usable()
         path = os.fspath(filename)
         if not isinstance(file_offset, int) or isinstance(file_offset, bool) or not 0 <= file_offset < 2**63:
@@ -453,6 +461,10 @@ class AsyncIOHandle:
             raise ValueError(f"file_offset must be an integer in [0, 2**63), got {file_offset!r}")
         if whole_file and file_offset != 0:
             raise ValueError(f"a whole-file read starts at offset 0, got file_offset={file_offset}")
+        if checksums is not None:
+            if not isinstance(checksums, ChunkChecksums) or checksums.chunk_bytes < 1:
+                raise ValueError(f"checksums: expected a ChunkChecksums with chunk_bytes >= 1, got {checksums!r}")
+            checksums.crcs = None
         flat = _byte_view(buffer)
         nbytes = flat.numel()
         try:
@@ -471,17 +483,18 @@ class AsyncIOHandle:
         # and stayed pending for good (tester-41 F3; the engines' submits do not block)
         with _interrupts_deferred(), self._lock:
             try:
-                rid = self._engine.submit(is_read, flat, nbytes, fd_direct, fd, file_offset)
+                rid = self._engine.submit(is_read, flat, nbytes, fd_direct, fd, file_offset,
+                                          checksums.chunk_bytes if checksums is not None else 0)
             except BaseException:
                 os.close(fd)
                 if fd_direct >= 0:
                     os.close(fd_direct)
                 raise
-            self._pending[rid] = _Pending(path, is_read, file_offset, nbytes, fd, fd_direct, buffer)
+            self._pending[rid] = _Pending(path, is_read, file_offset, nbytes, fd, fd_direct, buffer, checksums)
         return rid
 
     def _finish(self, rec: tuple) -> Optional[AIOError]:
-        rid, is_read, requested, done, err, err_offset, what = rec
+        rid, is_read, requested, done, err, err_offset, what, crcs = rec
         with self._lock:
             p = self._pending.pop(rid, None)
         if p is None:
@@ -501,10 +514,13 @@ class AsyncIOHandle:
                 except OSError as e:
                     exc = exc or make_error(e.errno or errno.EIO, f"closing {p.path} after the {op} failed",
                                             p.path, p.offset, requested, done)
+        if exc is None and p.checksums is not None:
+            p.checksums.crcs = list(crcs)
         return exc
 
     # -- DeepSpeed aio_handle operations ------------------------------------------------------
-    def sync_pread(self, buffer: torch.Tensor, filename, file_offset: int = 0, *, whole_file: bool = False) -> int:
+    def sync_pread(self, buffer: torch.Tensor, filename, file_offset: int = 0, *, whole_file: bool = False,
+                   checksums: Optional[ChunkChecksums] = None) -> int:
         """Read ``buffer.numel() * buffer.element_size()`` bytes at ``file_offset`` into ``buffer``.
 
         Args:
@@ -513,6 +529,8 @@ class AsyncIOHandle:
             filename: the file (str or path-like).
             file_offset: byte offset in the file; the read must lie inside the file.
             whole_file: the buffer must be exactly the file's size (``file_offset`` 0).
+            checksums: a :class:`~zeroinf.io.checksum.ChunkChecksums` that receives the CRC-32Cs
+                of the bytes read, one per ``chunk_bytes``, computed by the I/O threads.
 
         Returns:
             The bytes read (always the buffer's size).
@@ -521,10 +539,12 @@ class AsyncIOHandle:
             AIOError (OSError) subclasses: AIOFileNotFoundError, SizeMismatchError,
             ReadPastEndError, DeviceIOError, ... carrying path, offset, bytes requested/done, errno.
         """
-        return self._sync(True, buffer, filename, file_offset, whole_file)
+        return self._sync(True, buffer, filename, file_offset, whole_file, checksums)
 
-    def sync_pwrite(self, buffer: torch.Tensor, filename, file_offset: int = 0) -> int:
-        """Write ``buffer``'s bytes at ``file_offset`` (creating the file, mode 0600, if needed).
+    def sync_pwrite(self, buffer: torch.Tensor, filename, file_offset: int = 0, *,
+                    checksums: Optional[ChunkChecksums] = None) -> int:
+        """Write ``buffer``'s bytes at ``file_offset`` (creating the file, mode 0600, if needed);
+        ``checksums`` receives the written bytes' CRC-32Cs as in :meth:`sync_pread`.
 
         Returns:
             The bytes written (always the buffer's size).
@@ -534,27 +554,32 @@ class AsyncIOHandle:
             DiskFullError (ENOSPC), DeviceIOError (EIO), ...; a short write is retried to
             completion or raised, never reported done.
         """
-        return self._sync(False, buffer, filename, file_offset)
+        return self._sync(False, buffer, filename, file_offset, checksums=checksums)
 
-    def _sync(self, is_read: bool, buffer, filename, file_offset: int, whole_file: bool = False) -> int:
+    def _sync(self, is_read: bool, buffer, filename, file_offset: int, whole_file: bool = False,
+              checksums: Optional[ChunkChecksums] = None) -> int:
         with self._wait_lock, _interrupts_deferred():
-            rid = self._submit(is_read, buffer, filename, file_offset, whole_file)
+            rid = self._submit(is_read, buffer, filename, file_offset, whole_file, checksums)
             exc = self._finish(self._engine.wait_one(rid))
         if exc is not None:
             raise exc
         return _byte_view(buffer).numel()
 
-    def async_pread(self, buffer: torch.Tensor, filename, file_offset: int = 0, *, whole_file: bool = False) -> None:
+    def async_pread(self, buffer: torch.Tensor, filename, file_offset: int = 0, *, whole_file: bool = False,
+                    checksums: Optional[ChunkChecksums] = None) -> None:
         """Queue a read like :meth:`sync_pread`; returns once submitted. Errors in opening or
         size checks raise here; transfer errors raise from :meth:`wait`. Each queued request
         holds its file open until collected; a submission that finds no free file descriptor
-        first finishes the queue (its count and errors still come from :meth:`wait`)."""
-        self._submit(True, buffer, filename, file_offset, whole_file)
+        first finishes the queue (its count and errors still come from :meth:`wait`).
+        ``checksums`` is filled by the :meth:`wait` that collects the request."""
+        self._submit(True, buffer, filename, file_offset, whole_file, checksums)
 
-    def async_pwrite(self, buffer: torch.Tensor, filename, file_offset: int = 0) -> None:
+    def async_pwrite(self, buffer: torch.Tensor, filename, file_offset: int = 0, *,
+                     checksums: Optional[ChunkChecksums] = None) -> None:
         """Queue a write like :meth:`sync_pwrite`; returns once submitted. Do not modify
-        ``buffer`` before :meth:`wait` returns. File descriptors as in :meth:`async_pread`."""
-        self._submit(False, buffer, filename, file_offset)
+        ``buffer`` before :meth:`wait` returns. File descriptors and ``checksums`` as in
+        :meth:`async_pread`."""
+        self._submit(False, buffer, filename, file_offset, checksums=checksums)
 
     def read(self, buffer: torch.Tensor, filename, validate: bool = False) -> int:
         """DeepSpeed's ``read``: a synchronous whole-file read (the buffer must be exactly the

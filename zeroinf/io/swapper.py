@@ -2,7 +2,7 @@
 
 Layout: ``<swap_dir>/zeroinf-swap/`` (mode 0700) holds, per key, ``<name>.swp`` (mode 0600,
 exactly the tensor's bytes) and ``<name>.json`` (its manifest entry: key, numel, dtype, shape,
-nbytes, whether it holds swapped-out data, optional CRC32). ``<name>`` comes from the key alone
+nbytes, whether it holds swapped-out data, its CRC-32Cs). ``<name>`` comes from the key alone
 (a readable slug plus a hash of the key), so a later process that registers the same keys uses
 the same files — never ``id()`` or registration order. Swappers alive at the same time (two
 engines on one ``nvme_path``) get folders of their own: ``zeroinf-swap.1``, ... ([Note: one
@@ -12,9 +12,17 @@ swapper per folder]).
 for this key with the same numel/dtype/shape *and* the file has exactly that many bytes. Files
 left by another config are reset and reported by one ``RuntimeWarning`` per batch of
 registrations, counting them and naming the folder (see :meth:`register`);
-reading a key that was never written, or whose file was truncated since, raises
-:class:`~zeroinf.io.errors.StaleSwapFileError`. With ``checksum=True`` the CRC32 recorded at swap
-out is verified at swap in (:class:`~zeroinf.io.errors.ChecksumMismatchError`).
+reading a key that was never written, or whose file was truncated or removed since, raises
+:class:`~zeroinf.io.errors.StaleSwapFileError`.
+
+[Note: verified swaps] With ``checksum`` on (the default, from the handle's
+``verify_checksums``), every swap out records in the key's entry one CRC-32C per
+:data:`~zeroinf.io.checksum.CHUNK_BYTES` of the file, computed by the I/O threads as they
+write; every swap in gets the CRC-32Cs of the bytes read the same way, and :meth:`wait`
+compares them before it returns, so callers (which wait before they use the data) never use
+changed bytes: :class:`~zeroinf.io.errors.ChecksumMismatchError` names the file, the byte
+offset of the first differing chunk and both CRCs. An entry adopted from an earlier run must
+carry CRC-32Cs then, or it is stale.
 """
 from __future__ import annotations
 
@@ -31,6 +39,7 @@ from typing import Dict, Iterable, Iterator, List, Optional, Tuple
 
 import torch
 
+from .checksum import CHUNK_BYTES, ChunkChecksums, first_mismatch
 from .errors import AIOError, ChecksumMismatchError, StaleSwapFileError, make_error
 from .handle import AsyncIOHandle
 
@@ -49,7 +58,9 @@ class _Entry:
     shape: List[int]
     nbytes: int
     written: bool = False
-    crc32: Optional[int] = None
+    #: CRC-32C of each CHUNK_BYTES chunk of the file, recorded by the write that set ``written``
+    #: (None: written by a swapper with checksums off)
+    crc32c: Optional[List[int]] = None
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -144,7 +155,9 @@ class TensorSwapper:
     Args:
         swap_dir: an existing directory (e.g. on NVMe); files go in its ``zeroinf-swap/`` subdir.
         handle: the I/O handle to use (default: ``AsyncIOHandle()`` with default knobs).
-        checksum: record a CRC32 at swap out and verify it at swap in (costs a pass over the data).
+        checksum: record CRC-32Cs at swap out and verify them at swap in ([Note: verified
+            swaps]); None (default) takes the handle's ``verify_checksums`` (true unless the
+            ``aio.verify_checksums`` config key says false).
 
     Raises:
         AIOFileNotFoundError: ``swap_dir`` does not exist.
@@ -153,7 +166,7 @@ class TensorSwapper:
     Keys are caller-chosen stable strings such as ``"rank0/subgroup3/exp_avg"``.
     """
 
-    def __init__(self, swap_dir, handle: Optional[AsyncIOHandle] = None, *, checksum: bool = False):
+    def __init__(self, swap_dir, handle: Optional[AsyncIOHandle] = None, *, checksum: Optional[bool] = None):
         base = Path(swap_dir).absolute()  # the process may change directory later (tester-33 M5)
         if not base.exists():
             raise make_error(errno.ENOENT, f"swap directory {base} does not exist", str(base), 0, 0, 0)
@@ -162,9 +175,10 @@ class TensorSwapper:
         self.directory, self._lock_fd = _claim(base)
         self._own_handle = handle is None
         self.handle = handle if handle is not None else AsyncIOHandle()
-        self.checksum = bool(checksum)
+        self.checksum = bool(getattr(self.handle, "verify_checksums", True) if checksum is None else checksum)
         self._entries: Dict[str, _Entry] = {}
-        self._pending: List[Tuple[str, str, torch.Tensor, Optional[int]]] = []  # (op, key, tensor, crc)
+        # (op, key, tensor, the CRC-32Cs the handle fills: None with checksums off)
+        self._pending: List[Tuple[str, str, torch.Tensor, Optional[ChunkChecksums]]] = []
         self._stale: List[Tuple[Path, str]] = []  # stale files reset by register(), not reported yet
 
     # -- names and manifest -------------------------------------------------------------------
@@ -188,12 +202,17 @@ class TensorSwapper:
         # flight. A write torn by a crash leaves an entry that fails to parse or says
         # written=false, and either way the file is treated as stale, never read as data.
         data = json.dumps(asdict(e)).encode()
-        fd = os.open(self._meta_path(e.key), os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        path = self._meta_path(e.key)
         try:
-            os.pwrite(fd, data, 0)
-            os.ftruncate(fd, len(data))
-        finally:
-            os.close(fd)
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o600)
+            try:
+                os.pwrite(fd, data, 0)
+                os.ftruncate(fd, len(data))
+            finally:
+                os.close(fd)
+        except OSError as exc:  # e.g. the swap folder was removed (ENOENT), a full disk (ENOSPC)
+            raise make_error(exc.errno or errno.EIO, f"cannot write the manifest entry of swap key {e.key!r}",
+                             str(path), 0, len(data), 0) from exc
 
     def _load_entry(self, key: str) -> Optional[_Entry]:
         try:
@@ -203,7 +222,7 @@ class TensorSwapper:
             return None
 
     def manifest(self) -> Dict[str, dict]:
-        """Registered keys -> {numel, dtype, shape, nbytes, written, crc32, path}."""
+        """Registered keys -> {numel, dtype, shape, nbytes, written, crc32c, path}."""
         return {k: {**asdict(e), "path": str(self.path_for(k))} for k, e in self._entries.items()}
 
     def files(self) -> List[Path]:
@@ -259,12 +278,15 @@ class TensorSwapper:
         size = path.stat().st_size if path.exists() else None
         same = (on_disk is not None and size == nbytes and
                 (on_disk.key, on_disk.numel, on_disk.dtype, on_disk.shape) == (key, numel, want.dtype, shape))
-        if same and on_disk.written:
+        verifiable = (on_disk is not None and isinstance(on_disk.crc32c, list)
+                      and len(on_disk.crc32c) == -(-nbytes // CHUNK_BYTES))
+        if same and on_disk.written and (verifiable or not self.checksum):
             self._entries[key] = on_disk
             return path
-        if size is not None and not same:  # same sizes never written (a run with no backward): nothing stale
+        if size is not None and (not same or on_disk.written):  # same sizes never written: nothing stale
             why = ("no manifest entry" if on_disk is None else
-                   f"manifest says {on_disk.numel} x {on_disk.dtype} {tuple(on_disk.shape)}, written={on_disk.written}")
+                   f"manifest says {on_disk.numel} x {on_disk.dtype} {tuple(on_disk.shape)}, written={on_disk.written}"
+                   + ("" if not same else ", no CRC-32Cs to verify it"))
             self._stale.append((path, f"key {key!r}: {size} bytes, {why}; expected {nbytes} bytes of {want.dtype}"))
         self._preallocate(path, nbytes)
         self._save_entry(want)
@@ -299,7 +321,7 @@ class TensorSwapper:
         if stale:
             path, first = stale[0]
             warnings.warn(f"{len(stale)} stale swap file(s) in {self.directory} (left by a run with other sizes, "
-                          f"e.g. another sub_group_size) were reset and will not be read as data; first: "
+                          f"e.g. another sub_group_size, or without checksums) were reset and will not be read as data; first: "
                           f"{path.name} ({first})", RuntimeWarning, stacklevel=3)
         return len(stale)
 
@@ -334,9 +356,9 @@ class TensorSwapper:
             if e.written:  # the file is about to change: never leave it marked valid meanwhile
                 e.written = False
                 self._save_entry(e)
-            crc = tensor_crc32(tensor) if self.checksum else None
-            self.handle.async_pwrite(tensor, self.path_for(key))
-            self._pending.append(("out", key, tensor, crc))
+            sums = ChunkChecksums(CHUNK_BYTES) if self.checksum else None
+            self.handle.async_pwrite(tensor, self.path_for(key), checksums=sums)
+            self._pending.append(("out", key, tensor, sums))
         if not async_op and items:
             self.wait()
 
@@ -346,8 +368,11 @@ class TensorSwapper:
 
         Raises:
             KeyError: unregistered key. ValueError/TypeError: tensor of the wrong numel/dtype.
-            StaleSwapFileError: the key was never swapped out, or its file changed size since.
+            StaleSwapFileError: the key was never swapped out, or its file changed size or was
+                removed since.
             AIOError: a read failed (here if sync, else at :meth:`wait`).
+            ChecksumMismatchError: with ``checksum``, the bytes read differ from those written
+                (here if sync, else at :meth:`wait`).
         """
         self.report_stale()
         items = list(items)
@@ -357,13 +382,20 @@ class TensorSwapper:
             if not e.written:
                 raise StaleSwapFileError(errno.ENODATA, f"swap file of key {key!r} holds no swapped-out data "
                                          "(never written, stale, its last write failed, or a swap-out of it is still pending)", str(path), 0, e.nbytes, 0)
-            size = path.stat().st_size if path.exists() else -1
+            try:
+                size = path.stat().st_size
+            except OSError as exc:
+                raise StaleSwapFileError(exc.errno or errno.EIO, f"swap file of key {key!r} is missing "
+                                         f"(removed since it was written; expected {e.nbytes} bytes)",
+                                         str(path), 0, e.nbytes, 0) from None
             if size != e.nbytes:
                 raise StaleSwapFileError(errno.EIO, f"swap file of key {key!r} has {size} bytes, expected "
-                                         f"{e.nbytes} (truncated or replaced)", str(path), 0, e.nbytes, 0)
+                                         f"{e.nbytes} (truncated or replaced)", str(path), min(size, e.nbytes),
+                                         e.nbytes, 0)
         for key, tensor in items:
-            self.handle.async_pread(tensor, self.path_for(key))
-            self._pending.append(("in", key, tensor, None))
+            sums = ChunkChecksums(CHUNK_BYTES) if self.checksum else None
+            self.handle.async_pread(tensor, self.path_for(key), checksums=sums)
+            self._pending.append(("in", key, tensor, sums))
         if not async_op and items:
             self.wait()
 
@@ -373,7 +405,9 @@ class TensorSwapper:
         Raises:
             AIOError: the first failed transfer (every write of this batch is then treated as
                 not done: its key cannot be swapped in until written again).
-            ChecksumMismatchError: with ``checksum=True``, a swapped-in tensor's CRC32 differs.
+            ChecksumMismatchError: with ``checksum``, a swapped-in tensor's bytes differ from those
+                written ([Note: verified swaps]); the other transfers of the batch are still
+                recorded (writes marked written) before it raises.
         """
         self.report_stale()
         pending, self._pending = self._pending, []
@@ -392,18 +426,42 @@ class TensorSwapper:
             # of the batch was stale for good: helper-41 t31)
             self._pending = pending + self._pending
             raise
-        for op, key, tensor, crc in pending:
+        first: Optional[AIOError] = None
+        for op, key, _tensor, sums in pending:
             e = self._entries[key]
             if op == "out":
-                e.written, e.crc32 = True, crc
-                self._save_entry(e)
-            elif self.checksum and e.crc32 is not None:
-                got = tensor_crc32(tensor)
-                if got != e.crc32:
-                    raise ChecksumMismatchError(errno.EIO, f"swap file of key {key!r}: CRC32 {got:#010x} read back, "
-                                                f"{e.crc32:#010x} written", str(self.path_for(key)), 0, e.nbytes,
-                                                e.nbytes)
+                e.written, e.crc32c = True, (sums.crcs if sums is not None else None)
+                try:
+                    self._save_entry(e)
+                except AIOError as exc:
+                    e.written = False
+                    first = first or exc
+            elif sums is not None:
+                first = first or self._verify(key, e, sums.crcs)
+        if first is not None:
+            raise first
         return len(pending)
+
+    def _verify(self, key: str, e: _Entry, got: Optional[List[int]]) -> Optional[ChecksumMismatchError]:
+        """The error for a read of ``key`` whose CRC-32Cs ``got`` differ from the entry's; None
+        when they agree. With checksums on, every written entry carries CRC-32Cs
+        (:meth:`register` adopts no other), so a missing list is a mismatch too."""
+        expected = e.crc32c
+        path = str(self.path_for(key))
+        if expected is None or got is None:
+            return ChecksumMismatchError(errno.EIO, f"swap file of key {key!r}: no CRC-32C "
+                                         f"{'recorded at write' if expected is None else 'computed at read'}",
+                                         path, 0, e.nbytes, e.nbytes)
+        i = first_mismatch(expected, got)
+        if i is None:
+            return None
+        start = i * CHUNK_BYTES
+        end = min(e.nbytes, start + CHUNK_BYTES)
+        exp = f"{expected[i]:#010x}" if i < len(expected) else "none"
+        was = f"{got[i]:#010x}" if i < len(got) else "none"
+        return ChecksumMismatchError(errno.EIO, f"swap file of key {key!r} changed since it was written: CRC-32C of "
+                                     f"bytes [{start}, {end}) is {was}, {exp} was written", path, start,
+                                     e.nbytes, e.nbytes)
 
     def __del__(self) -> None:
         fd = getattr(self, "_lock_fd", -1)  # dropped unclosed: let the folder go

@@ -122,7 +122,7 @@ OPS = {
     ),
     "aio": OpSpec(
         name="aio",
-        sources=("aio/aio_handle.cpp", "aio/bindings.cpp"),
+        sources=("aio/aio_handle.cpp", "aio/crc32c.cpp", "aio/bindings.cpp"),
         cflags=("-O3", "-std=c++17"),
         ldflags=("-lpthread",),
         configure=_libaio_probe,

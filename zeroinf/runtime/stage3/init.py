@@ -292,10 +292,13 @@ class Init:
         self.enabled = enabled
         self.device = "none"
         self.nvme_path: Optional[str] = None
+        self._verify = True  # aio.verify_checksums
         if config is not None:
             from zeroinf.config import parse_config
-            off = parse_config(config).zero_optimization.offload_param
+            parsed = parse_config(config)
+            off = parsed.zero_optimization.offload_param
             self.device, self.nvme_path = off.device, off.nvme_path
+            self._verify = parsed.aio.verify_checksums
         self._swapper = None
         self._dir: Optional[str] = None
         self._seq = 0
@@ -322,7 +325,7 @@ class Init:
             if problem is not None:
                 raise ConfigError("zero_optimization.offload_param.nvme_path", f"{self.nvme_path!r} {problem}")
             self._dir = os.path.abspath(tempfile.mkdtemp(prefix="zeroinf_init_", dir=self.nvme_path))
-            self._swapper = TensorSwapper(self._dir)
+            self._swapper = TensorSwapper(self._dir, checksum=self._verify)
         Init._active = self
         self._orig_init_subclass = nn.Module.__dict__.get("__init_subclass__")
         for cls in _all_module_classes():
