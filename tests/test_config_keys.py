@@ -418,6 +418,7 @@ SUPPORTED = {
     "zeroinf": ({"zeroinf": {}}, lambda c: c.zeroinf.overlap_step, True),
     "zeroinf.grad_norm_type": ({"zeroinf": {"grad_norm_type": "inf"}}, lambda c: c.zeroinf.grad_norm_type, INF),
     "zeroinf.overlap_step": ({"zeroinf": {"overlap_step": False}}, lambda c: c.zeroinf.overlap_step, False),
+    "aio.verify_checksums": ({"aio": {"verify_checksums": False}}, lambda c: c.aio.verify_checksums, False),
     "zeroinf.check_memory": ({"zeroinf": {"check_memory": False}}, lambda c: c.zeroinf.check_memory, False),
     "zeroinf.optimizer_in_backward": ({"zeroinf": {"optimizer_in_backward": True}, "zero_optimization": {"stage": 3}},
                                       lambda c: c.zeroinf.optimizer_in_backward, True),

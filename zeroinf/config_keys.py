@@ -221,6 +221,8 @@ _RECORDS: Tuple[Key, ...] = (
                                    "overlap_events")),
     Key("aio.use_gds", N, "GPUDirect Storage; zeroinf reads NVMe through pinned host buffers", (False,)),
     Key("aio.thread_count", M, "aio.intra_op_parallelism"),  # older DeepSpeed's name (0.19.8 drops it)
+    Key("aio.verify_checksums", S, "zeroinf's own: CRC-32C of every swap write, verified at every read "
+        "(default true)"),
     Key("checkpoint.tag_validation", S), Key("checkpoint.parallel_write", S),
     Key("checkpoint.load_universal", N, "universal checkpoints", (False,)),
     Key("checkpoint.use_node_local_storage", N, "node-local checkpoint storage", (False,)),
