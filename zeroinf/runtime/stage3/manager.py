@@ -1292,7 +1292,7 @@ class Stage3ParameterManager:
             # on the very gradient that completes this unit's inputs, before that input hook, so
             # at the live limit the two would not both fit. A frozen weight still needed is
             # gathered again through the saved-tensor hooks
-            return u.state is UnitState.GATHERED and u.inputs_pending > 0 and u.grads_seen >= u.trainable and idle(u)
+            return u.state is UnitState.GATHERED and u.inputs_pending > 0 and self._grads_in(u) and idle(u)
 
         def awaiting_gradients(u: Unit) -> bool:
             # in a backward, still waiting for gradients: two forwards and one backward of their
@@ -1817,11 +1817,35 @@ class Stage3ParameterManager:
             dst.copy_(grad.reshape(-1))
             g.grad_written.add(s.index)
         param.grad = None
+        if unit.grad is not GradState.PARTIAL:  # the unit's first gradient of the pass (or since its reduction)
+            unit.grads_seen, unit.grads_expected = 0, self._grads_expected(unit)
         unit.grads_seen += 1
         unit.grad = GradState.PARTIAL
-        if unit.grads_seen == unit.trainable:
+        if unit.grads_seen >= unit.grads_expected:
             self._reduce(unit)
             self._release_after_backward(unit)
+
+    @staticmethod
+    def _grads_expected(unit: Unit) -> int:
+        """How many of ``unit``'s trainable parameters get a gradient accumulated in the running
+        autograd graph task (at least 1: one just arrived): those whose ``AccumulateGrad`` node
+        the task will run. A parameter the forward never read (an adapter switched off) is in no
+        graph, so its unit's gradient is final, reduced and released as soon as the others are
+        in, not at the end of the backward. Inside the backward; the unit is gathered."""
+        n = 0
+        with torch.enable_grad(), torch._C.DisableTorchFunctionSubclass():
+            for g in unit.groups:
+                for s in g.slots:
+                    p = s.param
+                    if p.requires_grad:
+                        node = p.view_as(p).grad_fn.next_functions[0][0]  # its AccumulateGrad
+                        n += bool(torch._C._will_engine_execute_node(node))
+        return max(n, 1)
+
+    def _grads_in(self, unit: Unit) -> bool:
+        """The unit's gradients of the running pass are all in: it has no trainable parameter,
+        or the last one expected arrived and the unit was reduced."""
+        return unit.trainable == 0 or unit.grad is GradState.REDUCED
 
     def _input_grad(self, call: UnitCall, _grad: torch.Tensor) -> None:
         """A tensor hook on an input of a unit's forward call: its gradient was computed."""
@@ -1852,7 +1876,7 @@ class Stage3ParameterManager:
         """Release a unit whose backward is over in the running pass: its own gradients are in
         (reduced) and every forward call's inputs have theirs ([Note: release after the inputs'
         gradients]); not one a ``create_graph`` pass holds ([Note: backward passes])."""
-        if (unit.inputs_pending == 0 and unit.grads_seen >= unit.trainable and not unit.persistent
+        if (unit.inputs_pending == 0 and self._grads_in(unit) and not unit.persistent
                 and unit not in self._active and unit.state is UnitState.GATHERED
                 and unit.index not in self._derived_holds):
             self.tracer.span(f"bwd {unit.name}", "unit", getattr(unit, "_t0", self.tracer.now()), self.tracer.now())
@@ -2045,7 +2069,7 @@ class Stage3ParameterManager:
         (``GradState.NONE``), its backward not begun, no forward call waiting (a new pass
         counts the calls it may run through again: :meth:`_enter_pass`)."""
         for u in self.units:
-            u.grads_seen, u.grad, u.in_backward, u.inputs_pending = 0, GradState.NONE, False, 0
+            u.grads_seen, u.grads_expected, u.grad, u.in_backward, u.inputs_pending = 0, 0, GradState.NONE, False, 0
 
     def forget_raised_pass(self) -> None:
         """Called where no backward pass runs (``engine.backward`` before it starts its own): a

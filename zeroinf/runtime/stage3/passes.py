@@ -7,10 +7,12 @@ manager sees a pass through its hooks only: the first of them that fires while n
 begins a :class:`BackwardPass` and queues its end on that hook's autograd graph task
 (``queue_callback``); graph tasks started inside it (reentrant activation checkpointing's
 backward of a block) belong to it. A pass that raised part-way never reaches its end: the next
-forward, or ``engine.backward`` (``forget_raised_pass``), drops it. At its end a pass reduces
-the gradients it accumulated that are not reduced yet (a unit with a parameter the forward never read gets fewer
-gradients than it has trainable parameters, so only the end tells that none more come). A pass
-that accumulated gradients, or freed its graph, ends the iteration; one that only computed
+forward, or ``engine.backward`` (``forget_raised_pass``), drops it. Within a pass a unit's
+gradient is reduced once every parameter whose gradient the graph task accumulates has it
+(``Stage3ParameterManager._grads_expected``: a parameter the forward never read, an adapter
+switched off, is in no graph and expected by none); at its end a pass reduces whatever it
+accumulated that is not reduced yet (a parameter whose accumulation ran with no gradient, every
+path back to it having returned None). A pass that accumulated gradients, or freed its graph, ends the iteration; one that only computed
 gradients (``autograd.grad``) and kept its graph leaves it open for the backward to come, so
 that backward is the iteration's and its gradients are reduced at its own end. A pass run with
 ``create_graph=True`` records a graph whose nodes saved gathered parameters as they are (the

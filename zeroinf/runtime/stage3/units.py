@@ -123,7 +123,8 @@ class Unit:
     gather_works: Optional[list] = None  # all-gather works launched ahead of use (FETCHING), [Note: all-gather ahead]
     gather_t0: float = 0.0  # when they were launched (TraceRecorder time)
     trainable: int = 0  # parameters with requires_grad
-    grads_seen: int = 0  # post-accumulate hooks fired in the running backward pass
+    grads_seen: int = 0  # post-accumulate hooks fired in the running backward pass (since its last reduction)
+    grads_expected: int = 0  # of them, how many the graph task accumulates (manager._grads_expected)
     grad: GradState = GradState.NONE  # its gradient in the running backward pass
     reduces_this_backward: int = 0  # reductions launched in this iteration
     user_holds: int = 0  # open gathered_parameters blocks holding it gathered: no release meanwhile
