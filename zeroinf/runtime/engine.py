@@ -763,6 +763,9 @@ class ZeroEngine:
         try:
             if self._in_bwd:
                 self._start_backward_step()
+            manager = getattr(self.params, "manager", None)
+            if manager is not None:
+                manager.forget_raised_pass()
             scaled = loss.float()
             if self.gas > 1 and scale_wrt_gas:
                 scaled = scaled / self.gas

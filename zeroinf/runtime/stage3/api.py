@@ -66,7 +66,7 @@ def _gathered(params, modifier_rank: Optional[int], loading: bool = False) -> It
             # may be gone) it gathers as at any other time; a weight written in the block, which
             # the forward saved, fails that backward as in plain PyTorch (the version check in
             # the saved-tensor hooks)
-            if m._in_iteration and (m._ctx is not None or m._in_backward):
+            if m._ctx is not None or m._in_backward:
                 raise RuntimeError("zeroinf.gathered_parameters: not available while the model's forward or "
                                    "backward is running")
             units.sort(key=lambda u: u.index)  # the same order, hence the same collectives, on every rank

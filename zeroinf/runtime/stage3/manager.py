@@ -13,8 +13,10 @@ How one iteration runs (one rank's view):
   gradient; when all of a unit's trainable parameters have their gradient, the reduction of
   the flat gradient over ranks is launched (see [Note: asynchronous reductions]), the rank's
   shard is added to its fp32 CPU gradient buffer (accumulated over micro-batches) once it has
-  completed, and the unit is released. A callback at the end of the backward reduces
-  whatever is left (parameters that got no gradient) and releases everything.
+  completed, and the unit is released. A callback at the end of each backward pass reduces
+  whatever is left (parameters that got no gradient) and releases everything; a pass of
+  ``torch.autograd.grad`` reduces nothing and leaves the iteration to the backward after it
+  ([Note: backward passes] in ``passes.py``).
 
 [Note: saved tensors] Autograd saves parameters (and views such as ``weight.t()``) for the
 backward. Left alone, those references would keep every released flat buffer alive until the
@@ -95,6 +97,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
 from .options import Stage3ConfigError, Stage3Options
+from .passes import BackwardPass, GradState, IterationPhase, UnitCall
 from .overlap import StepGate
 from .prefetch import PrefetchScheduler
 from .released import attribute_of, gathered_class, released_class
@@ -283,7 +286,7 @@ class _GraphToken:
     __slots__ = ("__weakref__",)
 
 
-def _graph_dropped(manager_ref, calls: List[Tuple["Unit", List[int]]], generation: int) -> None:
+def _graph_dropped(manager_ref, calls: List[UnitCall], generation: int) -> None:
     """A forward's graph is gone with its backward not run (the finalizer of its token, see
     :meth:`Stage3ParameterManager._note_graph`). Nothing to do once the iteration ended
     (``_end_iteration`` cleared every count) or the manager is gone."""
@@ -448,16 +451,17 @@ class Stage3ParameterManager:
         self._recompute_modes: List[Tuple[Unit, "_RecomputeMode"]] = []  # [Note: recompute in the backward]
         #: a gradient was reduced since the engine last looked (ZeroEngine._check_backward_ran)
         self.reduced_since_check = False
-        self._in_iteration = False
+        self._phase = IterationPhase.IDLE  # [Note: backward passes] in passes.py
+        self._pass: Optional[BackwardPass] = None  # the backward pass running, if any
+        #: units a pass with create_graph=True used: its graph saved their parameters as they are,
+        #: so they stay gathered until the iteration ends
+        self._derived_holds: Set[int] = set()
         self._param_epoch = 0  # params_updated() calls so far (saved weights remember it)
         self._forwards_in_iteration = 0  # the model's own forwards in this iteration
         self._submodule_forwards = 0  # submodules' forwards called on their own in it
-        #: a forward of this iteration hooked its outputs for a backward ([Note: several forwards, one backward])
-        self._backward_pending = False
-        self._calls: List[Tuple[Unit, List[int]]] = []  # unit calls of this root forward waiting for input gradients
+        self._calls: List[UnitCall] = []  # unit calls of this root forward waiting for input gradients
+        self._live_calls: List[UnitCall] = []  # unit calls of this iteration a pass may still run through
         self._generation = 0  # iterations ended so far (a dropped graph's callback checks it)
-        self._in_backward = False
-        self._callback_queued = False
         self._persistent_stale = True
         self._ctx: Optional[contextlib.ExitStack] = None
         self._entry: Optional[nn.Module] = None  # the module whose forward opened the running one
@@ -906,9 +910,10 @@ class Stage3ParameterManager:
 
     def is_pinned(self, unit: Unit) -> bool:
         """True while the unit is in use (running forward, or awaiting its gradients)."""
-        return unit.persistent or unit in self._active or unit in self._foreign or unit.gather_works is not None or (
-            self._in_backward and unit.state is UnitState.GATHERED
-            and (0 < unit.grads_seen < unit.trainable or (unit.in_backward and unit.inputs_pending > 0)))
+        return (unit.persistent or unit in self._active or unit in self._foreign or unit.gather_works is not None
+                or unit.index in self._derived_holds or (
+                    self._pass is not None and unit.state is UnitState.GATHERED
+                    and (unit.grad is GradState.PARTIAL or (unit.in_backward and unit.inputs_pending > 0))))
 
     def issue(self, unit: Unit, for_backward: bool = False) -> None:
         """Start gathering ``unit`` (its tier reads; the all-gather runs in :meth:`_complete`).
@@ -1259,9 +1264,12 @@ class Stage3ParameterManager:
             for u in self.units:
                 if self._live + unit.numel <= limit:
                     return
-                if releasable(u):
+                if releasable(u) and u.index not in self._derived_holds:
                     self.release(u)
         if self._live + unit.numel > limit:
+            if self._derived_holds:
+                hint += (" (a backward run with create_graph=True keeps every unit it used gathered until the "
+                         "backward through its graph ends)")
             live = [u.name for u in self.units if u.state is not UnitState.RELEASED and not u.persistent]
             raise RuntimeError(f"zeroinf stage 3: gathering unit '{unit.name}' ({unit.numel} elements) would exceed "
                                f"zero_optimization.stage3_max_live_parameters={limit}; in use: {live} "
@@ -1284,7 +1292,7 @@ class Stage3ParameterManager:
             # on the very gradient that completes this unit's inputs, before that input hook, so
             # at the live limit the two would not both fit. A frozen weight still needed is
             # gathered again through the saved-tensor hooks
-            return u.state is UnitState.GATHERED and u.inputs_pending > 0 and u.grads_seen >= u.trainable and idle(u)
+            return u.state is UnitState.GATHERED and u.inputs_pending > 0 and self._grads_in(u) and idle(u)
 
         def awaiting_gradients(u: Unit) -> bool:
             # in a backward, still waiting for gradients: two forwards and one backward of their
@@ -1321,6 +1329,8 @@ class Stage3ParameterManager:
             self.stats.add("prefetch_misses")
         self._make_room(unit)
         self._complete(unit)
+        if self._pass is not None and self._pass.derives and not unit.persistent:
+            self._derived_holds.add(unit.index)  # [Note: backward passes]: its graph may save these weights
         self.stats.live(self._live)  # also units gathered before this iteration began
         self.scheduler.schedule()
         if record:
@@ -1419,6 +1429,11 @@ class Stage3ParameterManager:
         """Whether :meth:`close` ran (the tiers are gone)."""
         return self._closed
 
+    @property
+    def _in_backward(self) -> bool:
+        """A backward pass runs ([Note: backward passes])."""
+        return self._pass is not None
+
     def _check_open(self) -> None:
         """Raise RuntimeError if :meth:`close` ran: the tiers are gone."""
         if self._closed:
@@ -1460,7 +1475,7 @@ class Stage3ParameterManager:
                     ctx.close()
                 self._active.clear()
                 self._release_foreign()
-                if self._in_iteration:
+                if self._phase is not IterationPhase.IDLE or self._pass is not None:
                     self.scheduler.abort()
                     self._end_iteration()
         finally:
@@ -1523,11 +1538,17 @@ class Stage3ParameterManager:
         engine is open and aborted a forward interrupted past its post-hook)."""
         self._busy += 1
         try:
-            if self._in_iteration and not self._continues_iteration():
-                self._end_iteration()  # a forward that had no backward
+            # a pass still recorded here raised before its end (no callback ran): its iteration
+            # ends unrecorded (its trace stopped part-way); one this forward does not continue (no
+            # backward came) ends as usual
+            if self._pass is not None:
+                self.scheduler.abort()
+                self._end_iteration()
+            elif self._phase is not IterationPhase.IDLE and not self._continues_iteration():
+                self._end_iteration()
             self._calls = []
-            if not self._in_iteration:
-                self._in_iteration = True
+            if self._phase is IterationPhase.IDLE:
+                self._phase = IterationPhase.OPEN
                 self._forwards_in_iteration = 0
                 self._submodule_forwards = 0
                 self.scheduler.begin(torch.is_grad_enabled())
@@ -1536,8 +1557,6 @@ class Stage3ParameterManager:
             else:
                 self._submodule_forwards += 1
             self._fwd_units_done = 0
-            self._callback_queued = False
-            self._in_backward = False
             self._t_iter = self.tracer.now()
             ctx = contextlib.ExitStack()
             ctx.enter_context(torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack))
@@ -1578,11 +1597,11 @@ class Stage3ParameterManager:
         one iteration keeps. A unit of a forward whose graph is kept but never run backward
         stays kept for its inputs' gradients through the next backward, released when room is
         needed (``_release_tiers``)."""
-        if not (self._in_iteration and not self._in_backward and self._ctx is None
+        if not (self._phase is not IterationPhase.IDLE and self._pass is None and self._ctx is None
                 and self._forwards_in_iteration < self.MAX_FORWARDS_PER_ITERATION
                 and self._submodule_forwards < self.MAX_SUBMODULE_FORWARDS_PER_ITERATION):
             return False
-        if not self._backward_pending:
+        if self._phase is IterationPhase.OPEN:
             # open with no backward pending: only submodules' forwards so far, which the next
             # forward under the same grad mode joins ([Note: a submodule's forward before the model's])
             return torch.is_grad_enabled() is self.scheduler.key
@@ -1614,13 +1633,13 @@ class Stage3ParameterManager:
         weakref.finalize(token, _graph_dropped, weakref.ref(self), calls, self._generation)
 
     @staticmethod
-    def _inputs_never_come(calls: List[Tuple[Unit, List[int]]]) -> None:
+    def _inputs_never_come(calls: List[UnitCall]) -> None:
         """``calls``' units no longer wait for their inputs' gradients: no backward will run
         through the forward that made them ([Note: several forwards, one backward])."""
-        for unit, left in calls:
-            if left[0] > 0:
-                left[0] = 0
-                unit.inputs_pending = max(0, unit.inputs_pending - 1)
+        for call in calls:
+            if call.live and call.left > 0:
+                call.unit.inputs_pending = max(0, call.unit.inputs_pending - 1)
+            call.live, call.left = False, 0
 
     def _root_post_forward(self, module, args, output):
         self._busy += 1
@@ -1644,12 +1663,12 @@ class Stage3ParameterManager:
                     if not (backward_follows and self.scheduler.hold_for_next_use(u)):
                         self.release(u)
             if backward_follows:
-                self._backward_pending = True
+                self._phase = IterationPhase.AWAITING_BACKWARD
                 self._note_graph(backward_follows)
                 return output
             self._inputs_never_come(self._calls)  # no output needs a gradient: no backward through it
             self._calls = []
-            if not self._backward_pending and module is self.module:
+            if self._phase is not IterationPhase.AWAITING_BACKWARD and module is self.module:
                 # a submodule's forward leaves the iteration open ([Note: a submodule's forward
                 # before the model's])
                 self._end_iteration()
@@ -1660,7 +1679,7 @@ class Stage3ParameterManager:
     def _pre_forward(self, unit: Unit, args=(), kwargs=None):
         self._busy += 1
         try:
-            if not self._in_iteration:
+            if self._phase is IterationPhase.IDLE and self._pass is None:
                 raise RuntimeError(f"zeroinf stage 3: unit '{unit.name}' was called outside the managed model's "
                                    "forward where it cannot open one (inside a zeroinf hook, or after a forward "
                                    "interrupted past its hooks); call the model itself")
@@ -1675,17 +1694,15 @@ class Stage3ParameterManager:
                 ins = [t for t in _shallow_args(args, kwargs or {}) if isinstance(t, torch.Tensor) and t.requires_grad]
                 if ins:
                     unit.inputs_pending += 1
-                    left = [len(ins)]  # one hook per input, counting down; the closures hold no tensor:
+                    call = UnitCall(unit, len(ins))
+                    # one hook per input, counting down; the hooks hold no tensor:
                     # register_multi_grad_hook(mode="all") keeps the grad_fns in its hooks, a cycle
                     # through C++ that kept every graph not run backward alive
-
-                    def one_done(_grad, u=unit, left=left):
-                        left[0] -= 1
-                        if left[0] == 0:
-                            self._inputs_done(u)
+                    hook = functools.partial(self._input_grad, call)
                     for t in ins:
-                        t.register_hook(one_done)
-                    self._calls.append((unit, left))
+                        t.register_hook(hook)
+                    self._calls.append(call)
+                    self._live_calls.append(call)
         finally:
             self._busy -= 1
 
@@ -1735,18 +1752,33 @@ class Stage3ParameterManager:
     def _pre_backward(self, unit: Unit) -> None:
         self._busy += 1
         try:
-            if not self._callback_queued:
-                self._callback_queued = True
-                self._in_backward = True
-                self._t_bwd = self.tracer.now()
-                self._held_into_backward = {u.index for u in self.units
-                                            if not u.persistent and u.state is not UnitState.RELEASED}
-                torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+            self._enter_pass()
             unit._t0 = self.tracer.now()
             unit.in_backward = True
             self._request(unit, "bwd")
         finally:
             self._busy -= 1
+
+    def _enter_pass(self) -> BackwardPass:
+        """The running backward pass; the first hook of a new autograd call begins it (see
+        [Note: backward passes]): the per-pass state of every unit and forward call starts afresh,
+        and the pass's end is queued on its graph task. A hook of another graph task while a pass
+        runs is one started inside it (reentrant checkpointing's backward of a block)."""
+        p = self._pass
+        if p is not None:
+            return p
+        p = self._pass = BackwardPass(derives=torch.is_grad_enabled(),
+                                      keeps_graph=torch._C._autograd._get_current_graph_task_keep_graph())
+        self._reset_pass_state()
+        for call in self._live_calls:
+            if call.live:
+                call.left = call.inputs
+                call.unit.inputs_pending += 1
+        self._t_bwd = self.tracer.now()
+        self._held_into_backward = {u.index for u in self.units
+                                    if not u.persistent and u.state is not UnitState.RELEASED}
+        torch.autograd.Variable._execution_engine.queue_callback(functools.partial(self._end_pass, p))
+        return p
 
     def _pre_accumulate(self, unit: Unit, grad: torch.Tensor) -> None:
         """[Note: gradient of a released parameter] Runs just before autograd accumulates
@@ -1758,11 +1790,13 @@ class Stage3ParameterManager:
         a head tied to the embedding, whose single accumulation comes at the very end of the
         backward, after the root unit was released to make room for the blocks (helper-36,
         /tmp/tester20/t02c_tied_min.py at the smallest stage3_max_live_parameters the config
-        check allows). Such a unit is gathered again here, on demand."""
-        # in a backward only: torch.autograd.grad(loss, params) accumulates nothing
-        if self._in_backward and unit.state is not UnitState.GATHERED:
+        check allows). Such a unit is gathered again here, on demand (also in a pass of
+        ``torch.autograd.grad`` with respect to the parameter, which accumulates nothing: the
+        hook cannot tell the two apart)."""
+        if unit.state is not UnitState.GATHERED:
             self._busy += 1
             try:
+                self._enter_pass()
                 self._request(unit, "bwd", record=False)
             finally:
                 self._busy -= 1
@@ -1772,6 +1806,7 @@ class Stage3ParameterManager:
         grad = param.grad
         if grad is None:
             return
+        self._enter_pass().accumulated = True
         if g.grad_full is None:  # [Note: first gradient copied] no zero fill, no add
             g.grad_full = self.scratch.take(g.padded_numel, g.dtype, self.device)
             g.grad_written = set()
@@ -1782,10 +1817,44 @@ class Stage3ParameterManager:
             dst.copy_(grad.reshape(-1))
             g.grad_written.add(s.index)
         param.grad = None
+        if unit.grad is not GradState.PARTIAL:  # the unit's first gradient of the pass (or since its reduction)
+            unit.grads_seen, unit.grads_expected = 0, self._grads_expected(unit)
         unit.grads_seen += 1
-        if unit.grads_seen == unit.trainable:
+        unit.grad = GradState.PARTIAL
+        if unit.grads_seen >= unit.grads_expected:
             self._reduce(unit)
             self._release_after_backward(unit)
+
+    @staticmethod
+    def _grads_expected(unit: Unit) -> int:
+        """How many of ``unit``'s trainable parameters get a gradient accumulated in the running
+        autograd graph task (at least 1: one just arrived): those whose ``AccumulateGrad`` node
+        the task will run. A parameter the forward never read (an adapter switched off) is in no
+        graph, so its unit's gradient is final, reduced and released as soon as the others are
+        in, not at the end of the backward. Inside the backward; the unit is gathered."""
+        n = 0
+        with torch.enable_grad(), torch._C.DisableTorchFunctionSubclass():
+            for g in unit.groups:
+                for s in g.slots:
+                    p = s.param
+                    if p.requires_grad:
+                        node = p.view_as(p).grad_fn.next_functions[0][0]  # its AccumulateGrad
+                        n += bool(torch._C._will_engine_execute_node(node))
+        return max(n, 1)
+
+    def _grads_in(self, unit: Unit) -> bool:
+        """The unit's gradients of the running pass are all in: it has no trainable parameter,
+        or the last one expected arrived and the unit was reduced."""
+        return unit.trainable == 0 or unit.grad is GradState.REDUCED
+
+    def _input_grad(self, call: UnitCall, _grad: torch.Tensor) -> None:
+        """A tensor hook on an input of a unit's forward call: its gradient was computed."""
+        if not call.live or call.left <= 0:
+            return
+        self._enter_pass()
+        call.left -= 1
+        if call.left == 0:
+            self._inputs_done(call.unit)
 
     def _inputs_done(self, unit: Unit) -> None:
         """[Note: release after the inputs' gradients] The backward computed the gradients of
@@ -1799,16 +1868,17 @@ class Stage3ParameterManager:
         self._busy += 1
         try:
             unit.inputs_pending = max(0, unit.inputs_pending - 1)
-            if self._in_backward:
-                self._release_after_backward(unit)
+            self._release_after_backward(unit)
         finally:
             self._busy -= 1
 
     def _release_after_backward(self, unit: Unit) -> None:
-        """Release a unit whose backward is over: its own gradients are in (reduced) and every
-        forward call's inputs have theirs ([Note: release after the inputs' gradients])."""
-        if (unit.inputs_pending == 0 and unit.grads_seen >= unit.trainable and not unit.persistent
-                and unit not in self._active and unit.state is UnitState.GATHERED):
+        """Release a unit whose backward is over in the running pass: its own gradients are in
+        (reduced) and every forward call's inputs have theirs ([Note: release after the inputs'
+        gradients]); not one a ``create_graph`` pass holds ([Note: backward passes])."""
+        if (unit.inputs_pending == 0 and self._grads_in(unit) and not unit.persistent
+                and unit not in self._active and unit.state is UnitState.GATHERED
+                and unit.index not in self._derived_holds):
             self.tracer.span(f"bwd {unit.name}", "unit", getattr(unit, "_t0", self.tracer.now()), self.tracer.now())
             self.release(unit)
 
@@ -1854,6 +1924,8 @@ class Stage3ParameterManager:
             unit.reduces_this_backward += 1
             self.reduced_since_check = True
             self.stats.add("reduces")
+        if unit.grad is GradState.PARTIAL:
+            unit.grad = GradState.REDUCED
 
     def _launch_reduce(self, g: FlatGroup) -> _Reduction:
         """Start summing ``g.grad_full`` (``padded_numel``, training dtype) over ranks."""
@@ -1963,7 +2035,14 @@ class Stage3ParameterManager:
             self._add_to_grad_shard(g, part)
             self._grads_in_flight.pop(0)
 
-    def _end_backward(self) -> None:
+    def _end_pass(self, p: BackwardPass) -> None:
+        """The end of backward pass ``p`` (queued on its graph task; see [Note: backward
+        passes]): the gradients it accumulated are final, and those not reduced yet are reduced
+        now. A pass that accumulated gradients or freed its graph ends the iteration; one of
+        ``torch.autograd.grad`` keeping its graph releases the units it gathered (but those a
+        ``create_graph`` pass holds) and leaves the iteration to the backward to come."""
+        if self._pass is not p:  # the iteration was aborted meanwhile
+            return
         self._busy += 1
         try:
             for u in self.units:
@@ -1972,10 +2051,46 @@ class Stage3ParameterManager:
             self._land_grads(wait=True)  # [Note: CUDA streams]: the optimizer step reads them next
             self._host_reads_done()
             self.check_grad_io(wait=False)
-            self._in_backward = False
+            self._pass = None
             if self.tracer is not None and hasattr(self, "_t_bwd"):
                 self.tracer.span("backward", "unit", self._t_bwd, self.tracer.now())
-            self._end_iteration()
+            if p.accumulated or not p.keeps_graph:
+                self._end_iteration()
+                return
+            for u in self.units:
+                u.in_backward = False
+                if u.state is not UnitState.RELEASED and not self.is_pinned(u):
+                    self.release(u)
+        finally:
+            self._busy -= 1
+
+    def _reset_pass_state(self) -> None:
+        """Every unit's per-pass state back to its start: no gradient of a pass in
+        (``GradState.NONE``), its backward not begun, no forward call waiting (a new pass
+        counts the calls it may run through again: :meth:`_enter_pass`)."""
+        for u in self.units:
+            u.grads_seen, u.grads_expected, u.grad, u.in_backward, u.inputs_pending = 0, 0, GradState.NONE, False, 0
+
+    def forget_raised_pass(self) -> None:
+        """Called where no backward pass runs (``engine.backward`` before it starts its own): a
+        pass still recorded raised part-way, so its end never ran (an ``autograd.grad`` that
+        failed inside the backward and was caught). Without this the next pass would be taken
+        for one started inside it and end with nothing reduced. Its unreduced gradients are
+        dropped (a failed pass's are never final) and its units released; the iteration stays
+        open for the backward to come."""
+        if self._pass is None:
+            return
+        self._busy += 1
+        try:
+            self._pass = None
+            for g in self.groups():
+                if g.grad_full is not None:
+                    full, g.grad_full, g.grad_written = g.grad_full, None, None
+                    self.scratch.give(full)
+            self._reset_pass_state()
+            for u in self.units:
+                if u.state is not UnitState.RELEASED and not self.is_pinned(u):
+                    self.release(u)
         finally:
             self._busy -= 1
 
@@ -1984,7 +2099,9 @@ class Stage3ParameterManager:
             if g.grad_full is not None:  # be added into the next backward's
                 full, g.grad_full, g.grad_written = g.grad_full, None, None
                 self.scratch.give(full)
-        if self._forwards_in_iteration == 0 and not self._backward_pending:
+        if self._phase is IterationPhase.IDLE:
+            pass  # a pass through a graph kept from an iteration that ended: nothing to record
+        elif self._forwards_in_iteration == 0 and self._phase is not IterationPhase.AWAITING_BACKWARD:
             # only submodules called on their own, none with a backward (a frozen embedding,
             # then an eval under no_grad): the model's next forward is this iteration's, so
             # record nothing ([Note: a submodule's forward before the model's]; recorded, the
@@ -2002,18 +2119,21 @@ class Stage3ParameterManager:
         for u in self.units:
             self.release(u)
         self.last_reduce_counts = {u.name: u.reduces_this_backward for u in self.units if u.groups}
+        self._reset_pass_state()
         for u in self.units:
-            u.grads_seen = 0
             u.reduces_this_backward = 0
-            u.inputs_pending, u.in_backward = 0, False
-        self._in_iteration = False
-        self._backward_pending = False
+        for call in self._live_calls:  # no pass runs through this iteration's calls any more
+            call.live = False
+        self._live_calls = []
+        self._derived_holds.clear()
+        self._pass = None
+        was, self._phase = self._phase, IterationPhase.IDLE
         self._graphs_alive = 0
         self._calls = []
         self._generation += 1
-        self._in_backward = False
-        self.stats.finish()
-        self.tracer.finish()
+        if was is not IterationPhase.IDLE:  # a pass outside an iteration counts into the next one
+            self.stats.finish()
+            self.tracer.finish()
 
     # ------------------------------------------------------------------------ optimizer side
     def groups(self) -> List[FlatGroup]:

@@ -35,14 +35,17 @@ from torch import nn
 __all__ = ["released_class", "gathered_class", "is_released", "PASS_THROUGH"]
 
 #: torch functions allowed on a released parameter: attribute access (``__get__``/``__set__``:
-#: ``.shape``, ``.grad``, ``.data``, ...), metadata, hooks, and ``detach`` (``state_dict``
-#: detaches before the engine's hook puts the full values in). Copies and pickles are refused
+#: ``.shape``, ``.grad``, ``.data``, ...), metadata, hooks, ``detach`` (``state_dict``
+#: detaches before the engine's hook puts the full values in), and ``torch.autograd.grad`` /
+#: ``torch.autograd.backward`` with the parameter among their inputs (autograd reads only its
+#: gradient edge; the backward's hooks gather the weights it computes with). Copies and pickles are refused
 #: (they went through ``.data`` and held an empty tensor).
 PASS_THROUGH = frozenset({
     "__get__", "__set__", "__hash__", "__format__", "__setstate__",
     "detach", "requires_grad_", "numel", "nelement", "dim", "ndimension", "size", "stride",
     "element_size", "is_contiguous", "is_floating_point", "is_complex", "get_device", "data_ptr",
     "untyped_storage", "storage_offset", "register_hook", "register_post_accumulate_grad_hook", "_is_view",
+    "grad", "backward",  # torch.autograd.grad / backward with respect to it: the hooks gather what they compute on
 })
 
 #: what a parameter ``zeroinf.Init`` holds also lets through: the conversions of ``Module._apply``

@@ -22,6 +22,8 @@ from typing import Callable, Dict, Hashable, List, Optional, Sequence, Set, Tupl
 import torch
 from torch import nn
 
+from .passes import GradState
+
 __all__ = ["UnitState", "ParamSlot", "FlatGroup", "Unit", "find_unit_modules", "build_units", "param_splitter", "FROZEN"]
 
 
@@ -121,11 +123,13 @@ class Unit:
     gather_works: Optional[list] = None  # all-gather works launched ahead of use (FETCHING), [Note: all-gather ahead]
     gather_t0: float = 0.0  # when they were launched (TraceRecorder time)
     trainable: int = 0  # parameters with requires_grad
-    grads_seen: int = 0  # post-accumulate hooks fired this backward
-    reduces_this_backward: int = 0
+    grads_seen: int = 0  # post-accumulate hooks fired in the running backward pass (since its last reduction)
+    grads_expected: int = 0  # of them, how many the graph task accumulates (manager._grads_expected)
+    grad: GradState = GradState.NONE  # its gradient in the running backward pass
+    reduces_this_backward: int = 0  # reductions launched in this iteration
     user_holds: int = 0  # open gathered_parameters blocks holding it gathered: no release meanwhile
-    inputs_pending: int = 0  # forward calls whose input gradients the backward has not computed yet
-    in_backward: bool = False  # its backward started (manager._pre_backward) this iteration
+    inputs_pending: int = 0  # forward calls whose input gradients the running pass has not computed yet
+    in_backward: bool = False  # its backward started (manager._pre_backward) in the running pass
 
     def __post_init__(self) -> None:
         # the groups are fixed at construction; the scheduler reads this per trace entry
