@@ -1307,6 +1307,45 @@ class ZeroEngine:
             torch.cuda.empty_cache()
         return freed
 
+    def offload_states(self, include=None, device=None, pin_memory: bool = True, non_blocking: bool = False,
+                       *, path: Optional[str] = None) -> int:
+        """Move the whole state out of memory into one file under ``path`` (default: the config's
+        ``nvme_path``, else the temp folder), as DeepSpeed's method of the same name (RLHF phases):
+        see :mod:`zeroinf.runtime.offload_states`. Until :meth:`reload_states` the model's forward
+        and ``state_dict`` raise. ``include`` must be None (all states); ``device``,
+        ``pin_memory`` and ``non_blocking`` are accepted and not read.
+
+        Returns:
+            Bytes moved out of memory.
+
+        Raises:
+            NotImplementedError: ``include`` names a subset of the states.
+            RuntimeError: the engine is closed, already offloaded, or (stage 3) a unit is held.
+            OSError: the file cannot be written (nothing was freed).
+        """
+        from .offload_states import Residency, offload
+        if include is not None:
+            raise NotImplementedError("engine.offload_states(include=...): zeroinf offloads all states together; "
+                                      "pass include=None")
+        self._check_open()
+        if getattr(self, "_residency", Residency.RESIDENT) is Residency.OFFLOADED:
+            raise RuntimeError("engine.offload_states(): the states are already offloaded")
+        self.synchronize()
+        self.empty_partition_cache()
+        self._offloaded = offload(self, path)
+        self._residency = Residency.OFFLOADED
+        return self._offloaded.nbytes
+
+    def reload_states(self, non_blocking: bool = False) -> None:
+        """Read back what :meth:`offload_states` moved, bit for bit, and remove its file
+        (``non_blocking`` is not read). Raises RuntimeError when nothing is offloaded, OSError
+        when the file cannot be read back (see :func:`zeroinf.runtime.offload_states.reload`)."""
+        from .offload_states import Residency, reload
+        if getattr(self, "_residency", Residency.RESIDENT) is not Residency.OFFLOADED:
+            raise RuntimeError("engine.reload_states(): nothing is offloaded (call engine.offload_states() first)")
+        reload(self._offloaded)
+        self._offloaded, self._residency = None, Residency.RESIDENT
+
     def save_16bit_model(self, save_dir: str, save_filename: str = "pytorch_model.bin",
                          exclude_frozen_parameters: bool = False) -> bool:
         """DeepSpeed's ``save_16bit_model``: the model's state dict in its training dtype (bf16 or
