@@ -201,8 +201,12 @@ def test_offload_states_and_reload_states_bring_every_byte_back(tmp_path, case):
             assert [f for f in os.listdir(tmp_path) if f.startswith("zeroinf-offloaded-states-")]
         with pytest.raises(RuntimeError, match="offloaded"):
             a(batch(4)[0])
-        with pytest.raises(RuntimeError, match="already offloaded"):
+        with pytest.raises(RuntimeError, match="states are offloaded"):
             a.offload_states()
+        for call in (lambda: a.save_checkpoint(str(tmp_path / "ck")), lambda: a.step(),
+                     lambda: a.load_checkpoint(str(tmp_path / "ck")), lambda: a.module.state_dict()):
+            with pytest.raises(RuntimeError, match="offloaded"):
+                call()
         a.reload_states()
         after = _state(a)
         assert len(after) == len(before) and all(torch.equal(x, y) for x, y in zip(before, after))

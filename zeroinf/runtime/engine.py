@@ -1320,16 +1320,14 @@ class ZeroEngine:
 
         Raises:
             NotImplementedError: ``include`` names a subset of the states.
-            RuntimeError: the engine is closed, already offloaded, or (stage 3) a unit is held.
+            RuntimeError: the engine is closed or already offloaded.
             OSError: the file cannot be written (nothing was freed).
         """
         from .offload_states import Residency, offload
         if include is not None:
             raise NotImplementedError("engine.offload_states(include=...): zeroinf offloads all states together; "
                                       "pass include=None")
-        self._check_open()
-        if getattr(self, "_residency", Residency.RESIDENT) is Residency.OFFLOADED:
-            raise RuntimeError("engine.offload_states(): the states are already offloaded")
+        self._check_open()  # also refuses a second offload
         self.synchronize()
         self.empty_partition_cache()
         self._offloaded = offload(self, path)
@@ -1630,14 +1628,19 @@ class ZeroEngine:
                     manager.close()
 
     def _check_open(self, loading: bool = False) -> None:
-        """Raise RuntimeError once :meth:`close` ran, or (unless ``loading``) while a
-        :meth:`load_checkpoint` that failed part-way left the state a mix of two."""
+        """Raise RuntimeError once :meth:`close` ran, while :meth:`offload_states` holds the state
+        in its file, or (unless ``loading``) while a :meth:`load_checkpoint` that failed part-way
+        left the state a mix of two."""
         if self._closed:
             raise RuntimeError("zeroinf: this engine was closed (engine.close()); its optimizer state and swap "
                                "buffers are released. Build a new engine with zeroinf.initialize (at stage 3 on a newly "
                                "built model), and save a checkpoint before closing to carry the state over.")
         if not loading:
             self.load_guard.check()
+        from .offload_states import Residency
+        if getattr(self, "_residency", Residency.RESIDENT) is Residency.OFFLOADED:
+            raise RuntimeError("zeroinf: the engine's states are offloaded (engine.offload_states()); call "
+                               "engine.reload_states() first")
 
     def destroy(self) -> None:
         """Alias of :meth:`close` (DeepSpeed's name)."""
