@@ -675,6 +675,16 @@ class ZeroEngine:
             sd = {k: v for k, v in sd.items() if k not in frozen}
         return sd
 
+    def zero_gather_16bit_weights_on_model_save(self) -> bool:
+        """True: a model save gathers the full weights at every stage (DeepSpeed's question, asked
+        by Accelerate and transformers before :meth:`_zero3_consolidated_16bit_state_dict`)."""
+        return True
+
+    def _zero3_consolidated_16bit_state_dict(self, exclude_frozen_parameters: bool = False) -> Dict[str, torch.Tensor]:
+        """DeepSpeed's name for the full state dict at stage 3: :meth:`module_state_dict`
+        (the model's dtype; collective with several ranks)."""
+        return self.module_state_dict(exclude_frozen_parameters=exclude_frozen_parameters)
+
     def is_gradient_accumulation_boundary(self) -> bool:
         """Whether the next :meth:`step` is an optimizer step: every ``gradient_accumulation_steps``-th
         micro-batch, or what :meth:`set_gradient_accumulation_boundary` set last."""
