@@ -97,3 +97,36 @@ def test_trainer_on_zeroinf_matches_the_plain_trainer_saves_and_resumes(tmp_path
     after = [s for s in resumed if s > 5]
     assert after == list(range(6, STEPS + 1))
     assert [resumed[s] for s in after] == [first[s] for s in after]
+
+
+HIDDEN = '''
+import importlib.abc, json, sys
+class Hide(importlib.abc.MetaPathFinder):  # DeepSpeed is not installed, as far as imports can tell
+    def find_spec(self, name, path, target=None):
+        if name == "deepspeed" or name.startswith("deepspeed."):
+            raise ModuleNotFoundError(f"No module named {{name!r}}", name=name)
+sys.meta_path.insert(0, Hide())
+import zeroinf.integrations.hf
+zeroinf.integrations.hf.enable()
+sys.path.insert(0, {tests!r})
+import test_hf_trainer as t
+trainer, losses = t._train({out!r}, ds=t._ds_config("zero2-cpu", None))
+json.dump(dict(engine=type(trainer.model_wrapped).__name__, shim=sys.modules["deepspeed"] is zeroinf.integrations.hf.shim,
+               losses=list(losses.values())), open({out!r} + ".json", "w"))
+'''
+
+
+def test_trainer_on_zeroinf_without_deepspeed_installed(tmp_path, plain):
+    import json
+    import os
+    import subprocess
+    import sys
+    here = os.path.dirname(os.path.abspath(__file__))
+    out = str(tmp_path / "run")
+    env = dict(os.environ, PYTHONPATH=os.path.dirname(here) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    res = subprocess.run([sys.executable, "-c", HIDDEN.format(tests=here, out=out)], env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    got = json.loads(open(out + ".json").read())
+    assert got["engine"] == "ZeroEngine" and got["shim"]
+    assert got["losses"] == pytest.approx(list(plain.values()), abs=2e-5)

@@ -11,14 +11,18 @@ from the ``TrainingArguments`` (``HfTrainerDeepSpeedConfig.trainer_config_proces
 name, inside the two calls that build the engine (``Accelerator._prepare_deepspeed`` and
 transformers' ``deepspeed_init``), is :data:`shim`, a module named ``deepspeed`` whose
 ``initialize`` is zeroinf's; everywhere else ``deepspeed`` stays what it is (the real package
-when installed). Without DeepSpeed installed, :data:`shim` stands in for it for good, and the
-two libraries' ``is_deepspeed_available`` answer True.
+when installed). Without DeepSpeed installed, :data:`shim` stands in for it for good, with
+package metadata (``importlib.metadata``) so the two libraries' ``is_deepspeed_available`` answer
+True; then ``enable()`` must run before transformers is imported (transformers decides at import
+whether its DeepSpeed integration exists; a later ``enable()`` raises RuntimeError saying so).
 """
 from __future__ import annotations
 
 import contextlib
 import functools
 import importlib
+import importlib.abc
+import importlib.metadata
 import importlib.util
 import logging
 import sys
@@ -48,6 +52,8 @@ def _build_shim() -> Dict[str, types.ModuleType]:
     ds.init_distributed = deepspeed_compat.init_distributed
     ds.add_config_arguments = deepspeed_compat.add_config_arguments
     ds.zero = deepspeed_compat.zero
+    from zeroinf.runtime.engine import ZeroEngine
+    ds.DeepSpeedEngine = ZeroEngine  # Accelerate unwraps instances of it through .module
     comm = types.ModuleType("deepspeed.comm")
     comm.init_distributed = deepspeed_compat.init_distributed
     utils = types.ModuleType("deepspeed.utils")
@@ -58,6 +64,32 @@ def _build_shim() -> Dict[str, types.ModuleType]:
     ds.comm, ds.utils, ds.runtime, runtime.lr_schedules = comm, utils, runtime, lr
     return {"deepspeed": ds, "deepspeed.comm": comm, "deepspeed.utils": utils, "deepspeed.runtime": runtime,
             "deepspeed.runtime.lr_schedules": lr}
+
+
+class _ShimDistribution(importlib.metadata.Distribution):
+    """The package metadata of :data:`shim` (name ``deepspeed``, its ``__version__``), which both
+    libraries' ``is_deepspeed_available`` and version checks read."""
+
+    def read_text(self, filename):
+        if filename == "METADATA":
+            return (f"Metadata-Version: 2.1\nName: deepspeed\nVersion: {shim.__version__}\n"
+                    "Summary: zeroinf standing in for DeepSpeed\n")
+        return None
+
+    def locate_file(self, path):
+        return path
+
+
+class _ShimFinder(importlib.abc.MetaPathFinder):
+    """Answers ``importlib.metadata`` for ``deepspeed`` with :class:`_ShimDistribution`; finds
+    no modules (the shim's are in ``sys.modules``)."""
+
+    def find_spec(self, fullname, path, target=None):
+        return None
+
+    def find_distributions(self, context=importlib.metadata.DistributionFinder.Context()):
+        if context.name is not None and context.name.replace("-", "_").lower() == "deepspeed":
+            yield _ShimDistribution()
 
 
 _SHIM = _build_shim()
@@ -137,6 +169,14 @@ def enable() -> None:
     global _enabled
     if _enabled:
         return
+    if not _deepspeed_installed():
+        hf_ds = sys.modules.get("transformers.integrations.deepspeed")
+        if hf_ds is not None and hf_ds.DeepSpeedConfig is object:
+            raise RuntimeError("zeroinf.integrations.hf.enable(): transformers' DeepSpeed integration was imported "
+                               "before enable() while DeepSpeed is not installed, and has disabled itself; call "
+                               "enable() before importing transformers (or anything that imports it)")
+        sys.modules.update(_SHIM)
+        sys.meta_path.insert(0, _ShimFinder())
     import accelerate.accelerator
     import transformers.integrations.deepspeed as hf_ds
     import transformers.trainer
@@ -147,18 +187,4 @@ def enable() -> None:
     acc = accelerate.accelerator.Accelerator
     acc.unwrap_model = _unwrapping_engine(acc.unwrap_model)
     acc.get_state_dict = _state_dict_of_engine(acc.get_state_dict)
-    if not _deepspeed_installed():
-        sys.modules.update(_SHIM)
-        _answer_available()
     _enabled = True
-
-
-def _answer_available() -> None:
-    """Without DeepSpeed: every ``is_deepspeed_available`` the two libraries imported answers True."""
-    def yes() -> bool:
-        return True
-    for name in list(sys.modules):
-        if name.startswith(("transformers", "accelerate")):
-            mod = sys.modules[name]
-            if getattr(mod, "is_deepspeed_available", None) is not None:
-                mod.is_deepspeed_available = yes
