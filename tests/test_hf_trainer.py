@@ -111,8 +111,9 @@ zeroinf.integrations.hf.enable()
 sys.path.insert(0, {tests!r})
 import test_hf_trainer as t
 trainer, losses = t._train({out!r}, ds=t._ds_config("zero2-cpu", None))
-json.dump(dict(engine=type(trainer.model_wrapped).__name__, shim=sys.modules["deepspeed"] is zeroinf.integrations.hf.shim,
-               losses=list(losses.values())), open({out!r} + ".json", "w"))
+shim = sys.modules["deepspeed"] is zeroinf.integrations.hf.shim
+json.dump(dict(engine=type(trainer.model_wrapped).__name__, shim=shim, losses=list(losses.values())),
+          open({out!r} + ".json", "w"))
 '''
 
 
