@@ -309,6 +309,31 @@ class ZeroInfConfig:
     steps_per_print: "int | float" = 10  #: rank 0 reports step, skipped steps and lr (engine._progress: the ``zeroinf`` logger, or stderr); 0: never
     wall_clock_breakdown: bool = False  #: ... and the last step's seconds per phase
     zeroinf: ZeroInfExtraConfig = field(default_factory=ZeroInfExtraConfig)
+    #: the config as given, its deprecated spellings renamed and its "auto" values resolved;
+    #: read through ``cfg["key"]`` / ``cfg.get(...)``, as DeepSpeed's ``engine.config`` dict
+    source: Mapping[str, Any] = field(default_factory=dict, repr=False, compare=False)
+
+    def __getitem__(self, key: str) -> Any:
+        """``cfg["zero_optimization"]``: the top-level ``key`` of :attr:`source` (KeyError if absent)."""
+        return self.source[key]
+
+    def get(self, key: str, default: Any = None) -> Any:
+        """:attr:`source`'s top-level ``key``, or ``default``."""
+        return self.source.get(key, default)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self.source
+
+    def keys(self):
+        return self.source.keys()
+
+    def items(self):
+        return self.source.items()
+
+    def to_dict(self) -> Dict[str, Any]:
+        """A deep copy of :attr:`source` (a plain dict: JSON-serialisable as the config given was)."""
+        import copy
+        return copy.deepcopy(dict(self.source))
 
     @property
     def precision(self) -> str:
@@ -657,4 +682,5 @@ def parse_config(config: "Mapping[str, Any] | str | os.PathLike", world_size: in
         zeroinf=ZeroInfExtraConfig(grad_norm_type=norm_type,
                                    overlap_step=_bool(extra, "overlap_step", "zeroinf", True),
                                    optimizer_in_backward=in_bwd,
-                                   check_memory=_bool(extra, "check_memory", "zeroinf", True)))
+                                   check_memory=_bool(extra, "check_memory", "zeroinf", True)),
+        source=config)

@@ -675,6 +675,16 @@ class ZeroEngine:
             sd = {k: v for k, v in sd.items() if k not in frozen}
         return sd
 
+    def zero_gather_16bit_weights_on_model_save(self) -> bool:
+        """True: a model save gathers the full weights at every stage (DeepSpeed's question, asked
+        by Accelerate and transformers before :meth:`_zero3_consolidated_16bit_state_dict`)."""
+        return True
+
+    def _zero3_consolidated_16bit_state_dict(self, exclude_frozen_parameters: bool = False) -> Dict[str, torch.Tensor]:
+        """DeepSpeed's name for the full state dict at stage 3: :meth:`module_state_dict`
+        (the model's dtype; collective with several ranks)."""
+        return self.module_state_dict(exclude_frozen_parameters=exclude_frozen_parameters)
+
     def is_gradient_accumulation_boundary(self) -> bool:
         """Whether the next :meth:`step` is an optimizer step: every ``gradient_accumulation_steps``-th
         micro-batch, or what :meth:`set_gradient_accumulation_boundary` set last."""
@@ -1310,6 +1320,43 @@ class ZeroEngine:
             torch.cuda.empty_cache()
         return freed
 
+    def offload_states(self, include=None, device=None, pin_memory: bool = True, non_blocking: bool = False,
+                       *, path: Optional[str] = None) -> int:
+        """Move the whole state out of memory into one file under ``path`` (default: the config's
+        ``nvme_path``, else the temp folder), as DeepSpeed's method of the same name (RLHF phases):
+        see :mod:`zeroinf.runtime.offload_states`. Until :meth:`reload_states` the model's forward
+        and ``state_dict`` raise. ``include`` must be None (all states); ``device``,
+        ``pin_memory`` and ``non_blocking`` are accepted and not read.
+
+        Returns:
+            Bytes moved out of memory.
+
+        Raises:
+            NotImplementedError: ``include`` names a subset of the states.
+            RuntimeError: the engine is closed or already offloaded.
+            OSError: the file cannot be written (nothing was freed).
+        """
+        from .offload_states import Residency, offload
+        if include is not None:
+            raise NotImplementedError("engine.offload_states(include=...): zeroinf offloads all states together; "
+                                      "pass include=None")
+        self._check_open()  # also refuses a second offload
+        self.synchronize()
+        self.empty_partition_cache()
+        self._offloaded = offload(self, path)
+        self._residency = Residency.OFFLOADED
+        return self._offloaded.nbytes
+
+    def reload_states(self, non_blocking: bool = False) -> None:
+        """Read back what :meth:`offload_states` moved, bit for bit, and remove its file
+        (``non_blocking`` is not read). Raises RuntimeError when nothing is offloaded, OSError
+        when the file cannot be read back (see :func:`zeroinf.runtime.offload_states.reload`)."""
+        from .offload_states import Residency, reload
+        if getattr(self, "_residency", Residency.RESIDENT) is not Residency.OFFLOADED:
+            raise RuntimeError("engine.reload_states(): nothing is offloaded (call engine.offload_states() first)")
+        reload(self._offloaded)
+        self._offloaded, self._residency = None, Residency.RESIDENT
+
     def save_16bit_model(self, save_dir: str, save_filename: str = "pytorch_model.bin",
                          exclude_frozen_parameters: bool = False) -> bool:
         """DeepSpeed's ``save_16bit_model``: the model's state dict in its training dtype (bf16 or
@@ -1594,14 +1641,19 @@ class ZeroEngine:
                     manager.close()
 
     def _check_open(self, loading: bool = False) -> None:
-        """Raise RuntimeError once :meth:`close` ran, or (unless ``loading``) while a
-        :meth:`load_checkpoint` that failed part-way left the state a mix of two."""
+        """Raise RuntimeError once :meth:`close` ran, while :meth:`offload_states` holds the state
+        in its file, or (unless ``loading``) while a :meth:`load_checkpoint` that failed part-way
+        left the state a mix of two."""
         if self._closed:
             raise RuntimeError("zeroinf: this engine was closed (engine.close()); its optimizer state and swap "
                                "buffers are released. Build a new engine with zeroinf.initialize (at stage 3 on a newly "
                                "built model), and save a checkpoint before closing to carry the state over.")
         if not loading:
             self.load_guard.check()
+        from .offload_states import Residency
+        if getattr(self, "_residency", Residency.RESIDENT) is Residency.OFFLOADED:
+            raise RuntimeError("zeroinf: the engine's states are offloaded (engine.offload_states()); call "
+                               "engine.reload_states() first")
 
     def destroy(self) -> None:
         """Alias of :meth:`close` (DeepSpeed's name)."""

@@ -1,0 +1,2 @@
+"""Integrations with other training libraries: :mod:`.hf` (Hugging Face transformers.Trainer and
+Accelerate)."""
