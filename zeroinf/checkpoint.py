@@ -870,12 +870,18 @@ def _consolidated(load_dir: str, tag: Optional[str]) -> Tuple[str, Dict[str, Any
     ckpt, meta = _load_meta(load_dir, tag)
     _check_module_crcs(meta, os.path.join(ckpt, "model_states.pt"))
     sd = {k: (v.float() if v.is_floating_point() else v).clone() for k, v in meta["module"].items()}
+    from tqdm import tqdm
+
     subs: Dict[int, list] = {}
     for key, numel, gi in meta["sub_groups"]:
         subs.setdefault(gi, []).append((key, numel))
+    # a bar on a terminal when reading the ranks' files takes over a second (a large model)
+    bar = tqdm(total=sum(lay["nparts"] for lay in meta["layout"]), desc="zeroinf: consolidating", unit="part",
+               delay=1.0, leave=False, disable=None)
     for gi, lay in enumerate(meta["layout"]):
         flat = torch.zeros(lay["padded"], dtype=torch.float32)
         for r in range(lay["nparts"]):
+            bar.update(1)
             pos = r * lay["part_numel"]
             keys = subs.get(gi, []) if lay.get("sub_keys") is None else [
                 (k, n) for ks in subs.values() for k, n in ks if k in set(lay["sub_keys"])]
@@ -887,8 +893,8 @@ def _consolidated(load_dir: str, tag: Optional[str]) -> Tuple[str, Dict[str, Any
                 want = meta.get("save_id")  # checkpoints from before save ids have none
                 if want is not None and isinstance(opt, dict) and opt.get("save_id") != want:
                     raise CheckpointError(f"{f}: written by another save ({opt.get('save_id')!r}) than model_states.pt "
-                                          f"({want!r}); the folder mixes the files of two saves (tester-45 F3: "
-                                          "consolidate and the partial loads took them silently)")
+                                          f"({want!r}); the folder mixes the files of two saves (a "
+                                          "consolidated state dict must come from one save)")
                 _check_crc(opt, 0, f)
                 flat[pos:pos + numel].copy_(opt["master"])
                 pos += numel
@@ -899,4 +905,5 @@ def _consolidated(load_dir: str, tag: Optional[str]) -> Tuple[str, Dict[str, Any
             t = flat[p["offset"]:p["offset"] + n].view(p["shape"])
             for name in p["names"]:
                 sd[name] = t.clone()
+    bar.close()
     return ckpt, meta, sd
