@@ -5,6 +5,7 @@
 #include <omp.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstring>
 #include <iterator>
 #include <map>
@@ -165,6 +166,43 @@ WorkList make_work_list(const std::vector<Buffers>& bufs) {
   return w;
 }
 
+// A range [front, back) of item indices, taken from the front by its owner and from the back by
+// the other threads; both ends live in one atomic word so the two never take the same item.
+class alignas(64) ItemRange {
+ public:
+  void reset(int64_t front, int64_t back) {
+    fb_.store(pack(front, back), std::memory_order_relaxed);
+  }
+  bool take_front(int64_t& item) {
+    uint64_t x = fb_.load(std::memory_order_relaxed);
+    for (;;) {
+      const uint32_t f = static_cast<uint32_t>(x), b = static_cast<uint32_t>(x >> 32);
+      if (f >= b) return false;
+      if (fb_.compare_exchange_weak(x, pack(f + 1, b), std::memory_order_relaxed)) {
+        item = f;
+        return true;
+      }
+    }
+  }
+  bool take_back(int64_t& item) {
+    uint64_t x = fb_.load(std::memory_order_relaxed);
+    for (;;) {
+      const uint32_t f = static_cast<uint32_t>(x), b = static_cast<uint32_t>(x >> 32);
+      if (f >= b) return false;
+      if (fb_.compare_exchange_weak(x, pack(f, b - 1), std::memory_order_relaxed)) {
+        item = b - 1;
+        return true;
+      }
+    }
+  }
+
+ private:
+  static uint64_t pack(int64_t front, int64_t back) {
+    return static_cast<uint64_t>(front) | (static_cast<uint64_t>(back) << 32);
+  }
+  std::atomic<uint64_t> fb_{0};
+};
+
 void run(bool roof, Isa isa, const std::vector<Buffers>& bufs, const std::vector<Hyper>& hypers, int nthreads) {
   const std::string why = isa_unsupported_reason(isa);
   if (!why.empty()) throw std::invalid_argument(why);
@@ -181,24 +219,44 @@ void run(bool roof, Isa isa, const std::vector<Buffers>& bufs, const std::vector
   const WorkList w = make_work_list(bufs);
   const int64_t items = static_cast<int64_t>(w.item_start.size()) - 1;
   if (items <= 0) return;
+  if (items >= (int64_t{1} << 32))  // item indices are packed into 32 bits (see ItemRange)
+    throw std::invalid_argument("cpu_adam: more than 2^32 work items in one call");
   const int threads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(nthreads, items)));
   const Hyper unused{};
   const int64_t phases = static_cast<int64_t>(w.phase_start.size()) - 1;
-  // One team for the whole call. Items are handed out dynamically: a thread whose core is shared
-  // with other work (I/O threads, another rank) takes fewer items instead of holding the whole
-  // step back, as a static split would. The implicit barrier of each `omp for` ends a phase.
+  auto run_item = [&](int64_t j) {
+    for (int64_t s = w.item_start[j]; s < w.item_start[j + 1]; ++s) {
+      const Slice& sl = w.slices[s];
+      const Buffers& b = bufs[sl.tensor];
+      const char* g = static_cast<const char*>(b.g) + sl.begin * elem_size(b.gt);
+      char* out = b.out ? static_cast<char*>(b.out) + sl.begin * elem_size(b.ot) : nullptr;
+      fns[sl.tensor](b.p + sl.begin, g, b.m + sl.begin, b.v + sl.begin, out, sl.len,
+                     roof ? unused : hypers[b.hyper]);
+    }
+  };
+  // Each phase's items are split into `threads` contiguous ranges, one per thread, so every thread
+  // streams through one run of memory as a static split does (what the hardware prefetcher and
+  // the DRAM pages favour); a thread done with its own range takes items one by one from the back
+  // of the others', so a thread whose core is shared with other work (I/O threads, another rank)
+  // does not hold the whole step back. A barrier ends each phase.
+  std::vector<ItemRange> ranges(static_cast<size_t>(threads));
 #pragma omp parallel num_threads(threads) if (threads > 1)
-  for (int64_t k = 0; k < phases; ++k) {
-#pragma omp for schedule(dynamic, 1)
-    for (int64_t j = w.phase_start[k]; j < w.phase_start[k + 1]; ++j) {
-      for (int64_t s = w.item_start[j]; s < w.item_start[j + 1]; ++s) {
-        const Slice& sl = w.slices[s];
-        const Buffers& b = bufs[sl.tensor];
-        const char* g = static_cast<const char*>(b.g) + sl.begin * elem_size(b.gt);
-        char* out = b.out ? static_cast<char*>(b.out) + sl.begin * elem_size(b.ot) : nullptr;
-        fns[sl.tensor](b.p + sl.begin, g, b.m + sl.begin, b.v + sl.begin, out, sl.len,
-                       roof ? unused : hypers[b.hyper]);
+  {
+    const int me = omp_get_thread_num();
+    for (int64_t k = 0; k < phases; ++k) {
+#pragma omp single
+      {
+        const int64_t lo = w.phase_start[k], count = w.phase_start[k + 1] - lo;
+        for (int t = 0; t < threads; ++t)
+          ranges[t].reset(lo + count * t / threads, lo + count * (t + 1) / threads);
+      }  // the implicit barrier of `single` publishes the ranges
+      int64_t j;
+      while (ranges[me].take_front(j)) run_item(j);
+      for (int d = 1; d < threads; ++d) {
+        ItemRange& other = ranges[(me + d) % threads];
+        while (other.take_back(j)) run_item(j);
       }
+#pragma omp barrier
     }
   }
 }

@@ -242,21 +242,24 @@ class CPUAdam(torch.optim.Optimizer):
         # torch's parameter-by-parameter step does. The op takes any contiguous shape (it checks
         # numel), so no flattening views are needed.
         n = len(steps)
-        strided = [any(bufs[k][i] is not None and not bufs[k][i].is_contiguous() for k in keys) for i in range(n)]
+        strided = [not all(t is None or t.is_contiguous() for t in row) for row in zip(*bufs.values())]
         lo = 0
         while lo < n:
             hi = lo + 1
             if not strided[lo]:
                 while hi < n and not strided[hi]:
                     hi += 1
-            seg = {k: [(t.contiguous() if t is not None else None) for t in lst[lo:hi]] for k, lst in bufs.items()}
-            adam_step_groups(seg["params"], seg["grads"], seg["exp_avgs"], seg["exp_avg_sqs"], steps=steps[lo:hi],
-                             group_of=group_of[lo:hi], groups=groups, params_outs=seg["params_outs"])
+                adam_step_groups(*(bufs[k][lo:hi] for k in keys[:4]), steps=steps[lo:hi], group_of=group_of[lo:hi],
+                                 groups=groups, params_outs=bufs["params_outs"][lo:hi])
+                lo = hi
+                continue
+            seg = {k: None if bufs[k][lo] is None else bufs[k][lo].contiguous() for k in keys}
+            adam_step_groups(*([seg[k]] for k in keys[:4]), steps=steps[lo:hi], group_of=group_of[lo:hi],
+                             groups=groups, params_outs=[seg["params_outs"]])
             for k in keys:
-                if k != "grads":
-                    for dst, src in zip(bufs[k][lo:hi], seg[k]):
-                        if dst is not None and dst is not src:
-                            dst.copy_(src)
+                dst = bufs[k][lo]
+                if k != "grads" and dst is not None and dst is not seg[k]:
+                    dst.copy_(seg[k])
             lo = hi
         torch._foreach_add_(step_tensors, 1.0)
         for group in self.param_groups:
