@@ -7,6 +7,8 @@
 
 #include <algorithm>
 #include <cmath>
+#include <map>
+#include <tuple>
 #include <string>
 #include <vector>
 
@@ -107,59 +109,76 @@ za::Hyper make_hyper(int64_t step, double lr, double beta1, double beta2, double
   return h;
 }
 
+za::Buffers buffers(const at::Tensor& params, const at::Tensor& grads, const at::Tensor& exp_avg,
+                    const at::Tensor& exp_avg_sq, const Checked& c, int32_t hyper) {
+  return za::Buffers{params.data_ptr<float>(), grads.data_ptr(), exp_avg.data_ptr<float>(),
+                     exp_avg_sq.data_ptr<float>(), c.out, params.numel(), c.gt, c.ot, hyper};
+}
+
 void adam_step(at::Tensor params, at::Tensor grads, at::Tensor exp_avg, at::Tensor exp_avg_sq,
                c10::optional<at::Tensor> params_out, int64_t step, double lr, double beta1, double beta2,
                double eps, double weight_decay, bool adamw_mode, bool bias_correction, double grad_scale,
                const std::string& isa) {
   const Checked c = check_all(params, grads, exp_avg, exp_avg_sq, params_out);
-  const za::Hyper h = make_hyper(step, lr, beta1, beta2, eps, weight_decay, adamw_mode, bias_correction, grad_scale);
+  const std::vector<za::Hyper> h{
+      make_hyper(step, lr, beta1, beta2, eps, weight_decay, adamw_mode, bias_correction, grad_scale)};
   const za::Isa path = parse_isa(isa);
+  const std::vector<za::Buffers> bufs{buffers(params, grads, exp_avg, exp_avg_sq, c, 0)};
   const int threads = at::get_num_threads();
   py::gil_scoped_release no_gil;
-  za::adam_update(path, params.data_ptr<float>(), grads.data_ptr(), c.gt, exp_avg.data_ptr<float>(),
-                  exp_avg_sq.data_ptr<float>(), c.out, c.ot, params.numel(), h, threads);
+  za::adam_update(path, bufs, h, threads);
 }
 
-// The list form: one call for many tensors (one Python->C++ crossing per param group instead of
-// per tensor). Every tensor is checked before any is written.
+// One param group's hyper-parameters: (lr, beta1, beta2, eps, weight_decay, adamw_mode, bias_correction).
+using GroupHyper = std::tuple<double, double, double, double, double, bool, bool>;
+
+// The list form: one call, and one parallel region, for many tensors of several param groups.
+// Tensor i is stepped with step number steps[i] and the hyper-parameters groups[group_of[i]].
+// Every tensor is checked before any is written.
 void adam_step_list(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& grads,
                     const std::vector<at::Tensor>& exp_avgs, const std::vector<at::Tensor>& exp_avg_sqs,
                     const std::vector<c10::optional<at::Tensor>>& params_outs, const std::vector<int64_t>& steps,
-                    double lr, double beta1, double beta2, double eps, double weight_decay, bool adamw_mode,
-                    bool bias_correction, double grad_scale, const std::string& isa) {
+                    const std::vector<int64_t>& group_of, const std::vector<GroupHyper>& groups,
+                    double grad_scale, const std::string& isa) {
   const size_t k = params.size();
   TORCH_CHECK_VALUE(grads.size() == k && exp_avgs.size() == k && exp_avg_sqs.size() == k &&
-                        params_outs.size() == k && steps.size() == k,
-                    "params, grads, exp_avgs, exp_avg_sqs, params_outs and steps must have the same length; got ",
-                    k, ", ", grads.size(), ", ", exp_avgs.size(), ", ", exp_avg_sqs.size(), ", ",
-                    params_outs.size(), ", ", steps.size());
-  std::vector<Checked> checked;
+                        params_outs.size() == k && steps.size() == k && group_of.size() == k,
+                    "params, grads, exp_avgs, exp_avg_sqs, params_outs, steps and group_of must have the same "
+                    "length; got ", k, ", ", grads.size(), ", ", exp_avgs.size(), ", ", exp_avg_sqs.size(), ", ",
+                    params_outs.size(), ", ", steps.size(), ", ", group_of.size());
+  std::vector<za::Buffers> bufs;
   std::vector<za::Hyper> hypers;
-  checked.reserve(k);
+  bufs.reserve(k);
   hypers.reserve(k);
+  // Tensors of one group with one step number share a Hyper (the usual case: one per group).
+  std::map<std::pair<int64_t, int64_t>, int32_t> index;
   for (size_t i = 0; i < k; ++i) {
     const std::string sfx = "[" + std::to_string(i) + "]";
-    checked.push_back(check_all(params[i], grads[i], exp_avgs[i], exp_avg_sqs[i], params_outs[i], sfx));
-    hypers.push_back(make_hyper(steps[i], lr, beta1, beta2, eps, weight_decay, adamw_mode, bias_correction,
-                                grad_scale, sfx));
+    const Checked c = check_all(params[i], grads[i], exp_avgs[i], exp_avg_sqs[i], params_outs[i], sfx);
+    const int64_t gi = group_of[i];
+    TORCH_CHECK_VALUE(gi >= 0 && static_cast<size_t>(gi) < groups.size(), "group_of", sfx, " is ", gi,
+                      "; there are ", groups.size(), " groups");
+    auto [it, fresh] = index.try_emplace({gi, steps[i]}, static_cast<int32_t>(hypers.size()));
+    if (fresh) {
+      const auto& [lr, beta1, beta2, eps, wd, adamw_mode, bias_correction] = groups[gi];
+      hypers.push_back(make_hyper(steps[i], lr, beta1, beta2, eps, wd, adamw_mode, bias_correction, grad_scale, sfx));
+    }
+    bufs.push_back(buffers(params[i], grads[i], exp_avgs[i], exp_avg_sqs[i], c, it->second));
   }
   const za::Isa path = parse_isa(isa);
   const int threads = at::get_num_threads();
   py::gil_scoped_release no_gil;
-  for (size_t i = 0; i < k; ++i)
-    za::adam_update(path, params[i].data_ptr<float>(), grads[i].data_ptr(), checked[i].gt,
-                    exp_avgs[i].data_ptr<float>(), exp_avg_sqs[i].data_ptr<float>(), checked[i].out,
-                    checked[i].ot, params[i].numel(), hypers[i], threads);
+  za::adam_update(path, bufs, hypers, threads);
 }
 
 void stream_rmw(at::Tensor params, at::Tensor grads, at::Tensor exp_avg, at::Tensor exp_avg_sq,
                 c10::optional<at::Tensor> params_out, const std::string& isa) {
   const Checked c = check_all(params, grads, exp_avg, exp_avg_sq, params_out);
   const za::Isa path = parse_isa(isa);
+  const std::vector<za::Buffers> bufs{buffers(params, grads, exp_avg, exp_avg_sq, c, 0)};
   const int threads = at::get_num_threads();
   py::gil_scoped_release no_gil;
-  za::stream_rmw(path, params.data_ptr<float>(), grads.data_ptr(), c.gt, exp_avg.data_ptr<float>(),
-                 exp_avg_sq.data_ptr<float>(), c.out, c.ot, params.numel(), threads);
+  za::stream_rmw(path, bufs, threads);
 }
 
 // MKL's matmuls keep a per-thread count of their own. Torch reaches MKL through libtorch_cpu when
@@ -210,10 +229,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("params_out"), py::arg("step"), py::arg("lr"), py::arg("beta1"), py::arg("beta2"),
         py::arg("eps"), py::arg("weight_decay"), py::arg("adamw_mode"), py::arg("bias_correction"),
         py::arg("grad_scale"), py::arg("isa"));
-  m.def("adam_step_list", &adam_step_list, "adam_step over lists of tensors (one step number each)",
+  m.def("adam_step_list", &adam_step_list,
+        "adam_step over lists of tensors in one parallel region (a step number and a group each; groups "
+        "are (lr, beta1, beta2, eps, weight_decay, adamw_mode, bias_correction) tuples)",
         py::arg("params"), py::arg("grads"), py::arg("exp_avgs"), py::arg("exp_avg_sqs"),
-        py::arg("params_outs"), py::arg("steps"), py::arg("lr"), py::arg("beta1"), py::arg("beta2"),
-        py::arg("eps"), py::arg("weight_decay"), py::arg("adamw_mode"), py::arg("bias_correction"),
+        py::arg("params_outs"), py::arg("steps"), py::arg("group_of"), py::arg("groups"),
         py::arg("grad_scale"), py::arg("isa"));
   m.def("stream_rmw", &stream_rmw, "Bandwidth roof: the Adam step's loads and stores, one add each",
         py::arg("params"), py::arg("grads"), py::arg("exp_avg"), py::arg("exp_avg_sq"),

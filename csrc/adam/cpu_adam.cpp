@@ -5,7 +5,10 @@
 #include <omp.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstring>
+#include <iterator>
+#include <map>
 #include <stdexcept>
 #include <type_traits>
 
@@ -72,30 +75,189 @@ const RangeFn kTable[2][3][4][4] = {
 };
 #undef ZEROINF_ROW
 
-// Elements per tile: 16 Ki floats = 64 KiB per fp32 stream, about 0.3 MiB for the five streams,
-// which stays in a core's L2 while the hardware prefetcher runs ahead. A multiple of every W.
-constexpr int64_t kTile = int64_t{1} << 14;
+// Elements per chunk of the work list: 16 Ki floats = 64 KiB per fp32 stream, about 0.3 MiB for
+// the five streams, which stays in a core's L2 while the hardware prefetcher runs ahead. A
+// multiple of every W. Small tensors are packed together into items of at least this many.
+constexpr int64_t kChunk = int64_t{1} << 14;
 
 int64_t elem_size(DType t) { return t == DType::kF32 ? 4 : (t == DType::kNone ? 0 : 2); }
 
-void run(bool roof, Isa isa, float* p, const void* g, DType gt, float* m, float* v, void* out,
-         DType ot, int64_t n, const Hyper& h, int nthreads) {
+// A slice [begin, begin + len) of one tensor's elements.
+struct Slice {
+  int32_t tensor;
+  int64_t begin, len;
+};
+
+// The flat work list of one call: slices in list order, grouped into items (a thread takes one
+// item at a time) and phases (an item never spans two; phases run one after the other).
+//   slices of item j:  [item_start[j], item_start[j + 1])
+//   items of phase k:  [phase_start[k], phase_start[k + 1])
+struct WorkList {
+  std::vector<Slice> slices;
+  std::vector<int64_t> item_start, phase_start;
+};
+
+// Byte ranges of the buffers of the current phase, disjoint and keyed by their start; a tensor
+// with a buffer meeting one of them must wait for the phase to end.
+class PhaseMemory {
+ public:
+  bool overlaps(uintptr_t lo, uintptr_t hi) const {
+    auto it = spans_.upper_bound(lo);  // the first span starting after lo
+    if (it != spans_.end() && it->first < hi) return true;
+    return it != spans_.begin() && std::prev(it)->second > lo;
+  }
+  void add(uintptr_t lo, uintptr_t hi) {  // merges with the spans it meets (the tensor's own)
+    auto it = spans_.upper_bound(lo);
+    if (it != spans_.begin() && std::prev(it)->second >= lo) it = std::prev(it);
+    while (it != spans_.end() && it->first <= hi) {
+      lo = std::min(lo, it->first);
+      hi = std::max(hi, it->second);
+      it = spans_.erase(it);
+    }
+    spans_.emplace(lo, hi);
+  }
+  void clear() { spans_.clear(); }
+
+ private:
+  std::map<uintptr_t, uintptr_t> spans_;
+};
+
+WorkList make_work_list(const std::vector<Buffers>& bufs) {
+  WorkList w;
+  PhaseMemory phase;
+  int64_t pending = 0;  // elements in the open item
+  auto close_item = [&] {
+    if (pending > 0) w.item_start.push_back(static_cast<int64_t>(w.slices.size()));
+    pending = 0;
+  };
+  w.item_start.push_back(0);
+  w.phase_start.push_back(0);
+  for (size_t i = 0; i < bufs.size(); ++i) {
+    const Buffers& b = bufs[i];
+    if (b.n <= 0) continue;
+    const std::pair<const void*, int64_t> spans[5] = {
+        {b.p, 4}, {b.g, elem_size(b.gt)}, {b.m, 4}, {b.v, 4}, {b.out, elem_size(b.ot)}};
+    bool meets = false;
+    for (const auto& [ptr, size] : spans)
+      if (ptr != nullptr) {
+        const auto lo = reinterpret_cast<uintptr_t>(ptr);
+        meets = meets || phase.overlaps(lo, lo + static_cast<uintptr_t>(b.n * size));
+      }
+    if (meets) {
+      close_item();
+      w.phase_start.push_back(static_cast<int64_t>(w.item_start.size()) - 1);
+      phase.clear();
+    }
+    for (const auto& [ptr, size] : spans)
+      if (ptr != nullptr) {
+        const auto lo = reinterpret_cast<uintptr_t>(ptr);
+        phase.add(lo, lo + static_cast<uintptr_t>(b.n * size));
+      }
+    for (int64_t s = 0; s < b.n;) {
+      const int64_t len = std::min(kChunk - pending, b.n - s);
+      w.slices.push_back({static_cast<int32_t>(i), s, len});
+      pending += len;
+      s += len;
+      if (pending >= kChunk) close_item();
+    }
+  }
+  close_item();
+  w.phase_start.push_back(static_cast<int64_t>(w.item_start.size()) - 1);
+  return w;
+}
+
+// A range [front, back) of item indices, taken from the front by its owner and from the back by
+// the other threads; both ends live in one atomic word so the two never take the same item.
+class alignas(64) ItemRange {
+ public:
+  void reset(int64_t front, int64_t back) {
+    fb_.store(pack(front, back), std::memory_order_relaxed);
+  }
+  bool take_front(int64_t& item) {
+    uint64_t x = fb_.load(std::memory_order_relaxed);
+    for (;;) {
+      const uint32_t f = static_cast<uint32_t>(x), b = static_cast<uint32_t>(x >> 32);
+      if (f >= b) return false;
+      if (fb_.compare_exchange_weak(x, pack(f + 1, b), std::memory_order_relaxed)) {
+        item = f;
+        return true;
+      }
+    }
+  }
+  bool take_back(int64_t& item) {
+    uint64_t x = fb_.load(std::memory_order_relaxed);
+    for (;;) {
+      const uint32_t f = static_cast<uint32_t>(x), b = static_cast<uint32_t>(x >> 32);
+      if (f >= b) return false;
+      if (fb_.compare_exchange_weak(x, pack(f, b - 1), std::memory_order_relaxed)) {
+        item = b - 1;
+        return true;
+      }
+    }
+  }
+
+ private:
+  static uint64_t pack(int64_t front, int64_t back) {
+    return static_cast<uint64_t>(front) | (static_cast<uint64_t>(back) << 32);
+  }
+  std::atomic<uint64_t> fb_{0};
+};
+
+void run(bool roof, Isa isa, const std::vector<Buffers>& bufs, const std::vector<Hyper>& hypers, int nthreads) {
   const std::string why = isa_unsupported_reason(isa);
   if (!why.empty()) throw std::invalid_argument(why);
-  const RangeFn fn = kTable[roof][static_cast<int>(isa)][static_cast<int>(gt)][static_cast<int>(ot)];
-  if (fn == nullptr) throw std::invalid_argument("cpu_adam: unsupported grad/output dtype pair");
-  if (n <= 0) return;
-  const int64_t tiles = (n + kTile - 1) / kTile;
-  const int threads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(nthreads, tiles)));
-  const char* gb = static_cast<const char*>(g);
-  char* ob = static_cast<char*>(out);
-  const int64_t gs = elem_size(gt), os = elem_size(ot);
-  // Tiles are handed out dynamically: a thread whose core is shared with other work (I/O threads,
-  // another rank) takes fewer tiles instead of holding the whole step back, as a static split would.
-#pragma omp parallel for schedule(dynamic, 1) num_threads(threads) if (threads > 1)
-  for (int64_t t = 0; t < tiles; ++t) {
-    const int64_t b = t * kTile, len = std::min(kTile, n - b);
-    fn(p + b, gb + b * gs, m + b, v + b, ob ? ob + b * os : nullptr, len, h);
+  std::vector<RangeFn> fns(bufs.size());
+  for (size_t i = 0; i < bufs.size(); ++i) {
+    const Buffers& b = bufs[i];
+    const int gt = static_cast<int>(b.gt), ot = static_cast<int>(b.ot);
+    fns[i] = (gt >= 0 && gt < 4 && ot >= 0 && ot < 4) ? kTable[roof][static_cast<int>(isa)][gt][ot] : nullptr;
+    if (fns[i] == nullptr)
+      throw std::invalid_argument("cpu_adam: unsupported grad/output dtype pair for tensor " + std::to_string(i));
+    if (!roof && (b.hyper < 0 || static_cast<size_t>(b.hyper) >= hypers.size()))
+      throw std::invalid_argument("cpu_adam: hyper-parameter index out of range for tensor " + std::to_string(i));
+  }
+  const WorkList w = make_work_list(bufs);
+  const int64_t items = static_cast<int64_t>(w.item_start.size()) - 1;
+  if (items <= 0) return;
+  if (items >= (int64_t{1} << 32))  // item indices are packed into 32 bits (see ItemRange)
+    throw std::invalid_argument("cpu_adam: more than 2^32 work items in one call");
+  const int threads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(nthreads, items)));
+  const Hyper unused{};
+  const int64_t phases = static_cast<int64_t>(w.phase_start.size()) - 1;
+  auto run_item = [&](int64_t j) {
+    for (int64_t s = w.item_start[j]; s < w.item_start[j + 1]; ++s) {
+      const Slice& sl = w.slices[s];
+      const Buffers& b = bufs[sl.tensor];
+      const char* g = static_cast<const char*>(b.g) + sl.begin * elem_size(b.gt);
+      char* out = b.out ? static_cast<char*>(b.out) + sl.begin * elem_size(b.ot) : nullptr;
+      fns[sl.tensor](b.p + sl.begin, g, b.m + sl.begin, b.v + sl.begin, out, sl.len,
+                     roof ? unused : hypers[b.hyper]);
+    }
+  };
+  // Each phase's items are split into `threads` contiguous ranges, one per thread, so every thread
+  // streams through one run of memory as a static split does (what the hardware prefetcher and
+  // the DRAM pages favour); a thread done with its own range takes items one by one from the back
+  // of the others', so a thread whose core is shared with other work (I/O threads, another rank)
+  // does not hold the whole step back. A barrier ends each phase.
+  std::vector<ItemRange> ranges(static_cast<size_t>(threads));
+#pragma omp parallel num_threads(threads) if (threads > 1)
+  {
+    const int me = omp_get_thread_num();
+    for (int64_t k = 0; k < phases; ++k) {
+#pragma omp single
+      {
+        const int64_t lo = w.phase_start[k], count = w.phase_start[k + 1] - lo;
+        for (int t = 0; t < threads; ++t)
+          ranges[t].reset(lo + count * t / threads, lo + count * (t + 1) / threads);
+      }  // the implicit barrier of `single` publishes the ranges
+      int64_t j;
+      while (ranges[me].take_front(j)) run_item(j);
+      for (int d = 1; d < threads; ++d) {
+        ItemRange& other = ranges[(me + d) % threads];
+        while (other.take_back(j)) run_item(j);
+      }
+#pragma omp barrier
+    }
   }
 }
 
@@ -154,15 +316,12 @@ Isa best_isa() {
   return cached;
 }
 
-void adam_update(Isa isa, float* params, const void* grads, DType gt, float* exp_avg,
-                 float* exp_avg_sq, void* out, DType ot, int64_t n, const Hyper& h, int nthreads) {
-  run(false, isa, params, grads, gt, exp_avg, exp_avg_sq, out, ot, n, h, nthreads);
+void adam_update(Isa isa, const std::vector<Buffers>& bufs, const std::vector<Hyper>& hypers, int nthreads) {
+  run(false, isa, bufs, hypers, nthreads);
 }
 
-void stream_rmw(Isa isa, float* params, const void* grads, DType gt, float* exp_avg,
-                float* exp_avg_sq, void* out, DType ot, int64_t n, int nthreads) {
-  const Hyper unused{};
-  run(true, isa, params, grads, gt, exp_avg, exp_avg_sq, out, ot, n, unused, nthreads);
+void stream_rmw(Isa isa, const std::vector<Buffers>& bufs, int nthreads) {
+  run(true, isa, bufs, {}, nthreads);
 }
 
 }  // namespace adam

@@ -38,16 +38,30 @@ struct Hyper {
   bool use_decay, use_l2, divide_grad;
 };
 
-// In-place update of n elements; `grads` and `out` point at elements of type `gt` / `ot`
-// (out may be nullptr with ot == kNone). Splits the range into cache-sized tiles over
-// `nthreads` OpenMP threads.
-void adam_update(Isa isa, float* params, const void* grads, DType gt, float* exp_avg,
-                 float* exp_avg_sq, void* out, DType ot, int64_t n, const Hyper& h, int nthreads);
+// One tensor's buffers: n elements each; `g` and `out` of element type `gt` / `ot` (out may be
+// nullptr with ot == kNone); `hyper` indexes the hyper-parameter list of the call.
+struct Buffers {
+  float* p;
+  const void* g;
+  float* m;
+  float* v;
+  void* out;
+  int64_t n;
+  DType gt, ot;
+  int32_t hyper;
+};
 
-// The bandwidth roof of the same memory traffic: reads grads, params, exp_avg, exp_avg_sq,
-// writes params, exp_avg, exp_avg_sq (+ out), with one add per stream instead of Adam's math.
-void stream_rmw(Isa isa, float* params, const void* grads, DType gt, float* exp_avg,
-                float* exp_avg_sq, void* out, DType ot, int64_t n, int nthreads);
+// In-place update of every tensor of `bufs` with hypers[bufs[i].hyper], as if each were updated
+// alone in list order: one OpenMP parallel region of `nthreads` threads runs one flat work list
+// of cache-sized chunks over all tensors; a tensor whose memory overlaps that of an earlier one
+// starts a new phase (a barrier), so aliased tensors are stepped one after the other.
+// Throws std::invalid_argument for an unsupported isa, dtype pair or hyper index.
+void adam_update(Isa isa, const std::vector<Buffers>& bufs, const std::vector<Hyper>& hypers, int nthreads);
+
+// The bandwidth roof of the same memory traffic, over the same work list: reads grads, params,
+// exp_avg, exp_avg_sq, writes params, exp_avg, exp_avg_sq (+ out), with one add per stream
+// instead of Adam's math. Hyper indices are ignored.
+void stream_rmw(Isa isa, const std::vector<Buffers>& bufs, int nthreads);
 
 }  // namespace adam
 }  // namespace zeroinf

@@ -6,7 +6,7 @@ from typing import Any, Callable, Dict, Iterable, Optional, Tuple
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
-from .functional import adam_step_list, load_adam_op
+from .functional import AdamHyper, adam_step_groups, load_adam_op
 
 __all__ = ["CPUAdam"]
 
@@ -56,7 +56,7 @@ class CPUAdam(torch.optim.Optimizer):
         amsgrad: must be False; AMSGrad is not implemented (raises ``ValueError``).
         maximize: maximize the objective (the gradient is negated), as in torch.
         foreach, fused: accepted for ``torch.optim.AdamW``'s signature and ignored (the step is
-            always one fused pass per tensor).
+            always one fused pass over all parameters).
         capturable, differentiable: must be False (raise ``ValueError``).
         adamw_mode: AdamW (decoupled decay) if True, Adam with L2 penalty if False (keyword only:
             the positional arguments are ``torch.optim.AdamW``'s).
@@ -209,58 +209,63 @@ class CPUAdam(torch.optim.Optimizer):
             for pi, p in enumerate(group["params"]):
                 if p.grad is not None:
                     _check_param(p, f"param_groups[{gi}]['params'][{pi}]")
-        for gi, group in enumerate(self.param_groups):
-            self._step_group(gi, group)
+        self._step_all()
         return loss
 
-    def _step_group(self, gi: int, group: Dict[str, Any]) -> None:
-        bufs = {"params": [], "grads": [], "exp_avgs": [], "exp_avg_sqs": [], "params_outs": []}
-        steps, step_tensors = [], []
-        for pi, p in enumerate(group["params"]):
-            if p.grad is None:
-                continue
-            master, out, grad, state = self._prepare(p, f"param_groups[{gi}]['params'][{pi}]", bool(group["maximize"]))
-            steps.append(int(state["step"].item()) + 1)  # stored only once the step succeeded
-            step_tensors.append(state["step"])
-            bufs["params"].append(master)
-            bufs["grads"].append(grad)
-            bufs["exp_avgs"].append(state["exp_avg"])
-            bufs["exp_avg_sqs"].append(state["exp_avg_sq"])
-            bufs["params_outs"].append(out)
+    def _step_all(self) -> None:
+        """Step every parameter with a gradient, all param groups in one op call where possible."""
+        keys = ("params", "grads", "exp_avgs", "exp_avg_sqs", "params_outs")
+        bufs = {k: [] for k in keys}
+        steps, group_of, step_tensors, groups = [], [], [], []
+        for gi, group in enumerate(self.param_groups):
+            beta1, beta2 = (float(b) for b in group["betas"])
+            groups.append(AdamHyper(float(group["lr"]), beta1, beta2, float(group["eps"]),
+                                    float(group["weight_decay"]), bool(group["adamw_mode"]),
+                                    bool(group["bias_correction"])))
+            for pi, p in enumerate(group["params"]):
+                if p.grad is None:
+                    continue
+                master, out, grad, state = self._prepare(p, f"param_groups[{gi}]['params'][{pi}]",
+                                                         bool(group["maximize"]))
+                steps.append(int(state["step"].item()) + 1)  # stored only once the step succeeded
+                step_tensors.append(state["step"])
+                group_of.append(gi)
+                for k, t in zip(keys, (master, grad, state["exp_avg"], state["exp_avg_sq"], out)):
+                    bufs[k].append(t)
         if not steps:
             return
-        # Buffers that are not contiguous (a transposed parameter, a state tensor loaded with
-        # another layout) are stepped through contiguous copies, copied back right after their
-        # own op call, so a parameter stepped later over the same storage reads the new values,
-        # as torch's parameter-by-parameter step does (tester-44 F3: copied back after the whole
-        # group, a transposed view of another parameter was stepped from stale values, 0.0355
-        # off). Runs of contiguous parameters share one call. The op takes any contiguous shape
-        # (it checks numel), so no flattening views are needed.
-        beta1, beta2 = (float(b) for b in group["betas"])
-        hyper = dict(lr=float(group["lr"]), beta1=beta1, beta2=beta2, eps=float(group["eps"]),
-                     weight_decay=float(group["weight_decay"]), adamw_mode=bool(group["adamw_mode"]),
-                     bias_correction=bool(group["bias_correction"]))
+        # One op call steps a run of contiguous tensors (of any groups) as one parallel region;
+        # the op steps tensors over overlapping memory one after the other, in list order. Buffers
+        # that are not contiguous (a transposed parameter, a state tensor loaded with another
+        # layout) are stepped through contiguous copies in a call of their own, copied back right
+        # after it, so a parameter stepped later over the same storage reads the new values, as
+        # torch's parameter-by-parameter step does. The op takes any contiguous shape (it checks
+        # numel), so no flattening views are needed.
         n = len(steps)
-        strided = [any(bufs[k][i] is not None and not bufs[k][i].is_contiguous() for k in bufs) for i in range(n)]
+        strided = [not all(t is None or t.is_contiguous() for t in row) for row in zip(*bufs.values())]
         lo = 0
         while lo < n:
             hi = lo + 1
             if not strided[lo]:
                 while hi < n and not strided[hi]:
                     hi += 1
-            seg = {k: [(t.contiguous() if t is not None else None) for t in lst[lo:hi]] for k, lst in bufs.items()}
-            adam_step_list(seg["params"], seg["grads"], seg["exp_avgs"], seg["exp_avg_sqs"], steps=steps[lo:hi],
-                           params_outs=seg["params_outs"], **hyper)
-            for k in bufs:
-                if k != "grads":
-                    for dst, src in zip(bufs[k][lo:hi], seg[k]):
-                        if dst is not None and dst is not src:
-                            dst.copy_(src)
+                adam_step_groups(*(bufs[k][lo:hi] for k in keys[:4]), steps=steps[lo:hi], group_of=group_of[lo:hi],
+                                 groups=groups, params_outs=bufs["params_outs"][lo:hi])
+                lo = hi
+                continue
+            seg = {k: None if bufs[k][lo] is None else bufs[k][lo].contiguous() for k in keys}
+            adam_step_groups(*([seg[k]] for k in keys[:4]), steps=steps[lo:hi], group_of=group_of[lo:hi],
+                             groups=groups, params_outs=[seg["params_outs"]])
+            for k in keys:
+                dst = bufs[k][lo]
+                if k != "grads" and dst is not None and dst is not seg[k]:
+                    dst.copy_(seg[k])
             lo = hi
         torch._foreach_add_(step_tensors, 1.0)
-        for p in group["params"]:
-            if p.grad is not None and p.dtype != torch.float32:
-                self._written[p] = (p._version, p.data_ptr())
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None and p.dtype != torch.float32:
+                    self._written[p] = (p._version, p.data_ptr())
 
     def _prepare(self, p: torch.Tensor, where: str, maximize: bool):
         """Create one checked parameter's state, return (fp32 master, 16-bit out or None, grad, state)."""

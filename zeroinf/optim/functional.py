@@ -15,14 +15,14 @@ from __future__ import annotations
 import math
 import operator
 import os
-from typing import Optional, Sequence
+from typing import NamedTuple, Optional, Sequence
 
 import torch
 
 from ..ops import try_load_op
 
-__all__ = ["adam_step", "adam_step_list", "adam_step_reference", "isa_info", "limit_thread_parallelism",
-           "load_adam_op", "stream_rmw", "ISA_ENV"]
+__all__ = ["AdamHyper", "adam_step", "adam_step_groups", "adam_step_list", "adam_step_reference", "isa_info",
+           "limit_thread_parallelism", "load_adam_op", "stream_rmw", "ISA_ENV"]
 
 #: Environment variable that forces an instruction-set path of the C++ op.
 ISA_ENV = "ZEROINF_ADAM_ISA"
@@ -132,46 +132,82 @@ def adam_step(params: torch.Tensor, grads: torch.Tensor, exp_avg: torch.Tensor, 
                  isa)
 
 
+class AdamHyper(NamedTuple):
+    """One param group's hyper-parameters for :func:`adam_step_groups` (as in :func:`adam_step`)."""
+
+    lr: float
+    beta1: float
+    beta2: float
+    eps: float
+    weight_decay: float
+    adamw_mode: bool = True
+    bias_correction: bool = True
+
+
 def adam_step_list(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
                    exp_avgs: Sequence[torch.Tensor], exp_avg_sqs: Sequence[torch.Tensor], *,
                    steps: Sequence[int], lr: float, beta1: float, beta2: float, eps: float,
                    weight_decay: float, adamw_mode: bool = True, bias_correction: bool = True,
                    grad_scale: float = 1.0,
                    params_outs: Optional[Sequence[Optional[torch.Tensor]]] = None) -> None:
-    """:func:`adam_step` over lists of tensors in one call (``CPUAdam`` steps a param group so).
+    """:func:`adam_step` over lists of tensors in one call; :func:`adam_step_groups` with one group.
 
     Element ``i`` of every list describes one tensor, stepped with ``steps[i]``; the result is
-    exactly that of calling :func:`adam_step` on each. All tensors are checked before any is
-    written.
+    exactly that of calling :func:`adam_step` on each in list order. All tensors are checked
+    before any is written.
 
     Raises:
         ValueError: lists of different lengths, or a bad buffer (named with its index, e.g.
             ``exp_avg[3]``); see :func:`adam_step`.
     """
+    adam_step_groups(params, grads, exp_avgs, exp_avg_sqs, steps=steps, group_of=[0] * len(params),
+                     groups=[AdamHyper(lr, beta1, beta2, eps, weight_decay, adamw_mode, bias_correction)],
+                     grad_scale=grad_scale, params_outs=params_outs)
+
+
+def adam_step_groups(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
+                     exp_avgs: Sequence[torch.Tensor], exp_avg_sqs: Sequence[torch.Tensor], *,
+                     steps: Sequence[int], group_of: Sequence[int], groups: Sequence[AdamHyper],
+                     grad_scale: float = 1.0,
+                     params_outs: Optional[Sequence[Optional[torch.Tensor]]] = None) -> None:
+    """:func:`adam_step` over tensors of several param groups in one call (``CPUAdam.step``).
+
+    Tensor ``i`` (element ``i`` of every list) is stepped with step number ``steps[i]`` and the
+    hyper-parameters ``groups[group_of[i]]``. The C++ op runs the whole call as one parallel
+    region over a flat list of cache-sized chunks of all tensors; the result is exactly that of
+    calling :func:`adam_step` on each tensor in list order (tensors whose memory overlaps an
+    earlier one's are stepped after it). All tensors are checked before any is written.
+
+    Raises:
+        ValueError: lists of different lengths, a ``group_of`` entry out of range, or a bad buffer
+            (named with its index, e.g. ``exp_avg[3]``); see :func:`adam_step`.
+    """
     k = len(params)
     outs = list(params_outs) if params_outs is not None else [None] * k
     steps = [int(s) for s in steps]
-    lens = [len(grads), len(exp_avgs), len(exp_avg_sqs), len(outs), len(steps)]
+    group_of = [int(g) for g in group_of]
+    groups = [AdamHyper(*(float(x) for x in g[:5]), *(bool(x) for x in g[5:])) for g in groups]
+    lens = [len(grads), len(exp_avgs), len(exp_avg_sqs), len(outs), len(steps), len(group_of)]
     if any(n != k for n in lens):
-        raise ValueError(f"params, grads, exp_avgs, exp_avg_sqs, params_outs and steps must have the same "
-                         f"length; got {[k] + lens}")
+        raise ValueError(f"params, grads, exp_avgs, exp_avg_sqs, params_outs, steps and group_of must have the "
+                         f"same length; got {[k] + lens}")
     if not (math.isfinite(grad_scale) and grad_scale > 0):
         raise ValueError(f"grad_scale must be finite and > 0, got {grad_scale}")
     isa = _forced_isa()
     op = try_load_op("adam", _FALLBACK)
     if op is not None:  # the op checks every tensor itself, naming it with its index
-        op.adam_step_list(list(params), list(grads), list(exp_avgs), list(exp_avg_sqs), outs, steps, float(lr),
-                          float(beta1), float(beta2), float(eps), float(weight_decay), bool(adamw_mode),
-                          bool(bias_correction), float(grad_scale), isa)
+        op.adam_step_list(list(params), list(grads), list(exp_avgs), list(exp_avg_sqs), outs, steps, group_of,
+                          [tuple(g) for g in groups], float(grad_scale), isa)
         return
     for i in range(k):
         _check_all(params[i], grads[i], exp_avgs[i], exp_avg_sqs[i], outs[i], f"[{i}]")
         if steps[i] < 1:
             raise ValueError(f"step[{i}] must be >= 1 (the step number after increment), got {steps[i]}")
+        if not 0 <= group_of[i] < len(groups):
+            raise ValueError(f"group_of[{i}] is {group_of[i]}; there are {len(groups)} groups")
     for i in range(k):
-        adam_step_reference(params[i], grads[i], exp_avgs[i], exp_avg_sqs[i], step=steps[i], lr=lr, beta1=beta1,
-                            beta2=beta2, eps=eps, weight_decay=weight_decay, adamw_mode=adamw_mode,
-                            bias_correction=bias_correction, grad_scale=grad_scale, params_out=outs[i])
+        adam_step_reference(params[i], grads[i], exp_avgs[i], exp_avg_sqs[i], step=steps[i],
+                            grad_scale=grad_scale, params_out=outs[i], **groups[group_of[i]]._asdict())
 
 
 @torch.no_grad()

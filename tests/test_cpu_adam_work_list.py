@@ -1,0 +1,140 @@
+"""CPUAdam's one-region step over a flat work list of all tensors and param groups, against
+torch.optim.AdamW/Adam (foreach=False) and against one adam_step call per tensor."""
+import pytest
+import torch
+
+import zeroinf.optim as zo
+
+TOL = 1e-6  # fp32 max abs difference to torch after a few steps (as tests/test_cpu_adam.py)
+# odd sizes around the op's 16 Ki-element chunk and SIMD widths; empty and tiny tensors are packed
+# with others into one work item
+SIZES = [0, 1, 7, 16, 17, 3, 0, 16383, 16384, 16385, 5, 40_001, 2, 33, 1023]
+GROUPS = [dict(lr=1e-2, weight_decay=0.01), dict(lr=3e-3, weight_decay=0.0), dict(lr=2e-2, weight_decay=0.1)]
+
+
+def _grouped(params):
+    """Split `params` round-robin over the GROUPS settings, as param-group dicts."""
+    return [dict(params=params[i::len(GROUPS)], **kw) for i, kw in enumerate(GROUPS)]
+
+
+def _grads(steps, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return [[torch.randn(s, generator=gen) for s in SIZES] for _ in range(steps)]
+
+
+def test_many_odd_tensors_in_several_groups_match_torch_adamw():
+    torch.manual_seed(0)
+    init = [torch.randn(s) for s in SIZES]
+    ours = [torch.nn.Parameter(t.clone()) for t in init]
+    ref = [torch.nn.Parameter(t.clone()) for t in init]
+    opt = zo.CPUAdam(_grouped(ours))
+    ref_opt = torch.optim.AdamW(_grouped(ref), foreach=False)
+    for i, gs in enumerate(_grads(5)):
+        if i == 3:  # a scheduler-style edit between steps reaches only its group
+            opt.param_groups[1]["lr"] = ref_opt.param_groups[1]["lr"] = 5e-2
+        for p, q, g in zip(ours, ref, gs):
+            p.grad, q.grad = g.clone(), g.clone()
+        opt.step()
+        ref_opt.step()
+    for p, q, t in zip(ours, ref, init):
+        a, b = opt.state[p], ref_opt.state[q]
+        assert a["step"].item() == b["step"].item() == 5
+        if p.numel():
+            assert (p.detach() - q.detach()).abs().max().item() <= TOL
+            assert (a["exp_avg_sq"] - b["exp_avg_sq"]).abs().max().item() <= TOL
+            assert not torch.equal(p.detach(), t), "every non-empty tensor is stepped"
+
+
+def test_adam_and_adamw_groups_and_tensors_without_grads_in_one_step():
+    torch.manual_seed(1)
+    init = [torch.randn(s) for s in SIZES]
+    ours = [torch.nn.Parameter(t.clone()) for t in init]
+    ref = [torch.nn.Parameter(t.clone()) for t in init]
+    opt = zo.CPUAdam([{"params": ours[:7], "adamw_mode": False}, {"params": ours[7:]}], lr=1e-2, weight_decay=0.1)
+    ref_l2 = torch.optim.Adam(ref[:7], lr=1e-2, weight_decay=0.1, foreach=False)
+    ref_w = torch.optim.AdamW(ref[7:], lr=1e-2, weight_decay=0.1, foreach=False)
+    for s, gs in enumerate(_grads(4, seed=1)):
+        for i, (p, q, g) in enumerate(zip(ours, ref, gs)):
+            # tensor 2 and 9 have no gradient at step 1: they keep their values and step counts
+            grad = None if (s == 1 and i in (2, 9)) else g
+            p.grad = None if grad is None else grad.clone()
+            q.grad = None if grad is None else grad.clone()
+        opt.step()
+        ref_l2.step()
+        ref_w.step()
+    assert max((p - q).abs().max().item() for p, q in zip(ours, ref) if p.numel()) <= TOL
+    assert opt.state[ours[2]]["step"].item() == 3 and opt.state[ours[3]]["step"].item() == 4
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_16bit_params_in_several_groups_keep_fp32_masters_as_torch_steps_fp32(dtype):
+    torch.manual_seed(2)
+    init = [torch.randn(s).to(dtype) for s in SIZES]
+    ours = [torch.nn.Parameter(t.clone()) for t in init]
+    ref = [torch.nn.Parameter(t.float()) for t in init]
+    opt = zo.CPUAdam(_grouped(ours))
+    ref_opt = torch.optim.AdamW(_grouped(ref), foreach=False)
+    for gs in _grads(4, seed=2):
+        for p, q, g in zip(ours, ref, gs):
+            p.grad = g.to(dtype)
+            q.grad = p.grad.float()
+        opt.step()
+        ref_opt.step()
+    for p, q in zip(ours, ref):
+        master = opt.state[p]["master_param"]
+        assert master.dtype == torch.float32
+        if p.numel():
+            assert (master - q.detach()).abs().max().item() <= TOL
+        assert torch.equal(p.detach(), master.to(dtype)), "the parameter is its master rounded"
+
+
+def test_overlapping_contiguous_params_are_stepped_in_list_order():
+    """Two contiguous parameters over overlapping memory of one storage, between others: torch
+    steps them one after the other, the later reading the earlier's new values; the op's work
+    list puts the later one in a phase after the earlier one's."""
+    torch.manual_seed(3)
+    base, other = torch.randn(40_000), torch.randn(17)
+    b_ref, o_ref = base.clone(), other.clone()
+
+    def params(b, o):
+        return [torch.nn.Parameter(o), torch.nn.Parameter(b[:30_000]), torch.nn.Parameter(b[10_000:])]
+    ours, ref = params(base, other), params(b_ref, o_ref)
+    opt = zo.CPUAdam(ours, lr=1e-2, weight_decay=0.01)
+    ref_opt = torch.optim.AdamW(ref, lr=1e-2, weight_decay=0.01, foreach=False)
+    for _ in range(3):
+        for p, q in zip(ours, ref):
+            q.grad = torch.randn(q.shape)
+            p.grad = q.grad.clone()
+        opt.step()
+        ref_opt.step()
+    assert (base - b_ref).abs().max().item() <= TOL and (other - o_ref).abs().max().item() <= TOL
+
+
+def test_adam_step_groups_equals_one_adam_step_per_tensor():
+    torch.manual_seed(4)
+    groups = [zo.AdamHyper(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01),
+              zo.AdamHyper(lr=3e-2, beta1=0.8, beta2=0.99, eps=1e-6, weight_decay=0.1, adamw_mode=False),
+              zo.AdamHyper(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, bias_correction=False)]
+    k = len(SIZES)
+    group_of = [i % 3 for i in range(k)]
+    steps = [1 + i % 4 for i in range(k)]
+    grads = [torch.randn(s).to(torch.bfloat16) for s in SIZES]
+
+    def fresh():
+        torch.manual_seed(5)
+        ps = [torch.randn(s) for s in SIZES]
+        outs = [torch.zeros(s, dtype=torch.bfloat16) if i % 2 else None for i, s in enumerate(SIZES)]
+        return ps, [torch.rand(s) for s in SIZES], [torch.rand(s) for s in SIZES], outs
+    mine, ref = fresh(), fresh()
+    zo.adam_step_groups(mine[0], grads, mine[1], mine[2], steps=steps, group_of=group_of, groups=groups,
+                        grad_scale=2.0, params_outs=mine[3])
+    for i in range(k):
+        zo.adam_step(ref[0][i], grads[i], ref[1][i], ref[2][i], step=steps[i], grad_scale=2.0, params_out=ref[3][i],
+                     **groups[group_of[i]]._asdict())
+    for a, b in zip(mine, ref):
+        assert all((x is None and y is None) or torch.equal(x, y) for x, y in zip(a, b))
+    before = [t.clone() for t in mine[0]]
+    with pytest.raises(ValueError, match=r"group_of\[4\] is 3; there are 3 groups"):
+        zo.adam_step_groups(mine[0], grads, mine[1], mine[2], steps=steps, groups=groups,
+                            group_of=group_of[:4] + [3] + group_of[5:])
+    assert all(torch.equal(t, b) for t, b in zip(mine[0], before)), "nothing written before the check failed"
