@@ -48,7 +48,8 @@ import torch  # noqa: E402
 from zeroinf.io import AsyncIOHandle, PinnedBufferPool  # noqa: E402
 from zeroinf.io.backends import BACKENDS, backend_reasons  # noqa: E402
 from zeroinf.io.handle import huge_page_bytes, locked_cpu_tensor  # noqa: E402
-from zeroinf.io.tune import _block_sizes, _fmt, parse_bytes  # noqa: E402
+from zeroinf.io.tune import parse_block_sizes, parse_bytes  # noqa: E402
+from zeroinf.sizes import format_bytes as _fmt  # noqa: E402
 from zeroinf.sizes import SIZE_HELP  # noqa: E402
 
 CHUNK = 1 << 30  # raw loop: bytes per preadv/pwritev call
@@ -120,7 +121,7 @@ def main() -> int:
     parser.add_argument("--no-deepspeed", action="store_true", help="skip the deepspeed rows")
     args = parser.parse_args()
     size = -(-parse_bytes(args.size) // 4096) * 4096
-    bss = _block_sizes(args.block_sizes)
+    bss = parse_block_sizes(args.block_sizes)
     qds = [int(q) for q in args.queue_depths.split(",")]
     backends = []
     for b in args.backends.split(","):

@@ -74,3 +74,59 @@ def test_readme_consolidate_runs_in_a_fresh_process(tmp_path):
     assert sorted(got) == sorted(want)
     for k in want:
         torch.testing.assert_close(got[k], want[k].float(), rtol=0, atol=0)
+
+
+def _imports(path: Path, package: str):
+    """Every module name ``path`` imports (relative imports resolved against ``package``), at any depth."""
+    import ast
+
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            yield from (a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(parts + ([base] if base else []))
+            yield base
+            yield from (f"{base}.{a.name}" for a in node.names)
+
+
+def test_the_library_imports_no_command_line_app():
+    """zeroinf/cli/ holds the apps (and zeroinf/__main__.py runs them); the library under zeroinf/
+    (runtime, io, optim, ops, the memory model, checkpoint) never imports them, so it works without
+    their dependencies."""
+    root = REPO / "zeroinf"
+    library = [p for p in root.rglob("*.py") if (root / "cli") not in p.parents and p != root / "__main__.py"]
+    assert len(library) > 20 and root / "estimate.py" in library and root / "placement.py" in library
+    offenders = []
+    for path in library:
+        rel = path.relative_to(REPO).with_suffix("")
+        package = ".".join(rel.parts[:-1])
+        offenders += [f"{rel}: {name}" for name in _imports(path, package)
+                      if name == "zeroinf.cli" or name.startswith("zeroinf.cli.")]
+    assert offenders == []
+
+
+def test_the_import_walk_sees_an_app_import(tmp_path):
+    """The check above resolves relative imports: ``from ..cli import x`` in zeroinf/io/ is found."""
+    probe = tmp_path / "probe.py"
+    probe.write_text("from ..cli import plan\nimport zeroinf.cli.train\n")
+    assert {"zeroinf.cli", "zeroinf.cli.plan", "zeroinf.cli.train"} <= set(_imports(probe, "zeroinf.io"))
+
+
+def test_every_command_is_an_app_under_cli():
+    import importlib
+
+    assert set(cli.COMMANDS) == {"train", "report", "estimate", "plan", "tune-io"}
+    for name, (module, _help) in cli.COMMANDS.items():
+        assert module.startswith("zeroinf.cli."), name
+        mod = importlib.import_module(module)
+        assert callable(mod.add_arguments) and callable(mod.main), module
+
+
+def test_python_dash_m_zeroinf_runs_the_dispatcher():
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
+    r = subprocess.run([sys.executable, "-m", "zeroinf", "--help"], env=env, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith("usage: zeroinf") and "tune-io" in r.stdout

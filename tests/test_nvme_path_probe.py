@@ -180,7 +180,7 @@ def test_a_tilde_nvme_path_is_the_users_home(tmp_path, monkeypatch):
     DeepSpeed's swappers do); it is the home folder, as a shell reads it, in a config and in
     zeroinf train's --nvme-path=~/x (which no shell expands)."""
     from zeroinf.config import parse_config
-    from zeroinf.train import _Run, add_arguments
+    from zeroinf.cli.train import _Run, add_arguments
     home, cwd = tmp_path / "home", tmp_path / "cwd"
     home.mkdir(), cwd.mkdir()
     monkeypatch.setenv("HOME", str(home))

@@ -201,7 +201,8 @@ def test_would_jit_in_empty_cache(fresh_loader):
 
 
 def test_report_shows_op_states_and_the_chosen_isa(monkeypatch, capsys):
-    from zeroinf import cli, report
+    from zeroinf import cli
+    from zeroinf.cli import report
 
     load_op("adam")
     monkeypatch.setenv("ZEROINF_ADAM_ISA", "scalar")

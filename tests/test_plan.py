@@ -1,4 +1,4 @@
-"""zeroinf.plan: the placement ladder, the config it writes (checked by the engine's parse_config),
+"""zeroinf.placement and zeroinf plan: the placement ladder, the config it writes (checked by the engine's parse_config),
 step-time lower bounds and the bench-JSON readers. Sizes in decimal GB (1e9 bytes)."""
 import json
 import os
@@ -11,7 +11,8 @@ import pytest
 from zeroinf import cli
 from zeroinf.config import parse_config
 from zeroinf.estimate import GB, ModelInfo, Placement
-from zeroinf.plan import LADDER, Limits, choose, make_config, read_adam_json, read_nvme_json, step_time_bounds
+from zeroinf.cli.plan import read_adam_json, read_nvme_json
+from zeroinf.placement import LADDER, Limits, choose, make_config, step_time_bounds
 
 # 1e9 parameters, one rank, bf16 + Adam: 16 GB of model states; with the plan's swap settings the
 # NVMe optimizer rows pin 3 buffers in flight x 12 B x 1e8 = 3.6 GB and the NVMe parameter rows
@@ -248,7 +249,7 @@ def test_read_bench_json(tmp_path):
 
 
 def test_param_buffer_holds_the_largest_unit_partition(tmp_path):
-    from zeroinf.plan import swap_for
+    from zeroinf.placement import swap_for
 
     assert swap_for(ModelInfo("m", params=10**9, largest_unit=1001), 4).param_buffer_size == 251
     assert swap_for(P1B, 4).param_buffer_size == 10**8            # unknown units: min(1e8, ceil(P/N))

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from zeroinf.data import Batches, ByteTokenizer, DataError, load_tokens
-from zeroinf.train import COMPARE_ATOL, LOG_FIELDS
+from zeroinf.cli.train import COMPARE_ATOL, LOG_FIELDS
 
 #: the strongest offload the main job offers: parameters and optimizer state on NVMe
 OFFLOAD = "infinity"
@@ -228,7 +228,7 @@ def test_the_model_is_named_after_its_init_folder(tmp_path):
     import transformers
 
     from zeroinf.models import build_config
-    from zeroinf.train import model_name
+    from zeroinf.cli.train import model_name
     transformers.GPT2Config(n_layer=1, n_head=2, n_embd=8, vocab_size=256).save_pretrained(tmp_path / "gpt")
     mcfg = build_config("llama", "tiny", 256, 64, str(tmp_path / "gpt"))
     assert mcfg.model_type == "gpt2"
@@ -239,7 +239,7 @@ def test_the_model_is_named_after_its_init_folder(tmp_path):
 
 @pytest.mark.parametrize("n,k", [(1, 1), (2, 1), (5, 2), (9, 4), (10, 5), (40, 5)])
 def test_loss_windows_never_overlap(n, k):
-    from zeroinf.train import loss_label, loss_windows
+    from zeroinf.cli.train import loss_label, loss_windows
     losses = [float(3 ** i) for i in range(n)]  # every window has its own mean
     got_k, first, last = loss_windows(losses)
     assert got_k == k and (n == 1 or 2 * k <= n)
@@ -251,7 +251,7 @@ def _resolved(argv, cwd, monkeypatch):
     """``zeroinf train`` arguments as the run resolves them in ``cwd`` (no training)."""
     import argparse
 
-    from zeroinf.train import _Run, add_arguments
+    from zeroinf.cli.train import _Run, add_arguments
     p = argparse.ArgumentParser()
     add_arguments(p)
     monkeypatch.chdir(cwd)
@@ -261,7 +261,7 @@ def _resolved(argv, cwd, monkeypatch):
 def test_resume_from_another_directory_reads_the_files_the_run_read(tmp_path, monkeypatch):
     """Paths were stored in run.json as typed: a --resume from another directory holding a file
     of the same relative name trained on it, the loss jumping 0.15 -> 8.3 (helper-46 t05)."""
-    from zeroinf.train import TrainError
+    from zeroinf.cli.train import TrainError
     (tmp_path / "a" / "data").mkdir(parents=True)
     (tmp_path / "b" / "data").mkdir(parents=True)
     a = _resolved(["--data", "data/d.txt", "--out", "run"], tmp_path / "a", monkeypatch)
@@ -348,7 +348,7 @@ def test_dtype_keeps_the_configs_precision_blocks_and_nvme_in_any_case_takes_nvm
     DeepSpeed's "bfloat16" alias it made a pair the check refuses (t03), and a device spelt "NVMe"
     ignored --nvme-path (t07)."""
     from zeroinf.config import parse_config
-    from zeroinf.train import _Run
+    from zeroinf.cli.train import _Run
     cfg = {"train_micro_batch_size_per_gpu": 2, "fp16": {"enabled": False, "initial_scale_power": 3},
            "bfloat16": {"enabled": True},
            "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "NVMe", "nvme_path": "/elsewhere"}}}
@@ -408,7 +408,7 @@ def test_nvme_column_counts_this_runs_swap_files_only(tmp_path):
 def test_a_killed_runs_private_swap_folder_is_removed_by_the_next_run(tmp_path):
     """A run killed outright (SIGKILL; a second SIGTERM) cannot remove its private swap folder; the
     next run in that directory does, and leaves a live run's and a --keep run's alone."""
-    from zeroinf.train import make_private_dir, remove_stale_private_dirs
+    from zeroinf.cli.train import make_private_dir, remove_stale_private_dirs
     proc = _start(["--offload", OFFLOAD, "--steps", "200", *TINY, "--no-plot"], tmp_path, "killed", 1)
     proc.kill()
     proc.communicate(timeout=60)
@@ -439,7 +439,7 @@ def test_an_empty_half_made_private_folder_is_removed_once_old(tmp_path):
     """A run killed between mkdtemp and writing OWNER left an empty .zeroinf-new-r folder that
     no later run removed (tester-34). An hour old and empty, it is removed; a fresh one (a run
     may be between those two calls) and one holding anything stay."""
-    from zeroinf.train import remove_stale_private_dirs
+    from zeroinf.cli.train import remove_stale_private_dirs
     old, fresh, full = (tmp_path / f".zeroinf-new-r{r}-abcdefg{r}" for r in range(3))
     for d in (old, fresh, full):
         d.mkdir()
@@ -455,7 +455,7 @@ def test_another_users_private_swap_folder_is_left_alone(tmp_path):
     """In a shared directory (/tmp) another user's folder, even one looking stale, is not ours:
     Path.exists() on its 0700 contents raised PermissionError and train ended in a traceback
     (tester-33 M1); as root it was removed."""
-    from zeroinf.train import make_private_dir, remove_stale_private_dirs
+    from zeroinf.cli.train import make_private_dir, remove_stale_private_dirs
     theirs, fd = make_private_dir(tmp_path, 0)
     os.close(fd)
     for p in (theirs, *theirs.iterdir()):
@@ -468,7 +468,7 @@ def test_only_folders_this_scheme_made_on_this_host_are_removed(tmp_path):
     """tester-34 N5: a name with a trailing newline and a folder whose OWNER is a link were taken
     for private swap folders; a folder another host made on a shared file system (whose flock
     may be local to each host) must not be taken either. A real stale one still goes."""
-    from zeroinf.train import make_private_dir, remove_stale_private_dirs
+    from zeroinf.cli.train import make_private_dir, remove_stale_private_dirs
     stale, fd = make_private_dir(tmp_path, 0)
     os.close(fd)
     newline = tmp_path / (stale.name[:-1] + "x\n")
@@ -546,7 +546,7 @@ def test_a_model_config_with_no_causal_lm_class_is_refused_in_one_line(tmp_path)
 def test_a_full_out_disk_names_the_log_file():
     """A full ``--out`` disk ended the run with "[Errno 28] No space left on device", no path,
     exit 1 (tester-41 F4); the write of log.jsonl raises a TrainError (exit 2) naming it."""
-    from zeroinf.train import TrainError, _append_record
+    from zeroinf.cli.train import TrainError, _append_record
     log = open("/dev/full", "w")
     with pytest.raises(TrainError, match=r"--out: writing /x/log\.jsonl failed at step 7 \(No space left on device\)"):
         _append_record(log, Path("/x/log.jsonl"), {"step": 7, "loss": 1.0})
@@ -560,7 +560,7 @@ def test_a_plot_that_cannot_be_written_is_named(tmp_path, monkeypatch):
     (tester-45 F7). It goes through the rename writer, before the summary, and a failure names it."""
     import errno
 
-    import zeroinf.train as train_mod
+    import zeroinf.cli.train as train_mod
 
     def full(path, write):
         raise OSError(errno.ENOSPC, "No space left on device")
@@ -578,7 +578,7 @@ def test_a_full_out_disk_leaves_no_empty_summary(tmp_path, monkeypatch):
     (tester-42 F3); it is a TrainError naming the file, and the old file (or none) stays."""
     import errno
 
-    from zeroinf.train import TrainError, _write_out
+    from zeroinf.cli.train import TrainError, _write_out
     target = tmp_path / "summary.json"
     _write_out(target, "old\n")
 

@@ -3,7 +3,7 @@ import math
 
 import pytest
 
-from zeroinf.train_plot import draw, smoothed, smoothing_window
+from zeroinf.cli.train_plot import draw, smoothed, smoothing_window
 
 
 def test_smoothed_is_a_centred_mean_narrowed_at_the_ends():

@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from zeroinf.train_checkpoints import (AUTO_SAVE_SHARE, CheckpointDir, RunState, SaveClock, SaveEvery, SaveKind,
+from zeroinf.cli.train_checkpoints import (AUTO_SAVE_SHARE, CheckpointDir, RunState, SaveClock, SaveEvery, SaveKind,
                                        parse_save_every, read_run_state)
 
 TINY = ["--offload", "infinity", "--size", "tiny", "--seq-len", "64", "--micro-batch", "4", "--seed", "0",
@@ -28,7 +28,7 @@ TINY = ["--offload", "infinity", "--size", "tiny", "--seq-len", "64", "--micro-b
 _HOOKED = r"""
 import os, sys, time
 from pathlib import Path
-import zeroinf.checkpoint as ck, zeroinf.train as train, zeroinf.train_checkpoints as tc
+import zeroinf.checkpoint as ck, zeroinf.cli.train as train, zeroinf.cli.train_checkpoints as tc
 where, arg = os.environ["HOOK"].split(":")
 def hang():
     mark = Path(os.environ["HOOK_MARK"])

@@ -2,7 +2,9 @@
 
 Layers (bottom up): ``zeroinf.ops`` (C++ op loading), ``zeroinf.optim`` (CPUAdam),
 ``zeroinf.io`` (async NVMe I/O, pinned buffers, tensor swapping), ``zeroinf.runtime``
-(ZeRO partitioning, tiering, prefetch, engine), ``zeroinf.config`` (DeepSpeed-compatible config).
+(ZeRO partitioning, tiering, prefetch, engine), ``zeroinf.config`` (DeepSpeed-compatible config),
+``zeroinf.checkpoint``, and the memory model (``zeroinf.estimate``, ``zeroinf.placement``,
+``zeroinf.memcheck``). The command-line apps are ``zeroinf.cli``, which the library never imports.
 """
 __version__ = "0.1.0"
 

@@ -52,8 +52,8 @@ def save_atomically(obj: Any, path: str) -> None:
     contiguous tensors) to a temporary file renamed onto ``path``; on failure the temporary file
     is removed and what was at ``path`` is left as it was. Raises OSError naming ``path`` when the
     write fails: torch's writer reports a full disk or a file-size limit as a RuntimeError about
-    stream positions, without the path, and safetensors as a SafetensorError, which is no OSError
-    (tester-35 F07); the error number is the one the writer names (``os error 27``), else ENOSPC
+    stream positions, without the path, and safetensors as a SafetensorError, which is no OSError;
+    the error number is the one the writer names (``os error 27``), else ENOSPC
     for a full file system, EFBIG at the file-size limit, EIO otherwise."""
     written, free = 0, None  # how far a failed write got, and the room left then: for the error number
 
@@ -69,8 +69,8 @@ def save_atomically(obj: Any, path: str) -> None:
             written = os.path.getsize(tmp) if os.path.exists(tmp) else 0
             free = shutil.disk_usage(os.path.dirname(path) or ".").free  # before the file below is closed
             # the writer's frames hold its open file: kept alive by the error (and the OSError
-            # chained to it) until a garbage collection, the unlinked file kept its space and
-            # the full disk stayed full (tester-45 F4); their locals are dropped now
+            # chained to it) until a garbage collection, the unlinked file would keep its space
+            # and the full disk would stay full; their locals are dropped now
             seen, chain = set(), [exc]
             while chain:  # the error and those it was raised during (torch's writer closing)
                 e = chain.pop()
@@ -157,11 +157,10 @@ def _same_tag(engine, tag: Optional[str], what: str) -> Optional[str]:
 
 def _save_id(engine, tag: str) -> str:
     """What every file of one save carries (the same on every rank): the tag and the engine's
-    counters. A file from another save put into the folder (a partial restore) loaded with
-    every per-file check passing, and the weights jumped back (helper-40, /tmp/tester24/f11)."""
+    counters. Every file is checked against it, so a file from another save put into the folder
+    (a partial restore) is refused, though each file's own checks pass."""
     # optimizer steps only: they are collective, so every rank counts them alike (micro-batches and
-    # samples are counted per rank, and a rank that ran fewer made every load refuse the save:
-    # helper-42, /tmp/tester26/t19_samples_ranks.py)
+    # samples are counted per rank, so a rank that ran fewer would make every load refuse the save)
     return f"{tag}@steps={engine.global_steps},applied={engine.optimizer_steps},skipped={engine.skipped_steps}"
 
 
@@ -482,8 +481,8 @@ def _check_param_positions(ckpt: str, saved: Optional[list], mine: list) -> None
     it (same names, shape and offset in the same param group). The masters and Adam moments are
     restored by position in the flat buffers; the module's weights by name. A model whose layers
     are registered in another order, or ``model_parameters`` in another order (param groups
-    built from a ``set``), passed every other check, and after one step every weight was off
-    (0.4 in helper-40's /tmp/tester24/f04_param_order.py). Checkpoints from before the layout
+    built from a ``set``), passes every other check and would restore each moment onto the wrong
+    weight. Checkpoints from before the layout
     was recorded are not checked."""
     if saved is None:
         return
@@ -505,10 +504,9 @@ def _check_param_positions(ckpt: str, saved: Optional[list], mine: list) -> None
 def _check_client_state(client_state: Optional[dict]) -> None:
     """Raise TypeError unless ``client_state`` survives the ``torch.load(weights_only=True)`` that
     :func:`load` reads checkpoints with (tensors, numbers, strings, lists, dicts, and classes
-    registered with ``torch.serialization.add_safe_globals``). An ``argparse.Namespace`` or a
-    numpy scalar was saved "successfully" into a checkpoint that could never be loaded, nor
-    consolidated (helper-40, /tmp/tester24/f02_client_state_unloadable.py). The error names the
-    first top-level key whose value fails."""
+    registered with ``torch.serialization.add_safe_globals``), so that an ``argparse.Namespace``
+    or a numpy scalar is refused at save time rather than saved into a checkpoint that can never
+    be loaded, nor consolidated. The error names the first top-level key whose value fails."""
     import io
 
     if not client_state:
@@ -651,10 +649,10 @@ def _agree(engine, problem: Optional[BaseException], others, what: str) -> None:
 
 def _agree_or_drop(engine, problem: Optional[BaseException], work: str, final: str) -> None:
     """:func:`_agree` on a save's writes; when any rank failed, each removes the unfinished
-    folder ``work`` first: left on a full disk, it kept the space that the next save (under
-    another tag, global_stepN) needed, so every retry failed too (helper-40). Not once the
-    earlier save of the tag was moved aside (``final.old``): ``work`` is then the complete new
-    save, and the renames failed between the two (helper-42, t22_save_fail.py)."""
+    folder ``work`` first: left on a full disk, it would keep the space that the next save (under
+    another tag, global_stepN) needs, so every retry would fail too. Not once the earlier save
+    of the tag was moved aside (``final.old``): ``work`` is then the complete new save, and the
+    renames failed between the two."""
     try:
         _agree(engine, problem, _write_failed, "save_checkpoint")
     except BaseException:
@@ -713,8 +711,8 @@ def _read_on_every_rank(engine, load_dir: str, tag: Optional[str], read: Callabl
 def _restore_counters(engine, meta: Dict[str, Any]) -> None:
     """The saved step and sample counters (not Adam's ``optimizer_steps``, which goes with the
     moments); a new accumulation window starts here (DeepSpeed does not restore micro_steps;
-    counted from the restored total, a resume with other gradient_accumulation_steps stepped
-    mid-window: tester-43 F1)."""
+    counted from the restored total, a resume with other gradient_accumulation_steps would step
+    mid-window)."""
     engine.global_steps, engine.micro_steps = meta["global_steps"], meta["micro_steps"]
     engine._micro_origin = engine.micro_steps
     # checkpoints from before it was saved: as DeepSpeed, from the steps and this batch size
@@ -842,7 +840,7 @@ def load_weights(engine, load_dir: str, tag: Optional[str] = None, strict: bool 
         raise
     del sd
     # not optimizer_steps: Adam's step count belongs with the moments, which stay the engine's
-    # (restored beside fresh moments, the bias correction shrank the first updates: tester-45 F2)
+    # (restored beside fresh moments, the bias correction would shrink the first updates)
     if counters:
         _restore_counters(engine, meta)
     engine._micro_origin = engine.micro_steps  # a new accumulation window starts here
@@ -893,8 +891,7 @@ def _consolidated(load_dir: str, tag: Optional[str]) -> Tuple[str, Dict[str, Any
                 want = meta.get("save_id")  # checkpoints from before save ids have none
                 if want is not None and isinstance(opt, dict) and opt.get("save_id") != want:
                     raise CheckpointError(f"{f}: written by another save ({opt.get('save_id')!r}) than model_states.pt "
-                                          f"({want!r}); the folder mixes the files of two saves (a "
-                                          "consolidated state dict must come from one save)")
+                                          f"({want!r}); the folder mixes the files of two saves")
                 _check_crc(opt, 0, f)
                 flat[pos:pos + numel].copy_(opt["master"])
                 pos += numel

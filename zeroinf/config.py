@@ -519,9 +519,9 @@ def _nvme_path(block: Mapping, prefix: str) -> Optional[str]:
         return None
     if not isinstance(v, (str, os.PathLike)) or not str(v):
         raise ConfigError(f"{prefix}.nvme_path", f"expected a directory path string, got {v!r}")
-    # "~" is the user's home, as a shell would read it (DeepSpeed made a folder named "~" in the
-    # working directory); absolute from the working directory at parse time: a relative one broke
-    # when the process changed directory between steps ("swap file ... has -1 bytes": tester-33 M5)
+    # "~" is the user's home, as a shell would read it (DeepSpeed makes a folder named "~" in the
+    # working directory); absolute from the working directory at parse time, so a process that
+    # changes directory between steps still finds its swap files
     return os.path.abspath(os.path.expanduser(os.fspath(v)))
 
 

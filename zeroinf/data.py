@@ -105,7 +105,7 @@ def corpus_files(data: Optional[str] = None) -> List[Path]:
 def _read_text(path: Path) -> str:
     if path.suffix == ".jsonl":
         parts = []
-        # undecodable bytes become U+FFFD, as in .txt files (a UnicodeDecodeError traceback: helper-46 t04)
+        # undecodable bytes become U+FFFD, as in .txt files (never a UnicodeDecodeError)
         with open(path, encoding="utf-8", errors="replace") as fh:
             for lineno, line in enumerate(fh, 1):
                 if not line.strip():

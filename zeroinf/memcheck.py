@@ -14,7 +14,7 @@ Memory tiers keep :data:`MARGIN` of what is free in reserve (the CUDA context, a
 fragmentation, the OS); swap files have exact sizes, so disk keeps none. Parameters the model
 already holds in memory count as allocated. When a tier falls short, :class:`InsufficientMemoryError`
 lists every figure and the placement ``zeroinf plan`` would choose for the same free memory
-(:func:`zeroinf.plan.choose`), as the config keys to set.
+(:func:`zeroinf.placement.choose`), as the config keys to set.
 
 What the estimator leaves out (activations, temporary buffers) is not checked; every parameter
 counts as trainable. ``"zeroinf": {"check_memory": false}`` skips the check.
@@ -97,7 +97,7 @@ class MemoryReport:
         info: the model as the estimator sees it (full shapes).
         estimate: the configuration's estimate.
         tiers: the figures per tier.
-        suggestion: the ``zero_optimization`` block :func:`zeroinf.plan.make_config` writes for the
+        suggestion: the ``zero_optimization`` block :func:`zeroinf.placement.make_config` writes for the
             first placement that fits the same free memory; None when it fits already or nothing fits.
         suggested: that placement's estimate.
     """
@@ -219,11 +219,11 @@ def assess(module, cfg, *, world_size: int = 1, rank: int = 0, gpus_per_node: Op
     swap files initialize removes, by folder. ``free``: ``{"host": bytes, "device": bytes,
     "disk": bytes}`` in place of measured figures (any of them; see :func:`free_bytes`). The
     suggestion, when ``cfg`` does not fit, is
-    :func:`zeroinf.plan.choose`'s first placement that fits the same free memory."""
+    :func:`zeroinf.placement.choose`'s first placement that fits the same free memory."""
     import torch
 
     from zeroinf.io.swapper import reusable_bytes
-    from zeroinf.plan import Limits, choose, make_config, swap_for
+    from zeroinf.placement import Limits, choose, make_config, swap_for
 
     device = torch.device(device)
     gpn = gpus_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", world_size))

@@ -91,7 +91,7 @@ def build_config(model: str = "llama", size: str = "tiny", vocab_size: int = 256
         except (json.JSONDecodeError, KeyError, ValueError) as exc:
             raise ModelError(f"{model}: not a transformers model config ({exc})") from exc
         from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
-        if model_type not in CONFIG_MAPPING_NAMES:  # transformers' own error lists every known type: 12 KB (tester-42 F7)
+        if model_type not in CONFIG_MAPPING_NAMES:  # transformers' own error lists every known type: 12 KB
             raise ModelError(f"{model}: model_type {model_type!r} is not known to transformers "
                              f"{transformers.__version__}")
         try:
@@ -99,7 +99,7 @@ def build_config(model: str = "llama", size: str = "tiny", vocab_size: int = 256
         except (KeyError, ValueError, TypeError) as exc:
             raise ModelError(f"{model}: not a transformers model config ({exc})") from exc
         from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-        if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:  # an encoder or encoder-decoder (tester-40 F5)
+        if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:  # an encoder or encoder-decoder
             raise ModelError(f"{model}: model_type {model_type!r} has no causal-LM class in transformers; "
                              "zeroinf train trains decoder-only language models (llama, gpt2, mistral, qwen2, ...)")
         if getattr(cfg, "vocab_size", 0) < vocab_size:

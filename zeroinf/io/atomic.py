@@ -36,7 +36,7 @@ def write_then_rename(path: "str | os.PathLike", write: Callable[[str], None]) -
     except (OSError, ValueError):
         limit = 255
     raw = name.encode()
-    if len(raw) + len(suffix) > limit:  # a legal long name: the suffix made it too long (tester-45 F5)
+    if len(raw) + len(suffix) > limit:  # a legal long name that the suffix makes too long
         name = raw[:limit - len(suffix)].decode(errors="ignore")
     tmp = os.path.join(folder, name + suffix)
     try:

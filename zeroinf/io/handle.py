@@ -234,7 +234,7 @@ def _byte_view(buffer, name: str = "buffer") -> torch.Tensor:
         raise TypeError(f"{name} must be a torch.Tensor, got {type(buffer).__name__}")
     if buffer.device.type != "cpu":
         raise ValueError(f"{name} must be a CPU tensor, got device {buffer.device}")
-    if buffer.layout != torch.strided:  # sparse: it was told to be contiguous (tester-44 F8)
+    if buffer.layout != torch.strided:  # sparse: is_contiguous() says True, yet it has no flat bytes
         raise ValueError(f"{name} is a {buffer.layout} tensor, which has no flat bytes; pass a dense one (.to_dense())")
     if buffer.is_conj() or buffer.is_neg():  # a lazy view: its bytes are not its values
         raise ValueError(f"{name} is a lazily {'conjugated' if buffer.is_conj() else 'negated'} view; pass "
@@ -248,10 +248,9 @@ def _byte_view(buffer, name: str = "buffer") -> torch.Tensor:
 def _interrupts_deferred() -> Iterator[None]:
     """[Note: Ctrl-C between the engine and the bookkeeping] A request's outcome lives in one
     place at a time: the engine's queue, then the handle's ``_pending`` and counters. A
-    KeyboardInterrupt raised between the two (right after ``wait_all()`` returned) lost the
-    outcomes: the requests stayed pending for good, and the swapper above called their files
-    stale, so every later optimizer step and the rescue ``save_checkpoint`` failed (helper-41,
-    /tmp/tester25/t31_kbint_in_drain.py). In the main thread, while SIGINT has Python's default
+    KeyboardInterrupt raised between the two (right after ``wait_all()`` returned) would lose the
+    outcomes: the requests would stay pending for good, the swapper above would call their files
+    stale, and every later optimizer step and the rescue ``save_checkpoint`` would fail. In the main thread, while SIGINT has Python's default
     handler, a Ctrl-C inside the block is held and raised as KeyboardInterrupt when it ends
     (the block is short: the engine's waits do not run Python signal handlers anyway). A
     handler of the user's own runs as usual."""
@@ -457,7 +456,7 @@ class AsyncIOHandle:
         self._check_usable()
         path = os.fspath(filename)
         if not isinstance(file_offset, int) or isinstance(file_offset, bool) or not 0 <= file_offset < 2**63:
-            # off_t is 64-bit signed: 2**63 and above reached the C++ binding as a raw TypeError (tester-44 F5)
+            # off_t is 64-bit signed: 2**63 and above would reach the C++ binding as a raw TypeError
             raise ValueError(f"file_offset must be an integer in [0, 2**63), got {file_offset!r}")
         if whole_file and file_offset != 0:
             raise ValueError(f"a whole-file read starts at offset 0, got file_offset={file_offset}")
@@ -471,16 +470,16 @@ class AsyncIOHandle:
             fd, fd_direct = self._open(path, is_read, file_offset, nbytes, whole_file)
         except AIOError as exc:
             # each queued request holds its file open (2 descriptors) until it is collected: a
-            # long queue ran out of them ("Too many open files" at the 125th 4 KiB write under
-            # a limit of 256: the ninth session's note). Finish the queue, then open again.
+            # long queue runs out of them ("Too many open files" at the 125th 4 KiB write under
+            # a limit of 256). Finish the queue, then open again.
             if exc.errno not in (errno.EMFILE, errno.ENFILE) or not self.pending():
                 raise
             self._drain()
             fd, fd_direct = self._open(path, is_read, file_offset, nbytes, whole_file)
         # a request the engine runs is always in _pending, and is there before any thread's wait
         # can collect its completion (_finish takes the lock): registered after the submit, a
-        # small request on another thread's wait was "a completion for an unknown request",
-        # and stayed pending for good (tester-41 F3; the engines' submits do not block)
+        # small request could complete on another thread's wait as "a completion for an unknown
+        # request" and stay pending for good (the engines' submits do not block)
         with _interrupts_deferred(), self._lock:
             try:
                 rid = self._engine.submit(is_read, flat, nbytes, fd_direct, fd, file_offset,
@@ -649,7 +648,7 @@ class AsyncIOHandle:
 
     def __reduce__(self):
         """Refused: a handle owns threads, file descriptors and in-flight requests of this
-        process; pickling one failed on its engine with no hint (tester-44 F8).
+        process, so pickling one is refused here with a reason, not on its engine with none.
 
         Raises:
             TypeError: always.
@@ -686,8 +685,7 @@ class AsyncIOHandle:
 
     def __del__(self) -> None:
         """A handle dropped without :meth:`close`: finish its pending requests and close their
-        file descriptors (they leaked, 2 per request: helper-33, t24_drop_pending.py). A
-        destructor cannot raise, so a failed request becomes a ``RuntimeWarning`` naming it;
+        file descriptors (2 per request, which would leak otherwise). A destructor cannot raise, so a failed request becomes a ``RuntimeWarning`` naming it;
         requests that only were not waited for, a ``ResourceWarning`` (as an unclosed file)."""
         if getattr(self, "_closed", True) or os.getpid() != getattr(self, "_pid", None):
             return

@@ -61,7 +61,7 @@ def dir_problem(path: str, create: bool = False) -> Optional[str]:
             return f"cannot be created: {parent} {why}" if why else \
                 f"cannot be created: {exc.strerror or exc}"
     if not os.path.exists(path):
-        if os.path.islink(path):  # "does not exist" of a link that does (tester-33)
+        if os.path.islink(path):  # the link exists; its target does not
             return f"is a symbolic link to {os.readlink(path)}, which does not exist"
         return "does not exist"
     if not os.path.isdir(path):

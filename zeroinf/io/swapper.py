@@ -90,8 +90,7 @@ def _claim(base: Path) -> Tuple[Path, int]:
     descriptor that holds its lock: ``zeroinf-swap``, or ``zeroinf-swap.1``, ``.2``, ... when a
     live swapper (this process or another) holds the first. File names come from the keys alone,
     so two engines with one config and one ``nvme_path`` (an actor and a reference model, or two
-    jobs) wrote each other's swap files, and the first engine's weights changed silently
-    (helper-39, /tmp/tester23/t02_two_engines_same_nvme.py). The lock is a ``flock`` on
+    jobs) would write each other's swap files and change each other's weights silently. The lock is a ``flock`` on
     ``.lock`` in the folder, released by :meth:`TensorSwapper.close` or when the process ends,
     so a later run adopts the folder (and the data of the same keys, see [Note: stale files]).
     A file system without ``flock`` (ENOLCK, EOPNOTSUPP) gets the first folder, unlocked."""
@@ -167,7 +166,7 @@ class TensorSwapper:
     """
 
     def __init__(self, swap_dir, handle: Optional[AsyncIOHandle] = None, *, checksum: Optional[bool] = None):
-        base = Path(swap_dir).absolute()  # the process may change directory later (tester-33 M5)
+        base = Path(swap_dir).absolute()  # the process may change directory later
         if not base.exists():
             raise make_error(errno.ENOENT, f"swap directory {base} does not exist", str(base), 0, 0, 0)
         if not base.is_dir():
@@ -423,7 +422,7 @@ class TensorSwapper:
         except BaseException:
             # a KeyboardInterrupt: the requests are finished or still queued in the handle, which
             # keeps their outcome for its next wait; they stay pending here (dropped, every file
-            # of the batch was stale for good: helper-41 t31)
+            # of the batch would be stale for good)
             self._pending = pending + self._pending
             raise
         first: Optional[AIOError] = None

@@ -197,7 +197,7 @@ def _jit_build(spec: OpSpec) -> ModuleType:
         lock_file = open(lock_path, "w")
     except OSError as exc:  # a read-only or full home: as with no compiler, the op cannot be built here
         built = build_dir / f"zeroinf_{spec.name}_{key}.so"
-        if built.is_file():  # but a cache built before (an image's, a shared one) is loaded as it is (tester-42 F5)
+        if built.is_file():  # but a cache built before (an image's, a shared one) is loaded as it is
             return _import_built(spec.name, built)
         raise OpUnavailableError(f"cannot write the op cache {cache_dir()} ({exc.strerror or exc}); set "
                                  "ZEROINF_CACHE to a writable folder") from exc
@@ -231,11 +231,11 @@ def _jit_build(spec: OpSpec) -> ModuleType:
                 )
         except (RuntimeError, ImportError, OSError, subprocess.SubprocessError) as exc:
             # SubprocessError: torch's own compiler check (``CXX --version`` failing: a broken
-            # wrapper) raised CalledProcessError past this (tester-41 F5)
+            # wrapper) raises CalledProcessError
             log = str(exc)
             err = OpBuildError(spec.name, _compile_command(build_dir), _first_error_line(log), log)
             # a retry in this process would be told of a missing .so (torch's half-done
-            # build), not of the compiler (tester-42 F6): it gets this error again
+            # build), not of the compiler: it gets this error again
             _failed[str(build_dir)] = err
             raise err from exc
         finally:

@@ -18,11 +18,11 @@ from typing import List, Optional
 
 #: subcommand -> (module, one-line help)
 COMMANDS = {
-    "train": ("zeroinf.train", "train a transformer on real text with ZeRO-Infinity offload"),
-    "report": ("zeroinf.report", "show the torch version, CPU ISA paths, op and I/O backend states"),
-    "estimate": ("zeroinf.estimate", "memory per device/host/NVMe for DDP, ZeRO-1/2/3 and offload"),
-    "plan": ("zeroinf.plan", "choose the cheapest placement that fits and write its config"),
-    "tune-io": ("zeroinf.io.tune", "sweep aio block size / queue depth on a path, print the best block"),
+    "train": ("zeroinf.cli.train", "train a transformer on real text with ZeRO-Infinity offload"),
+    "report": ("zeroinf.cli.report", "show the torch version, CPU ISA paths, op and I/O backend states"),
+    "estimate": ("zeroinf.cli.estimate", "memory per device/host/NVMe for DDP, ZeRO-1/2/3 and offload"),
+    "plan": ("zeroinf.cli.plan", "choose the cheapest placement that fits and write its config"),
+    "tune-io": ("zeroinf.cli.tune_io", "sweep aio block size / queue depth on a path, print the best block"),
 }
 
 
@@ -35,7 +35,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     """Entry point of the ``zeroinf`` console script; returns the process exit code.
 
     When stdout is a pipe whose reader has gone, the command stops quietly with
-    :data:`EXIT_BROKEN_PIPE` (it ended in a BrokenPipeError traceback: tester-32 r09); files a
+    :data:`EXIT_BROKEN_PIPE` (not a BrokenPipeError traceback); files a
     subcommand finished writing before that are complete. A full or failing stdout (ENOSPC, EIO,
     EDQUOT) ends with one line on stderr and exit 1; a closed stdout or stderr is /dev/null.
     """
@@ -53,7 +53,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     except OSError as exc:
         if exc.errno not in (errno.ENOSPC, errno.EIO, errno.EDQUOT):
             raise
-        # a full or failing stdout (> /dev/full) ended in a traceback (tester-34 N2): one line
+        # a full or failing stdout (> /dev/full): one line, no traceback
         _drop_stdout()
         print(f"zeroinf: error: {exc}", file=sys.stderr)
         return 1
@@ -88,7 +88,7 @@ class _Parser(argparse.ArgumentParser):
     of the command does (argparse drops it, so ``--help | head -1`` exited 0 or 141 by buffer size),
     and which takes any word starting with ``-`` and a digit as a value: argparse knows only plain
     negative numbers, so ``--cpu-mem -1GB`` or ``--lr -1e-3`` got "expected one argument" instead
-    of the flag's own refusal (helper-49). No option of zeroinf's starts with a digit."""
+    of the flag's own refusal. No option of zeroinf's starts with a digit."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)

@@ -67,7 +67,7 @@ def collect(build: bool = False) -> Dict[str, object]:
     """
     import torch
 
-    from .ops import OPS, load_op, loader, op_status
+    from zeroinf.ops import OPS, load_op, loader, op_status
 
     cpu = _cpu()
     rep: Dict[str, object] = {
@@ -90,7 +90,7 @@ def collect(build: bool = False) -> Dict[str, object]:
             st["error"] = err
         ops.append(st)
     rep["ops"] = ops
-    from .ops.specs import _libaio_probe
+    from zeroinf.ops.specs import _libaio_probe
 
     _c, ldflags, why = _libaio_probe()
     rep["libaio"] = "found (-laio)" if "-laio" in ldflags else "; ".join(why)
@@ -99,7 +99,7 @@ def collect(build: bool = False) -> Dict[str, object]:
     isa = {"available": _isa_paths(cpu["flags"]), "forced": forced, "chosen": None, "source": "/proc/cpuinfo"}
     adam_state = next(o["state"] for o in ops if o["op"] == "adam")
     if adam_state in ("loaded", "prebuilt", "cached"):
-        from .optim import isa_info
+        from zeroinf.optim import isa_info
 
         try:
             info = isa_info()
@@ -114,7 +114,7 @@ def collect(build: bool = False) -> Dict[str, object]:
     rep["adam_isa"] = isa
 
     try:
-        from .io import backend_report
+        from zeroinf.io import backend_report
 
         rep["io_backends"] = backend_report(build=build)
     except (ImportError, AttributeError) as exc:

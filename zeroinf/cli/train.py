@@ -11,7 +11,7 @@ Outputs under ``--out`` (rank 0 writes them): ``log.jsonl`` (one record per opti
 :data:`LOG_FIELDS`), ``loss.png`` (loss curve and memory per tier), ``summary.json`` /
 ``summary.txt``, ``run.json`` (the run's arguments and state, for ``--resume``; written as the first
 step starts), ``checkpoint/`` (periodic checkpoints, ``--save-every``, and one on Ctrl-C / SIGTERM;
-removed when the run completes: :mod:`zeroinf.train_checkpoints`), ``trace.json`` (``--trace``).
+removed when the run completes: :mod:`zeroinf.cli.train_checkpoints`), ``trace.json`` (``--trace``).
 
 ``--compare`` trains the same steps again with plain PyTorch (``torch.optim.AdamW``, fp32 master
 weights when the run is bf16/fp16, same clipping, same learning rate per step, all ranks' rows in one
@@ -45,12 +45,12 @@ import torch
 
 from zeroinf.checkpoint import save_atomically, write_latest
 from zeroinf.io.atomic import write_text_then_rename, write_then_rename
-from zeroinf.train_checkpoints import (CheckpointDir, RunState, SaveClock, lock_out, parse_save_every,
-                                       read_run_state, save_every_arg, write_run_json)
+from zeroinf.cli.train_checkpoints import (CheckpointDir, RunState, SaveClock, lock_out, parse_save_every,
+                                           read_run_state, save_every_arg, write_run_json)
 
 __all__ = ["add_arguments", "main", "TrainError", "LOG_FIELDS", "COMPARE_ATOL", "PlainEngine", "loss_windows", "loss_label"]
 
-PRESET_DIR = Path(__file__).resolve().parent / "presets"
+PRESET_DIR = Path(__file__).resolve().parent.parent / "presets"
 OFFLOADS = ("none", "cpu", "nvme-optimizer", "infinity")
 #: the offload used when --offload and --config are both absent
 DEFAULT_OFFLOAD = "infinity"
@@ -70,7 +70,7 @@ COMPARE_ATOL = {"fp32": 2e-3, "bf16": 0.03, "fp16": 0.03}
 
 EXIT_BAD_INPUT, EXIT_MISMATCH, EXIT_NONFINITE, EXIT_INTERRUPTED = 2, 3, 4, 130
 #: path arguments stored absolute in run.json, so ``--resume`` from another directory reads the
-#: same files (they were stored as typed: helper-46 t05)
+#: same files
 _PATH_ARGS = ("data", "config", "init", "tokenizer", "nvme_path", "out")
 
 
@@ -82,8 +82,8 @@ def _append_record(log, path: Path, rec: dict) -> None:
     """Append one record to ``log.jsonl`` and flush it.
 
     Raises:
-        TrainError: the write failed (a full ``--out`` disk: it was "[Errno 28] No space left on
-            device" with no path, exit 1: tester-41 F4); names the file.
+        TrainError: the write failed (e.g. a full ``--out`` disk); names the file, which a bare
+            "[Errno 28] No space left on device" does not.
     """
     try:
         log.write(json.dumps(rec) + "\n")
@@ -99,8 +99,8 @@ def _write_out(path: Path, content: "str | Callable[[str], None]") -> None:
     that writes the file to the name it is given (``loss.png``: matplotlib's ``savefig``).
 
     Raises:
-        TrainError: the write failed (a full disk: it was "[Errno 28] No space left on device"
-            with no path, exit 1, and an empty summary.json: tester-42 F3); names the file.
+        TrainError: the write failed (e.g. a full disk); names the file, and no empty
+            summary.json is left as if it were one.
     """
     try:
         if isinstance(content, str):
@@ -184,8 +184,8 @@ def main(args: argparse.Namespace) -> int:
     except (ConfigError, DataError, ModelError, TrainError) as exc:
         print(f"zeroinf train: error: {_one_line(exc)}", file=sys.stderr)
         return EXIT_BAD_INPUT
-    except DiskFullError as exc:  # a traceback, exit 1, from swap files made by zeroinf.Init (tester-33 M6)
-        # strerror already names the file; str(exc) adds it a second time (tester-34)
+    except DiskFullError as exc:  # e.g. swap files made by zeroinf.Init: one line, no traceback
+        # strerror already names the file; str(exc) adds it a second time
         print(f"zeroinf train: error: {_one_line(exc.strerror or exc)}; free space there or give --nvme-path on a "
               "larger disk", file=sys.stderr)
         return EXIT_BAD_INPUT
@@ -368,9 +368,9 @@ class PlainEngine:
 
 def _swap_where(zcfg, world_size: int = 1, private: bool = False) -> str:
     """``"; swap files in DIR[, DIR]"`` for rank 0's header, or ``""`` without NVMe: a config's own
-    nvme_path (the presets' /local_nvme) is created if missing, so say where the files go (tester-33).
+    nvme_path (the presets' /local_nvme) is created if missing, so say where the files go.
     With ``private`` folders over several ranks, rank 0's is named and the others' are said to lie
-    beside it (the header named only rank 0's: tester-34)."""
+    beside it."""
     z = zcfg.zero_optimization
     dirs = dict.fromkeys(b.nvme_path for b in (z.offload_param, z.offload_optimizer) if b.device == "nvme")
     if not dirs:
@@ -389,8 +389,8 @@ def _swap_where(zcfg, world_size: int = 1, private: bool = False) -> str:
 # a later run in the same directory, of any rank, removes such folders that nobody holds. Only
 # folders this scheme made are candidates: the name as mkdtemp makes it, owned by this user, and
 # holding the OWNER file (a regular file naming this host) written under the lock. So an older
-# version's folders (never locked, possibly a --keep run's or a live run's: tester-33 M2), another
-# user's (M1), another host's (a shared file system whose flock may be local to each host) and
+# version's folders (never locked, possibly a --keep run's or a live run's), another
+# user's, another host's (a shared file system whose flock may be local to each host) and
 # names a person chose are left alone. A folder is made under another prefix and renamed once locked and
 # marked, so no scan sees it unlocked; a --keep run's folder carries a KEPT file and stays; where
 # flock is not supported nothing is removed. A made-but-unmarked folder left by a run killed between
@@ -450,16 +450,16 @@ def remove_stale_private_dirs(parent: Path) -> List[Tuple[Path, int]]:
             if (d.name.startswith(_NEW_PREFIX) and stat.S_ISDIR(st.st_mode) and st.st_uid == os.geteuid()
                     and time.time() - st.st_mtime > _NEW_STALE_S and not any(d.iterdir())):
                 # killed between mkdtemp and writing OWNER: empty, and old enough that no run is
-                # still between those two calls (tester-34); rmdir takes only an empty folder
+                # still between those two calls; rmdir takes only an empty folder
                 os.rmdir(d)
                 removed.append((d, 0))
                 continue
             if (not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid() or os.path.lexists(d / _KEPT)
                     or not stat.S_ISREG((d / _OWNER).lstat().st_mode)
                     or (d / _OWNER).read_text().split("\n", 1)[0] != socket.gethostname()):
-                continue  # a link as OWNER (tester-34 N5); another host's run over a shared file system
+                continue  # a link as OWNER; another host's run over a shared file system
             fd = os.open(d, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
-        except OSError:  # another user's 0700 folder (Path.exists raised EACCES: tester-33 M1)
+        except OSError:  # another user's 0700 folder (Path.exists raised EACCES)
             continue
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -588,8 +588,8 @@ class _Run:
                 setattr(a, k, os.path.abspath(v) if k in _PATH_ARGS else v)
         out = self.out = Path(a.out)
         if not a.resume and (out / "checkpoint" / "latest").exists():
-            # a fresh run there kept the old run.json and checkpoint until it ended: killed before,
-            # a --resume went on from the old checkpoint with the new run's log (helper-46 t09)
+            # a fresh run there keeps the old run.json and checkpoint until it ends: killed before,
+            # a --resume would go on from the old checkpoint with the new run's log
             raise TrainError(f"--out {out}: holds an interrupted run (its checkpoint); continue it with "
                              f"zeroinf train --resume {out}, or give another --out")
         if out.exists() and not out.is_dir():
@@ -656,8 +656,8 @@ class _Run:
         if a.lr is not None and isinstance(cfg["optimizer"], dict):
             cfg["optimizer"].setdefault("params", {})["lr"] = a.lr
         if a.dtype is not None:
-            # the blocks' other keys stay (loss scaling: helper-46 t02); DeepSpeed's "bfloat16" alias
-            # is the bf16 block (the check refused the pair --dtype made: t03)
+            # the blocks' other keys stay (loss scaling); DeepSpeed's "bfloat16" alias
+            # is the bf16 block (the config check refuses both at once)
             bf16 = cfg.pop("bfloat16", None) if "bf16" not in cfg else cfg.get("bf16")
             cfg["bf16"] = {**(bf16 if isinstance(bf16, dict) else {}), "enabled": a.dtype == "bf16"}
             if a.dtype == "fp16":
@@ -666,7 +666,7 @@ class _Run:
             else:
                 cfg.pop("fp16", None)
         zo = cfg.get("zero_optimization", {})
-        # the config check takes the device in any case: "NVMe" ignored --nvme-path (helper-46 t07)
+        # the config check takes the device in any case, so "NVMe" honours --nvme-path too
         on_nvme = [k for k in ("offload_param", "offload_optimizer")
                    if isinstance(zo.get(k), dict) and str(zo[k].get("device", "")).lower() == "nvme"]
         if on_nvme and (a.nvme_path is not None or a.config is None):
@@ -751,7 +751,7 @@ class _Run:
             made = [d for d in reversed((out, *out.parents)) if not d.exists()]
             try:
                 out.mkdir(parents=True, exist_ok=True)
-            except OSError as exc:  # a traceback after the model was built (helper-46 t10)
+            except OSError as exc:  # one line, not a traceback after the model was built
                 raise TrainError(f"--out {out}: cannot be created ({exc.strerror or exc})") from exc
             try:
                 out_lock = lock_out(out)
@@ -806,7 +806,7 @@ class _Run:
                 if not interrupted:  # an interruption says one line (the summary is in summary.txt)
                     print(summary, flush=True)
             diverged = next((r for r in records if not math.isfinite(r["loss"])), None)
-            if diverged is not None and rank0:  # also before an interruption's checkpoint (helper-48 P4)
+            if diverged is not None and rank0:  # also before an interruption's checkpoint
                 print(f"zeroinf train: error: the loss is {diverged['loss']} from step {diverged['step']} on: "
                       "the run diverged (look at the learning rate, optimizer eps, loss scaling)"
                       + ("; --compare skipped" if a.compare and not interrupted else ""), file=sys.stderr, flush=True)
@@ -817,7 +817,7 @@ class _Run:
                           f"zeroinf train --resume {out}", flush=True)
                 ended = True
                 return EXIT_INTERRUPTED
-            if diverged is not None:  # reported as a success before (helper-46 t08)
+            if diverged is not None:  # a diverged run is a failure, never a success
                 ended = True
                 return EXIT_NONFINITE
             if a.compare:
@@ -828,7 +828,7 @@ class _Run:
             if engine is not None and hasattr(engine, "close"):
                 engine.close()
             self.remove_tmp_nvme()
-            if not ended:  # a refused or failed run leaves no empty --out behind (tester-33)
+            if not ended:  # a refused or failed run leaves no empty --out behind
                 for d in reversed(made):
                     try:
                         d.rmdir()  # only an empty folder: what the run wrote there stays
@@ -875,9 +875,9 @@ class _Run:
     def _check_batch_fits_memory(self, a, cfg: dict, vocab: int, device: str) -> None:
         """Refuse a micro-batch whose logits alone outgrow the memory free on ``device``: fp32
         logits of ``micro-batch x seq_len x vocab`` elements and as much again for their gradient
-        (a lower bound of what the step needs: activations come on top). ``--micro-batch
-        10000000`` passed the corpus check and died in the allocator, or by the OOM killer, after
-        the model was built (helper-49).
+        (a lower bound of what the step needs: activations come on top), so ``--micro-batch
+        10000000`` is refused here rather than by the allocator or the OOM killer after the model
+        is built.
 
         Raises:
             TrainError: naming ``--micro-batch`` or the config's key, the bytes, and the most rows
@@ -965,7 +965,7 @@ class _Run:
             self._save(ckpts, engine, self.completed, None)
         elif not interrupted and rank0:
             # completed: the checkpoints are not where the run stands any more (a later --resume
-            # --steps M took one up and numbered its steps from run.json: helper-40 f06)
+            # --steps M would take one up and number its steps from run.json)
             ckpts.drop_all()
         self.dist.barrier()
         if rank0:
@@ -1028,7 +1028,7 @@ class _Run:
             engine.backward(out.loss)
             losses.append(float(out.loss.detach().float()))
             last = micro == grad_accum - 1
-            if last:  # the rate this step applies; after it, the next step's (helper-46 t01)
+            if last:  # the rate this step applies; after it, the next step's
                 lr = engine.get_lr()
             t = time.perf_counter()
             engine.step()
@@ -1080,7 +1080,7 @@ class _Run:
         med = sorted(r["step_s"] for r in timed)[len(timed) // 2]
         mean = lambda k: sum(r[k] for r in timed) / len(timed)  # noqa: E731
         k, loss_first, loss_last = loss_windows([r["loss"] for r in records])
-        # the kernel's high-water mark can lag a sample taken after it (it was below a step's rss_bytes: helper-46)
+        # the kernel's high-water mark can lag a sample taken after it (below a step's rss_bytes)
         peak_rss = max(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, max(r["rss_bytes"] for r in records))
         s = {
             "model": self.model_name, "params": n_params, "dtype": dtype, "config": self.config_source, "ranks": self.dist.world_size,
@@ -1118,7 +1118,7 @@ class _Run:
 
     @staticmethod
     def _plot(records: List[dict], out: Path, title: str, reference: Optional[List[float]] = None) -> None:
-        from .train_plot import draw
+        from zeroinf.cli.train_plot import draw
         # through a rename, naming the file on failure (a full disk: exit 1 with the path)
         draw(records, lambda fig: _write_out(out / "loss.png", lambda tmp: fig.savefig(tmp, dpi=90, format="png")),
              title, reference)
@@ -1228,7 +1228,7 @@ def _absolute_saved_args(run_dir: str, args: dict) -> dict:
     """``run.json``'s arguments with the path arguments absolute. Older versions stored them as
     typed, relative to a working directory they did not record: it is recovered from the stored
     relative ``out`` (the run's folder was ``cwd/out``), else the run is refused, since resolving
-    against today's working directory trained on whatever file has that name there (helper-48 P1).
+    against today's working directory would train on whatever file has that name there.
 
     Raises:
         TrainError: a relative path whose working directory cannot be told.
@@ -1249,14 +1249,14 @@ def _absolute_saved_args(run_dir: str, args: dict) -> dict:
 
 def _same_arg(key: str, given, saved) -> bool:
     """Whether a resumed run's ``--key given`` is the stored value (paths: the same file, through
-    symlinks too: helper-48 P8)."""
+    symlinks too)."""
     if key in _PATH_ARGS and isinstance(given, str) and isinstance(saved, str):
         return os.path.realpath(given) == os.path.realpath(saved)
     return given == saved
 
 
 def _count(n: int) -> str:
-    """``n`` as 32.0M, 41.5k or 812 (a small corpus printed as "0.0M": helper-46)."""
+    """``n`` as 32.0M, 41.5k or 812 (a small corpus is not "0.0M")."""
     return f"{n / 1e6:.1f}M" if n >= 100_000 else f"{n / 1e3:.1f}k" if n >= 1000 else str(n)
 
 
@@ -1269,7 +1269,7 @@ def _pick(d: dict, names) -> Optional[float]:
 
 def _files_bytes(paths: List[str]) -> int:
     """Bytes allocated on disk (st_blocks * 512) by the files ``paths`` (the engine's swap files:
-    the whole swap folders counted an earlier run's files too, 4.6 MiB against 2.6: helper-48 P2)."""
+    not the whole swap folders, which can hold an earlier run's files too)."""
     total = 0
     for path in paths:
         with contextlib.suppress(OSError):  # not written yet

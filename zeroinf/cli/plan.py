@@ -1,253 +1,31 @@
-"""``zeroinf plan``: the cheapest placement that fits, why, and a ready DeepSpeed-format config.
+"""``zeroinf plan``: the cheapest placement that fits (:mod:`zeroinf.placement`), why, and a ready
+DeepSpeed-format config. The config written passes :func:`zeroinf.config.parse_config` (checked
+before it is written), so ``zeroinf train --config`` and ``zeroinf.initialize`` accept it.
 
-Placements are tried cheapest first (:data:`LADDER`): no offload (ZeRO stage 0, 1, 2, 3: more
-communication, less memory), then the optimizer state on the CPU, then the parameters on the CPU as
-well, then NVMe (optimizer first, parameters last). The first whose accelerator, host and NVMe bytes
-(:mod:`zeroinf.estimate`) fit the usable memory wins; every rejected one is reported with the tier
-that overflowed. The config written passes :func:`zeroinf.config.parse_config` (checked before it
-is written), so ``zeroinf train --config`` and ``zeroinf.initialize`` accept it.
+Bandwidths (flags — e.g. the GB/s that ``zeroinf tune-io`` prints — or the ``--json`` files of
+``bench/aio.py`` and ``bench/cpu_adam.py``) add lower bounds on the step time
+(:func:`zeroinf.placement.step_time_bounds`).
 
-With bandwidths (flags — e.g. the GB/s that ``zeroinf tune-io`` prints — or the ``--json`` files of
-``bench/aio.py`` and ``bench/cpu_adam.py``) it also prints lower bounds on the step time, per node:
-
-* optimizer: ``params stepped on the node's CPU / Adam rate`` (params/s for the whole host), when the
-  optimizer is offloaded;
-* NVMe: ``bytes read / read bandwidth + bytes written / write bandwidth`` of the node's swap traffic
-  (reads and writes share the device): optimizer on NVMe reads and writes ``K x ceil(P/N)`` per rank;
-  parameters on NVMe are read in forward and in backward and written after the step,
-  ``Ψp x ceil(P/N)`` each time.
-
-Units: bytes in the API; GB = 1e9 bytes and GB/s = 1e9 bytes/s on the command line.
+Units: GB = 1e9 bytes and GB/s = 1e9 bytes/s on the command line.
 """
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import math
 import os
 import stat
 import sys
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Dict, List, Optional, Tuple
+from typing import List, Optional, Tuple
 
-from zeroinf.config import ZeroConfig
+from zeroinf.cli.estimate import add_model_arguments, flag_type, resolve_model
+from zeroinf.estimate import GB, format_size, parse_bytes, swap_for
 from zeroinf.io.atomic import write_text_then_rename
-from zeroinf.estimate import (GB, OPTIMIZERS, format_size, PLAN_SWAP, swap_for, PRECISIONS, Estimate, ModelInfo, Placement, SwapBuffers,
-                              add_model_arguments, estimate, flag_type, parse_bytes, resolve_model)
+from zeroinf.placement import ADAM_BYTES_PER_PARAM, MAX_LIVE_PARAMETERS, MAX_UNITS, Limits, choose, make_config, \
+    step_time_bounds
 
-__all__ = ["LADDER", "ADAM_BYTES_PER_PARAM", "Limits", "Attempt", "Plan", "check_fit", "choose", "make_config",
-           "swap_for", "step_time_bounds", "read_adam_json", "read_nvme_json", "out_target", "add_arguments",
-           "main"]
-
-#: Placements from cheapest to most offloaded.
-LADDER: Tuple[Placement, ...] = (
-    Placement(0), Placement(1), Placement(2), Placement(3),
-    Placement(2, "none", "cpu"), Placement(3, "none", "cpu"),
-    Placement(3, "cpu", "cpu"),
-    Placement(2, "none", "nvme"), Placement(3, "none", "nvme"), Placement(3, "cpu", "nvme"),
-    Placement(3, "nvme", "nvme"),
-)
-
-#: Bytes one Adam step reads and writes per parameter, as bench/cpu_adam.py counts its GB/s: fp32
-#: grads read p, g, m, v (16 B) and write p, m, v (12 B); the offload step reads fp32 master, m, v
-#: and a 16-bit grad (14 B) and writes them back with a 16-bit param (14 B). 28 B either way.
-ADAM_BYTES_PER_PARAM = 28
-#: the engine's default stage3_max_live_parameters (DeepSpeed's too)
-MAX_LIVE_PARAMETERS = ZeroConfig.stage3_max_live_parameters
-#: without the model's units plan assumes a unit holds at least P / MAX_UNITS parameters, as in a
-#: model of 100 equal blocks; real ones gather more at once (the embedding, the persistent unit)
-MAX_UNITS = 100
-
-
-@dataclass(frozen=True)
-class Limits:
-    """Memory available to training.
-
-    Attributes:
-        gpu_mem: bytes per accelerator.
-        cpu_mem: bytes of host memory per node.
-        nvme: bytes of NVMe swap space per node (0: no NVMe).
-        reserve: fraction of each held back (CUDA context, fragmentation, the OS), 0 <= reserve < 1.
-        device_is_host: the compute device is the CPU (no accelerator): device and host bytes
-            share ``cpu_mem``, and a placement fits only when their sum over the node's ranks does.
-    """
-
-    gpu_mem: int
-    cpu_mem: int
-    nvme: int = 0
-    reserve: float = 0.1
-    device_is_host: bool = False
-
-    def usable(self, tier: str) -> int:
-        total = {"device": self.gpu_mem, "host": self.cpu_mem, "nvme": self.nvme}[tier]
-        return int(total * (1.0 - self.reserve))
-
-
-@dataclass(frozen=True)
-class Attempt:
-    """One placement tried: its estimate and why it does not fit (empty when it fits)."""
-
-    estimate: Estimate
-    reasons: Tuple[str, ...]
-
-    @property
-    def fits(self) -> bool:
-        return not self.reasons
-
-
-@dataclass(frozen=True)
-class Plan:
-    """The outcome: every attempt in ladder order up to the first that fits (``chosen``, or None)."""
-
-    attempts: Tuple[Attempt, ...]
-    chosen: Optional[Estimate]
-    #: stage 3 without the model's own live-parameter figure: the most parameters the chosen
-    #: placement gathers on a device at once, which its config must then cap
-    #: (``stage3_max_live_parameters``); None otherwise
-    live_params: Optional[int] = None
-
-
-def check_fit(est: Estimate, limits: Limits) -> Tuple[str, ...]:
-    """Reasons ``est`` does not fit ``limits`` (GB = 1e9 bytes in the messages); empty if it fits."""
-    reasons = []
-    for tier, used, what in (("device", est.per_device_bytes, "per device"),
-                             ("host", est.per_host_bytes, "per host"),
-                             ("nvme", est.nvme_bytes, "NVMe per node")):
-        cap = limits.usable(tier)
-        if used > cap:
-            if tier == "nvme" and limits.nvme == 0:
-                reasons.append(f"needs {format_size(used)} GB of NVMe and --nvme gives none")
-            else:
-                reasons.append(f"{what} {format_size(used)} GB > {format_size(cap)} GB usable")
-    both = est.per_device_bytes * est.gpus_per_node + est.per_host_bytes  # per node
-    if limits.device_is_host and not reasons and both > limits.usable("host"):
-        reasons.append(f"device + host (one memory: the device is the CPU) {format_size(both)} GB > "
-                       f"{format_size(limits.usable('host'))} GB usable")
-    return tuple(reasons)
-
-
-def choose(info: ModelInfo, limits: Limits, *, world_size: int, gpus_per_node: int, precision: str = "bf16",
-           optimizer: str = "adam", activations: int = 0, activations_formula: str = "",
-           swap: Optional[SwapBuffers] = None) -> Plan:
-    """Try :data:`LADDER` in order; stop at the first placement that fits.
-
-    Args:
-        info: the model (P, the largest stage-3 unit and the unit sizes, which size the NVMe swap buffers).
-        limits: memory per accelerator, per host and NVMe per node.
-        world_size, gpus_per_node, precision, optimizer, activations, activations_formula: as
-            :func:`zeroinf.estimate.estimate`.
-        swap: pinned swap settings (default :func:`swap_for`).
-
-    Returns:
-        :class:`Plan`; ``chosen`` is None when nothing fits.
-
-    Without ``info.live_params`` (``--params`` alone: the units are unknown) a stage-3 placement
-    counts the parameters it may gather on a device at once as the device memory left over
-    allows, at most ``min(P, stage3_max_live_parameters default)`` and at least ``ceil(P /
-    MAX_UNITS)`` (a device with less room does not fit); :attr:`Plan.live_params` then says what
-    the config must cap. Counting none, parameters on the CPU "fit" in 1 byte of device memory;
-    with no floor, in 72 bytes (tester-33 M4).
-    """
-    swap = swap or swap_for(info, world_size)
-    attempts = []
-    for pl in LADDER:
-        def est_with(live):
-            return estimate(info.params, pl, world_size=world_size, gpus_per_node=gpus_per_node, precision=precision,
-                            optimizer=optimizer, live_params=live, activations=activations,
-                            activations_formula=activations_formula, swap=swap, unit_sizes=info.unit_sizes)
-        live = info.live_params
-        if live is None and pl.stage == 3:
-            prec = PRECISIONS[precision]
-            room = (limits.usable("device") - est_with(None).per_device_bytes) // (prec.param_bytes + prec.grad_bytes)
-            live = max(-(-info.params // MAX_UNITS), min(info.params, MAX_LIVE_PARAMETERS, room))
-        est = est_with(live)
-        attempt = Attempt(est, check_fit(est, limits))
-        attempts.append(attempt)
-        if attempt.fits:
-            return Plan(tuple(attempts), est, live if info.live_params is None and pl.stage == 3 else None)
-    return Plan(tuple(attempts), None)
-
-
-def make_config(placement: Placement, *, precision: str = "bf16", micro_batch: int = 1, nvme_path: str = "/local_nvme",
-                swap: SwapBuffers = PLAN_SWAP, lr: float = 1e-4, optimizer: str = "adamw",
-                max_live_parameters: Optional[int] = None) -> dict:
-    """A DeepSpeed-format config dict for ``placement``.
-
-    Holds ``train_micro_batch_size_per_gpu``, ``gradient_accumulation_steps`` 1, the precision block,
-    an ``optimizer`` block (Adam/AdamW), and ``zero_optimization`` with the stage, the offload blocks
-    (pinned; NVMe with ``nvme_path``, the swap buffers of ``swap``, and pipelined reads and writes)
-    and ``sub_group_size``; at stage 3 with ``max_live_parameters``, ``stage3_max_live_parameters``
-    (the engine refuses at start-up a model whose root and largest unit together need more).
-
-    Raises:
-        ValueError: an optimizer other than adam/adamw (the engine steps only those).
-    """
-    if optimizer not in ("adam", "adamw"):
-        raise ValueError(f"optimizer: {optimizer!r}: the engine supports only adam and adamw")
-    cfg: Dict = {"train_micro_batch_size_per_gpu": micro_batch, "gradient_accumulation_steps": 1}
-    if precision in ("bf16", "fp16"):
-        cfg[precision] = {"enabled": True}
-    cfg["optimizer"] = {"type": "AdamW" if optimizer == "adamw" else "Adam",
-                        "params": {"lr": lr, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.0}}
-    zero: Dict = {"stage": placement.stage, "sub_group_size": swap.sub_group_size}
-    if placement.stage == 3 and max_live_parameters is not None:
-        zero["stage3_max_live_parameters"] = int(max_live_parameters)
-    if placement.offload_optimizer != "none":
-        block = {"device": placement.offload_optimizer, "pin_memory": True}
-        if placement.offload_optimizer == "nvme":
-            block.update(nvme_path=nvme_path, buffer_count=swap.optimizer_buffer_count,
-                         pipeline_read=swap.optimizer_pipeline_read, pipeline_write=swap.optimizer_pipeline_write)
-        zero["offload_optimizer"] = block
-    if placement.offload_param != "none":
-        block = {"device": placement.offload_param, "pin_memory": True}
-        if placement.offload_param == "nvme":
-            block.update(nvme_path=nvme_path, buffer_count=swap.param_buffer_count,
-                         buffer_size=swap.param_buffer_size, max_in_cpu=swap.param_max_in_cpu)
-        zero["offload_param"] = block
-    cfg["zero_optimization"] = zero
-    return cfg
-
-
-def step_time_bounds(est: Estimate, *, adam_params_per_s: Optional[float] = None,
-                     nvme_read_gbps: Optional[float] = None, nvme_write_gbps: Optional[float] = None,
-                     precision: str = "bf16", optimizer: str = "adam") -> Dict[str, Tuple[float, str]]:
-    """Lower bounds on one optimizer step's time, seconds, per node, with their formulas.
-
-    Args:
-        est: the placement's estimate (P, N, gpus per node).
-        adam_params_per_s: CPU Adam rate of the whole host, parameters per second.
-        nvme_read_gbps, nvme_write_gbps: NVMe bandwidth of the node, GB/s (1e9 bytes/s).
-
-    Returns:
-        ``{"optimizer": (seconds, formula), "nvme": (seconds, formula)}``, each present only when it
-        applies to the placement and its rate is known.
-    """
-    out: Dict[str, Tuple[float, str]] = {}
-    pl = est.placement
-    n, gpn = est.world_size, est.gpus_per_node
-    shard = -(-est.params // n)
-    part = shard if pl.stage >= 1 else est.params
-    if pl.offload_optimizer != "none" and adam_params_per_s:
-        stepped = part * gpn
-        out["optimizer"] = (stepped / adam_params_per_s,
-                            f"{gpn} ranks x {part:,} params / {adam_params_per_s:.3g} params/s")
-    read = write = 0
-    k = 4 + OPTIMIZERS[optimizer]
-    psize = PRECISIONS[precision].param_bytes
-    if pl.offload_optimizer == "nvme":
-        read += k * part
-        write += k * part
-    if pl.offload_param == "nvme":
-        read += 2 * psize * shard
-        write += psize * shard
-    if (read or write) and nvme_read_gbps and nvme_write_gbps:
-        read, write = read * gpn, write * gpn
-        secs = read / (nvme_read_gbps * GB) + write / (nvme_write_gbps * GB)
-        out["nvme"] = (secs, f"read {format_size(read)} GB / {nvme_read_gbps:.3g} GB/s + "
-                             f"write {format_size(write)} GB / {nvme_write_gbps:.3g} GB/s")
-    return out
+__all__ = ["read_adam_json", "read_nvme_json", "out_target", "add_arguments", "main"]
 
 
 def _load_json(path: str, what: str) -> dict:
@@ -351,14 +129,15 @@ def out_target(out: str) -> Path:
         ValueError: naming ``--out``: ``OUT`` is empty, ends in a separator or is a folder; a link
             loops or points into a folder that does not exist; a folder on the way is a file.
     """
-    path = Path(out).absolute()  # "." has no name to add ".tmp" to (a traceback: helper-46 t06)
-    # the rename failed and left OUT.tmp behind; "newdir/" wrote a file named newdir (helper-48 P9)
+    # absolute: "." has no name to add ".tmp" to. An empty OUT or a folder is refused before any
+    # write: the rename would fail and leave OUT.tmp behind, and "newdir/" would become a file
+    path = Path(out).absolute()
     if not str(out).strip():
         raise ValueError(f"--out {out!r}: is empty; give a file name")
     if path.is_dir() or str(out).endswith(("/", os.sep)):
         raise ValueError(f"--out {out!r}: is a folder; give a file name")
-    # /dev/stdout, /dev/fd/1, /proc/self/fd/1: the rename replaced the shell's redirect target and
-    # the report went to the deleted copy (tester-33 H1, tester-34 N1); /proc holds no config files
+    # /dev/stdout, /dev/fd/1, /proc/self/fd/1: the rename would replace the shell's redirect target
+    # and the report would go to the deleted copy; /proc holds no config files
     hop, seen = str(path), 0
     while seen < 40:
         if os.path.abspath(hop).startswith("/proc/") or os.path.realpath(os.path.dirname(hop)).startswith("/proc/"):
@@ -367,7 +146,7 @@ def out_target(out: str) -> Path:
         if not os.path.islink(hop):
             break
         hop, seen = os.path.join(os.path.dirname(hop), os.readlink(hop)), seen + 1
-    if path.is_symlink():  # it was replaced by a regular file (tester-32 r09)
+    if path.is_symlink():  # written through, so the link stays a link
         target = Path(os.path.realpath(path))
         if target.is_symlink():
             raise ValueError(f"--out {out!r}: is a symbolic link loop")
@@ -376,7 +155,7 @@ def out_target(out: str) -> Path:
                              f"{target.parent} {'is not a directory' if os.path.lexists(target.parent) else 'does not exist'}")
         _check_regular(out, target)
         return target
-    # a file on the way made mkdir say "[Errno 17] File exists" (tester-32 r09)
+    # a file on the way is named here, not left to mkdir's bare "[Errno 17] File exists"
     parent = next(p for p in path.parents if os.path.lexists(p))
     if not parent.is_dir():
         raise ValueError(f"--out {out!r}: {parent} is not a directory")
@@ -386,8 +165,8 @@ def out_target(out: str) -> Path:
 
 def _check_regular(out: str, target: Path) -> None:
     """Refuse an existing ``target`` that is not a regular file: the config is written next to it
-    and renamed over it, which replaced /dev/null (run as root), a FIFO or the file behind
-    /dev/stdout with a regular file (tester-33 H1)."""
+    and renamed over it, which would replace /dev/null (run as root), a FIFO or the file behind
+    /dev/stdout with a regular file."""
     mode = os.stat(target).st_mode if os.path.lexists(target) else None
     if mode is not None and not stat.S_ISREG(mode):
         kind = next((k for test, k in ((stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
@@ -438,9 +217,9 @@ def main(args: argparse.Namespace) -> int:
         if not (math.isfinite(args.lr) and args.lr >= 0):
             raise ValueError(f"--lr: must be a finite number >= 0, got {args.lr}")
         for flag, size in (("--gpu-mem", args.gpu_mem), ("--cpu-mem", args.cpu_mem), ("--nvme", args.nvme)):
-            if size <= 0 and flag != "--nvme":  # --gpu-mem 0 "fit" a 7B model at 0.00 GB per device (tester-30 t13)
+            if size <= 0 and flag != "--nvme":  # with 0 bytes a 7B model would "fit" at 0.00 GB
                 raise ValueError(f"{flag}: must be more than 0 bytes, got {size}: nothing runs in no memory")
-            if 0 < size < 2**20:  # "--gpu-mem 80" is 80 bytes: nothing fitted, and nothing said why (tester-41 F6)
+            if 0 < size < 2**20:  # "--gpu-mem 80" is 80 bytes: a forgotten unit
                 hint = f"{size}GB or {size}GiB" if size < 10**4 else "80GB or 512GiB"
                 raise ValueError(f"{flag}: {size} bytes is less than 1 MiB; give a unit (e.g. {hint})")
         info, act, act_formula = resolve_model(args)
@@ -456,7 +235,8 @@ def main(args: argparse.Namespace) -> int:
     plan = choose(info, limits, world_size=n, gpus_per_node=args.gpus, precision=precision,
                   optimizer=args.optimizer, activations=act, activations_formula=act_formula, swap=swap)
     # the live parameters counted are the config's cap: plan's own figure (--params alone) or the
-    # user's --live-params (counted and not written, 1 "fit" in 72 bytes: tester-34 N3)
+    # user's --live-params, which is written too (counted and not written, the engine would gather
+    # more than the estimate counted)
     written_live = plan.live_params
     if written_live is None and args.live_params is not None and plan.chosen is not None \
             and plan.chosen.placement.stage == 3:
@@ -469,7 +249,7 @@ def main(args: argparse.Namespace) -> int:
         parse_config(cfg, world_size=n)  # the engine's own validation; a failure here is a bug in make_config
         try:
             out.parent.mkdir(parents=True, exist_ok=True)
-            write_text_then_rename(out, json.dumps(cfg, indent=2) + "\n")  # keeps a replaced file's mode (tester-34)
+            write_text_then_rename(out, json.dumps(cfg, indent=2) + "\n")  # keeps a replaced file's mode
         except OSError as exc:
             print(f"zeroinf plan: error: cannot write {out}: {exc}", file=sys.stderr)
             return 2
