@@ -90,12 +90,12 @@ class CPUAdam(torch.optim.Optimizer):
     def add_param_group(self, param_group: Dict[str, Any]) -> None:
         """Add a param group (see ``torch.optim.Optimizer.add_param_group``); validates its options.
         A group giving ``adamw_mode`` or torch's ``decoupled_weight_decay`` alone gets the other
-        from it (the defaults filled it in, and every step refused the two disagreeing: tester-44 F2).
+        from it, so the two never disagree (a step refuses a group where they do).
 
         Raises:
             ValueError: an option out of range (see the class), a parameter listed twice in
                 the group (torch only warns and steps it twice in order; one fused step would
-                give both updates one bias correction: tester-44 F4), or a bf16/fp16 parameter
+                give both updates one bias correction), or a bf16/fp16 parameter
                 over the same memory as another one (each steps its own fp32 master); the group
                 is not added.
         """
@@ -119,7 +119,7 @@ class CPUAdam(torch.optim.Optimizer):
             a, b, dtype = clash
             raise ValueError(f"CPUAdam: {a} and {b} are {dtype} parameters over the same memory; CPUAdam keeps one fp32 "
                              "master per 16-bit parameter, so each would step from its own master and the one written "
-                             "last would drop the other's update (tester-47 F3). Make them one parameter, or keep them "
+                             "last would drop the other's update. Make them one parameter, or keep them "
                              "in fp32 (aliased fp32 parameters are stepped one after the other, as torch does)")
 
     def __setstate__(self, state: Dict[str, Any]) -> None:
@@ -151,7 +151,7 @@ class CPUAdam(torch.optim.Optimizer):
             ValueError: a group this optimizer cannot step (``amsgrad=True``, a hyper-parameter out
                 of range), naming it; raised before anything is loaded, so the optimizer is as it was.
         """
-        # whatever step() would refuse is refused before anything changes (tester-35 F05, tester-36 F4)
+        # whatever step() would refuse is refused before anything changes
         mine = [p for g in self.param_groups for p in g["params"]]
         where = {}
         for gi, group in enumerate(state_dict["param_groups"]):
@@ -184,7 +184,7 @@ class CPUAdam(torch.optim.Optimizer):
                 for k, v in saved[pid].items():
                     self.state[p][k] = v.detach().to(device="cpu", dtype=torch.float32, copy=True).contiguous()
             # the loaded master may not be this parameter's value (weights loaded from elsewhere,
-            # before or after): the next step compares them (helper-43, t12_bf16_master_after_load.py)
+            # before or after): the next step compares them
             self._written.pop(p, None)
 
     @torch.no_grad()
@@ -341,7 +341,7 @@ def _check_param(p: torch.Tensor, where: str) -> None:
         raise ValueError(f"CPUAdam: {where} has a sparse gradient; CPUAdam supports dense gradients only")
     if grad.device.type != "cpu":
         raise ValueError(f"CPUAdam: the gradient of {where} is on {grad.device}; expected CPU")
-    if grad.dtype not in _PARAM_DTYPES:  # the op's own check named its list index, grads[k] (tester-35 F06)
+    if grad.dtype not in _PARAM_DTYPES:  # checked here to name the parameter, not the op's list index
         raise ValueError(f"CPUAdam: the gradient of {where} has dtype {grad.dtype}; expected float32, bfloat16 "
                          "or float16")
 
@@ -353,7 +353,7 @@ def _check_group(gi: int, group: Dict[str, Any]) -> None:
         if group.get(k):
             raise ValueError(f"CPUAdam: param_groups[{gi}] sets {k}=True, which is not supported")
     if "decoupled_weight_decay" in group and bool(group["decoupled_weight_decay"]) != bool(group["adamw_mode"]):
-        # torch.optim.Adam honours its key; this optimizer steps by adamw_mode (helper-43, t15)
+        # torch.optim.Adam honours its key; this optimizer steps by adamw_mode, so the two must agree
         raise ValueError(f"CPUAdam: param_groups[{gi}] has adamw_mode={group['adamw_mode']!r} but torch's "
                          f"decoupled_weight_decay={group['decoupled_weight_decay']!r}; set both to the same "
                          "value (True: AdamW's decoupled decay, False: Adam's L2 penalty)")
@@ -361,7 +361,7 @@ def _check_group(gi: int, group: Dict[str, Any]) -> None:
 
 def _number(name: str, v: Any) -> float:
     """``float(v)``; ValueError naming the option for a string or a tensor of several elements
-    (their own messages named neither: tester-44 F7)."""
+    (float()'s and torch's own messages name neither)."""
     try:
         if isinstance(v, (str, bytes)):  # float("0.01") would take it; torch.optim refuses a string
             raise TypeError("a string")

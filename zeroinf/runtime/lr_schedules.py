@@ -134,7 +134,7 @@ class WarmupCosineLR(WarmupLR):
 
     def load_state_dict(self, sd: Dict[str, Any]) -> None:
         """The saved position and base lrs; a state saved by another schedule (WarmupLR: a run
-        resumed with a new schedule, which DeepSpeed allows; tester-43 F5) has no base lrs, and
+        resumed with a new schedule, which DeepSpeed allows) has no base lrs, and
         this schedule keeps its own, the optimizer's lr at initialize."""
         self.org_lrs = [float(x) for x in sd.get("org_lrs", self.org_lrs)]
         super().load_state_dict(sd)
