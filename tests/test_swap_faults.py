@@ -219,3 +219,54 @@ def test_verify_checksums_key_is_validated_and_reaches_the_handle():
     h = AsyncIOHandle.from_config({"verify_checksums": False})
     assert h.verify_checksums is False
     h.close()
+
+
+@pytest.mark.parametrize("stage", [0, 2])
+def test_a_fault_after_some_sub_groups_stepped_refuses_the_torn_state_until_a_load(tmp_path, stage):
+    """The last sub-group's state is corrupt: the step has stepped the earlier sub-groups when its
+    read fails. Weights and state then belong to two steps, so the engine, the model's own
+    forward and state_dict refuse them, naming the error, until a checkpoint load restores one
+    step; training from there equals an engine that loaded the same checkpoint."""
+    X, Y = batches(4)
+    torch.manual_seed(1)
+    model = torch.nn.Sequential(torch.nn.Linear(7, 13), torch.nn.Tanh(), torch.nn.Linear(13, 5))
+    engine, *_ = zeroinf.initialize(model=model, config=config_012(stage, "nvme", tmp_path / "a"))
+    assert len(engine.sub_optimizer.specs) > 2
+    train(engine, X, Y, 1)
+    engine.save_checkpoint(str(tmp_path / "ckpt"), tag="s1")
+    engine.sub_optimizer._settle()
+    opt = engine.sub_optimizer
+    last = opt._swapper.path_for(opt._file_key(opt.specs[-1]))
+    _flip(last, last.stat().st_size // 2)
+    with pytest.raises(ChecksumMismatchError):
+        train(engine, X[1:], Y[1:], 1)
+    for use in (lambda: engine(X[0]), lambda: model(X[0]), lambda: model.state_dict(), lambda: engine.step()):
+        with pytest.raises(RuntimeError, match=r"an optimizer step failed part-way \(ChecksumMismatchError"):
+            use()
+    engine.load_checkpoint(str(tmp_path / "ckpt"), tag="s1")
+    got = train(engine, X[1:], Y[1:], 2)
+    torch.manual_seed(1)
+    ref_model = torch.nn.Sequential(torch.nn.Linear(7, 13), torch.nn.Tanh(), torch.nn.Linear(13, 5))
+    ref, *_ = zeroinf.initialize(model=ref_model, config=config_012(stage, "nvme", tmp_path / "b"))
+    ref.load_checkpoint(str(tmp_path / "ckpt"), tag="s1")
+    assert got == train(ref, X[1:], Y[1:], 2)
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), ref_model.parameters()))
+    engine.close()
+    ref.close()
+
+
+def test_a_fault_in_the_first_sub_group_leaves_the_engine_usable(tmp_path):
+    """Nothing was stepped when the first sub-group's read fails: the weights are the last
+    step's and the engine still answers (a forward runs)."""
+    X, Y = batches(2)
+    torch.manual_seed(1)
+    model = torch.nn.Sequential(torch.nn.Linear(7, 13), torch.nn.Tanh(), torch.nn.Linear(13, 5))
+    engine, *_ = zeroinf.initialize(model=model, config=config_012(2, "nvme", tmp_path))
+    train(engine, X, Y, 1)
+    engine.sub_optimizer._settle()
+    _flip(_optimizer_file(engine), 10)
+    with pytest.raises(ChecksumMismatchError):
+        train(engine, X[1:], Y[1:], 1)
+    engine(X[0])
+    model.state_dict()
+    engine.close()

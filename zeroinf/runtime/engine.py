@@ -68,12 +68,19 @@ class LoadGuard:
     pickling of the model) is a clear guard: the copy has no engine that could clear it.
     """
 
+    #: what a failure part-way leaves the state a mix of, by what failed
+    _MIXES = {"a load_checkpoint": "the checkpoint and what the engine held",
+              "an optimizer step": "the step's update (the sub-groups stepped before the error) and the state "
+                                   "before it"}
+
     def __init__(self) -> None:
         self.failure: Optional[str] = None  #: "Type: message" of the error that stopped the load; None: whole
+        self.during = "a load_checkpoint"   #: what failed part-way: a key of _MIXES
 
-    def failed(self, exc: BaseException) -> None:
-        """Record that a load stopped part-way with ``exc``."""
+    def failed(self, exc: BaseException, during: str = "a load_checkpoint") -> None:
+        """Record that a load (or, ``during="an optimizer step"``, a step) stopped part-way with ``exc``."""
         self.failure = f"{type(exc).__name__}: {exc}"
+        self.during = during
 
     def completed(self) -> None:
         """Record that a load applied every part."""
@@ -82,8 +89,8 @@ class LoadGuard:
     def check(self, what: str = "zeroinf") -> None:
         """Raise RuntimeError, naming ``what`` and the load's error, while a failed load is recorded."""
         if self.failure is not None:
-            raise RuntimeError(f"{what}: a load_checkpoint failed part-way ({self.failure}); the weights and "
-                               "optimizer state are a mix of the checkpoint and what the engine held. Load a "
+            raise RuntimeError(f"{what}: {self.during} failed part-way ({self.failure}); the weights and "
+                               f"optimizer state are a mix of {self._MIXES[self.during]}. Load a "
                                "checkpoint again (a load that completes clears this) or build a new engine (at stage 3, on "
                                "a newly built model).")
 
@@ -409,6 +416,9 @@ class ZeroEngine:
         except MemoryError as e:  # zeroinf.io.PinnedMemoryError: over RAM or ulimit -l
             raise ConfigError("zero_optimization.offload_optimizer.buffer_count",
                               f"{e}; lower sub_group_size or buffer_count") from e
+        # a step that fails after some sub-groups were stepped leaves weights and state torn between two
+        # steps: every entry point and the model's own forward refuse them until a checkpoint loads
+        self.sub_optimizer.on_torn = lambda exc: self.load_guard.failed(exc, during="an optimizer step")
         # fp32 parameters in CPU memory with CPU-resident state: the parameter is the master weight
         alias = dtype == torch.float32 and off.device != "nvme" and zc.stage != 3
         for i in range(len(specs)):

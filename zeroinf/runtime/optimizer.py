@@ -157,6 +157,9 @@ class SubGroupOptimizer:
         self.device = device
         self.pipeline_read, self.pipeline_write = bool(pipeline_read), bool(pipeline_write)
         self.stats = OptimizerStats()
+        #: called with the error when a step fails after it stepped some sub-groups (their new
+        #: weights and state are out, the rest are not): the owner refuses the torn state
+        self.on_torn: Optional[Callable[[BaseException], None]] = None
         self._records = [_Record(s) for s in self.specs]
         self._pin = bool(pin_memory)
         self._pinned = PinnedHost()  # CPU-resident state: pinned with pin_memory and CUDA
@@ -421,13 +424,24 @@ class SubGroupOptimizer:
                 elif low is not dst:
                     dst.reshape(-1).copy_(low)
 
+        stepped = 0  # sub-groups whose update is out (parameters written, state changed)
+
+        def torn(exc: BaseException) -> None:
+            if stepped and self.on_torn is not None:
+                self.on_torn(exc)
+
         if self.device != "nvme":
-            for i in order:
-                rec = self._records[i]
-                self._check_initialised(rec)
-                run_adam(i, *rec.state)
-                if on_done is not None:
-                    on_done(i)
+            try:
+                for i in order:
+                    rec = self._records[i]
+                    self._check_initialised(rec)
+                    run_adam(i, *rec.state)
+                    stepped += 1
+                    if on_done is not None:
+                        on_done(i)
+            except BaseException as exc:
+                torn(exc)
+                raise
             return
 
         swapper = self._swapper
@@ -484,6 +498,7 @@ class SubGroupOptimizer:
                 if self.pipeline_read and pos + 1 < len(order) and order[pos + 1] not in loaded:
                     read(order[pos + 1])  # overlaps this sub-group's Adam
                 run_adam(i, *self._views(rec.buffer, rec.spec.numel))
+                stepped += 1
                 if on_done is not None:
                     on_done(i)
                 if self.pipeline_write:
@@ -499,7 +514,8 @@ class SubGroupOptimizer:
                 # touches the state (step, prefetch, state, load_state, close) completes it first
                 write(pending_write)
                 self._tail = pending_write
-        except BaseException:
+        except BaseException as exc:
+            torn(exc)
             # leave the swapper idle and every buffer free, so a failed step can be reported
             with contextlib.suppress(Exception):
                 swapper.wait()
