@@ -3,7 +3,6 @@
 built from LlamaConfig, 10 steps, fp32 on the CPU."""
 import pytest
 import torch
-import torch.distributed as dist
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
@@ -63,16 +62,10 @@ def plain(tmp_path_factory):
     return _train(tmp_path_factory.mktemp("plain"))[1]
 
 
-@pytest.fixture
-def _no_group_left():
-    yield
-    if dist.is_initialized():
-        dist.destroy_process_group()
-
-
-@pytest.mark.parametrize("case", ["zero2-cpu", "zero3-nvme"])
-def test_trainer_on_zeroinf_matches_the_plain_trainer_saves_and_resumes(tmp_path, case, plain, _no_group_left):
-    zeroinf.integrations.hf.enable()
+def check_case(case, tmp_path, plain):
+    """Trainer on zeroinf for ``case`` against the plain Trainer's losses ``plain`` ({step: loss}):
+    the losses, save_model then from_pretrained, and a resume from the step-5 checkpoint. Runs in a
+    process where ``enable()`` came before transformers was imported."""
     trainer, losses = _train(tmp_path / "z", ds=_ds_config(case, tmp_path))
     assert isinstance(trainer.model_wrapped, ZeroEngine)
     assert list(losses) == list(range(1, STEPS + 1))
@@ -97,6 +90,33 @@ def test_trainer_on_zeroinf_matches_the_plain_trainer_saves_and_resumes(tmp_path
     after = [s for s in resumed if s > 5]
     assert after == list(range(6, STEPS + 1))
     assert [resumed[s] for s in after] == [first[s] for s in after]
+
+
+CASE = '''
+import json, pathlib, sys
+import zeroinf.integrations.hf
+zeroinf.integrations.hf.enable()   # before transformers is imported, as the docs say
+sys.path.insert(0, {tests!r})
+import test_hf_trainer as t
+plain = {{int(k): v for k, v in json.load(open({plain!r})).items()}}
+t.check_case({case!r}, pathlib.Path({tmp!r}), plain)
+'''
+
+
+@pytest.mark.parametrize("case", ["zero2-cpu", "zero3-nvme"])
+def test_trainer_on_zeroinf_matches_the_plain_trainer_saves_and_resumes(tmp_path, case, plain):
+    """In a process of its own: the one line must come before transformers is imported when
+    DeepSpeed is not installed (this process imported transformers already)."""
+    import json
+    import os
+    import subprocess
+    import sys
+    here = os.path.dirname(os.path.abspath(__file__))
+    (tmp_path / "plain.json").write_text(json.dumps(plain))
+    env = dict(os.environ, PYTHONPATH=os.path.dirname(here) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    code = CASE.format(tests=here, plain=str(tmp_path / "plain.json"), case=case, tmp=str(tmp_path))
+    res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
 
 
 HIDDEN = '''
