@@ -12,7 +12,8 @@ from torch import nn
 
 from ..waits import collective
 from .init import held_values
-from .manager import managers, views_its_slot
+from .common import views_its_slot
+from .registry import managers
 from .units import UnitState, exact_values
 
 __all__ = ["gathered_parameters", "load_safetensors"]
@@ -76,14 +77,11 @@ def _gathered(params, modifier_rank: Optional[int], loading: bool = False) -> It
     try:
         for m, u, was in plan:
             if not was:
-                m._busy += 1
-                try:
+                with m.busy():
                     with collective("zeroinf.gathered_parameters (it all-gathers the partitions)", m.rank, m.world_size):
                         m._make_room(u, hint=", or gather fewer parameters per zeroinf.gathered_parameters block "
                                           "(every unit it names stays gathered until the block ends)")
                         m._complete(u)
-                finally:
-                    m._busy -= 1
             u.user_holds += 1
             held.append(u)
         try:

@@ -620,7 +620,7 @@ class Stage3EngineParams:
     def track_grad_norm(self, norm_type: float) -> None:
         """Record each gradient partition's norm part while it is reduced (gradients on NVMe),
         so :meth:`local_grad_norm_parts` need not read them back (see [Note: norm while
-        reducing] in manager.py)."""
+        reducing] in shards.py)."""
         self.manager.grad_norm_type = float(norm_type)
 
     def local_grad_norm_parts(self, norm_type: float) -> Tuple[float, bool]:

@@ -2,7 +2,7 @@
 
 [Note: released parameters] A released parameter's ``.data`` is an empty placeholder (shape
 ``[0]``): the manager's hooks and autograd rely on that, and it is what frees the memory. Used
-in compute outside the model's forward (where the foreign-access mode in ``manager.py`` gathers
+in compute outside the model's forward (where the foreign-access mode in ``foreign.py`` gathers
 it first) such a placeholder would silently give wrong answers: ``model.head.weight.sum()`` is
 0. So while a parameter is released its Python class is switched to a subclass of its own class
 (``released_class``) whose ``__torch_function__`` lets metadata and bookkeeping through (shape,
@@ -61,7 +61,7 @@ def _describe(p: torch.Tensor) -> Tuple[str, Optional[torch.Size]]:
     """(qualified name, full shape) of a released parameter, or of the parameter a placeholder
     view came from, from the manager that owns it (or ``zeroinf.Init``, which knows no names)."""
     from .init import init_shapes_of
-    from .manager import managers
+    from .registry import managers
     source = getattr(p, "_zeroinf_source", None)
     if source is not None:
         p = source()

@@ -97,7 +97,7 @@ class FlatGroup:
 
     def drop_grad_shard(self) -> None:
         """Zero the accumulated gradient: ``grad_shard`` becomes None, its buffer is kept for
-        the next micro-batch's copy (see [Note: first gradient copied] in manager.py)."""
+        the next micro-batch's copy (see [Note: first gradient copied] in reduce.py)."""
         if self.grad_shard is not None:
             self.grad_spare, self.grad_shard = self.grad_shard, None
 
