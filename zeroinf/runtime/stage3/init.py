@@ -37,7 +37,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils.weak import WeakIdKeyDictionary
 
-from .released import attribute_of, gathered_class, released_class
+from .released import attribute_of, gathered_class, released_class, set_held_hooks
 
 __all__ = ["Init", "init_shapes", "init_shapes_of", "init_dtype", "take_init_values", "held_values",
            "check_placeholders"]
@@ -599,3 +599,6 @@ def _all_module_classes() -> List[type]:
                 seen.append(s)
                 todo.append(s)
     return seen
+
+
+set_held_hooks(init_shapes_of, note_cast)  # released.py describes and casts held parameters through them

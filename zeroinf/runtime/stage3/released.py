@@ -27,10 +27,12 @@ from __future__ import annotations
 
 import math
 import weakref
-from typing import Dict, Optional, Tuple
+from typing import Callable, Dict, Iterable, Optional, Tuple
 
 import torch
 from torch import nn
+
+from .registry import managers
 
 __all__ = ["released_class", "gathered_class", "is_released", "PASS_THROUGH"]
 
@@ -56,12 +58,24 @@ HELD_PASS_THROUGH = PASS_THROUGH | frozenset({"to", "half", "float", "double", "
 
 _CLASSES: Dict[Tuple[type, bool], type] = {}
 
+#: What ``zeroinf.Init`` (init.py) knows of the parameters it holds: ``shapes_of(params)``, the
+#: true shapes of those it holds, and ``note_cast(param, dtype)``, a cast of one's placeholder.
+#: init.py installs them when imported (:func:`set_held_hooks`); until then no parameter is held.
+#: This module does not import init.py, which imports it: dependencies point one way.
+_held_hooks: Tuple[Callable[[Iterable[nn.Parameter]], Dict[nn.Parameter, torch.Size]],
+                   Callable[[nn.Parameter, torch.dtype], None]] = (lambda params: {}, lambda param, dtype: None)
+
+
+def set_held_hooks(shapes_of: Callable[[Iterable[nn.Parameter]], Dict[nn.Parameter, torch.Size]],
+                   note_cast: Callable[[nn.Parameter, torch.dtype], None]) -> None:
+    """Install ``zeroinf.Init``'s ``shapes_of`` and ``note_cast`` (see ``_held_hooks``)."""
+    global _held_hooks
+    _held_hooks = (shapes_of, note_cast)
+
 
 def _describe(p: torch.Tensor) -> Tuple[str, Optional[torch.Size]]:
     """(qualified name, full shape) of a released parameter, or of the parameter a placeholder
     view came from, from the manager that owns it (or ``zeroinf.Init``, which knows no names)."""
-    from .init import init_shapes_of
-    from .registry import managers
     source = getattr(p, "_zeroinf_source", None)
     if source is not None:
         p = source()
@@ -71,7 +85,7 @@ def _describe(p: torch.Tensor) -> Tuple[str, Optional[torch.Size]]:
         rec = m._slot_of.get(p)
         if rec is not None:
             return rec[2].name, rec[2].shape
-    held = init_shapes_of([p])
+    held = _held_hooks[0]([p])
     if held:
         return "a parameter", held[p]
     return "<unmanaged>", getattr(p, "ds_shape", None)
@@ -107,8 +121,8 @@ class _ReleasedMixin:
             if name == "detach" or (name == "__get__" and data):
                 out = _placeholder_view(out, args[0])
             elif name == "__set__" and data and cls._zeroinf_pass is HELD_PASS_THROUGH:
-                from .init import note_cast  # model.half() etc. set .data to a placeholder of the new dtype
-                note_cast(args[0], args[1].dtype)
+                # model.half() etc. set .data to a placeholder of the new dtype
+                _held_hooks[1](args[0], args[1].dtype)
         return out
 
     def __deepcopy__(self, memo):
