@@ -283,24 +283,24 @@ class FetchMixin:
     # no_grad (a max-norm clamp_, nn.Embedding(max_norm=...)'s renorm) or ``p.data = t``. In plain
     # PyTorch the change stays and the optimizer steps from it; here the gathered buffer is a
     # copy that release() drops, so the change was lost and the model trained the unchanged
-    # weight, silently (tester-36 F2, t09b). The parameter's version counter (bumped by in-place
+    # weight, silently. The parameter's version counter (bumped by in-place
     # ops, not by our own copies into the buffer) and its data pointer tell a change; each
     # changed parameter is written into this rank's partition, with its slice of the fp32
     # master, at its unit's release inside the forward and, for units kept gathered (the
     # persistent one, those held into the backward), at the end of the forward: before any
     # step can have updated the partition since the gather; releases in a backward keep a
     # backward hook's change the same way, unless the optimizer runs in the backward (it may
-    # have stepped the unit already: tester-39 N2). Each rank keeps its own shard's
+    # have stepped the unit already). Each rank keeps its own shard's
     # part of the change (ranks that changed a weight differently, as DDP's replicas drift,
     # end with a mix). Data of another shape, dtype or device cannot be kept, nor a re-view of
     # the buffer in another layout (release records it in ``dropped_data``; the engine
     # raises). A weight the forward used before giving it new data has its slot's ``replaced``
     # count moved, so the backward, which would read the new values where plain PyTorch reads
-    # the old ones, raises instead (tester-38 F3). An in-place op on ``p.data`` moves no
+    # the old ones, raises instead. An in-place op on ``p.data`` moves no
     # version counter: the foreign-access mode marks a parameter whose ``.data`` the forward
     # read (``data_read``) and copies this rank's part of it as it was then (``data_seen``); the
-    # release compares the buffer with that copy (tester-38 F2), not with the partition, which
-    # on NVMe would be read back for it (tester-39 N5: a step's reads doubled). Changes made
+    # release compares the buffer with that copy, not with the partition, which
+    # on NVMe would be read back for it (doubling a step's reads). Changes made
     # outside a forward go through ``gathered_parameters(modifier_rank=...)``.
     def _note_data_read(self, g: FlatGroup, s: ParamSlot) -> None:
         """The forward read ``s.param.data`` for the first time since its gather: mark it and
@@ -353,7 +353,7 @@ class FetchMixin:
                         continue
                     view = g.full[s.offset:s.offset + s.numel].view(s.shape)
                     if torch.equal(d, view):  # an activation checkpoint's recompute repeating the
-                        p.data = view  # forward's p.data = t (tester-39 N4): nothing new
+                        p.data = view  # forward's p.data = t: nothing new
                         continue
                     view.copy_(d)
                     p.data = view
@@ -412,8 +412,7 @@ class FetchMixin:
         def awaiting_gradients(u: Unit) -> bool:
             # in a backward, still waiting for gradients: two forwards and one backward of their
             # sum (DPO, siamese), or a gradient penalty before the backward, leave a unit waiting
-            # for the other call's gradients while the next one must come in (helper-39,
-            # t05_two_fwd.py, t12_gradpen.py). Its weights are gathered again when a saved tensor
+            # for the other call's gradients while the next one must come in. Its weights are gathered again when a saved tensor
             # or a gradient's accumulation needs them ([Note: gradient of a released parameter]);
             # its partial gradient stays in grad_full
             return self._in_backward and u.state is UnitState.GATHERED and u.gather_works is None and idle(u)

@@ -81,8 +81,8 @@ class _RecomputeMode(_ManagerMode):
         kwargs = kwargs or {}
         m = self.m
         if not m._busy:
-            # a recompute repeats the forward's changes through .data too (tester-42 F1: a
-            # non-idempotent one lost its second application, 0.08 off): the release in the
+            # a recompute repeats the forward's changes through .data too (a
+            # non-idempotent one must get its second application): the release in the
             # backward keeps them, as it keeps those under no_grad
             self._note_data_get(func, args)
             args = tuple(self._swap(a) for a in args)

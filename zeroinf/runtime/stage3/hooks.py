@@ -45,8 +45,7 @@ def _graph_dropped(manager_ref, calls: List[UnitCall], generation: int) -> None:
         m._graphs_alive -= 1
         if m._graphs_alive == 0 and m._idle():
             # no forward of the iteration can be run backward any more: the units it kept gathered
-            # for that backward go (they took in-place edits the step then discarded: helper-45,
-            # t05), the persistent one too; the iteration stays open, so a next grad-enabled
+            # for that backward go (in-place edits to them would be discarded by the step), the persistent one too; the iteration stays open, so a next grad-enabled
             # forward still joins it and follows the trace
             for u in m.units:
                 if u.state is not UnitState.RELEASED and (u.persistent or not m.is_pinned(u)):
@@ -67,7 +66,7 @@ class HooksMixin:
         # own is another (Hugging Face's inner model, a head, peft's generate() calling the
         # wrapped model's): DeepSpeed hooks every module, so these work there. Here every module
         # may open the forward when none is running (one inside a unit, a block's MLP probed on
-        # its own, gathers its unit as a foreign read: it raised "released", tester-42 F4);
+        # its own, gathers its unit as a foreign read);
         # inside a forward (or a backward, or with a backward pending) only the model does.
         for mod in root.modules():
             self._handles.append(mod.register_forward_pre_hook(self._entry_pre, prepend=True))
@@ -87,7 +86,7 @@ class HooksMixin:
         hook -> manager -> parameter cycle kept the model, its partitions and every buffer of a
         closed engine alive until exit (2 GB per closed 100M-parameter engine with CPU tiers).
         The hooks hold the manager weakly and their unit by index, so an engine dropped without
-        close() is collected too (helper-41, /tmp/tester25/t03_del_rss.py: 80 MB, a thread, a
+        close() is collected too (otherwise each dropped engine keeps its memory, a thread, a
         descriptor and 1.3 MB of locked memory kept per dropped 3.2M-parameter engine)."""
         for h in self._param_hooks:
             h.remove()
@@ -105,8 +104,7 @@ class HooksMixin:
         """Forward pre-hook of every entry module ([Note: entry modules])."""
         # with a forward's graph alive (its backward may come), a grad-enabled call joins its
         # iteration as the model's second forward would ([Note: several forwards, one
-        # backward]; skipped, its weights were not hooked and their gradients lost: helper-45,
-        # t02_graddrop.py, lm_head 0.16 off), and a no-grad call computes on what is gathered;
+        # backward]; skipped, its weights would not be hooked and their gradients would be lost), and a no-grad call computes on what is gathered;
         # once every such graph is dropped, a call opens its own forward
         if module is not self.module and (not self._idle() or (self._graphs_alive and not torch.is_grad_enabled())):
             return
@@ -126,7 +124,7 @@ class HooksMixin:
         self._entry = None
         output = self._root_post_forward(module, args, output)
         # here, not only in engine.forward: a forward of the model called directly (generate())
-        # said nothing, and the next engine(x) raised for it (tester-38 F7)
+        # said nothing, and the next engine(x) raised for it
         self.check_dropped_data()
         return output
 
@@ -189,8 +187,7 @@ class HooksMixin:
     MAX_FORWARDS_PER_ITERATION = 16
     #: submodule forwards called on their own one iteration may span ([Note: a submodule's forward
     #: before the model's]): a frozen vision tower run once per image of the batch (at 16 in all,
-    #: the iteration was cut there and its two halves took turns as the trace: no prefetch hit,
-    #: tester-47 F4)
+    #: the iteration would be cut there and its two halves take turns as the trace: no prefetch hit)
     MAX_SUBMODULE_FORWARDS_PER_ITERATION = 1024
 
     def _continues_iteration(self) -> bool:
@@ -225,7 +222,7 @@ class HooksMixin:
     # prompt tuning, LLaVA-style and NEFTune-like code do, each step and each generated token),
     # then the model: ending the iteration at the submodule's forward recorded a trace of that
     # one call, which the model's forward broke next, and the other way round, every step
-    # (tester-46 F1, F5: 2 invalidations and no prefetch hit per step, warnings once). Such a
+    # (2 invalidations and no prefetch hit per step). Such a
     # forward leaves its iteration open, and the next forward under the same grad mode joins
     # it, as a second forward with a backward pending does; a forward of the model itself with no
     # backward still ends its iteration at once, and MAX_SUBMODULE_FORWARDS_PER_ITERATION bounds

@@ -78,7 +78,7 @@ class LayoutMixin:
         buffer_size`` elements of the widest dtype) hold that many buffers of
         :meth:`staging_buffer_bytes`. A DeepSpeed config's 5 buffers of 1e8 elements then serve a
         unit of 3 partitions (frozen, decayed and not decayed parameters), which needs 6 smaller
-        ones (helper-36, /tmp/tester20/t08_tied_frozen_ckpt.py); the pool never pins more than
+        ones; the pool never pins more than
         the config's budget."""
         opts, need = self.options, self.min_buffer_count()
         if opts.buffer_count >= need:
@@ -115,8 +115,8 @@ class LayoutMixin:
                 if opts.max_in_cpu > 0 else None
             self._io = _IOThread(1, thread_name_prefix="zeroinf-stage3-io")
         if opts.grads_on_nvme:
-            # groups the optimizer does not step keep no gradient: no file (tester-46 F2, a LoRA
-            # base's 420 GB at 70B bf16; tester-47 F1, parameters left out of model_parameters)
+            # groups the optimizer does not step keep no gradient: no file (a LoRA
+            # base's would be 420 GB at 70B bf16; parameters left out of model_parameters have none)
             for g in (g for g in self.groups() if g.optimized):
                 self._swapper.register(self._grad_key(g), g.shard_numel, torch.float32)
                 if g.dtype != torch.float32:

@@ -17,6 +17,19 @@ How one iteration runs (one rank's view):
   whatever is left (parameters that got no gradient) and releases everything; a pass of
   ``torch.autograd.grad`` reduces nothing and leaves the iteration to the backward after it
   ([Note: backward passes] in ``passes.py``).
+
+One job per module; :class:`Stage3ParameterManager` (this file: construction, the iteration's
+guards, statistics, ``close``) composes them as mixins over its shared state:
+
+* ``layout.py``: config limits, staging-buffer sizes, tier stores, the initial partitioning;
+* ``reads.py``: partitions read from their tier ([Note: I/O thread], [Note: CUDA streams]);
+* ``fetch.py``: gather (``issue``, then ``_complete`` on use), release, read-ahead, foreign gathers;
+* ``saved.py``: the saved-tensor hooks ([Note: saved tensors]); ``foreign.py``: the torch
+  function modes ([Note: foreign access]);
+* ``hooks.py``: hook installation and the forward side of an iteration;
+* ``reduce.py``: the backward hooks, gradient reduction, the end of a pass and of an iteration;
+* ``shards.py``: the optimizer's reads and writes of partitions and gradient shards;
+* ``prefetch.py`` (the schedule), ``tiers.py`` (host pool, NVMe), ``stats.py`` (counters, trace).
 """
 from __future__ import annotations
 
@@ -89,7 +102,7 @@ class Stage3ParameterManager(LayoutMixin, HooksMixin, ReadsMixin, FetchMixin, Sa
             param groups, or frozen and trainable ones, go to separate flat groups (default:
             split only frozen from trainable). A parameter that requires grad but is in none
             (``model_parameters`` a subset) is not stepped, so its gradient is not reduced,
-            kept, or counted in the norm, as at stages 0-2 (tester-47 F1).
+            kept, or counted in the norm, as at stages 0-2.
 
     Raises:
         Stage3ConfigError: ``offload_param.nvme_path`` cannot hold swap files (NVMe tier, no
@@ -261,8 +274,7 @@ class Stage3ParameterManager(LayoutMixin, HooksMixin, ReadsMixin, FetchMixin, Sa
         forward skipped the root's post-hook, so its saved-tensor hooks and foreign-access mode
         stayed on process-wide and every unit stayed gathered; the optimizer step then updated
         the partitions under those gathered buffers, and later forwards computed on the old
-        weights, silently (helper-41, /tmp/tester25/t12_kbint_fwd_weights.py: every weight
-        0.8e-2 to 2.2e-2 off). This closes the contexts, releases every unit and drops the
+        weights, silently. This closes the contexts, releases every unit and drops the
         iteration unrecorded. ``engine.forward`` calls it on such an exception; a forward of the
         model itself finds the stale context at its next root pre-hook and calls it there.
         ``engine.backward`` calls it too when the backward raised part-way: its flat gradients
@@ -270,8 +282,7 @@ class Stage3ParameterManager(LayoutMixin, HooksMixin, ReadsMixin, FetchMixin, Sa
 
         ``keep_changes``: the interrupted forward is the one that just ran (``engine.forward``):
         its changes to the weights of the units still gathered are kept first, as the forward's
-        end would have kept them ([Note: changes in a forward]; dropped, 0.02 off torch:
-        tester-38 F5). Not for a stale forward found later, after which a step may have updated
+        end would have kept them ([Note: changes in a forward]). Not for a stale forward found later, after which a step may have updated
         the partitions under the gathered copies."""
         with self.busy():
             try:
@@ -325,8 +336,7 @@ class Stage3ParameterManager(LayoutMixin, HooksMixin, ReadsMixin, FetchMixin, Sa
         Raises:
             RuntimeError: called on a thread that is inside this manager's own call and holds
                 one of its locks (a signal handler that interrupted it): closing waits for the
-                I/O thread, which may need that lock, and hung for good (helper-41,
-                t16_close_in_handler_chaos.py). Nothing is closed then; set a flag in the
+                I/O thread, which may need that lock, and would hang for good. Nothing is closed then; set a flag in the
                 handler and close after the interrupted call, as ``zeroinf train`` does.
         """
         if self._closed:

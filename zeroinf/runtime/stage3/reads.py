@@ -77,13 +77,12 @@ class _Staged:
 class _IOThread(ThreadPoolExecutor):
     """The stage-3 I/O thread ([Note: I/O thread]). At interpreter exit, concurrent.futures stops
     its workers before ``atexit`` hooks run, and a checkpoint saved from one (stage 3 with NVMe)
-    failed on "cannot schedule new futures after shutdown" (helper-41,
-    /tmp/tester25/t25_atexit_save.py). The worker has finished everything queued by then, so
-    a task submitted after that runs inline, in order, and still never beside another.
+    would fail on "cannot schedule new futures after shutdown". The worker has finished
+    everything queued by then, so a task submitted after that runs inline, in order, and still
+    never beside another.
 
-    ``close()`` from a signal handler that interrupted a ``submit`` blocked for good on the
-    executor's own lock, which ``submit`` held (helper-41, t16_close_in_handler_chaos.py): it is
-    re-entrant here."""
+    ``close()`` from a signal handler that interrupted a ``submit`` would block for good on the
+    executor's own lock, which ``submit`` holds: so that lock is re-entrant here."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -174,7 +173,7 @@ class ReadsMixin:
     def _read_args(groups: Sequence[FlatGroup], nbytes: int, tier: str) -> Dict[str, Any]:
         """A read span's arguments for the partitions of ``groups``: on NVMe the ones the
         ``max_in_cpu`` host cache served are ``cache_bytes``, and a read served by it alone is
-        tier ``host cache`` (it showed as an NVMe read of 0 bytes: helper-40 f08)."""
+        tier ``host cache`` (it showed as an NVMe read of 0 bytes)."""
         if tier != "nvme":
             return {"bytes": nbytes, "tier": tier}
         cached = sum(g.store.nbytes for g in groups) - nbytes
@@ -184,7 +183,7 @@ class ReadsMixin:
         """Count and trace a read the optimizer step asked for, ``what`` = "param" (a partition,
         from its tier) or "grad" (a gradient file, on NVMe), as the forward's reads are (the
         trace left them out, so its read spans did not add up to the counters with the optimizer
-        on NVMe: helper-42 f14). ``nbytes``: bytes read from the tier (0 when the host cache
+        on NVMe). ``nbytes``: bytes read from the tier (0 when the host cache
         served a partition, which counts itself); ``t0``: when the read began (``tracer.now()``)."""
         tier = self.options.offload_param_device if what == "param" else "nvme"
         if nbytes:

@@ -70,9 +70,8 @@ class ReduceMixin:
         with "The size of tensor a (0) must match the size of tensor b (32)". A parameter whose
         uses in the forward lie far apart gets its gradient only once every use's backward ran:
         a head tied to the embedding, whose single accumulation comes at the very end of the
-        backward, after the root unit was released to make room for the blocks (helper-36,
-        /tmp/tester20/t02c_tied_min.py at the smallest stage3_max_live_parameters the config
-        check allows). Such a unit is gathered again here, on demand (also in a pass of
+        backward, after the root unit was released to make room for the blocks (at the smallest
+        stage3_max_live_parameters the config check allows). Such a unit is gathered again here, on demand (also in a pass of
         ``torch.autograd.grad`` with respect to the parameter, which accumulates nothing: the
         hook cannot tell the two apart)."""
         if unit.state is not UnitState.GATHERED:
@@ -375,7 +374,7 @@ class ReduceMixin:
             # only submodules called on their own, none with a backward (a frozen embedding,
             # then an eval under no_grad): the model's next forward is this iteration's, so
             # record nothing ([Note: a submodule's forward before the model's]; recorded, the
-            # trace broke twice a step, tester-47)
+            # trace broke twice a step)
             self.scheduler.abort()
         else:
             self.scheduler.end()
@@ -383,8 +382,7 @@ class ReduceMixin:
         self._foreign.clear()
         # the persistent unit too: gathered between iterations (after a forward with no backward,
         # or between a backward and its step) its parameters took in-place edits silently, the
-        # next forward computed on them and the next step discarded them (helper-44,
-        # t08_gathered_after_eval.py: 0.78 off after an eval forward); released, they refuse as
+        # next forward computed on them and the next step discarded them; released, they refuse as
         # every other parameter does, and the next forward gathers it again (it is small)
         for u in self.units:
             self.release(u)

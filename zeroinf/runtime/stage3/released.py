@@ -100,7 +100,7 @@ class _ReleasedMixin:
     def __new__(cls, *args, **kwargs):
         # type(p)(tensor) on a released or held parameter (accelerate's set_module_tensor_to_device
         # does that) builds a new, whole parameter: of the plain class, which computes (it refused,
-        # as "<unmanaged> ... is held": helper-42, t33_paramcls.py). Class swaps do not come here.
+        # as "<unmanaged> ... is held"). Class swaps do not come here.
         return cls._zeroinf_gathered_class(*args, **kwargs)
 
     @classmethod
@@ -112,7 +112,7 @@ class _ReleasedMixin:
             _refuse(p, f"'{name or func}' on it would compute on nothing")
         if (name == "__set__" and cls._zeroinf_pass is PASS_THROUGH and attribute_of(func) == "data"
                 and len(args) > 1 and isinstance(args[1], torch.Tensor) and args[1].numel() != 0):
-            # the manager gives a released parameter only placeholders; the next gather drops this (tester-35 F02)
+            # the manager gives a released parameter only placeholders; the next gather drops this
             _refuse(args[0], "a new .data given to it (p.data = t) would be dropped by its next gather")
         with torch._C.DisableTorchFunctionSubclass():
             out = func(*args, **kwargs)

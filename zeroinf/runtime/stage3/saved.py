@@ -94,7 +94,7 @@ class SavedMixin:
                     "its partition). Change the weight before a forward uses it, or after the backward")
             if x.epoch != self._param_epoch:
                 # the optimizer stepped the partitions since this forward: the backward would use the
-                # new weights, silently (plain PyTorch raises here: helper-42, /tmp/tester26/t04_stale.py)
+                # new weights, silently (plain PyTorch raises here)
                 raise RuntimeError(
                     "one of the variables needed for gradient computation has been modified by an inplace "
                     f"operation: {'parameter ' + x.slot.name if x.slot is not None else 'a parameter of ' + x.group.key} "

@@ -277,7 +277,7 @@ class ShardsMixin:
                 (any shape), in ``g.dtype`` (on any device).
             exact: for a bf16/fp16 group, the same values in fp32 (CPU), one per pair (a file's
                 or a state dict's fp32 weights: :func:`~.units.exact_values`): the listeners'
-                fp32 masters take them, not their rounding (tester-40 F3).
+                fp32 masters take them, not their rounding.
         """
         self._write_partition(g, [(s.offset, v.reshape(-1)) for s, v in values], full=True)
         lo, hi = self._shard_range(g)
