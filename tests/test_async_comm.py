@@ -1,5 +1,5 @@
 """Stage 3's asynchronous collectives ([Note: all-gather ahead], [Note: asynchronous reductions]
-in stage3/manager.py).
+in stage3/fetch.py and stage3/reduce.py).
 
 * ``CudaTransfers.d2h`` with a collective's work (stand-in streams, one process): the D2H stream
   waits for the compute stream, then for the work with itself current, divides, copies, records.

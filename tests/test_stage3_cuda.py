@@ -1,4 +1,4 @@
-"""Stage 3's host<->device copies on side streams ([Note: CUDA streams] in stage3/manager.py).
+"""Stage 3's host<->device copies on side streams ([Note: CUDA streams] in stage3/reads.py).
 
 * On the CPU (always run): the manager takes the no-op path (no ``torch.cuda`` stream or event
   call), and the CUDA path's hand-off protocol runs with stand-in streams and events (plain

@@ -190,7 +190,7 @@ class SwapBuffers:
         param_prefetch: ``stage3_prefetch_bucket_size`` > 0 (default 5e7): the engine reads one
             unit ahead, so it pins at least 2 parameter buffers, one partition each (one param
             group), raising a ``buffer_count`` of 1 (:meth:`Stage3ParameterManager.min_buffer_count`
-            in zeroinf/runtime/stage3/manager.py; it refuses a config whose ``buffer_count x
+            in zeroinf/runtime/stage3/layout.py; it refuses a config whose ``buffer_count x
             buffer_size`` elements cannot hold them).
         optimizer_buffer_count: ``offload_optimizer.buffer_count`` (default 4); each buffer holds one
             sub-group's fp32 master weights and optimizer moments: ``K x sub-group elements`` bytes

@@ -127,7 +127,7 @@ def _finish_background_steps() -> None:
     run newest first, and this one is registered after theirs): wait for every engine's
     background optimizer step, which still needs the stage-3 I/O thread. It failed with "cannot
     schedule new futures after shutdown" otherwise, and a save_checkpoint from an ``atexit``
-    hook with it (helper-41, /tmp/tester25/t25_atexit_save.py). A step that failed is raised
+    hook with it. A step that failed is raised
     by the engine's next call, as always."""
     for eng in list(_WATCHED):
         try:
@@ -149,8 +149,8 @@ def _let_gloo_workers_finish() -> None:
     after ``wait()`` returned; when Python owns one of them by then (a temporary view the
     engine already let go of), the drop takes the GIL, and a thread that takes the GIL while
     Python finalizes is made to exit, which C++ turns into std::terminate: "terminate called
-    without an active exception", SIGABRT, after the script had finished (tester-36 F7, in 2 of
-    30 two-rank runs; the core showed ~AsyncAllgatherWork in ProcessGroupGloo::runLoop)."""
+    without an active exception", SIGABRT, after the script had finished (in a few two-rank runs
+    in a hundred; the core shows ~AsyncAllgatherWork in ProcessGroupGloo::runLoop)."""
     if _GLOO_USED:
         time.sleep(0.05)
 
@@ -189,7 +189,7 @@ def _on_parameter_registered(module, name, param):
 
 def _bytes_gb(n: int) -> str:
     """``n`` bytes exactly, and in decimal GB to 3 significant digits (0.05 GB rounded two different
-    sizes alike: tester-42 F8)."""
+    sizes alike)."""
     return f"{n} bytes ({n / 1e9:.3g} GB)"
 
 
@@ -199,7 +199,7 @@ def _loaded_values_hook(engine_ref, sixteen):
     (same shape, not on the meta device) for :meth:`ZeroEngine._adopt_changed_weights`, which
     gives it to the masters at the next step or checkpoint save. A copy is held until then (4
     bytes per element on the CPU): a reference took the source's later changes (a live fp32
-    model's weights, trained on after the load: tester-45 F1). A parameter changed again after
+    model's weights, trained on after the load). A parameter changed again after
     the load is compared element by element, so a value the load did not copy, or a later
     change, is never taken for it."""
     def note(module, state_dict, prefix, *_args):
@@ -227,7 +227,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
     but the step and the state belong to the engine: ``step()`` raises (call ``engine.step()``),
     and so do ``state_dict()``, ``load_state_dict()``, copying and pickling (call
     ``engine.save_checkpoint`` / ``engine.load_checkpoint``), which would carry an empty state and
-    restart Adam silently (tester-35 F03). A client optimizer given to ``initialize`` is handed
+    restart Adam silently. A client optimizer given to ``initialize`` is handed
     over the same way (:func:`_hand_over`).
     """
 
@@ -255,8 +255,8 @@ _refused_step._wrapped_by_lr_sched = True
 def _hand_over(opt: torch.optim.Optimizer) -> None:
     """``opt``'s ``step``, ``state_dict``, ``load_state_dict``, copies and pickles raise from now
     on: the engine takes its parameters' gradients, so its own step did nothing and a loop
-    calling it never trained, silently (tester-35 F04); and its state is empty (F03), as a
-    copy's or pickle's would be (tester-36 F6). Its ``param_groups`` stay the engine's
+    calling it never trained, silently; and its state is empty, as a
+    copy's or pickle's would be. Its ``param_groups`` stay the engine's
     hyper-parameters. Instance attributes, so a torch.optim class keeps its own methods."""
     opt.step = types.MethodType(_refused_step, opt)
     opt.state_dict = _refuser(_STATE_REFUSED.format("state_dict()"))
@@ -331,7 +331,7 @@ class ZeroEngine:
         self._window_backwards = 0  # engine.backward calls since the last optimizer step (a save warns)
         # micro_steps at the last checkpoint load: windows are counted from there, as DeepSpeed counts
         # them from its fresh engine's 0 (it does not restore micro_steps; counting from the restored
-        # total, a resume with other gradient_accumulation_steps put the boundary mid-window: tester-43 F1)
+        # total, a resume with other gradient_accumulation_steps put the boundary mid-window)
         self._micro_origin = 0
         self._boundary: Optional[bool] = None  # set_gradient_accumulation_boundary's value, if called
         self._in_no_sync = False  # inside no_sync(): backward leaves the gradients in .grad, unreduced
@@ -504,7 +504,7 @@ class ZeroEngine:
                 made.append(top)
         try:
             self._check_disk_room(files, freed or {})
-        except ConfigError:  # a refused run leaves no folder behind (tester-33: p_ok/1 stayed)
+        except ConfigError:  # a refused run leaves no folder behind
             for top in made:
                 for d, _dirs, _files in sorted(os.walk(top), key=lambda w: -len(w[0])):
                     try:
@@ -528,7 +528,7 @@ class ZeroEngine:
             e["need"] += nbytes
             # the partitions are written first: while Init's files are still there, and before an
             # earlier run's optimizer files are overwritten (counted free for them, initialize then
-            # ran out of space half-way: tester-45 F6)
+            # ran out of space half-way)
             if key == "zero_optimization.offload_param.nvme_path":
                 e["first"] += nbytes
                 e["first_folders"].add(folder)
@@ -555,7 +555,7 @@ class ZeroEngine:
         """Raise :class:`ConfigError` when the optimizer's pinned NVMe swap buffers
         (``bytes_per_element`` per element of the largest sub-group, each) exceed available memory."""
         off = self.config.zero_optimization.offload_optimizer
-        if off.device != "nvme" or not specs:  # none: a frozen model (tester-40 F4 raised max() of nothing)
+        if off.device != "nvme" or not specs:  # none: a frozen model (max() of nothing)
             return
         from zeroinf.io import pinned_pool_bytes
 
@@ -580,7 +580,7 @@ class ZeroEngine:
     def __getattr__(self, name: str):
         """A public name the engine does not define is the wrapped model's (``engine.generate``,
         ``engine.lm_head``, ``engine.get_submodule``), as ``DeepSpeedEngine.__getattr__`` answers
-        it; tester-43 F2. Names with a leading underscore are not forwarded (the engine's own
+        it. Names with a leading underscore are not forwarded (the engine's own
         state, looked up before it is set, and Python's protocols: ``hasattr(engine, "__len__")``
         must not answer for a ``Sequential``).
 
@@ -632,7 +632,7 @@ class ZeroEngine:
         holds stage-3 units: the step (``what``: ``engine.step()``, or ``engine.backward()``
         with the optimizer in backward) updates their partitions but not the block's gathered
         copy, which the block's exit then wrote back over the update (``modifier_rank``) or the
-        forwards left in the block computed with (tester-38 P2, tester-39 N1: a whole unit's
+        forwards left in the block computed with (a whole unit's
         step lost)."""
         manager = getattr(self.params, "manager", None)
         held = [u for u in getattr(manager, "units", ()) if u.user_holds]
@@ -661,7 +661,7 @@ class ZeroEngine:
         self.module.eval()
         return self
 
-    # what scripts written for DeepSpeedEngine (an nn.Module around the model) ask of it (tester-35 F09)
+    # what scripts written for DeepSpeedEngine (an nn.Module around the model) ask of it
     @property
     def training(self) -> bool:
         """The module's ``training`` flag."""
@@ -820,7 +820,7 @@ class ZeroEngine:
         they are dropped, and the backward counts for nothing. At stage 3 each unit's gradient
         was reduced into the accumulation buffers as its backward finished, where it cannot be
         told from the window's others, and ``zero_grad()`` could not reach it: the next step
-        added part of the failed batch (helper-41, /tmp/tester25/t06_bwd_exc.py: 0.036 off). So
+        would add part of the failed batch. So
         the whole window's gradients are dropped there, with a warning (with ``no_sync`` too,
         whose ``.grad`` sums the window's backwards)."""
         if self._closed:  # close() ran meanwhile (a signal handler): nothing is left to drop
@@ -981,7 +981,7 @@ class ZeroEngine:
             self._window_backwards = 0
             if self._step_applied:
                 # the engine stepped on the optimizer's behalf: tell torch schedulers so (they warn otherwise),
-                # also one the engine does not hold (built on the returned optimizer later: tester-36 F1)
+                # also one the engine does not hold (built on the returned optimizer later)
                 self.optimizer._opt_called = True
             if self._step_applied and self.lr_scheduler is not None:
                 try:
@@ -1154,7 +1154,7 @@ class ZeroEngine:
         """[Note: weights changed between steps] ``p.data = t`` (and ``model.half()`` then
         ``model.float()``, which do that) leaves a stage 0-2 parameter outside its flat buffer:
         the step wrote the updates into the old storage and the parameter never trained again,
-        silently (tester-35 F02). A replacement of the same shape, dtype and device is copied into
+        silently. A replacement of the same shape, dtype and device is copied into
         the flat buffer, the parameter views the buffer again, and the next step takes its values
         into the masters ([Note: weights changed between steps]).
 
@@ -1166,11 +1166,11 @@ class ZeroEngine:
                 undone), or one that views another parameter's data (torch would keep the two
                 tied), naming the parameter; nothing was changed.
         """
-        # one pointer comparison per parameter, at the accumulation boundary (tester-36 F3: slicing the flat
-        # buffer per parameter at every micro-step cost 1.4 us per parameter)
-        # (strides too: p.data = p.data.t() keeps the address: tester-37 F2)
+        # one pointer comparison per parameter, at the accumulation boundary (slicing the flat
+        # buffer per parameter at every micro-step costs 1.4 us per parameter)
+        # (strides too: p.data = p.data.t() keeps the address)
         moved = [(gi, j, p) for gi, j, p, home, st in self._homes if p.data_ptr() != home or p.stride() != st]
-        if moved:  # the flat buffers themselves may have moved (model.share_memory(): tester-37 F1)
+        if moved:  # the flat buffers themselves may have moved (model.share_memory())
             self._homes = self._home_list()
             moved = [(gi, j, p) for gi, j, p, home, st in self._homes if p.data_ptr() != home or p.stride() != st]
         if not moved:
@@ -1193,7 +1193,7 @@ class ZeroEngine:
                 raise RuntimeError(
                     f"zeroinf: parameter '{name}' was given data that views another trainable parameter's "
                     "(p.data = other.data[...]) after zeroinf.initialize; the engine keeps every parameter in its "
-                    "own place and would untie them silently (tester-36 F5). Tie parameters before "
+                    "own place and would untie them silently. Tie parameters before "
                     "zeroinf.initialize, by module attribute (head.weight = emb.weight)")
             moved[k] = (gi, j, p, view)
         for gi, j, p, view in moved:
@@ -1214,8 +1214,7 @@ class ZeroEngine:
         are not the model's parameters (bf16/fp16, or fp32 with the optimizer state on NVMe or the
         parameters on CUDA) and writes the result into the parameters; a weight the user changed
         between steps (``model.load_state_dict``, ``torch.nn.init`` or an in-place op under
-        ``torch.no_grad``) was put back by the next step, silently (helper-35,
-        /tmp/tester19/t20_engine_bf16_load.py; fp32 with NVMe: tester-35 F01). A parameter whose
+        ``torch.no_grad``) was put back by the next step, silently (fp32 with NVMe too). A parameter whose
         version counter moved since (or whose data was replaced: :meth:`_adopt_replaced_data`) is
         compared with its masters rounded to its dtype, and the elements that differ are taken
         into the masters, as ``torch.optim.AdamW`` would step them. The engine's own writes
@@ -1430,7 +1429,7 @@ class ZeroEngine:
         """Samples consumed by optimizer steps so far, counted at each step as DeepSpeed counts
         them (see :meth:`_count_samples`) and restored by ``load_checkpoint``: it stays right
         across a change of batch size on resume (it was ``global_steps x train_batch_size()``,
-        which rewrote the past: helper-40, /tmp/tester24/f05_global_samples.py)."""
+        which rewrote the past)."""
         return self._global_samples
 
     @property
@@ -1456,7 +1455,7 @@ class ZeroEngine:
         """Adam's ``betas`` of each param group, as DeepSpeed's ``get_mom`` gives them."""
         return [tuple(g["betas"]) for g in self.optimizer.param_groups]
 
-    # what DeepSpeed's example scripts read of the engine (tester-41 F8)
+    # what DeepSpeed's example scripts read of the engine
     @property
     def global_rank(self) -> int:
         """This process's rank in the data-parallel world (``torch.distributed`` rank)."""
@@ -1740,7 +1739,7 @@ def initialize(model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer
     rank, world_size = _world()
     cfg = parse_config(config, world_size=world_size)
     meta = [n for n, t in list(model.named_parameters()) + list(model.named_buffers()) if t.is_meta]
-    if meta:  # torch's "Cannot copy out of meta tensor" named nothing (tester-35 F08)
+    if meta:  # torch's "Cannot copy out of meta tensor" named nothing
         raise ValueError(f"zeroinf.initialize: {len(meta)} parameter(s)/buffer(s) of the model are on the meta device, "
                          f"with no values ({', '.join(meta[:5])}{', ...' if len(meta) > 5 else ''}): a model built "
                          "under torch.device('meta'), or a loader that did not fill them. Give them values first "

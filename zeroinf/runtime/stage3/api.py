@@ -12,7 +12,8 @@ from torch import nn
 
 from ..waits import collective
 from .init import held_values
-from .manager import managers, views_its_slot
+from .common import views_its_slot
+from .registry import managers
 from .units import UnitState, exact_values
 
 __all__ = ["gathered_parameters", "load_safetensors"]
@@ -76,14 +77,11 @@ def _gathered(params, modifier_rank: Optional[int], loading: bool = False) -> It
     try:
         for m, u, was in plan:
             if not was:
-                m._busy += 1
-                try:
+                with m.busy():
                     with collective("zeroinf.gathered_parameters (it all-gathers the partitions)", m.rank, m.world_size):
                         m._make_room(u, hint=", or gather fewer parameters per zeroinf.gathered_parameters block "
                                           "(every unit it names stays gathered until the block ends)")
                         m._complete(u)
-                finally:
-                    m._busy -= 1
             u.user_holds += 1
             held.append(u)
         try:
@@ -161,7 +159,7 @@ def _conversion_hint(model: nn.Module, file_keys) -> str:
     """When the file's keys are in a layout that transformers converts as it loads this model
     (transformers 5 writes MoE experts one tensor per expert and fuses them into
     ``experts.gate_up_proj``; GPT-NeoX's ``embed_out`` is renamed ``lm_head``), a sentence saying
-    so and what to do instead (tester-40 F1: the KeyError named only the model's keys); else ""."""
+    so and what to do instead (a bare KeyError would name only the model's keys); else ""."""
     import re
     try:
         from transformers.conversion_mapping import get_model_conversion_mapping
@@ -182,9 +180,9 @@ def _conversion_hint(model: nn.Module, file_keys) -> str:
 def _names_in_file(name: str) -> List[str]:
     """The names a parameter ``name`` may have in a checkpoint saved before peft wrapped the
     model: itself, without peft's ``base_model.model.`` prefix, and without what peft puts
-    between a wrapped layer and its weights: ``.base_layer`` (LoRA, tester-46 F3), and
+    between a wrapped layer and its weights: ``.base_layer`` (LoRA), and
     ``.original_module`` or ``.modules_to_save.<adapter>`` (``modules_to_save``: the frozen
-    original and its trained copy both start from the file's weights, tester-47 F2)."""
+    original and its trained copy both start from the file's weights)."""
     import re
     out = [name]
     if name.startswith("base_model.model."):

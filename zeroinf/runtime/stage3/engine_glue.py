@@ -89,7 +89,7 @@ def _refuse_resize_after_partitioning(model: torch.nn.Module) -> None:
     now raises a RuntimeError saying to resize before ``zeroinf.initialize``; a call that keeps
     the row count (``resize_token_embeddings(len(tokenizer))`` on a model that has it already)
     returns the input embedding, as transformers does, and changes nothing."""
-    for mod in model.modules():  # a wrapper's Hugging Face model too (helper-42, t18_resize_compile.py)
+    for mod in model.modules():  # a wrapper's Hugging Face model too
         if callable(getattr(mod, "resize_token_embeddings", None)) and callable(
                 getattr(mod, "get_input_embeddings", None)):
             _guard_resize(mod)
@@ -620,7 +620,7 @@ class Stage3EngineParams:
     def track_grad_norm(self, norm_type: float) -> None:
         """Record each gradient partition's norm part while it is reduced (gradients on NVMe),
         so :meth:`local_grad_norm_parts` need not read them back (see [Note: norm while
-        reducing] in manager.py)."""
+        reducing] in shards.py)."""
         self.manager.grad_norm_type = float(norm_type)
 
     def local_grad_norm_parts(self, norm_type: float) -> Tuple[float, bool]:

@@ -64,7 +64,7 @@ from typing import Any, Dict, List, Optional, Set, Tuple
 import torch
 
 from ...optim import limit_thread_parallelism
-from .manager import _norm_part
+from .common import _norm_part
 
 __all__ = ["BackwardStep", "OptimizerInBackwardError", "sub_group_indices", "worker_threads"]
 

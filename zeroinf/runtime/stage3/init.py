@@ -37,7 +37,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils.weak import WeakIdKeyDictionary
 
-from .released import attribute_of, gathered_class, released_class
+from .released import attribute_of, gathered_class, released_class, set_held_hooks
 
 __all__ = ["Init", "init_shapes", "init_shapes_of", "init_dtype", "take_init_values", "held_values",
            "check_placeholders"]
@@ -94,8 +94,8 @@ def swap_bytes_freed_by(params) -> Dict[str, int]:
     """Bytes of ``Init`` swap files that taking all of ``params`` frees, by swap folder: an
     ``Init`` removes its folder once the last parameter it holds is taken, so only blocks whose
     every held parameter is among ``params`` count. For ``initialize``'s disk check: those files
-    are gone before the optimizer's are made (tester-41 F1: counted as not free, a disk with room
-    was refused after ``Init``)."""
+    are gone before the optimizer's are made (counted as not free, a disk with room would be
+    refused after ``Init``)."""
     params = list(params)
     with _LOCK:
         mine: Dict[Init, int] = {}
@@ -111,7 +111,7 @@ def note_cast(param: nn.Parameter, dtype: torch.dtype) -> None:
     """Record that held ``param``'s placeholder became ``dtype`` (``model.half()``, ``.to()``
     between the ``Init`` block and ``initialize``). [Note: casts of held parameters] The held
     values then pass through every dtype but the last, as a plain parameter's would:
-    ``model.half().float()`` rounds them to fp16 (it kept them exact: helper-42, f9). The last
+    ``model.half().float()`` rounds them to fp16, as it does a plain parameter's. The last
     cast is the caller's: the engine keeps fp32 values of a model cast to bf16/fp16 as its
     masters ([Note: Init masters]). A no-op for a parameter ``Init`` does not hold."""
     with _LOCK:
@@ -134,7 +134,7 @@ def take_init_values(param: nn.Parameter) -> torch.Tensor:
     Raises:
         KeyError: ``param`` was not created under ``Init`` (or was taken already).
         RuntimeError: ``param.data`` was replaced after the ``Init`` block (``p.data = t``): the
-            held values would silently win over the new ones (helper-42, t34_data_assign.py).
+            held values would silently win over the new ones.
     """
     check_placeholders([param])
     with _LOCK:
@@ -146,7 +146,7 @@ def take_init_values(param: nn.Parameter) -> torch.Tensor:
 def check_placeholders(params) -> None:
     """Raise RuntimeError naming the first parameter ``Init`` holds whose ``.data`` is no longer
     its empty placeholder (``p.data = t`` after the block): the held values would silently win
-    over the new ones (helper-42, /tmp/tester26/t34_data_assign.py). ``zeroinf.initialize``
+    over the new ones. ``zeroinf.initialize``
     checks every parameter before it takes any value, so a refusal loses nothing."""
     for p in params:
         if p.data.numel() != 0:
@@ -175,7 +175,7 @@ def held_values(params: Sequence[nn.Parameter], modifier_rank: Optional[int]) ->
     Parameters ``Init`` does not hold are skipped. Inside an active ``Init`` block the held
     parameters come back on their own ([Note: late initialisation]); nothing is done here.
     """
-    params = list({id(p): p for p in params}.values())  # a tied pair listed twice (helper-42, t16_resize_init.py)
+    params = list({id(p): p for p in params}.values())  # a tied pair listed twice
     with _LOCK:
         todo = [(p, _HELD[p]) for p in params if p in _HELD and Init._active is not _HELD[p].owner]
     entered = []  # [param, held, placeholder, values as given]
@@ -352,7 +352,7 @@ class Init:
                 # a class decorator applied after the patch (transformers' MoE classes, imported
                 # lazily inside the block) wrapped our wrapper: leave both, ours is inert outside
                 # a block; taking its __wrapped__ removed the decorator's __init__ for the rest
-                # of the process (tester-40 F2: "'MixtralExperts' object has no attribute 'config'")
+                # of the process ("'MixtralExperts' object has no attribute 'config'")
                 if cls.__dict__.get("__init__") is wrapper:
                     cls.__init__ = orig
             self._patched.clear()
@@ -536,7 +536,7 @@ def _held_state_dict_hook(module: nn.Module, state_dict: Dict[str, Any], prefix:
             held = _HELD.get(p)
         if held is not None and key in state_dict:
             # in the placeholder's dtype, as a plain model's state_dict after model.half() (it gave
-            # the fp32 values: helper-44, t03_init_half_sd.py)
+            # the fp32 values)
             state_dict[key] = held.owner._peek(held).to(p.dtype)
 
 
@@ -544,7 +544,7 @@ def _held_load_pre_hook(module: nn.Module, state_dict: Dict[str, Any], prefix: s
                         missing_keys, unexpected_keys, error_msgs) -> None:
     """``model.load_state_dict(pretrained)`` between the ``Init`` block and ``zeroinf.initialize``
     failed on torch's shape check against the empty placeholders ("size mismatch ... the shape in
-    current model is torch.Size([0])": tester-41 F10), which blamed the checkpoint. Each held
+    current model is torch.Size([0])"), which blamed the checkpoint. Each held
     parameter's value is written into what ``Init`` holds for it, and torch is left an empty
     tensor to copy into the placeholder; a value of another shape is reported against the held
     shape, as torch reports it for a plain model. ``state_dict`` is torch's own shallow copy."""
@@ -599,3 +599,6 @@ def _all_module_classes() -> List[type]:
                 seen.append(s)
                 todo.append(s)
     return seen
+
+
+set_held_hooks(init_shapes_of, note_cast)  # released.py describes and casts held parameters through them

@@ -154,6 +154,6 @@ class StepGate:
 
     def _raise(self) -> None:
         if self._error is not None:
-            # str(), not repr(): an OSError's repr leaves out its file name (helper-41, t20_rmtree_cause.py)
+            # str(), not repr(): an OSError's repr leaves out its file name
             raise StepFailedError(f"the background optimizer step failed: {type(self._error).__name__}: "
                                   f"{self._error}") from self._error

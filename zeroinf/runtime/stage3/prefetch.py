@@ -215,7 +215,7 @@ class PrefetchScheduler:
     def _requested_within(self, unit, limit: int) -> bool:
         """Whether the followed trace requests ``unit`` again after at most ``limit`` elements of
         other requests from the cursor on (O(log n): a scan per request made a forward of n
-        units O(n²), 1.7 s for 500 tiny units: tester-38 P4)."""
+        units O(n²), 1.7 s for 500 tiny units)."""
         if not self.following:
             return False
         j = self._next_position(unit)

@@ -2,7 +2,7 @@
 
 [Note: released parameters] A released parameter's ``.data`` is an empty placeholder (shape
 ``[0]``): the manager's hooks and autograd rely on that, and it is what frees the memory. Used
-in compute outside the model's forward (where the foreign-access mode in ``manager.py`` gathers
+in compute outside the model's forward (where the foreign-access mode in ``foreign.py`` gathers
 it first) such a placeholder would silently give wrong answers: ``model.head.weight.sum()`` is
 0. So while a parameter is released its Python class is switched to a subclass of its own class
 (``released_class``) whose ``__torch_function__`` lets metadata and bookkeeping through (shape,
@@ -27,10 +27,12 @@ from __future__ import annotations
 
 import math
 import weakref
-from typing import Dict, Optional, Tuple
+from typing import Callable, Dict, Iterable, Optional, Tuple
 
 import torch
 from torch import nn
+
+from .registry import managers
 
 __all__ = ["released_class", "gathered_class", "is_released", "PASS_THROUGH"]
 
@@ -56,12 +58,24 @@ HELD_PASS_THROUGH = PASS_THROUGH | frozenset({"to", "half", "float", "double", "
 
 _CLASSES: Dict[Tuple[type, bool], type] = {}
 
+#: What ``zeroinf.Init`` (init.py) knows of the parameters it holds: ``shapes_of(params)``, the
+#: true shapes of those it holds, and ``note_cast(param, dtype)``, a cast of one's placeholder.
+#: init.py installs them when imported (:func:`set_held_hooks`); until then no parameter is held.
+#: This module does not import init.py, which imports it: dependencies point one way.
+_held_hooks: Tuple[Callable[[Iterable[nn.Parameter]], Dict[nn.Parameter, torch.Size]],
+                   Callable[[nn.Parameter, torch.dtype], None]] = (lambda params: {}, lambda param, dtype: None)
+
+
+def set_held_hooks(shapes_of: Callable[[Iterable[nn.Parameter]], Dict[nn.Parameter, torch.Size]],
+                   note_cast: Callable[[nn.Parameter, torch.dtype], None]) -> None:
+    """Install ``zeroinf.Init``'s ``shapes_of`` and ``note_cast`` (see ``_held_hooks``)."""
+    global _held_hooks
+    _held_hooks = (shapes_of, note_cast)
+
 
 def _describe(p: torch.Tensor) -> Tuple[str, Optional[torch.Size]]:
     """(qualified name, full shape) of a released parameter, or of the parameter a placeholder
     view came from, from the manager that owns it (or ``zeroinf.Init``, which knows no names)."""
-    from .init import init_shapes_of
-    from .manager import managers
     source = getattr(p, "_zeroinf_source", None)
     if source is not None:
         p = source()
@@ -71,7 +85,7 @@ def _describe(p: torch.Tensor) -> Tuple[str, Optional[torch.Size]]:
         rec = m._slot_of.get(p)
         if rec is not None:
             return rec[2].name, rec[2].shape
-    held = init_shapes_of([p])
+    held = _held_hooks[0]([p])
     if held:
         return "a parameter", held[p]
     return "<unmanaged>", getattr(p, "ds_shape", None)
@@ -86,7 +100,7 @@ class _ReleasedMixin:
     def __new__(cls, *args, **kwargs):
         # type(p)(tensor) on a released or held parameter (accelerate's set_module_tensor_to_device
         # does that) builds a new, whole parameter: of the plain class, which computes (it refused,
-        # as "<unmanaged> ... is held": helper-42, t33_paramcls.py). Class swaps do not come here.
+        # as "<unmanaged> ... is held"). Class swaps do not come here.
         return cls._zeroinf_gathered_class(*args, **kwargs)
 
     @classmethod
@@ -98,7 +112,7 @@ class _ReleasedMixin:
             _refuse(p, f"'{name or func}' on it would compute on nothing")
         if (name == "__set__" and cls._zeroinf_pass is PASS_THROUGH and attribute_of(func) == "data"
                 and len(args) > 1 and isinstance(args[1], torch.Tensor) and args[1].numel() != 0):
-            # the manager gives a released parameter only placeholders; the next gather drops this (tester-35 F02)
+            # the manager gives a released parameter only placeholders; the next gather drops this
             _refuse(args[0], "a new .data given to it (p.data = t) would be dropped by its next gather")
         with torch._C.DisableTorchFunctionSubclass():
             out = func(*args, **kwargs)
@@ -107,8 +121,8 @@ class _ReleasedMixin:
             if name == "detach" or (name == "__get__" and data):
                 out = _placeholder_view(out, args[0])
             elif name == "__set__" and data and cls._zeroinf_pass is HELD_PASS_THROUGH:
-                from .init import note_cast  # model.half() etc. set .data to a placeholder of the new dtype
-                note_cast(args[0], args[1].dtype)
+                # model.half() etc. set .data to a placeholder of the new dtype
+                _held_hooks[1](args[0], args[1].dtype)
         return out
 
     def __deepcopy__(self, memo):

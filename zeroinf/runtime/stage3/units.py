@@ -97,7 +97,7 @@ class FlatGroup:
 
     def drop_grad_shard(self) -> None:
         """Zero the accumulated gradient: ``grad_shard`` becomes None, its buffer is kept for
-        the next micro-batch's copy (see [Note: first gradient copied] in manager.py)."""
+        the next micro-batch's copy (see [Note: first gradient copied] in reduce.py)."""
         if self.grad_shard is not None:
             self.grad_spare, self.grad_shard = self.grad_shard, None
 
@@ -149,7 +149,7 @@ def exact_values(g: FlatGroup, values: Sequence[Tuple[ParamSlot, torch.Tensor]])
     """``exact`` for :meth:`Stage3ParameterManager.write_group_values`: the values in fp32 (on
     the CPU) when ``g`` is bf16/fp16 and every value is fp32 or fp64 (a file's or a state dict's
     fp32 weights: the fp32 masters take them, as ``initialize`` takes a model's fp32 weights;
-    they were the partition's rounding: tester-40 F3); else None, and the masters take only the
+    they were the partition's rounding); else None, and the masters take only the
     elements whose rounded value changed (a bf16 state dict of the model itself keeps them)."""
     if g.dtype == torch.float32 or not all(v.dtype in (torch.float32, torch.float64) for _, v in values):
         return None
