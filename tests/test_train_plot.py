@@ -45,5 +45,6 @@ def test_draw_has_loss_speed_lr_and_memory_panels(tmp_path):
     assert seen["titles"][2:] == ["learning rate", "memory per tier"]
     assert seen["lines"]["loss"] == ["loss", "smoothed (1-step mean)", "no offload (PyTorch)"]
     assert seen["lr"] == pytest.approx([1e-3 * s for s in range(1, 21)])
+    assert seen["lines"]["memory per tier"] == ["pinned CPU", "NVMe files", "process RSS"]  # no device tier
     assert (tmp_path / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert not plt.get_fignums()   # closed after saving

@@ -75,7 +75,9 @@ def draw(records: List[dict], save: Callable[[object], None], title: str,
     ax_lr.ticklabel_format(axis="y", style="sci", scilimits=(-3, 3))
 
     for key, label in MEMORY_TIERS:
-        ax_mem.plot(steps, [r.get(key, 0) / 2 ** 20 for r in records], label=label)
+        mib = [r.get(key, 0) / 2 ** 20 for r in records]
+        if any(mib):  # a tier this run does not use (the device on a CPU run) is left out, not drawn at 0
+            ax_mem.plot(steps, mib, label=label)
     ax_mem.set_yscale("symlog", linthresh=1.0)
     ax_mem.set(xlabel="step", ylabel="MiB (log scale above 1)", title="memory per tier")
 
