@@ -417,8 +417,10 @@ class ZeroEngine:
             raise ConfigError("zero_optimization.offload_optimizer.buffer_count",
                               f"{e}; lower sub_group_size or buffer_count") from e
         # a step that fails after some sub-groups were stepped leaves weights and state torn between two
-        # steps: every entry point and the model's own forward refuse them until a checkpoint loads
-        self.sub_optimizer.on_torn = lambda exc: self.load_guard.failed(exc, during="an optimizer step")
+        # steps: every entry point and the model's own forward refuse them until a checkpoint loads (the
+        # optimizer in backward keeps its own failed-step state, StepFailedError, that refuses every call)
+        if not cfg.zeroinf.optimizer_in_backward:
+            self.sub_optimizer.on_torn = lambda exc: self.load_guard.failed(exc, during="an optimizer step")
         # fp32 parameters in CPU memory with CPU-resident state: the parameter is the master weight
         alias = dtype == torch.float32 and off.device != "nvme" and zc.stage != 3
         for i in range(len(specs)):
