@@ -82,6 +82,9 @@ def draw(records: List[dict], save: Callable[[object], None], title: str,
     ax_mem.set(xlabel="step", ylabel="MiB (log scale above 1)", title="memory per tier")
 
     for ax in (ax_loss, ax_time, ax_lr, ax_mem):
+        if not ax.get_legend_handles_labels()[1]:  # a memory panel with no tier in use has no curve
+            ax.grid(alpha=0.3)
+            continue
         ax.legend(loc="lower left", bbox_to_anchor=(0, 1.08), ncol=4,
                   fontsize=7, frameon=False, borderaxespad=0)
         ax.grid(alpha=0.3)
