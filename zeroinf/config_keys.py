@@ -40,6 +40,8 @@ class ConfigDeprecationWarning(FutureWarning):
 
 
 class Status(enum.Enum):
+    """What zeroinf does with a DeepSpeed key (see the module docstring)."""
+
     SUPPORTED = "supported"
     MAPPED = "mapped"
     IGNORED = "ignored with a warning"
@@ -48,6 +50,8 @@ class Status(enum.Enum):
 
 @dataclass(frozen=True)
 class Key:
+    """One DeepSpeed key path (dotted, e.g. ``zero_optimization.offload_param.device``) and its status here."""
+
     path: str
     status: Status
     #: SUPPORTED: how it acts here; MAPPED: the key path it is read as ("" = dropped, as in

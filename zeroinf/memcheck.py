@@ -79,9 +79,11 @@ class TierCheck:
 
     @property
     def fits(self) -> bool:
+        """Whether the bytes still to allocate (``need - held``) fit the usable bytes."""
         return self.need - self.held <= self.usable
 
     def line(self) -> str:
+        """One line of the refusal: needed, free and usable GB (1e9 bytes) of this tier, and the verdict."""
         held = f" ({format_size(self.held)} GB of it allocated already: the model)" if self.held else ""
         margin = f" ({format_size(self.usable)} GB usable)" if self.usable != self.free else ""
         verdict = "ok" if self.fits else f"SHORT by {format_size(self.need - self.held - self.usable)} GB"
@@ -110,9 +112,11 @@ class MemoryReport:
 
     @property
     def fits(self) -> bool:
+        """Whether every tier fits."""
         return all(t.fits for t in self.tiers)
 
     def message(self) -> str:
+        """The refusal: a headline naming each short tier, one line per tier, and the suggested placement."""
         e, short = self.estimate, [t for t in self.tiers if not t.fits]
         lines = [f"not enough memory for {e.placement.label()} with {self.info.params:,} parameters on {e.world_size} "
                  f"rank(s): {', '.join(f'{t.where} needs {format_size(t.need - t.held)} GB more, has {format_size(t.usable)} GB' for t in short)}"

@@ -42,6 +42,8 @@ _ENTRY = re.compile(r"step[0-9]+(\.saving|\.old)?|latest\.tmp[0-9]+")  # what sa
 
 
 class SaveKind(enum.Enum):
+    """How ``--save-every`` decides when a periodic checkpoint is due."""
+
     OFF = "off"          # no periodic checkpoint (Ctrl-C still saves)
     STEPS = "steps"      # after every ``value`` optimizer steps
     SECONDS = "seconds"  # once ``value`` seconds have passed since the last save (or the run's start)
@@ -50,6 +52,9 @@ class SaveKind(enum.Enum):
 
 @dataclass(frozen=True)
 class SaveEvery:
+    """A parsed ``--save-every``: ``kind`` and its ``value`` (optimizer steps for STEPS, seconds
+    for SECONDS; unused for OFF and AUTO)."""
+
     kind: SaveKind
     value: float = 0.0
 
@@ -93,6 +98,8 @@ class SaveClock:
         self.last_took: Optional[float] = None
 
     def due(self, step: int, now: Optional[float] = None) -> bool:
+        """Whether a checkpoint is due after optimizer step ``step`` (1-based), at monotonic time
+        ``now`` (seconds; default the clock's)."""
         now = time.monotonic() if now is None else now
         k = self.every.kind
         if k is SaveKind.OFF:
@@ -104,6 +111,8 @@ class SaveClock:
         return self.last_took is None or now - self.last_end >= self.last_took * (1 / AUTO_SAVE_SHARE - 1)
 
     def saved(self, step: int, took_s: float, now: Optional[float] = None) -> None:
+        """Record a save after step ``step`` that took ``took_s`` seconds and ended at monotonic
+        time ``now`` (default the clock's)."""
         self.last_step, self.last_took = step, took_s
         self.last_end = time.monotonic() if now is None else now
 
@@ -152,6 +161,7 @@ class CheckpointDir:
 
     @staticmethod
     def tag(step: int) -> str:
+        """The checkpoint tag of optimizer step ``step``: ``step<N>``."""
         return f"step{step}"
 
     def newest_complete(self) -> Optional[Tuple[str, int]]:
