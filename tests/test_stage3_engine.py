@@ -218,7 +218,7 @@ def test_a_failed_partition_write_is_not_hidden_by_the_host_cache(tmp_path):
     with pytest.raises(RuntimeError, match="failed part-way"):
         engine.save_checkpoint(str(tmp_path / "ckpt"), tag="t")
     # under the guard, the partition itself is unreadable too: the host cache did not keep the old values
-    engine.load_guard.completed()
+    engine.state_guard.completed()
     with pytest.raises(StaleSwapFileError, match="param/unit1"):
         _run(engine, 1, start=3)
     assert not (tmp_path / "ckpt" / "t").exists()
@@ -944,7 +944,7 @@ def test_a_class_with_its_own_save_to_state_dict_and_load_from_state_dict(tmp_pa
         model.load_state_dict(bad)
     model.load_state_dict(new)
     engine.save_checkpoint(str(tmp_path / "ckpt"), tag="t")
-    engine.load_guard.failed(RuntimeError("a swap-file write failed"))  # as a load_checkpoint failing part-way leaves it
+    engine.state_guard.failed(RuntimeError("a swap-file write failed"))  # as a load_checkpoint failing part-way leaves it
     engine.load_checkpoint(str(tmp_path / "ckpt"), tag="t")  # the class's own load runs inside it: it mends the engine
     got_losses, want_losses = _run(engine, 2), _reference(ref, 2)
     assert max(abs(a - b) for a, b in zip(got_losses, want_losses)) <= 1e-6

@@ -763,7 +763,7 @@ def load(engine, load_dir: str, tag: Optional[str] = None, load_lr_scheduler_sta
             obj.load_state_dict(before)
         raise
     # from here on the engine changes: a failure (a swap-file write, on any rank) leaves it half
-    # loaded, and the engine refuses to train on until a load completes (engine.load_guard)
+    # loaded, and the engine refuses to train on until a load completes (engine.state_guard)
     problem = None
     try:
         _load_module(engine.module, meta["module"], meta.get("excluded_frozen", []))
@@ -783,16 +783,16 @@ def load(engine, load_dir: str, tag: Optional[str] = None, load_lr_scheduler_sta
     except Exception as exc:  # every rank must reach the agreement below
         problem = exc
     except BaseException as exc:  # an interrupt: no collective
-        engine.load_guard.failed(exc)
+        engine.state_guard.failed(exc)
         raise
     try:
         _agree(engine, problem, lambda bad: RuntimeError(
             f"rank(s) {bad} failed while applying checkpoint {ckpt} (their errors name the cause); this rank loaded "
             "it, but the ranks' states no longer fit together"), "load_checkpoint")
     except BaseException as exc:
-        engine.load_guard.failed(exc)
+        engine.state_guard.failed(exc)
         raise
-    engine.load_guard.completed()
+    engine.state_guard.completed()
     return ckpt, meta["client_state"]
 
 

@@ -52,14 +52,14 @@ from zeroinf.config import ConfigError, ZeroInfConfig, parse_config
 from .loss_scaler import LossScaler
 from .optimizer import SubGroupOptimizer
 
-__all__ = ["LoadGuard", "ZeroEngine", "ZeroOptimizer", "initialize"]
+__all__ = ["StateGuard", "ZeroEngine", "ZeroOptimizer", "initialize"]
 
 _log = logging.getLogger("zeroinf")
 
 
-class LoadGuard:
-    """Whether a ``load_checkpoint`` failed part-way, leaving the weights and optimizer state a
-    mix of the checkpoint and what the engine held.
+class StateGuard:
+    """Whether a ``load_checkpoint`` or an optimizer step failed part-way, leaving the weights and
+    optimizer state a mix of two states (the checkpoint's and the engine's, or two steps').
 
     The engine checks it at its entry points; hooks on the model check it at the model's own
     forward and ``state_dict`` (which the engine does not see). It keeps the failure's type and
@@ -103,10 +103,10 @@ class LoadGuard:
         self.check("state_dict")
 
     def __reduce__(self):
-        return LoadGuard, ()
+        return StateGuard, ()
 
-    def __deepcopy__(self, memo) -> "LoadGuard":
-        return LoadGuard()
+    def __deepcopy__(self, memo) -> "StateGuard":
+        return StateGuard()
 
 
 #: model -> the hook handles of the engine that guards it now (a new engine on the model takes over)
@@ -340,8 +340,8 @@ class ZeroEngine:
         #: why the last step() raised after counting its micro-batch (a retry would step again)
         self._counted_and_raised: Optional[str] = None
         self._closed = False  # close() ran: every entry point raises (_check_open)
-        #: a load_checkpoint that failed part-way (checked by _check_open and by hooks on the model)
-        self.load_guard = LoadGuard()
+        #: a load_checkpoint or a step that failed part-way (checked by _check_open and by hooks on the model)
+        self.state_guard = StateGuard()
         self._guard_hooks = []
         self.loss_scaler = LossScaler.from_config(cfg.fp16) if cfg.fp16.enabled else None
         zc = cfg.zero_optimization
@@ -420,7 +420,7 @@ class ZeroEngine:
         # steps: every entry point and the model's own forward refuse them until a checkpoint loads (the
         # optimizer in backward keeps its own failed-step state, StepFailedError, that refuses every call)
         if not cfg.zeroinf.optimizer_in_backward:
-            self.sub_optimizer.on_torn = lambda exc: self.load_guard.failed(exc, during="an optimizer step")
+            self.sub_optimizer.on_torn = lambda exc: self.state_guard.failed(exc, during="an optimizer step")
         # fp32 parameters in CPU memory with CPU-resident state: the parameter is the master weight
         alias = dtype == torch.float32 and off.device != "nvme" and zc.stage != 3
         for i in range(len(specs)):
@@ -470,8 +470,8 @@ class ZeroEngine:
             from torch.nn.modules import module as _m
             _ADDED_HOOKS.extend([_m.register_module_module_registration_hook(_on_module_registered),
                                  _m.register_module_parameter_registration_hook(_on_parameter_registered)])
-        self._guard_hooks = [model.register_forward_pre_hook(self.load_guard.forward_pre_hook, prepend=True),
-                             model.register_state_dict_pre_hook(self.load_guard.state_dict_pre_hook)]
+        self._guard_hooks = [model.register_forward_pre_hook(self.state_guard.forward_pre_hook, prepend=True),
+                             model.register_state_dict_pre_hook(self.state_guard.state_dict_pre_hook)]
         if self._versions is not None:  # stages 0-2: a 16-bit parameter's master takes a loaded fp32 value
             sixteen = {p for g in self.params.groups for p in g.params if p.dtype in (torch.bfloat16, torch.float16)}
             note = _loaded_values_hook(weakref.ref(self), sixteen)
@@ -479,7 +479,7 @@ class ZeroEngine:
                                   if any(p in sixteen for p in m._parameters.values() if p is not None)]
         _GUARD_HOOKS[model] = self._guard_hooks
         if getattr(self.params, "manager", None) is not None:
-            self.params.manager.load_guard = self.load_guard
+            self.params.manager.state_guard = self.state_guard
 
     # ------------------------------------------------------------------------------------------
     # checks at start-up: fail now, not mid-step
@@ -1660,7 +1660,7 @@ class ZeroEngine:
                                "buffers are released. Build a new engine with zeroinf.initialize (at stage 3 on a newly "
                                "built model), and save a checkpoint before closing to carry the state over.")
         if not loading:
-            self.load_guard.check()
+            self.state_guard.check()
         from .offload_states import Residency
         if getattr(self, "_residency", Residency.RESIDENT) is Residency.OFFLOADED:
             raise RuntimeError("zeroinf: the engine's states are offloaded (engine.offload_states()); call "

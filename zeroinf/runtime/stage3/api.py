@@ -61,8 +61,8 @@ def _gathered(params, modifier_rank: Optional[int], loading: bool = False) -> It
                 units.append(rec[0])
         if units:
             m._check_open()  # its engine was closed: the partitions are gone
-            if m.load_guard is not None and not loading:
-                m.load_guard.check("zeroinf.gathered_parameters")
+            if m.state_guard is not None and not loading:
+                m.state_guard.check("zeroinf.gathered_parameters")
             # between a forward that returned and its backward (which may never come: the output
             # may be gone) it gathers as at any other time; a weight written in the block, which
             # the forward saved, fails that backward as in plain PyTorch (the version check in

@@ -214,8 +214,8 @@ class Stage3ParameterManager(LayoutMixin, HooksMixin, ReadsMixin, FetchMixin, Sa
         self._pool = None
         self._pinned = PinnedHost()  # host partitions, max_in_cpu cache, gradient shards: pinned with CUDA
         self._closed = False  #: see :attr:`closed`
-        #: the engine's zeroinf.runtime.engine.LoadGuard (gathered_parameters refuses a half-loaded state)
-        self.load_guard = None
+        #: the engine's zeroinf.runtime.engine.StateGuard (gathered_parameters refuses a half-loaded state)
+        self.state_guard = None
         #: names of parameters whose data (p.data = t, not keepable: [Note: changes in a forward]) a
         #: release dropped; the engine raises on them and clears it (ZeroEngine._check_dropped_data)
         self.dropped_data: List[str] = []

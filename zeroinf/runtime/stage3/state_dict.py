@@ -250,8 +250,8 @@ class ModuleStateHooks:
         if not self._serves(module, state_dict):
             return state_dict
         m = self._live_manager(module)
-        if m.load_guard is not None:  # a submodule's call too: the root's hook checks only the root's
-            m.load_guard.check("state_dict")
+        if m.state_guard is not None:  # a submodule's call too: the root's hook checks only the root's
+            m.state_guard.check("state_dict")
         with collective(f"{type(module).__name__}.state_dict() of a stage-3 model (it all-gathers the partitions)",
                         m.rank, m.world_size):
             for g, slots in self._by_group(m, self._names_below(module, prefix, load=False)):
