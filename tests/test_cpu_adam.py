@@ -15,6 +15,19 @@ TOL = 1e-6  # fp32 max abs difference to torch after 20 steps
 ISAS = ("avx512", "avx2", "scalar")
 
 
+
+def step_with_torch(ours, ref, steps: int) -> None:
+    """``steps`` steps of CPUAdam over ``ours`` and torch AdamW (foreach off) over ``ref``, the
+    same random gradient given to both lists' matching parameters each step (lr 1e-2, wd 0.01)."""
+    opt = zo.CPUAdam(ours, lr=1e-2, weight_decay=0.01)
+    ref_opt = torch.optim.AdamW(ref, lr=1e-2, weight_decay=0.01, foreach=False)
+    for _ in range(steps):
+        for p, q in zip(ours, ref):
+            q.grad = torch.randn(q.shape)
+            p.grad = q.grad.clone()
+        opt.step()
+        ref_opt.step()
+
 def _supported_isas():
     info = load_op("adam").isa_info()
     return [isa for isa in ISAS if info["unsupported"][isa] == ""]
@@ -518,15 +531,7 @@ def test_cpuadam_parameters_over_one_storage_one_transposed(order):
         pair = [torch.nn.Parameter(b.t()), torch.nn.Parameter(b)]
         return [torch.nn.Parameter(o)] + (pair if order == "view first" else pair[::-1])
     b_ref, o_ref, start = base.clone(), other.clone(), base.clone()
-    ours, ref = params(base, other), params(b_ref, o_ref)
-    opt = zo.CPUAdam(ours, lr=1e-2, weight_decay=0.01)
-    ref_opt = torch.optim.AdamW(ref, lr=1e-2, weight_decay=0.01, foreach=False)
-    for _ in range(4):
-        for p, q in zip(ours, ref):
-            q.grad = torch.randn(q.shape)
-            p.grad = q.grad.clone()
-        opt.step()
-        ref_opt.step()
+    step_with_torch(params(base, other), params(b_ref, o_ref), steps=4)
     assert (base - b_ref).abs().max().item() <= TOL and (other - o_ref).abs().max().item() <= TOL
     assert (base - start).abs().max().item() > 1e-2  # the shared storage was stepped
 

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 import zeroinf.optim as zo
+from test_cpu_adam import step_with_torch
 
 TOL = 1e-6  # fp32 max abs difference to torch after a few steps (as tests/test_cpu_adam.py)
 # odd sizes around the op's 16 Ki-element chunk and SIMD widths; empty and tiny tensors are packed
@@ -98,15 +99,7 @@ def test_overlapping_contiguous_params_are_stepped_in_list_order():
 
     def params(b, o):
         return [torch.nn.Parameter(o), torch.nn.Parameter(b[:30_000]), torch.nn.Parameter(b[10_000:])]
-    ours, ref = params(base, other), params(b_ref, o_ref)
-    opt = zo.CPUAdam(ours, lr=1e-2, weight_decay=0.01)
-    ref_opt = torch.optim.AdamW(ref, lr=1e-2, weight_decay=0.01, foreach=False)
-    for _ in range(3):
-        for p, q in zip(ours, ref):
-            q.grad = torch.randn(q.shape)
-            p.grad = q.grad.clone()
-        opt.step()
-        ref_opt.step()
+    step_with_torch(params(base, other), params(b_ref, o_ref), steps=3)
     assert (base - b_ref).abs().max().item() <= TOL and (other - o_ref).abs().max().item() <= TOL
 
 
