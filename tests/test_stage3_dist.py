@@ -97,7 +97,7 @@ def _late_rank_worker(rank, world, tmp):
         import warnings
 
         import zeroinf
-        from zeroinf.runtime import waits
+        from zeroinf import waits
 
         waits.WARN_AFTER_S = 1.0
         torch.manual_seed(0)

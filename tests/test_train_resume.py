@@ -28,7 +28,7 @@ TINY = ["--offload", "infinity", "--size", "tiny", "--seq-len", "64", "--micro-b
 _HOOKED = r"""
 import os, sys, time
 from pathlib import Path
-import zeroinf.checkpoint as ck, zeroinf.cli.train as train, zeroinf.cli.train_checkpoints as tc
+import zeroinf.checkpoint.saveload as ck, zeroinf.cli.train as train, zeroinf.cli.train_checkpoints as tc
 where, arg = os.environ["HOOK"].split(":")
 def hang():
     mark = Path(os.environ["HOOK_MARK"])

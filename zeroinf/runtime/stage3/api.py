@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..waits import collective
+from zeroinf.waits import collective
 from .init import held_values
 from .common import views_its_slot
 from .registry import managers

@@ -39,7 +39,7 @@ from typing import Dict, List
 
 import torch
 
-from ..waits import collective
+from zeroinf.waits import collective
 from .units import FlatGroup, exact_values
 
 __all__ = ["ModuleStateHooks"]
