@@ -28,32 +28,28 @@ import contextlib
 import json
 import math
 import os
-import re
-import resource
-import shutil
 import signal
-import socket
-import stat
 import sys
-import tempfile
 import time
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Callable, List, Optional
 
 import torch
 
-from zeroinf.checkpoint import save_atomically, write_latest
-from zeroinf.io.atomic import write_text_then_rename, write_then_rename
 from zeroinf.cli.train_checkpoints import (CheckpointDir, RunState, SaveClock, lock_out, parse_save_every,
-                                           read_run_state, save_every_arg, write_run_json)
+                                           save_every_arg, write_run_json)
+from zeroinf.cli.train_compare import COMPARE_ATOL, replay
+from zeroinf.cli.train_nvme import swap_where
+from zeroinf.cli.train_plain import PlainEngine
+from zeroinf.cli.train_report import engine_stats, loss_label, loss_windows, profiler, short_count, summarize, tiers, write_trace
+from zeroinf.cli.train_setup import DEFAULT_OFFLOAD, OFFLOADS, RunSetup, TrainError, _Dist, _one_line, model_name
+from zeroinf.io.atomic import write_text_then_rename, write_then_rename
+
+# the set-up's names that callers import from this module
+from zeroinf.cli.train_nvme import PRIVATE_PREFIX, make_private_dir, remove_stale_private_dirs  # noqa: F401,E402
+from zeroinf.cli.train_setup import PRESET_DIR  # noqa: F401,E402
 
 __all__ = ["add_arguments", "main", "TrainError", "LOG_FIELDS", "COMPARE_ATOL", "PlainEngine", "loss_windows", "loss_label"]
-
-PRESET_DIR = Path(__file__).resolve().parent.parent / "presets"
-OFFLOADS = ("none", "cpu", "nvme-optimizer", "infinity")
-#: the offload used when --offload and --config are both absent
-DEFAULT_OFFLOAD = "infinity"
 
 #: every record of log.jsonl has these keys (units in the name: _s seconds, _bytes bytes)
 LOG_FIELDS = (
@@ -61,21 +57,8 @@ LOG_FIELDS = (
     "optimizer_s", "device_bytes", "pinned_cpu_bytes", "nvme_bytes", "rss_bytes", "engine",
 )
 
-#: largest allowed |loss(offload) - loss(reference)| per step for --compare, by training dtype.
-#: fp32: both runs do the same fp32 math in a different order, so rounding differences only
-#: (grown over 20-40 steps of a chaotic optimisation); bf16/fp16: the offloaded model computes in
-#: 16 bits like the reference, but reductions and casts may differ in order (measured: 1e-3 over
-#: 20 steps of the tiny model in bf16).
-COMPARE_ATOL = {"fp32": 2e-3, "bf16": 0.03, "fp16": 0.03}
 
 EXIT_BAD_INPUT, EXIT_MISMATCH, EXIT_NONFINITE, EXIT_INTERRUPTED = 2, 3, 4, 130
-#: path arguments stored absolute in run.json, so ``--resume`` from another directory reads the
-#: same files
-_PATH_ARGS = ("data", "config", "init", "tokenizer", "nvme_path", "out")
-
-
-class TrainError(ValueError):
-    """Bad input to ``zeroinf train``; the message starts with the offending option or path."""
 
 
 def _append_record(log, path: Path, rec: dict) -> None:
@@ -112,7 +95,6 @@ def _write_out(path: Path, content: "str | Callable[[str], None]") -> None:
                          "on another disk") from exc
 
 
-# ----------------------------------------------------------------------------------------- CLI
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """Add ``zeroinf train``'s options to ``p``."""
     g = p.add_argument_group("model and data")
@@ -159,12 +141,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-plot", action="store_true", help="skip the PNG")
 
 
-#: options a --resume may change; everything else is taken from the interrupted run
-_RESUME_OVERRIDABLE = ("steps", "compare", "trace", "keep", "no_plot", "nvme_path", "save_every", "keep_checkpoints")
-_DEFAULTS = dict(model="llama", size="tiny", steps=40, seq_len=128, seed=0, out="zeroinf-train", engine="zeroinf",
-                 save_every="auto", keep_checkpoints=2)
-
-
 def main(args: argparse.Namespace) -> int:
     """Run ``zeroinf train``; returns the exit code (see the module docstring)."""
     from zeroinf.config import ConfigError
@@ -193,291 +169,6 @@ def main(args: argparse.Namespace) -> int:
         run.remove_tmp_nvme()
 
 
-def loss_windows(losses: List[float]) -> Tuple[int, float, float]:
-    """``(k, mean of the first k losses, mean of the last k)`` with ``k = min(5, n // 2)``, so
-    the two windows never share a step (``k = 1`` and the same single step when ``n == 1``).
-
-    Raises:
-        ValueError: ``losses`` is empty.
-    """
-    n = len(losses)
-    if n == 0:
-        raise ValueError("loss_windows: no losses")
-    k = max(1, min(5, n // 2))
-    return k, sum(losses[:k]) / k, sum(losses[-k:]) / k
-
-
-def loss_label(k: int, n: int) -> str:
-    """The summary's label for :func:`loss_windows` over ``n`` steps."""
-    return "loss (1 step)" if n == 1 else f"loss first {k} -> last {k}"
-
-
-def _one_line(exc: BaseException) -> str:
-    return " ".join(str(exc).split())
-
-
-# ---------------------------------------------------------------------------- distributed bits
-@dataclass
-class _Dist:
-    rank: int = 0
-    world_size: int = 1
-    local_rank: int = 0
-    initialized_here: bool = False
-
-    @classmethod
-    def from_env(cls) -> "_Dist":
-        """Ranks from torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK); gloo on CPU, NCCL on CUDA."""
-        world = int(os.environ.get("WORLD_SIZE", "1"))
-        d = cls(int(os.environ.get("RANK", "0")), world, int(os.environ.get("LOCAL_RANK", "0")))
-        if world > 1 and not torch.distributed.is_initialized():
-            backend = "nccl" if torch.cuda.is_available() else "gloo"
-            torch.distributed.init_process_group(backend=backend)
-            d.initialized_here = True
-        return d
-
-    def all_max(self, value: float) -> float:
-        if self.world_size == 1:
-            return value
-        t = torch.tensor([value], dtype=torch.float64)
-        torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
-        return float(t.item())
-
-    def all_mean(self, value: float) -> float:
-        if self.world_size == 1:
-            return value
-        t = torch.tensor([value], dtype=torch.float64)
-        torch.distributed.all_reduce(t)
-        return float(t.item()) / self.world_size
-
-    def barrier(self) -> None:
-        if self.world_size > 1:
-            torch.distributed.barrier()
-
-
-# ------------------------------------------------------------------------- the reference engine
-class PlainEngine:
-    """Plain PyTorch with the engine's interface: the ``--engine torch`` baseline and the
-    ``--compare`` reference.
-
-    ``torch.optim.AdamW(foreach=False)`` (``Adam`` with L2 decay when ``adamw`` is false) over fp32
-    parameters. In ``bf16``/``fp16`` the model is
-    cast to that dtype and the optimizer steps fp32 master copies, written back with ``.to(dtype)``
-    (the mixed-precision recipe of the ZeRO paper, without loss scaling: fp16 here is for
-    comparison on short runs only). ``backward`` divides the loss by ``grad_accum`` as DeepSpeed
-    does; ``step`` updates at every ``grad_accum``-th call, after clipping the global gradient norm
-    to ``clip`` (``torch.nn.utils.clip_grad_norm_``, 0 = off). Under ``torch.distributed`` with
-    ``data_parallel`` it is plain data parallel: each gradient is all-reduced and divided by the
-    world size before clipping (the ``--compare`` reference runs on rank 0 alone, without).
-    """
-
-    def __init__(self, model: torch.nn.Module, *, lr: float, betas=(0.9, 0.999), eps: float = 1e-8,
-                 weight_decay: float = 0.0, adamw: bool = True, clip: float = 0.0, norm_type: float = 2.0,
-                 grad_accum: int = 1, dtype: str = "fp32", device: str = "cpu", data_parallel: bool = True):
-        self.dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
-        trainable = [p for p in model.parameters() if p.requires_grad]
-        # master weights are fp32 copies taken before the cast, so they start exact
-        master = [p.detach().to(device=device, dtype=torch.float32, copy=True) for p in trainable]
-        self.module = model.to(device=device, dtype=self.dtype)
-        self.params = [p for p in self.module.parameters() if p.requires_grad]
-        if self.dtype == torch.float32:
-            self.master = self.params
-        else:
-            self.master = [m.requires_grad_(True) for m in master]
-        del master
-        opt_cls = torch.optim.AdamW if adamw else torch.optim.Adam
-        self.optimizer = opt_cls(self.master, lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
-                                 foreach=False)
-        self.clip, self.norm_type, self.grad_accum, self.data_parallel = clip, norm_type, grad_accum, data_parallel
-        self.device = torch.device(device)
-        self.global_steps, self.micro_steps, self._norm = 0, 0, None
-
-    def __call__(self, *args, **kwargs):
-        return self.module(*args, **kwargs)
-
-    forward = __call__
-
-    def backward(self, loss: torch.Tensor) -> None:
-        (loss / self.grad_accum).backward()
-
-    def step(self) -> None:
-        self.micro_steps += 1
-        if self.micro_steps % self.grad_accum:
-            return
-        if self.data_parallel and torch.distributed.is_available() and torch.distributed.is_initialized():
-            world = torch.distributed.get_world_size()
-            for p in self.params:             # plain data parallel: average the gradients
-                if p.grad is None:
-                    p.grad = torch.zeros_like(p)
-                torch.distributed.all_reduce(p.grad)
-                p.grad.div_(world)
-        if self.master is not self.params:
-            for m, p in zip(self.master, self.params):
-                m.grad = None if p.grad is None else p.grad.float()
-        norm = torch.nn.utils.clip_grad_norm_(self.master, self.clip if self.clip > 0 else float("inf"),
-                                              norm_type=self.norm_type)
-        self._norm = float(norm)
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        if self.master is not self.params:
-            with torch.no_grad():
-                for m, p in zip(self.master, self.params):
-                    p.copy_(m)
-                    p.grad = None
-        self.global_steps += 1
-
-    def set_lr(self, lr: float) -> None:
-        for g in self.optimizer.param_groups:
-            g["lr"] = lr
-
-    def get_lr(self) -> List[float]:
-        return [g["lr"] for g in self.optimizer.param_groups]
-
-    def get_global_grad_norm(self) -> Optional[float]:
-        return self._norm
-
-    def train(self):
-        self.module.train()
-
-    def eval(self):
-        self.module.eval()
-
-    def stats(self) -> Dict[str, float]:
-        return {}
-
-    def save_checkpoint(self, save_dir: str, tag: str, save_latest: bool = True) -> None:
-        path = Path(save_dir) / tag
-        path.mkdir(parents=True, exist_ok=True)
-        state = {"module": self.module.state_dict(), "optimizer": self.optimizer.state_dict(),
-                 "master": [m.detach() for m in self.master] if self.master is not self.params else [],
-                 "global_steps": self.global_steps, "micro_steps": self.micro_steps}
-        save_atomically(state, str(path / "plain_engine.pt"))
-        if save_latest:
-            write_latest(str(save_dir), tag)
-
-    def load_checkpoint(self, load_dir: str, tag: Optional[str] = None) -> None:
-        """Load ``load_dir/tag`` (``tag`` None: the one named in ``load_dir/latest``, as DeepSpeed)."""
-        tag = tag or (Path(load_dir) / "latest").read_text().strip()
-        state = torch.load(Path(load_dir) / tag / "plain_engine.pt", weights_only=True)
-        self.module.load_state_dict(state["module"])
-        with torch.no_grad():
-            for m, saved in zip(self.master if self.master is not self.params else [], state["master"]):
-                m.copy_(saved)
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.global_steps, self.micro_steps = state["global_steps"], state["micro_steps"]
-
-
-def _swap_where(zcfg, world_size: int = 1, private: bool = False) -> str:
-    """``"; swap files in DIR[, DIR]"`` for rank 0's header, or ``""`` without NVMe: a config's own
-    nvme_path (the presets' /local_nvme) is created if missing, so say where the files go.
-    With ``private`` folders over several ranks, rank 0's is named and the others' are said to lie
-    beside it."""
-    z = zcfg.zero_optimization
-    dirs = dict.fromkeys(b.nvme_path for b in (z.offload_param, z.offload_optimizer) if b.device == "nvme")
-    if not dirs:
-        return ""
-    others = "rank 1 has its own" if world_size == 2 else f"ranks 1-{world_size - 1} have their own"
-    more = f" (rank 0's; {others} {PRIVATE_PREFIX}N- beside it)" if private and world_size > 1 else ""
-    return f"; swap files in {', '.join(dirs)}{more}"
-
-
-# ---------------------------------------------------------------------------- the private swap folder
-# [Note: private swap folders] Without --nvme-path each rank swaps into a folder of its own,
-# .zeroinf-nvme-r{rank}-XXXXXXXX under the working directory, removed when the run ends. A run
-# killed outright (a second Ctrl-C or SIGTERM gets the default action, SIGKILL, OOM) cannot
-# remove it, and its swap files can be gigabytes in a hidden folder. So the folder is flock()ed
-# for the run's lifetime (the kernel drops the lock when the process dies however it dies), and
-# a later run in the same directory, of any rank, removes such folders that nobody holds. Only
-# folders this scheme made are candidates: the name as mkdtemp makes it, owned by this user, and
-# holding the OWNER file (a regular file naming this host) written under the lock. So an older
-# version's folders (never locked, possibly a --keep run's or a live run's), another
-# user's, another host's (a shared file system whose flock may be local to each host) and
-# names a person chose are left alone. A folder is made under another prefix and renamed once locked and
-# marked, so no scan sees it unlocked; a --keep run's folder carries a KEPT file and stays; where
-# flock is not supported nothing is removed. A made-but-unmarked folder left by a run killed between
-# those steps is empty; it is removed once an hour old (no run is that long between two calls).
-PRIVATE_PREFIX = ".zeroinf-nvme-r"
-_NEW_PREFIX = ".zeroinf-new-r"
-_OWNER = "OWNER"
-_KEPT = "KEPT"
-_NEW_STALE_S = 3600  # an empty .zeroinf-new-r folder this old was left by a run killed while making it
-_PRIVATE_NAME = re.compile(r"\.zeroinf-(nvme|new)-r[0-9]+-[a-z0-9_]{8}")  # fullmatch: no trailing newline
-
-
-def make_private_dir(parent: Path, rank: int, keep: bool = False) -> Tuple[Path, int]:
-    """Create rank ``rank``'s private swap folder under ``parent``, lock and mark it ([Note:
-    private swap folders]). Returns ``(folder, fd)``; the lock holds until ``fd`` is closed.
-
-    Raises:
-        OSError: the folder cannot be created, opened or marked in ``parent``.
-    """
-    import fcntl
-    d = Path(tempfile.mkdtemp(prefix=f"{_NEW_PREFIX}{rank}-", dir=parent))
-    fd = os.open(d, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            pass  # no flock on this file system: remove_stale_private_dirs cannot take it either
-        if keep:
-            (d / _KEPT).write_text("written by zeroinf train --keep: a later run leaves this folder alone\n")
-        (d / _OWNER).write_text(f"{socket.gethostname()}\nzeroinf train, pid {os.getpid()}: a later run on this host "
-                                "removes this folder once no process holds its lock\n")
-        final = parent / (PRIVATE_PREFIX + f"{rank}-" + d.name.rsplit("-", 1)[1])
-        os.rename(d, final)
-    except BaseException:
-        os.close(fd)
-        shutil.rmtree(d, ignore_errors=True)
-        raise
-    return final, fd
-
-
-def remove_stale_private_dirs(parent: Path) -> List[Tuple[Path, int]]:
-    """Remove the private swap folders under ``parent`` (of any rank) that this scheme made, that
-    belong to this user, and that no live run holds or a --keep run left ([Note: private swap
-    folders]). Returns ``(folder, bytes of its files)`` for each one removed; a folder that
-    cannot be inspected, opened or locked is left as it is. Never raises for a folder."""
-    import fcntl
-    removed = []
-    try:
-        entries = sorted(parent.iterdir())
-    except OSError:
-        return removed
-    for d in entries:
-        if not _PRIVATE_NAME.fullmatch(d.name):
-            continue
-        try:
-            st = d.lstat()
-            if (d.name.startswith(_NEW_PREFIX) and stat.S_ISDIR(st.st_mode) and st.st_uid == os.geteuid()
-                    and time.time() - st.st_mtime > _NEW_STALE_S and not any(d.iterdir())):
-                # killed between mkdtemp and writing OWNER: empty, and old enough that no run is
-                # still between those two calls; rmdir takes only an empty folder
-                os.rmdir(d)
-                removed.append((d, 0))
-                continue
-            if (not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid() or os.path.lexists(d / _KEPT)
-                    or not stat.S_ISREG((d / _OWNER).lstat().st_mode)
-                    or (d / _OWNER).read_text().split("\n", 1)[0] != socket.gethostname()):
-                continue  # a link as OWNER; another host's run over a shared file system
-            fd = os.open(d, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
-        except OSError:  # another user's 0700 folder (Path.exists raised EACCES)
-            continue
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:  # held by a live run (EWOULDBLOCK), or no flock here
-            os.close(fd)
-            continue
-        try:
-            nbytes = sum(f.lstat().st_size for f in d.rglob("*") if f.is_file() and not f.is_symlink())
-            shutil.rmtree(d)
-            removed.append((d, nbytes))
-        except OSError:
-            pass  # removed by hand meanwhile, or a file we may not delete: not ours to force
-        finally:
-            os.close(fd)
-    return removed
-
-
-# ---------------------------------------------------------------------------- the run itself
 class _Stop:
     """SIGINT/SIGTERM -> stop after the current step.
 
@@ -507,222 +198,9 @@ class _Stop:
             signal.signal(sig, old)
 
 
-class _Run:
-    def __init__(self, args: argparse.Namespace):
-        self.args = args
-        self.dist = _Dist()
-        self.tmp_nvme: Optional[Path] = None
-        self._tmp_lock: Optional[int] = None  # the fd whose flock marks tmp_nvme as in use
-        self.trace_files = ""  # the --trace files written, for the summary
-        self.out: Optional[Path] = None  # --out, once resolved
-        self.resume_from: Optional[Tuple[str, int]] = None  # (tag, step) a --resume loads; None: from step 1
-
-    def resume_hint(self) -> str:
-        """``"; continue with: zeroinf train --resume OUT"`` when OUT holds a complete checkpoint, else ``""``."""
-        try:
-            found = self.out is not None and CheckpointDir(self.out / "checkpoint").newest_complete()
-        except (OSError, ValueError):
-            found = None
-        if not found:
-            return ""
-        return f" (checkpoint of step {found[1]} in {self.out / 'checkpoint'}); continue with: zeroinf train --resume {self.out}"
-
-    def remove_tmp_nvme(self) -> None:
-        """Remove the default private swap directory (not a user's --nvme-path), unless --keep."""
-        if self.tmp_nvme is not None and not getattr(self.args, "keep", False):
-            shutil.rmtree(self.tmp_nvme, ignore_errors=True)
-            self.tmp_nvme = None
-        if self._tmp_lock is not None:
-            os.close(self._tmp_lock)
-            self._tmp_lock = None
-
-    # ---- set-up ----------------------------------------------------------------------------
-    def _resolve_args(self) -> argparse.Namespace:
-        a = argparse.Namespace(**vars(self.args))
-        self.start_step = 1
-        if a.out is not None and not str(a.out).strip():
-            raise TrainError("--out '': give a folder (it held the outputs in the working directory)")
-        for k in _PATH_ARGS:
-            if getattr(a, k, None) is not None:
-                setattr(a, k, os.path.abspath(os.path.expanduser(getattr(a, k))))  # --nvme-path=~/x: no shell expands it
-        if a.seed is not None and not 0 <= a.seed < 2**32:
-            raise TrainError(f"--seed {a.seed}: must be in [0, 2**32)")
-        if a.resume:
-            run_json = Path(a.resume) / "run.json"
-            if not run_json.is_file():
-                raise TrainError(f"--resume {a.resume}: no run.json there (is it the --out of an earlier run?)")
-            try:
-                saved = json.loads(run_json.read_text())
-                state = read_run_state(saved)
-            except (OSError, ValueError) as exc:  # json's JSONDecodeError is a ValueError
-                raise TrainError(f"--resume {a.resume}: {run_json} is unreadable ({_one_line(exc)})") from exc
-            try:
-                self.resume_from = CheckpointDir(Path(a.resume) / "checkpoint").newest_complete()
-            except (OSError, ValueError) as exc:
-                raise TrainError(f"--resume {a.resume}: {_one_line(exc)}") from exc
-            if state is RunState.COMPLETED:
-                raise TrainError(f"--resume {a.resume}: the run completed its {saved.get('completed_steps')} steps; "
-                                 "nothing to resume (its checkpoints were removed)")
-            saved_args = _absolute_saved_args(a.resume, saved["args"])
-            changed = [f"--{k.replace('_', '-')} {getattr(a, k)!r} (the run has "
-                       f"{'its default' if v is None else repr(v)})" for k, v in saved_args.items()
-                       if k not in _RESUME_OVERRIDABLE and k != "out" and getattr(a, k, None) not in (None, False)
-                       and not _same_arg(k, getattr(a, k), v)]
-            if a.out is not None and Path(a.out).resolve() != Path(a.resume).resolve():
-                changed.append(f"--out {a.out!r} (a resumed run writes to its own folder, {a.resume!r})")
-            if changed:  # they were dropped silently: the run went on with its own settings
-                raise TrainError(f"--resume {a.resume}: {', '.join(changed)}: a resumed run keeps the settings of the "
-                                 f"run it continues; only --{', --'.join(k.replace('_', '-') for k in _RESUME_OVERRIDABLE)} "
-                                 "may change")
-            for k, v in saved_args.items():
-                if k not in _RESUME_OVERRIDABLE or getattr(a, k, None) is None:
-                    setattr(a, k, v)
-            a.out = os.path.abspath(a.resume)
-            self.start_step = 1 if self.resume_from is None else self.resume_from[1] + 1
-            if a.steps is not None and a.steps < self.start_step:
-                # it ran no step and dropped checkpoint/latest as a completed run does: the resume point was lost
-                raise TrainError(f"--resume {a.resume} --steps {a.steps}: the run has completed {self.start_step - 1} "
-                                 f"steps already; give --steps above that (or leave it out: {saved['args'].get('steps')})")
-        for k, v in _DEFAULTS.items():
-            if getattr(a, k) is None:
-                setattr(a, k, os.path.abspath(v) if k in _PATH_ARGS else v)
-        out = self.out = Path(a.out)
-        if not a.resume and (out / "checkpoint" / "latest").exists():
-            # a fresh run there keeps the old run.json and checkpoint until it ends: killed before,
-            # a --resume would go on from the old checkpoint with the new run's log
-            raise TrainError(f"--out {out}: holds an interrupted run (its checkpoint); continue it with "
-                             f"zeroinf train --resume {out}, or give another --out")
-        if out.exists() and not out.is_dir():
-            raise TrainError(f"--out {out}: exists and is not a folder")
-        for name in ("steps", "seq_len", "micro_batch", "grad_accum", "keep_checkpoints"):
-            v = getattr(a, name)
-            if v is not None and v < 1:
-                raise TrainError(f"--{name.replace('_', '-')} {v}: must be >= 1")
-        if a.lr is not None and not (a.lr > 0 and math.isfinite(a.lr)):
-            raise TrainError(f"--lr {a.lr}: must be a positive number")
-        if a.config is not None and a.offload is not None:
-            raise TrainError("--config and --offload: give one of them, not both")
-        if a.engine == "torch" and (a.offload not in (None, "none") or a.config is not None):
-            raise TrainError("--engine torch: trains without offload; drop --offload/--config")
-        return a
-
-    def _nvme_dir(self, a) -> Path:
-        if a.nvme_path is None:
-            here = Path(os.getcwd())
-            for d, nbytes in remove_stale_private_dirs(here):
-                print(f"zeroinf train: removed {d.name} ({nbytes / 2**20:.1f} MiB), the private swap folder of a "
-                      "run that ended without removing it (killed)", file=sys.stderr)
-            try:
-                self.tmp_nvme, self._tmp_lock = make_private_dir(here, self.dist.rank, keep=a.keep)
-            except OSError as exc:
-                from zeroinf.io.probe import dir_problem
-                why = dir_problem(str(here)) or (exc.strerror or str(exc))
-                raise TrainError(f"the working directory {here} {why}, so it cannot hold the private swap folder; "
-                                 "give --nvme-path DIR") from exc
-            return self.tmp_nvme
-        from zeroinf.io.probe import dir_problem
-        path = Path(a.nvme_path)
-        why = dir_problem(str(path), create=True)
-        if why is not None:
-            raise TrainError(f"--nvme-path {a.nvme_path}: {why}")
-        return path
-
-    def _build_config(self, a) -> dict:
-        if a.engine == "torch":
-            cfg = json.loads((PRESET_DIR / "none.json").read_text())
-            where = "preset none"
-        elif a.config is not None:
-            try:
-                cfg = json.loads(Path(a.config).read_text())
-            except OSError as exc:
-                raise TrainError(f"--config {a.config}: cannot read ({exc.strerror})") from exc
-            except json.JSONDecodeError as exc:
-                raise TrainError(f"--config {a.config}: not valid JSON ({exc.msg}, line {exc.lineno})") from exc
-            if not isinstance(cfg, dict):
-                raise TrainError(f"--config {a.config}: the top level must be a JSON object")
-            where = a.config
-        else:
-            a.offload = a.offload or DEFAULT_OFFLOAD
-            cfg = json.loads((PRESET_DIR / f"{a.offload}.json").read_text())
-            where = f"preset {a.offload}"
-        self.config_source = where
-        if a.micro_batch is not None or a.grad_accum is not None:
-            cfg.pop("train_batch_size", None)
-        if a.micro_batch is not None or not ({"train_micro_batch_size_per_gpu", "train_batch_size"} & set(cfg)):
-            cfg["train_micro_batch_size_per_gpu"] = a.micro_batch or 8
-        if a.grad_accum is not None:
-            cfg["gradient_accumulation_steps"] = a.grad_accum
-        cfg.setdefault("optimizer", {"type": "AdamW", "params": {"lr": 1e-3}})
-        if a.lr is not None and isinstance(cfg["optimizer"], dict):
-            cfg["optimizer"].setdefault("params", {})["lr"] = a.lr
-        if a.dtype is not None:
-            # the blocks' other keys stay (loss scaling); DeepSpeed's "bfloat16" alias
-            # is the bf16 block (the config check refuses both at once)
-            bf16 = cfg.pop("bfloat16", None) if "bf16" not in cfg else cfg.get("bf16")
-            cfg["bf16"] = {**(bf16 if isinstance(bf16, dict) else {}), "enabled": a.dtype == "bf16"}
-            if a.dtype == "fp16":
-                fp16 = cfg.get("fp16")
-                cfg["fp16"] = {**(fp16 if isinstance(fp16, dict) else {}), "enabled": True}
-            else:
-                cfg.pop("fp16", None)
-        zo = cfg.get("zero_optimization", {})
-        # the config check takes the device in any case, so "NVMe" honours --nvme-path too
-        on_nvme = [k for k in ("offload_param", "offload_optimizer")
-                   if isinstance(zo.get(k), dict) and str(zo[k].get("device", "")).lower() == "nvme"]
-        if on_nvme and (a.nvme_path is not None or a.config is None):
-            nvme = str(self._nvme_dir(a))
-            for k in on_nvme:
-                zo[k]["nvme_path"] = nvme
-        return cfg
-
-    def _build_model(self, a, mcfg, cfg: dict):
-        """The model, and the true shapes of parameters already partitioned away.
-
-        With parameters on NVMe (stage 3, ``offload_param.device`` nvme) and random init, the
-        model is built inside ``zeroinf.Init``, which moves each parameter to its swap file as its
-        module is constructed, so a model larger than CPU memory can be built; the values are those
-        of a plain build with the same seed (``--compare`` checks it). Otherwise a plain build. In
-        bf16/fp16 the fp32 master weights come from the values as built, not their rounding
-        (stage 3's [Note: Init masters]).
-        """
-        from zeroinf.models import build_model
-        zo = self.zcfg.zero_optimization
-        if a.engine != "zeroinf" or a.init is not None or zo.stage != 3 or zo.offload_param.device != "nvme":
-            return build_model(mcfg, a.seed, a.init), {}
-        import zeroinf
-        from zeroinf.runtime.stage3.init import init_shapes
-        with zeroinf.Init(config=cfg):
-            model = build_model(mcfg, a.seed)
-        return model, init_shapes(model)
-
-    @staticmethod
-    def _reference_params(zcfg) -> dict:
-        """:class:`PlainEngine` keyword arguments for the same optimizer, clipping and precision."""
-        o = zcfg.optimizer
-        if not o.bias_correction:
-            raise TrainError("optimizer.params.bias_correction false: torch.optim.AdamW has no such "
-                             "option, so --engine torch / --compare cannot follow this config")
-        return dict(lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay, adamw=o.adam_w_mode,
-                    clip=zcfg.gradient_clipping, norm_type=zcfg.zeroinf.grad_norm_type,
-                    grad_accum=zcfg.gradient_accumulation_steps, dtype=zcfg.precision)
-
-    def _make_engine(self, a, cfg, model, device):
-        if a.engine == "torch":
-            return PlainEngine(model, device=device, **self._reference_params(self.zcfg))
-        try:
-            from zeroinf import initialize
-        except ImportError as exc:
-            raise TrainError(f"{self.config_source}: zeroinf.initialize is not in this build of zeroinf "
-                             f"({exc}); use --engine torch for a run without offload") from exc
-        try:
-            engine, _opt, _dl, _sched = initialize(model=model, model_parameters=model.parameters(), config=cfg)
-        except NotImplementedError as exc:
-            if self.zcfg.zero_optimization.stage != 3:
-                raise
-            raise TrainError(f"{self.config_source}: zero_optimization.stage 3 (parameters offloaded, as "
-                             f"--offload infinity does) needs the stage-3 runtime, which this build lacks "
-                             f"({_one_line(exc)}); use --offload nvme-optimizer") from exc
-        return engine
+class _Run(RunSetup):
+    """One ``zeroinf train`` run: :class:`RunSetup`'s set-up, then the loop, its checkpoints and
+    the files of ``--out`` (this class writes them all)."""
 
     # ---- the loop --------------------------------------------------------------------------
     def run(self) -> int:
@@ -792,10 +270,10 @@ class _Run:
             if rank0:
                 print(f"zeroinf train: {self.model_name} {n_params / 1e6:.2f}M params, {dtype}, {self.config_source}, "
                       f"{self.dist.world_size} rank(s) x micro-batch {micro_batch} x accum {grad_accum} x "
-                      f"seq {a.seq_len}, {_count(tokens.numel())} tokens of "
+                      f"seq {a.seq_len}, {short_count(tokens.numel())} tokens of "
                       f"{a.data or 'Python standard library'}; out {out}"
                       + (f"; resumed after step {self.start_step - 1}" if self.resume_from is not None else "")
-                      + _swap_where(self.zcfg, self.dist.world_size, self.tmp_nvme is not None),
+                      + swap_where(self.zcfg, self.dist.world_size, self.tmp_nvme is not None),
                       flush=True)
             records, interrupted = self._loop(a, engine, batches, grad_accum, device, out, ckpts)
             code = 0
@@ -840,63 +318,6 @@ class _Run:
             if out_lock is not None:
                 os.close(out_lock)
 
-    def _check_batch_fits_corpus(self, a, cfg: dict, n_tokens: int) -> None:
-        """Refuse a micro-batch whose rows over all ranks outnumber the corpus's distinct
-        ``seq_len``-token sequences (``n_tokens - seq_len`` start offsets): every row past those
-        repeats one (``train_micro_batch_size_per_gpu`` 1e11 ended in numpy's ArrayMemoryError
-        traceback, after ``--out`` was made).
-
-        Raises:
-            TrainError: naming ``--micro-batch`` or the config's key, with the most the corpus allows.
-        """
-        mbs, ws = self.zcfg.train_micro_batch_size_per_gpu, self.dist.world_size
-        windows = n_tokens - a.seq_len
-        if mbs * ws <= windows:
-            return
-        name, advice = self._batch_name(a, cfg, windows // ws)
-        raise TrainError(f"{name}: {mbs * ws:,} rows per micro-step over {ws} rank(s), but "
-                         f"{a.data or 'the standard library corpus'} has {windows:,} distinct {a.seq_len}-token "
-                         f"sequence{'' if windows == 1 else 's'} ({n_tokens:,} tokens); {advice}")
-
-    def _batch_name(self, a, cfg: dict, most: int) -> Tuple[str, str]:
-        """How the user set the micro-batch (``--micro-batch``, or the config's key) and the advice
-        to give at most ``most`` rows per rank, in the same terms."""
-        mbs, ws = self.zcfg.train_micro_batch_size_per_gpu, self.dist.world_size
-        if a.micro_batch is not None:
-            name = f"--micro-batch {mbs}"
-        elif "train_micro_batch_size_per_gpu" in cfg:
-            name = f"{self.config_source}: train_micro_batch_size_per_gpu {mbs}"
-        else:
-            return (f"{self.config_source}: train_batch_size {self.zcfg.train_batch_size} "
-                    f"(train_micro_batch_size_per_gpu {mbs})",
-                    f"give train_batch_size at most {most * ws * self.zcfg.gradient_accumulation_steps:,}")
-        return name, f"give at most {most:,} rows per rank"
-
-    def _check_batch_fits_memory(self, a, cfg: dict, vocab: int, device: str) -> None:
-        """Refuse a micro-batch whose logits alone outgrow the memory free on ``device``: fp32
-        logits of ``micro-batch x seq_len x vocab`` elements and as much again for their gradient
-        (a lower bound of what the step needs: activations come on top), so ``--micro-batch
-        10000000`` is refused here rather than by the allocator or the OOM killer after the model
-        is built.
-
-        Raises:
-            TrainError: naming ``--micro-batch`` or the config's key, the bytes, and the most rows
-                whose logits fit.
-        """
-        import psutil
-        mbs = self.zcfg.train_micro_batch_size_per_gpu
-        per_row = 2 * 4 * a.seq_len * vocab
-        if device.startswith("cuda"):
-            free, where = torch.cuda.mem_get_info(torch.device(device))[0], f"{device} has"
-        else:
-            free, where = psutil.virtual_memory().available, "this host has"
-        if mbs * per_row <= free:
-            return
-        name, advice = self._batch_name(a, cfg, free // per_row)
-        raise TrainError(f"{name}: the logits alone ({mbs:,} x {a.seq_len} tokens x vocabulary {vocab:,}, fp32, and "
-                         f"their gradient) take {mbs * per_row / 2**30:,.1f} GiB, but {where} {free / 2**30:,.1f} GiB free; "
-                         f"{advice} (activations come on top)")
-
     def _loop(self, a, engine, batches, grad_accum, device, out: Path, ckpts: CheckpointDir):
         """Steps ``start_step..a.steps``; returns ``(records of log.jsonl, interrupted)``.
 
@@ -932,12 +353,12 @@ class _Run:
         try:
             with _Stop(keep_handler=self.dist.world_size > 1) as stop:
                 for step in range(self.start_step, a.steps + 1):
-                    prof = self._profiler() if step == trace_step else contextlib.nullcontext()
+                    prof = profiler() if step == trace_step else contextlib.nullcontext()
                     with prof as p:
                         rec = self._one_step(engine, batches, step, grad_accum, device)
                     if step == trace_step and rank0:
-                        self.trace_files = ", ".join(map(str, self._write_trace(engine, p, out)))
-                    rec.update(self._tiers(engine, _engine_stats(engine), rec))
+                        self.trace_files = ", ".join(map(str, write_trace(engine, p, out)))
+                    rec.update(tiers(engine, engine_stats(engine), rec))
                     rec["tokens"] = tokens_per_step
                     rec["tokens_per_s"] = tokens_per_step / rec["step_s"]
                     records.append(rec)
@@ -997,28 +418,6 @@ class _Run:
             raise TrainError(f"--out: checkpoint of step {step} failed ({_one_line(exc)}); the previous "
                              "checkpoint is still the one --resume takes; free space there or give --save-every 0") from exc
 
-    @staticmethod
-    def _write_trace(engine, prof, out: Path) -> List[Path]:
-        """Perfetto/Chrome JSON of one step: the engine's own transfer trace with stage 3
-        (``engine.trace``) as ``trace.json``, and torch.profiler's operator trace as
-        ``trace_ops.json`` (``trace.json`` when the engine records none). Returns the files."""
-        has_engine_trace = False
-        if hasattr(engine, "trace"):
-            try:
-                engine.trace(str(out / "trace.json"))
-                has_engine_trace = True
-            except NotImplementedError:
-                pass
-        ops = out / ("trace_ops.json" if has_engine_trace else "trace.json")
-        prof.export_chrome_trace(str(ops))
-        return [out / "trace.json", ops] if has_engine_trace else [ops]
-
-    @staticmethod
-    def _profiler():
-        from torch.profiler import ProfilerActivity, profile
-        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
-        return profile(activities=acts)
-
     def _one_step(self, engine, batches, step: int, grad_accum: int, device) -> dict:
         t0 = time.perf_counter()
         losses, opt_s = [], 0.0
@@ -1040,80 +439,13 @@ class _Run:
                 "lr": float(lr[0] if isinstance(lr, (list, tuple)) else lr),
                 "grad_norm": None if norm is None else float(norm), "step_s": step_s, "optimizer_s": opt_s}
 
-    def _tiers(self, engine, stats: dict, rec: dict) -> dict:
-        """Time split and memory per tier for one step (see LOG_FIELDS).
-
-        ``stats`` is ``engine.stats()``: counters of the last optimizer step. ``io_wait_s`` is the
-        engine's time waiting on I/O (optimizer swaps, and parameter fetches with stage 3);
-        ``optimizer_s`` the optimizer step (the engine's ``optimizer_s``, else the wall time of the
-        boundary ``engine.step()``) less the I/O waits inside it; ``compute_s`` the rest of the step.
-        """
-        import psutil
-        s3 = stats.get("stage3") or {}
-        opt_total = _pick(stats, ("optimizer_s",))
-        opt_total = rec["optimizer_s"] if opt_total is None else opt_total
-        opt_wait = min(_pick(stats, ("io_wait_s",)) or 0.0, opt_total)
-        io_wait = opt_wait + (_pick(s3, ("wait_io_s",)) or 0.0)
-        optimizer_s = opt_total - opt_wait
-        module = getattr(engine, "module", None)
-        device_bytes = 0
-        if module is not None:
-            seen = set()
-            for p in module.parameters():
-                if id(p) in seen:
-                    continue
-                seen.add(id(p))
-                device_bytes += p.numel() * p.element_size()
-                if p.grad is not None:
-                    device_bytes += p.grad.numel() * p.grad.element_size()
-        pinned = _pick(stats, ("pinned_bytes",)) or 0  # the engine counts stage 3's staging pool
-        return {"compute_s": max(0.0, rec["step_s"] - optimizer_s - io_wait), "io_wait_s": io_wait,
-                "optimizer_s": optimizer_s, "device_bytes": device_bytes,
-                "pinned_cpu_bytes": int(pinned or 0), "nvme_bytes": _files_bytes(engine.swap_files() if hasattr(engine, "swap_files") else []),
-                "rss_bytes": psutil.Process().memory_info().rss, "engine": stats}
-
-    # ---- reporting -------------------------------------------------------------------------
     def _summary(self, a, records: List[dict], n_params: int, dtype: str, out: Path) -> str:
-        if not records:
-            return "zeroinf train: no step completed"
-        timed = records[1:] if len(records) > 1 else records
-        med = sorted(r["step_s"] for r in timed)[len(timed) // 2]
-        mean = lambda k: sum(r[k] for r in timed) / len(timed)  # noqa: E731
-        k, loss_first, loss_last = loss_windows([r["loss"] for r in records])
-        # the kernel's high-water mark can lag a sample taken after it (below a step's rss_bytes)
-        peak_rss = max(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, max(r["rss_bytes"] for r in records))
-        s = {
-            "model": self.model_name, "params": n_params, "dtype": dtype, "config": self.config_source, "ranks": self.dist.world_size,
-            "steps": len(records), "tokens_per_step": records[-1]["tokens"],
-            "median_step_s": med, "tokens_per_s": records[-1]["tokens"] / med,
-            "compute_s": mean("compute_s"), "io_wait_s": mean("io_wait_s"), "optimizer_s": mean("optimizer_s"),
-            "loss_window": k, "loss_first": loss_first, "loss_last": loss_last,
-            "peak_rss_bytes": peak_rss,
-            # the accelerator's high-water mark (activations and buffers included); None on a CPU run
-            "peak_device_bytes": _device_peak_bytes(),
-            "params_grads_on_device_bytes": max(r["device_bytes"] for r in records),
-            "peak_pinned_cpu_bytes": max(r["pinned_cpu_bytes"] for r in records),
-            "peak_nvme_bytes": max(r["nvme_bytes"] for r in records),
-        }
-        _write_out(out / "summary.json", json.dumps(s, indent=1) + "\n")
-        mib = 2 ** 20
-        lines = [
-            f"{'model':<26}{self.model_name}",
-            f"{'params':<26}{n_params:,} ({dtype}, {self.config_source}, {self.dist.world_size} rank(s))",
-            f"{'steps':<26}{len(records)} x {records[-1]['tokens']} tokens",
-            f"{loss_label(k, len(records)):<26}{loss_first:.4f} -> {loss_last:.4f}",
-            f"{'step time (median)':<26}{med:.3f} s   {s['tokens_per_s']:.0f} tokens/s",
-            f"{'  compute / io wait / opt':<26}{s['compute_s']:.3f} / {s['io_wait_s']:.3f} / {s['optimizer_s']:.3f} s (mean)",
-            # true peaks: the process's resident high-water mark (getrusage) and, on an accelerator, its
-            # allocator's; pinned buffers and swap files are held for the run, so their largest sample is theirs
-            f"{'peak memory (MiB)':<26}RSS {peak_rss / mib:.1f}  "
-            + ("device: none (CPU run)" if s["peak_device_bytes"] is None else f"device {s['peak_device_bytes'] / mib:.1f}")
-            + f"  pinned CPU {s['peak_pinned_cpu_bytes'] / mib:.1f}  NVMe files {s['peak_nvme_bytes'] / mib:.1f}",
-            f"{'written':<26}{out / 'log.jsonl'}" + ("" if a.no_plot else f", {out / 'loss.png'}")
-            + f", {out / 'summary.json'}" + (f", {self.trace_files}" if a.trace and self.trace_files else ""),
-        ]
-        text = "\n".join(lines)
-        _write_out(out / "summary.txt", text + "\n")
+        """Write summary.json and summary.txt (:func:`summarize`); returns the text."""
+        s, text = summarize(a, records, n_params, dtype, out, model=self.model_name, config=self.config_source,
+                            ranks=self.dist.world_size, trace_files=self.trace_files)
+        if s is not None:
+            _write_out(out / "summary.json", json.dumps(s, indent=1) + "\n")
+            _write_out(out / "summary.txt", text + "\n")
         return text
 
     @staticmethod
@@ -1122,6 +454,7 @@ class _Run:
         # through a rename, naming the file on failure (a full disk: exit 1 with the path)
         draw(records, lambda fig: _write_out(out / "loss.png", lambda tmp: fig.savefig(tmp, dpi=90, format="png")),
              title, reference)
+
 
     # ---- --compare ------------------------------------------------------------------------
     def _compare(self, a, cfg, mcfg, batches, grad_accum, out: Path) -> int:
@@ -1141,137 +474,14 @@ class _Run:
             code = int(self.dist.all_max(float(code)))
         return code
 
+
     def _compare_rank0(self, a, cfg, mcfg, batches, grad_accum, out, records, dtype) -> int:
-        from zeroinf.data import Batches
-        from zeroinf.models import build_model
-        world = self.dist.world_size
-        ref_batches = Batches(batches.tokens, batches.seq_len, batches.micro_batch, batches.seed)
-        engine = PlainEngine(build_model(mcfg, a.seed, a.init), data_parallel=False, **self._reference_params(self.zcfg))
-        from tqdm import tqdm
-        ref = []
-        t0 = time.perf_counter()
-        bar = tqdm(records, desc="--compare: replaying without offload", unit="step", dynamic_ncols=True,
-                   file=sys.stderr)
-        try:
-            for r in bar:
-                step = r["step"]
-                engine.set_lr(r["lr"])
-                losses = []
-                for micro in range(grad_accum):
-                    x = ref_batches.get(step, micro, world_size=world, rows=slice(None))
-                    loss = engine(input_ids=x, labels=x).loss
-                    engine.backward(loss)
-                    engine.step()
-                    losses.append(float(loss.detach().float()))
-                ref.append(sum(losses) / len(losses))
-        except KeyboardInterrupt:
-            bar.close()
-            print(f"zeroinf train: --compare interrupted after replaying {len(ref)} of {len(records)} steps; "
-                  f"the run's own outputs in {out} are complete", file=sys.stderr, flush=True)
+        found = replay(a, mcfg, batches, grad_accum, self.dist.world_size, records, dtype,
+                       self._reference_params(self.zcfg), out)
+        if found is None:
             return EXIT_INTERRUPTED
-        finally:
-            bar.close()
-        ref_s = (time.perf_counter() - t0) / max(1, len(records))
-        diffs = [abs(r["loss"] - x) for r, x in zip(records, ref)]
-        worst = max(range(len(diffs)), key=diffs.__getitem__)
-        tol = COMPARE_ATOL[dtype]
-        print(f"\n--compare: this run vs plain PyTorch (torch.optim.AdamW, {dtype}, no offload)")
-        print(f"{'step':>6} {'this run':>10} {'no offload':>11} {'|diff|':>10}")
-        stride = max(1, len(records) // 20)
-        for i, (r, x, d) in enumerate(zip(records, ref, diffs)):
-            if i % stride == 0 or i == len(records) - 1 or i == worst:
-                print(f"{r['step']:6d} {r['loss']:10.5f} {x:11.5f} {d:10.2e}")
-        ok = diffs[worst] <= tol
-        print(f"largest difference {diffs[worst]:.3e} at step {records[worst]['step']} "
-              f"(allowed {tol:g} for {dtype}): {'PASS' if ok else 'FAIL'}; "
-              f"reference {ref_s:.3f} s/step", flush=True)
-        _write_out(out / "compare.json", json.dumps({"dtype": dtype, "atol": tol, "max_abs_diff": diffs[worst],
-                                                     "loss": [r["loss"] for r in records], "reference": ref}))
+        ok, result, ref = found
+        _write_out(out / "compare.json", json.dumps(result))
         if not a.no_plot:
             self._plot(records, out, title="this run vs no offload", reference=ref)
         return 0 if ok else EXIT_MISMATCH
-
-
-def model_name(model: str, size: str, init: Optional[str], mcfg) -> str:
-    """How the log and summary name the model: the ``--init`` file or folder (its base name) when
-    weights come from one, else the ``--model`` config file, else the preset (``llama tiny``); with the architecture
-    (``model_type`` of ``mcfg``, a transformers config) where the name alone does not give it."""
-    kind = getattr(mcfg, "model_type", None) or model
-    if init is not None:
-        return f"{os.path.basename(os.path.normpath(init))} ({kind})"
-    if model not in ("llama", "gpt2"):
-        return f"{os.path.basename(model)} ({kind})"
-    return f"{model} {size}"
-
-
-def _device_peak_bytes() -> Optional[int]:
-    """Bytes at the accelerator allocator's high-water mark in this process (``torch.cuda.
-    max_memory_allocated``), or None when no CUDA device was used (a CPU run has no device tier)."""
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        return int(torch.cuda.max_memory_allocated())
-    return None
-
-
-def _engine_stats(engine) -> dict:
-    """``engine.stats()`` as JSON-ready numbers (one level of nested dicts, e.g. ``stage3``)."""
-    fn = getattr(engine, "stats", None)
-    if fn is None:
-        return {}
-
-    def plain(d):
-        return {k: v for k, v in dict(d).items() if isinstance(v, (int, float, str, bool)) or v is None}
-    return {k: (plain(v) if isinstance(v, dict) else v) for k, v in fn().items()
-            if isinstance(v, (int, float, str, bool, dict)) or v is None}
-
-
-def _absolute_saved_args(run_dir: str, args: dict) -> dict:
-    """``run.json``'s arguments with the path arguments absolute. Older versions stored them as
-    typed, relative to a working directory they did not record: it is recovered from the stored
-    relative ``out`` (the run's folder was ``cwd/out``), else the run is refused, since resolving
-    against today's working directory would train on whatever file has that name there.
-
-    Raises:
-        TrainError: a relative path whose working directory cannot be told.
-    """
-    relative = [k for k in _PATH_ARGS if k != "out" and isinstance(args.get(k), str) and not os.path.isabs(args[k])]
-    if not relative:
-        return dict(args)
-    here, out = Path(os.path.abspath(run_dir)), Path(args.get("out") or "")
-    base = None
-    if not out.is_absolute() and out.parts and ".." not in out.parts and here.parts[-len(out.parts):] == out.parts:
-        base = Path(*here.parts[:len(here.parts) - len(out.parts)])
-    if base is None:
-        raise TrainError(f"--resume {run_dir}: run.json stores {', '.join('--' + k.replace('_', '-') for k in relative)} "
-                         "relative to a working directory it does not record; edit run.json to give "
-                         f"absolute paths ({', '.join(repr(args[k]) for k in relative)})")
-    return {k: (os.path.normpath(base / v) if k in relative else v) for k, v in args.items()}
-
-
-def _same_arg(key: str, given, saved) -> bool:
-    """Whether a resumed run's ``--key given`` is the stored value (paths: the same file, through
-    symlinks too)."""
-    if key in _PATH_ARGS and isinstance(given, str) and isinstance(saved, str):
-        return os.path.realpath(given) == os.path.realpath(saved)
-    return given == saved
-
-
-def _count(n: int) -> str:
-    """``n`` as 32.0M, 41.5k or 812 (a small corpus is not "0.0M")."""
-    return f"{n / 1e6:.1f}M" if n >= 100_000 else f"{n / 1e3:.1f}k" if n >= 1000 else str(n)
-
-
-def _pick(d: dict, names) -> Optional[float]:
-    for n in names:
-        if n in d and isinstance(d[n], (int, float)):
-            return float(d[n])
-    return None
-
-
-def _files_bytes(paths: List[str]) -> int:
-    """Bytes allocated on disk (st_blocks * 512) by the files ``paths`` (the engine's swap files:
-    not the whole swap folders, which can hold an earlier run's files too)."""
-    total = 0
-    for path in paths:
-        with contextlib.suppress(OSError):  # not written yet
-            total += os.stat(path).st_blocks * 512
-    return total
