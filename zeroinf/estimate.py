@@ -62,17 +62,14 @@ and activations unless their flags are given (:func:`activation_bytes`).
 from __future__ import annotations
 
 import dataclasses
-import json
-import math
-import os
-import re
 from dataclasses import dataclass
-from decimal import Decimal
-from pathlib import Path
-from typing import Dict, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import Dict, List, Optional, Sequence, Tuple
 
-from zeroinf.sizes import parse_bytes as _parse_bytes
-from zeroinf.working_set import GatherLimits, working_set
+# the model's sizes and the parsers and formatters, importable from here as the memory model's API
+from zeroinf.estimate_format import (GB, GiB, format_count, format_size, format_table, parse_bytes,  # noqa: F401
+                                     parse_count)
+from zeroinf.model_sizes import (PERSISTENCE_THRESHOLD, PRESETS, ModelInfo, count_params,  # noqa: F401
+                                 load_model_config, model_info, stage3_unit_sizes, stage3_units)
 
 __all__ = [
     "GB", "GiB", "PRESETS", "PRECISIONS", "OPTIMIZERS", "PLACEMENTS", "Precision", "Placement",
@@ -80,33 +77,6 @@ __all__ = [
     "model_info", "count_params", "stage3_unit_sizes", "stage3_units", "PERSISTENCE_THRESHOLD", "activation_bytes", "estimate", "estimate_all", "swap_buffers_from_config",
     "placement_from_config", "PLAN_SWAP", "swap_for", "format_count", "format_size", "format_table",
 ]
-
-GB = 10**9
-GiB = 2**30
-
-#: Model presets: explicit Hugging Face config dicts (no download). Sizes as published by their
-#: authors (LLaMA: Touvron et al. 2023, Table 2; Llama 2: Touvron et al. 2023b; GPT-2 small).
-PRESETS: Dict[str, dict] = {
-    "llama-7b": dict(model_type="llama", vocab_size=32000, hidden_size=4096, intermediate_size=11008,
-                     num_hidden_layers=32, num_attention_heads=32, max_position_embeddings=2048,
-                     rms_norm_eps=1e-6, tie_word_embeddings=False),
-    "llama-13b": dict(model_type="llama", vocab_size=32000, hidden_size=5120, intermediate_size=13824,
-                      num_hidden_layers=40, num_attention_heads=40, max_position_embeddings=2048,
-                      rms_norm_eps=1e-6, tie_word_embeddings=False),
-    "llama-33b": dict(model_type="llama", vocab_size=32000, hidden_size=6656, intermediate_size=17920,
-                      num_hidden_layers=60, num_attention_heads=52, max_position_embeddings=2048,
-                      rms_norm_eps=1e-6, tie_word_embeddings=False),
-    "llama-65b": dict(model_type="llama", vocab_size=32000, hidden_size=8192, intermediate_size=22016,
-                      num_hidden_layers=80, num_attention_heads=64, max_position_embeddings=2048,
-                      rms_norm_eps=1e-5, tie_word_embeddings=False),
-    "llama2-7b": dict(model_type="llama", vocab_size=32000, hidden_size=4096, intermediate_size=11008,
-                      num_hidden_layers=32, num_attention_heads=32, max_position_embeddings=4096,
-                      rms_norm_eps=1e-5, tie_word_embeddings=False),
-    "llama2-70b": dict(model_type="llama", vocab_size=32000, hidden_size=8192, intermediate_size=28672,
-                       num_hidden_layers=80, num_attention_heads=64, num_key_value_heads=8,
-                       max_position_embeddings=4096, rms_norm_eps=1e-5, tie_word_embeddings=False),
-    "gpt2": dict(model_type="gpt2", vocab_size=50257, n_embd=768, n_layer=12, n_head=12, n_positions=1024),
-}
 
 
 @dataclass(frozen=True)
@@ -317,227 +287,6 @@ class Estimate:
 
 
 # ---------------------------------------------------------------------------------------------
-# Parsing of sizes and counts
-
-_SUFFIX_COUNT = {"": 1, "k": 10**3, "m": 10**6, "b": 10**9, "g": 10**9, "t": 10**12}
-
-
-def parse_count(text: Union[str, int, float]) -> int:
-    """A parameter count from ``7e9``, ``7B``, ``6.7b``, ``350M``, ``1.2T`` or an int.
-
-    Suffixes are decimal: K = 1e3, M = 1e6, B (or G) = 1e9, T = 1e12. The number is read exactly
-    (as a decimal, so ``1.1B`` is 1,100,000,000) and must be whole: a fraction of a parameter means
-    nothing (``1.5`` was rounded to 2).
-
-    Raises:
-        ValueError: not a positive whole number with an optional suffix.
-    """
-    if isinstance(text, (int, float)) and not isinstance(text, bool):
-        if not math.isfinite(text):
-            raise ValueError(f"parameter count {text!r}: must be at least 1")
-        value = Decimal(text)
-    else:
-        m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([kKmMbBgGtT]?)\s*", str(text))
-        if not m:
-            raise ValueError(f"parameter count {text!r}: expected a number such as 7e9, 7B or 350M")
-        value = Decimal(m.group(1)) * _SUFFIX_COUNT[m.group(2).lower()]
-    if value < 1:
-        raise ValueError(f"parameter count {text!r}: must be at least 1")
-    if value != value.to_integral_value():
-        raise ValueError(f"parameter count {text!r}: {value.normalize():f} is not a whole number of parameters")
-    return int(value)
-
-
-def parse_bytes(text: Union[str, int]) -> int:
-    """Bytes from ``80GB`` or ``80G`` (decimal, 1e9), ``80GiB`` (binary, 2**30), ``1TB``,
-    ``512MiB`` or a plain number of bytes: :func:`zeroinf.sizes.parse_bytes`, the parser of every
-    tool.
-
-    Raises:
-        ValueError: not a non-negative number with one of those units.
-    """
-    return _parse_bytes(text)
-
-
-# ---------------------------------------------------------------------------------------------
-# Models
-
-
-@dataclass(frozen=True)
-class ModelInfo:
-    """What the estimates need to know about a model.
-
-    Attributes:
-        name: preset name, config path, or ``"P=<count>"``.
-        params: P, unique parameters (tied weights once, embeddings included).
-        largest_unit: elements of the largest stage-3 unit (see :func:`stage3_units`); an
-            ``offload_param.buffer_size`` must hold its partition. None when unknown.
-        live_params: parameters a stage-3 rank holds gathered at once, its working set (see
-            :func:`stage3_units`); None when unknown.
-        live_formula: how ``live_params`` was computed, with its numbers; None when unknown.
-        unit_sizes: elements of each stage-3 unit that has parameters (persistent, root, then the
-            blocks, as :func:`stage3_unit_sizes` groups them); the engine cuts the optimizer's
-            sub-groups per unit, so they size its NVMe swap buffers. None when unknown.
-        hidden, layers, heads, vocab: shape, for activation memory; None when unknown.
-    """
-
-    name: str
-    params: int
-    largest_unit: Optional[int] = None
-    live_params: Optional[int] = None
-    live_formula: Optional[str] = None
-    unit_sizes: Optional[Tuple[int, ...]] = None
-    hidden: Optional[int] = None
-    layers: Optional[int] = None
-    heads: Optional[int] = None
-    vocab: Optional[int] = None
-
-
-def load_model_config(model: Union[str, os.PathLike, Mapping]) -> dict:
-    """A Hugging Face config dict from a preset name, a config.json path (or its folder), or a dict.
-
-    Raises:
-        ValueError: unknown preset name, unreadable or invalid JSON, or no ``model_type`` key.
-    """
-    if isinstance(model, Mapping):
-        cfg = dict(model)
-        where = "config dict"
-    elif str(model) in PRESETS:
-        return dict(PRESETS[str(model)])
-    else:
-        path = Path(model)
-        if path.is_dir():
-            path = path / "config.json"
-        if not path.is_file():
-            raise ValueError(f"model {str(model)!r}: neither a preset ({', '.join(sorted(PRESETS))}) "
-                             f"nor an existing config.json")
-        try:
-            cfg = json.loads(path.read_text())
-        except (OSError, ValueError) as exc:
-            raise ValueError(f"model config {str(path)!r}: cannot read JSON: {exc}") from exc
-        where = str(path)
-    if not isinstance(cfg, dict) or "model_type" not in cfg:
-        raise ValueError(f"model config {where}: no 'model_type' key (a Hugging Face config.json has one)")
-    return cfg
-
-
-def _build_meta(cfg: dict):
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    rest = {k: v for k, v in cfg.items() if k != "model_type"}
-    try:
-        hf_config = AutoConfig.for_model(cfg["model_type"], **rest)
-    except (ValueError, KeyError) as exc:
-        raise ValueError(f"model config: model_type {cfg['model_type']!r} is not known to transformers: {exc}") from exc
-    try:
-        with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(hf_config)
-    except ValueError as exc:  # e.g. an encoder-only model_type with no causal-LM class
-        raise ValueError(f"model config: transformers cannot build a causal LM for model_type "
-                         f"{cfg['model_type']!r}: {exc}") from exc
-    return hf_config, model
-
-
-#: ``zero_optimization.stage3_param_persistence_threshold`` default: smaller parameters stay gathered.
-PERSISTENCE_THRESHOLD = 100_000
-
-
-def stage3_unit_sizes(model, persistence_threshold: int = PERSISTENCE_THRESHOLD
-                      ) -> Optional[Tuple[int, int, Tuple[int, ...]]]:
-    """``(persistent, root, blocks)``: elements of each stage-3 unit, as
-    ``zeroinf.runtime.stage3.units.build_units`` groups them (``blocks`` in module order).
-
-    Units: one per outermost transformer block (classes of the model's ``_no_split_modules``); the
-    root unit holds every parameter outside the blocks (or shared by two), gathered for the whole
-    forward and backward; the persistent unit holds every parameter with fewer than
-    ``persistence_threshold`` elements, gathered once and kept. Returns None when the model names
-    no block classes.
-    """
-    classes = set(getattr(model, "_no_split_modules", None) or ())
-    if not classes:
-        return None
-    blocks, taken = [], []
-    for name, m in model.named_modules():
-        if m is model or type(m).__name__ not in classes or any(name.startswith(t + ".") for t in taken):
-            continue
-        taken.append(name)
-        blocks.append(m)
-    owner: Dict[int, List[int]] = {}
-    for i, b in enumerate(blocks):
-        for p in b.parameters():
-            owner.setdefault(id(p), []).append(i)
-    persistent = root = 0
-    sizes = [0] * len(blocks)
-    for p in model.parameters():
-        n = p.numel()
-        if n < persistence_threshold:
-            persistent += n
-        elif len(owner.get(id(p), ())) == 1:
-            sizes[owner[id(p)][0]] += n
-        else:
-            root += n
-    return persistent, root, tuple(sizes)
-
-
-def stage3_units(model, persistence_threshold: int = PERSISTENCE_THRESHOLD,
-                 limits: GatherLimits = GatherLimits()) -> Optional[Tuple[int, int]]:
-    """``(largest unit, live parameters)`` in elements, from :func:`stage3_unit_sizes`: the live
-    parameters are the working set under ``limits`` (:func:`zeroinf.working_set.working_set`), at
-    least ``persistent + root + the largest block``. Returns None when the model names no block
-    classes.
-    """
-    units = stage3_unit_sizes(model, persistence_threshold)
-    return None if units is None else _largest_and_live(*units, limits)[:2]
-
-
-def _largest_and_live(persistent: int, root: int, blocks: Tuple[int, ...],
-                      limits: GatherLimits) -> Tuple[int, int, str]:
-    live, formula = working_set(persistent, root, blocks, limits)
-    return max(persistent, root, max(blocks, default=0)), live, formula
-
-
-def model_info(model: Union[str, os.PathLike, Mapping], *,
-               persistence_threshold: int = PERSISTENCE_THRESHOLD, limits: GatherLimits = GatherLimits()) -> ModelInfo:
-    """Count a model's parameters by building it on the meta device (no memory, no download).
-
-    Args:
-        model: a preset name (:data:`PRESETS`), a Hugging Face config.json path or folder, or a dict.
-
-    Returns:
-        :class:`ModelInfo` with P = unique parameters of ``AutoModelForCausalLM.from_config`` (tied
-        input/output embeddings counted once) and the stage-3 unit sizes and working set of
-        :func:`stage3_units` under ``limits``.
-
-    Raises:
-        ValueError: see :func:`load_model_config`, or a config transformers cannot build.
-    """
-    cfg = load_model_config(model)
-    hf_config, built = _build_meta(cfg)
-    params = sum(p.numel() for p in built.parameters())  # parameters() yields a tied tensor once
-    name = str(model) if not isinstance(model, Mapping) else cfg["model_type"]
-
-    def attr(key):
-        try:
-            value = getattr(hf_config, key)
-        except AttributeError:
-            return None
-        return value if isinstance(value, int) else None
-
-    units = stage3_unit_sizes(built, persistence_threshold)
-    largest, live, formula = _largest_and_live(*units, limits) if units else (None, None, None)
-    return ModelInfo(name=name, params=params, largest_unit=largest, live_params=live, live_formula=formula,
-                     unit_sizes=tuple(n for n in (units[0], units[1], *units[2]) if n) if units else None,
-                     hidden=attr("hidden_size"), layers=attr("num_hidden_layers"),
-                     heads=attr("num_attention_heads"), vocab=attr("vocab_size"))
-
-
-def count_params(model: Union[str, os.PathLike, Mapping]) -> int:
-    """Unique parameters of a model built on the meta device; see :func:`model_info`."""
-    return model_info(model).params
-
-
-# ---------------------------------------------------------------------------------------------
 # Formulas
 
 
@@ -578,11 +327,6 @@ def activation_bytes(seq_len: int, micro_batch: int, hidden: int, layers: int, h
     if checkpointing == "full":
         return 2 * layers * sbh + one_layer
     raise ValueError(f"activation memory: checkpointing {checkpointing!r} is not one of none, selective, full")
-
-
-def format_count(n: int) -> str:
-    """``n`` with thousands separators (``7,000,000,000``)."""
-    return f"{n:,}"
 
 
 def estimate(params: int, placement: Placement, *, world_size: int = 1, gpus_per_node: Optional[int] = None,
@@ -756,37 +500,3 @@ def swap_buffers_from_config(cfg) -> SwapBuffers:
                        optimizer_pipeline_write=z.offload_optimizer.pipeline_write,
                        sub_group_size=z.sub_group_size)
 
-
-# ---------------------------------------------------------------------------------------------
-# Tables
-
-
-def format_size(nbytes: int, unit: str = "GB") -> str:
-    """``nbytes`` in ``unit`` (``"GB"`` = 1e9 or ``"GiB"`` = 2**30 bytes), without the unit: two
-    decimals from 1 up, three significant digits below (so small models do not print 0.00)."""
-    v = nbytes / (GB if unit == "GB" else GiB)
-    return f"{v:,.2f}" if v >= 1 or v == 0 else f"{v:.3g}"
-
-
-_PINNED_TAGS = {"always": " [pinned]", "cuda": " [pinned with CUDA]", "never": ""}
-
-
-def format_table(rows: Sequence[Estimate], unit: str = "GB", terms: bool = False) -> str:
-    """The human-readable table of ``zeroinf estimate``; sizes in ``unit`` (``"GB"`` or ``"GiB"``).
-    With ``terms``, every term (tagged when pinned) and each row's pinned bytes per rank with and
-    without CUDA."""
-    head = ("stage", "offload_param", "offload_optimizer", "per device", "per host", "NVMe")
-    lines = [f"{head[0]:>5}  {head[1]:<13}  {head[2]:<17}  {head[3]:>12}  {head[4]:>12}  {head[5]:>12}"]
-    for e in rows:
-        p = e.placement
-        lines.append(f"{p.stage:>5}  {p.offload_param:<13}  {p.offload_optimizer:<17}  "
-                     f"{format_size(e.per_device_bytes, unit):>12}  {format_size(e.per_host_bytes, unit):>12}  "
-                     f"{format_size(e.nvme_bytes, unit):>12}")
-        if terms:
-            for t in e.terms:
-                lines.append(f"{'':>7}{t.tier:<6} {format_size(t.bytes, unit):>12} {unit}/rank  "
-                             f"{t.name}{_PINNED_TAGS[t.pinned]}: {t.formula}")
-            lines.append(f"{'':>7}pinned {format_size(e.pinned_bytes(cuda=True), unit):>12} {unit}/rank  on a CUDA "
-                         f"host; {format_size(e.pinned_bytes(cuda=False), unit)} without CUDA (torch pins only "
-                         f"with CUDA; the swap pools are locked on any host)")
-    return "\n".join(lines)
