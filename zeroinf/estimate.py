@@ -66,8 +66,7 @@ from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
 # the model's sizes and the parsers and formatters, importable from here as the memory model's API
-from zeroinf.estimate_format import (GB, GiB, format_count, format_size, format_table, parse_bytes,  # noqa: F401
-                                     parse_count)
+from zeroinf.estimate_format import GB, GiB, format_count, format_size, parse_bytes, parse_count  # noqa: F401
 from zeroinf.model_sizes import (PERSISTENCE_THRESHOLD, PRESETS, ModelInfo, count_params,  # noqa: F401
                                  load_model_config, model_info, stage3_unit_sizes, stage3_units)
 
@@ -499,4 +498,32 @@ def swap_buffers_from_config(cfg) -> SwapBuffers:
                        optimizer_pipeline_read=z.offload_optimizer.pipeline_read,
                        optimizer_pipeline_write=z.offload_optimizer.pipeline_write,
                        sub_group_size=z.sub_group_size)
+
+
+# ---------------------------------------------------------------------------------------------
+# Tables
+
+
+_PINNED_TAGS = {"always": " [pinned]", "cuda": " [pinned with CUDA]", "never": ""}
+
+
+def format_table(rows: Sequence[Estimate], unit: str = "GB", terms: bool = False) -> str:
+    """The human-readable table of ``zeroinf estimate``; sizes in ``unit`` (``"GB"`` or ``"GiB"``).
+    With ``terms``, every term (tagged when pinned) and each row's pinned bytes per rank with and
+    without CUDA."""
+    head = ("stage", "offload_param", "offload_optimizer", "per device", "per host", "NVMe")
+    lines = [f"{head[0]:>5}  {head[1]:<13}  {head[2]:<17}  {head[3]:>12}  {head[4]:>12}  {head[5]:>12}"]
+    for e in rows:
+        p = e.placement
+        lines.append(f"{p.stage:>5}  {p.offload_param:<13}  {p.offload_optimizer:<17}  "
+                     f"{format_size(e.per_device_bytes, unit):>12}  {format_size(e.per_host_bytes, unit):>12}  "
+                     f"{format_size(e.nvme_bytes, unit):>12}")
+        if terms:
+            for t in e.terms:
+                lines.append(f"{'':>7}{t.tier:<6} {format_size(t.bytes, unit):>12} {unit}/rank  "
+                             f"{t.name}{_PINNED_TAGS[t.pinned]}: {t.formula}")
+            lines.append(f"{'':>7}pinned {format_size(e.pinned_bytes(cuda=True), unit):>12} {unit}/rank  on a CUDA "
+                         f"host; {format_size(e.pinned_bytes(cuda=False), unit)} without CUDA (torch pins only "
+                         f"with CUDA; the swap pools are locked on any host)")
+    return "\n".join(lines)
 

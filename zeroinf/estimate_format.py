@@ -1,19 +1,15 @@
 """Numbers in and out of the memory model: parameter counts and byte sizes parsed from the command
-line, sizes and the table of :func:`zeroinf.estimate.estimate` rows formatted (decimal GB, 10**9
-bytes, or binary GiB, 2**30)."""
+line, and counts and sizes formatted (decimal GB, 10**9 bytes, or binary GiB, 2**30)."""
 from __future__ import annotations
 
 import math
 import re
 from decimal import Decimal
-from typing import TYPE_CHECKING, Sequence, Union
+from typing import Union
 
 from zeroinf.sizes import parse_bytes as _parse_bytes
 
-if TYPE_CHECKING:
-    from zeroinf.estimate import Estimate
-
-__all__ = ["GB", "GiB", "parse_count", "parse_bytes", "format_count", "format_size", "format_table"]
+__all__ = ["GB", "GiB", "parse_count", "parse_bytes", "format_count", "format_size"]
 
 GB = 10**9
 GiB = 2**30
@@ -68,28 +64,3 @@ def format_size(nbytes: int, unit: str = "GB") -> str:
     decimals from 1 up, three significant digits below (so small models do not print 0.00)."""
     v = nbytes / (GB if unit == "GB" else GiB)
     return f"{v:,.2f}" if v >= 1 or v == 0 else f"{v:.3g}"
-
-
-_PINNED_TAGS = {"always": " [pinned]", "cuda": " [pinned with CUDA]", "never": ""}
-
-
-def format_table(rows: Sequence[Estimate], unit: str = "GB", terms: bool = False) -> str:
-    """The human-readable table of ``zeroinf estimate``; sizes in ``unit`` (``"GB"`` or ``"GiB"``).
-    With ``terms``, every term (tagged when pinned) and each row's pinned bytes per rank with and
-    without CUDA."""
-    head = ("stage", "offload_param", "offload_optimizer", "per device", "per host", "NVMe")
-    lines = [f"{head[0]:>5}  {head[1]:<13}  {head[2]:<17}  {head[3]:>12}  {head[4]:>12}  {head[5]:>12}"]
-    for e in rows:
-        p = e.placement
-        lines.append(f"{p.stage:>5}  {p.offload_param:<13}  {p.offload_optimizer:<17}  "
-                     f"{format_size(e.per_device_bytes, unit):>12}  {format_size(e.per_host_bytes, unit):>12}  "
-                     f"{format_size(e.nvme_bytes, unit):>12}")
-        if terms:
-            for t in e.terms:
-                lines.append(f"{'':>7}{t.tier:<6} {format_size(t.bytes, unit):>12} {unit}/rank  "
-                             f"{t.name}{_PINNED_TAGS[t.pinned]}: {t.formula}")
-            lines.append(f"{'':>7}pinned {format_size(e.pinned_bytes(cuda=True), unit):>12} {unit}/rank  on a CUDA "
-                         f"host; {format_size(e.pinned_bytes(cuda=False), unit)} without CUDA (torch pins only "
-                         f"with CUDA; the swap pools are locked on any host)")
-    return "\n".join(lines)
-
