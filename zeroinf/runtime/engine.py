@@ -193,27 +193,6 @@ def _bytes_gb(n: int) -> str:
     return f"{n} bytes ({n / 1e9:.3g} GB)"
 
 
-def _loaded_values_hook(engine_ref, sixteen):
-    """A load pre-hook (``Module.register_load_state_dict_pre_hook``) for a module owning bf16/fp16
-    parameters at stages 0-2: note the fp32 (or fp64) value ``load_state_dict`` copies into each
-    (same shape, not on the meta device) for :meth:`ZeroEngine._adopt_changed_weights`, which
-    gives it to the masters at the next step or checkpoint save. A copy is held until then (4
-    bytes per element on the CPU): a reference took the source's later changes (a live fp32
-    model's weights, trained on after the load). A parameter changed again after
-    the load is compared element by element, so a value the load did not copy, or a later
-    change, is never taken for it."""
-    def note(module, state_dict, prefix, *_args):
-        engine = engine_ref()
-        if engine is None:
-            return
-        for name, p in module._parameters.items():
-            v = state_dict.get(prefix + name)
-            if (p in sixteen and isinstance(v, torch.Tensor) and v.dtype in (torch.float32, torch.float64)
-                    and v.shape == p.shape and not v.is_meta):
-                engine._loaded_fp32[p] = v.detach().to("cpu", torch.float32, copy=True)
-    return note
-
-
 
 _STEP_REFUSED = "the zeroinf optimizer steps inside engine.step(); call engine.step() instead"
 _STATE_REFUSED = ("the optimizer state (fp32 master weights, Adam moments, step counts) lives in the zeroinf "
@@ -395,14 +374,15 @@ class ZeroEngine:
                                            reduce_bucket_size=zc.reduce_bucket_size,
                                            allgather_bucket_size=zc.allgather_bucket_size,
                                            reduce_scatter=zc.reduce_scatter, rank=rank, world_size=world_size)
+            if off.device == "nvme":  # stage 3 counted the optimizer's files with its own, above
+                self._check_disk([("zero_optimization.offload_optimizer.nvme_path", off.nvme_path,
+                                   os.path.join(off.nvme_path, "zeroinf_optimizer", f"rank{rank}"),
+                                   12 * sum(s.numel for s in self.params.sub_group_specs()),
+                                   "optimizer state (12 bytes per element)")])
         specs = self.params.sub_group_specs()
         # [Note: master in the partitions] (stage3/engine_glue.py): fp32 stage 3 with the optimizer
         # state on NVMe keeps no second fp32 copy of the parameters
-        master_io = self.params.master_io() if zc.stage == 3 else None
-        if zc.stage != 3 and off.device == "nvme":
-            self._check_disk([("zero_optimization.offload_optimizer.nvme_path", off.nvme_path,
-                               os.path.join(off.nvme_path, "zeroinf_optimizer", f"rank{rank}"),
-                               12 * sum(s.numel for s in specs), "optimizer state (12 bytes per element)")])
+        master_io = self.params.master_io()
         self._check_machine(specs, 8 if master_io is not None else 12)
         swap_dir = None
         if off.device == "nvme":
@@ -422,7 +402,7 @@ class ZeroEngine:
         if not cfg.zeroinf.optimizer_in_backward:
             self.sub_optimizer.on_torn = lambda exc: self.state_guard.failed(exc, during="an optimizer step")
         # fp32 parameters in CPU memory with CPU-resident state: the parameter is the master weight
-        alias = dtype == torch.float32 and off.device != "nvme" and zc.stage != 3
+        alias = dtype == torch.float32 and off.device != "nvme" and self.params.params_may_be_masters
         for i in range(len(specs)):
             target = self.params.param_target(i) if alias else None
             if target is not None and (target.device.type != "cpu" or not target.is_contiguous()
@@ -430,25 +410,16 @@ class ZeroEngine:
                 target = None
             values = None if master_io is not None else self.params.master_init(i, fp32_copies)  # None: the partition
             self.sub_optimizer.init_master(i, values, storage=target)
-        if hasattr(self.params, "track_grad_norm"):  # stage 3, gradients on NVMe: no re-read for the norm
-            self.params.track_grad_norm(cfg.zeroinf.grad_norm_type)
+        self.params.track_grad_norm(cfg.zeroinf.grad_norm_type)  # stage 3: no re-read of NVMe gradients
         # [Note: overlapped step] (stage3/overlap.py): the step runs behind the next forward
-        self._overlap = zc.stage == 3 and cfg.zeroinf.overlap_step and hasattr(self.params, "start_step")
+        self._overlap = cfg.zeroinf.overlap_step and self.params.overlaps_step
         # [Note: optimizer in backward] (stage3/in_backward.py): the config allows it with stage 3 only
         self._in_bwd = cfg.zeroinf.optimizer_in_backward
         self._bwd_pending = False  # a backward started the update; engine.step() closes it
-        if hasattr(self.params, "attach_optimizer"):  # stage 3: masters follow gathered_parameters writes
-            self.params.attach_optimizer(self.sub_optimizer)
-        # [Note: weights changed between steps] stages 0-2 (fp32 with its masters in CPU memory
-        # aliases them: a change lands in the master itself, and the comparison finds nothing)
-        self._versions = [[p._version for p in g.params] for g in self.params.groups] if zc.stage != 3 else None
-        # each parameter's shape and strides as a view of its flat buffer (contiguous), taken now
-        self._shapes = [[p.shape for p in g.params] for g in self.params.groups] if zc.stage != 3 else None
-        self._strides = [[p.stride() for p in g.params] for g in self.params.groups] if zc.stage != 3 else None
-        self._homes = self._home_list() if zc.stage != 3 else []  # _adopt_replaced_data
-        # fp32 values a load_state_dict gave 16-bit parameters, for their masters (_loaded_values_hook)
-        self._loaded_fp32: Dict[torch.nn.Parameter, torch.Tensor] = {}
+        self.params.attach_optimizer(self.sub_optimizer)  # stage 3: masters follow gathered_parameters writes
         self._names = {p: n for n, p, _f in self._requires_grad}  # for errors that name a parameter
+        # [Note: weights changed between steps] (weight_changes.py): stages 0-2 note them from here on
+        weight_hooks = self.params.watch_weights(model, self._names)
         del fp32_copies
 
         if lr_scheduler is None and cfg.scheduler is not None:
@@ -472,14 +443,9 @@ class ZeroEngine:
                                  _m.register_module_parameter_registration_hook(_on_parameter_registered)])
         self._guard_hooks = [model.register_forward_pre_hook(self.state_guard.forward_pre_hook, prepend=True),
                              model.register_state_dict_pre_hook(self.state_guard.state_dict_pre_hook)]
-        if self._versions is not None:  # stages 0-2: a 16-bit parameter's master takes a loaded fp32 value
-            sixteen = {p for g in self.params.groups for p in g.params if p.dtype in (torch.bfloat16, torch.float16)}
-            note = _loaded_values_hook(weakref.ref(self), sixteen)
-            self._guard_hooks += [m.register_load_state_dict_pre_hook(note) for m in model.modules()
-                                  if any(p in sixteen for p in m._parameters.values() if p is not None)]
+        self._guard_hooks += weight_hooks  # stages 0-2: a 16-bit parameter's master takes a loaded fp32 value
         _GUARD_HOOKS[model] = self._guard_hooks
-        if getattr(self.params, "manager", None) is not None:
-            self.params.manager.state_guard = self.state_guard
+        self.params.set_state_guard(self.state_guard)
 
     # ------------------------------------------------------------------------------------------
     # checks at start-up: fail now, not mid-step
@@ -624,9 +590,7 @@ class ZeroEngine:
         except Exception:
             raise  # the forward hooks ran (always_call)
         except BaseException:  # KeyboardInterrupt, SystemExit: torch skips always_call hooks
-            manager = getattr(self.params, "manager", None)
-            if manager is not None:
-                manager.abort_iteration(keep_changes=True)  # [Note: interrupted forward]
+            self.params.abort_iteration(keep_changes=True)  # [Note: interrupted forward]
             raise
 
     def _check_no_held_units(self, what: str = "engine.step()") -> None:
@@ -636,10 +600,8 @@ class ZeroEngine:
         copy, which the block's exit then wrote back over the update (``modifier_rank``) or the
         forwards left in the block computed with (a whole unit's
         step lost)."""
-        manager = getattr(self.params, "manager", None)
-        held = [u for u in getattr(manager, "units", ()) if u.user_holds]
-        if held:
-            names = [s.name for u in held for g in u.groups for s in g.slots]
+        names = self.params.held_parameter_names()
+        if names:
             raise RuntimeError(
                 f"zeroinf stage 3: {what} inside `with zeroinf.gathered_parameters(...)`, which holds "
                 f"{', '.join(repr(n) for n in names[:5])}{', ...' if len(names) > 5 else ''} gathered: the step would "
@@ -651,9 +613,7 @@ class ZeroEngine:
         the backward that a forward gave data which cannot go into their partitions
         (``p.data = t`` of another shape, dtype or device; :meth:`Stage3ParameterManager.check_dropped_data`,
         which raises for released units at the end of the forward itself)."""
-        manager = getattr(self.params, "manager", None)
-        if manager is not None:
-            manager.check_dropped_data()
+        self.params.check_dropped_data()
 
     def train(self, mode: bool = True) -> "ZeroEngine":
         self.module.train(mode)
@@ -734,7 +694,7 @@ class ZeroEngine:
                 backward (DeepSpeed refuses ``no_sync`` at stages 2 and 3), or entered again
                 inside itself.
         """
-        if self.zero_optimization_stage() == 3:
+        if self.params.reduces_during_backward:
             raise RuntimeError("engine.no_sync(): ZeRO stage 3 reduces each unit's gradients during the backward and "
                                "frees the full gradient; accumulate with gradient_accumulation_steps instead")
         if self._in_no_sync:
@@ -785,9 +745,7 @@ class ZeroEngine:
         try:
             if self._in_bwd:
                 self._start_backward_step()
-            manager = getattr(self.params, "manager", None)
-            if manager is not None:
-                manager.forget_raised_pass()
+            self.params.forget_raised_pass()
             scaled = loss.float()
             if self.gas > 1 and scale_wrt_gas:
                 scaled = scaled / self.gas
@@ -827,8 +785,7 @@ class ZeroEngine:
         whose ``.grad`` sums the window's backwards)."""
         if self._closed:  # close() ran meanwhile (a signal handler): nothing is left to drop
             return
-        manager = getattr(self.params, "manager", None)
-        if manager is None and not self._unreduced:
+        if not self.params.reduces_during_backward and not self._unreduced:
             for _n, p, flag in self._requires_grad:
                 if flag:
                     p.grad = None
@@ -837,8 +794,7 @@ class ZeroEngine:
             return
         n = self._window_backwards
         self.synchronize()
-        if manager is not None:
-            manager.abort_iteration()  # the failed backward's unreduced flat gradients and gathered units go too
+        self.params.abort_iteration()  # the failed backward's unreduced flat gradients and gathered units go too
         self._forget_gradients()
         warnings.warn(f"zeroinf: engine.backward raised part-way ({type(exc).__name__}); the gradients of this "
                       f"accumulation window ({n} backward(s)) were dropped, since the ones it had reduced cannot be "
@@ -922,8 +878,7 @@ class ZeroEngine:
         Raises:
             RuntimeError: naming a parameter, or the stage-3 reduction.
         """
-        manager = getattr(self.params, "manager", None)
-        reduced = manager is not None and manager.reduced_since_check
+        reduced = self.params.reduced_since_check()
         if self._backwards:
             return
         stray = next((n for n, p, flag in self._requires_grad if flag and p.grad is not None), None)
@@ -968,7 +923,7 @@ class ZeroEngine:
         sched_error = None
         if self.is_gradient_accumulation_boundary():
             self._check_no_held_units()
-            self._adopt_replaced_data()
+            self.params.adopt_replaced_data()  # [Note: weights changed between steps]
             if self._unreduced:  # no_sync() kept them to the end of the window
                 self._reduce()
             try:
@@ -1016,8 +971,7 @@ class ZeroEngine:
         is not refused)."""
         self.micro_steps += 1
         self._backwards = 0
-        if getattr(self.params, "manager", None) is not None:
-            self.params.manager.reduced_since_check = False
+        self.params.clear_reduced_since_check()
 
     def _forget_gradients(self) -> None:
         """Drop every gradient not yet stepped: the accumulation buffers, ``.grad`` that
@@ -1030,8 +984,7 @@ class ZeroEngine:
         self.params.zero_grad_acc()
         self._unreduced = False
         self._backwards = self._window_backwards = 0
-        if getattr(self.params, "manager", None) is not None:
-            self.params.manager.reduced_since_check = False
+        self.params.clear_reduced_since_check()
 
     def _log_step(self) -> None:
         """Every ``steps_per_print`` optimizer steps, rank 0 reports the step count, skipped
@@ -1060,7 +1013,7 @@ class ZeroEngine:
             value, partitioned = local, True
         if self.world_size > 1 and partitioned:
             # on the compute device: NCCL reduces only CUDA tensors (gloo takes either)
-            t = torch.tensor([value], dtype=torch.float64, device=getattr(self.params, "device", "cpu"))
+            t = torch.tensor([value], dtype=torch.float64, device=self.params.device)
             dist.all_reduce(t, op=dist.ReduceOp.MAX if norm_type == math.inf else dist.ReduceOp.SUM)
             value = float(t[0])
         norm = value if norm_type == math.inf else value ** (1.0 / norm_type)
@@ -1129,15 +1082,14 @@ class ZeroEngine:
             if float(coef) < 1.0:
                 grad_scale = grad_scale / float(coef)
         self.optimizer_steps += 1
-        if self._versions is not None:
-            self._adopt_changed_weights()
+        self.params.adopt_changed_weights(self.sub_optimizer)  # [Note: weights changed between steps]
         # a snapshot: the LR schedule below moves on while a background step still reads it
         hyper = [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
         s = self._step_stats
         if self._overlap:
             self.params.start_step(self.sub_optimizer, step=self.optimizer_steps, hyper=hyper, grad_scale=grad_scale)
             self._step_running = True
-            s["io_wait_s"] += self.params.manager.step_gate.take_wait_s()  # forward waits on the last update
+            s["io_wait_s"] += self.params.take_step_wait_s()  # forward waits on the last update
         else:
             self.sub_optimizer.step(step=self.optimizer_steps, hyper=hyper, grad=self.params.grad,
                                     out=self.params.param_target, grad_scale=grad_scale)
@@ -1152,127 +1104,11 @@ class ZeroEngine:
             s["nvme_write_bytes"] += st.bytes_written
         s["optimizer_s"] += time.perf_counter() - t0
 
-    def _adopt_replaced_data(self) -> None:
-        """[Note: weights changed between steps] ``p.data = t`` (and ``model.half()`` then
-        ``model.float()``, which do that) leaves a stage 0-2 parameter outside its flat buffer:
-        the step wrote the updates into the old storage and the parameter never trained again,
-        silently. A replacement of the same shape, dtype and device is copied into
-        the flat buffer, the parameter views the buffer again, and the next step takes its values
-        into the masters ([Note: weights changed between steps]).
-
-        A re-view of the parameter's own data (``p.data = p.data.t()``: the same address, other
-        strides) is adopted the same way.
-
-        Raises:
-            RuntimeError: a replacement of another shape, dtype or device (``model.half()`` not
-                undone), or one that views another parameter's data (torch would keep the two
-                tied), naming the parameter; nothing was changed.
-        """
-        # one pointer comparison per parameter, at the accumulation boundary (slicing the flat
-        # buffer per parameter at every micro-step costs 1.4 us per parameter)
-        # (strides too: p.data = p.data.t() keeps the address)
-        moved = [(gi, j, p) for gi, j, p, home, st in self._homes if p.data_ptr() != home or p.stride() != st]
-        if moved:  # the flat buffers themselves may have moved (model.share_memory())
-            self._homes = self._home_list()
-            moved = [(gi, j, p) for gi, j, p, home, st in self._homes if p.data_ptr() != home or p.stride() != st]
-        if not moved:
-            return
-        flats = {g.flat.untyped_storage().data_ptr() for g in self.params.groups}
-        for k, (gi, j, p) in enumerate(moved):
-            g = self.params.groups[gi]
-            off = g.offsets[j]
-            view = g.flat[off:off + p.numel()]
-            name = self._names.get(p, "?")
-            if p.shape != self._shapes[gi][j] or p.dtype != view.dtype or p.device != view.device:
-                raise RuntimeError(
-                    f"zeroinf: parameter '{name}' was given data of shape {tuple(p.shape)}, "
-                    f"{p.dtype} on {p.device} after zeroinf.initialize (p.data = t, model.half(), model.to(...)); "
-                    f"the engine trains it as {tuple(self._shapes[gi][j])}, {view.dtype} on {view.device}. Undo "
-                    "the change (model.float(), model.to(device)) and call it again, or build the "
-                    "model as wanted before zeroinf.initialize")
-            own = view.data_ptr() <= p.data_ptr() < view.data_ptr() + view.numel() * view.element_size()
-            if p.untyped_storage().data_ptr() in flats and not own:  # torch would keep the two tied; the engine cannot
-                raise RuntimeError(
-                    f"zeroinf: parameter '{name}' was given data that views another trainable parameter's "
-                    "(p.data = other.data[...]) after zeroinf.initialize; the engine keeps every parameter in its "
-                    "own place and would untie them silently. Tie parameters before "
-                    "zeroinf.initialize, by module attribute (head.weight = emb.weight)")
-            moved[k] = (gi, j, p, view)
-        for gi, j, p, view in moved:
-            with torch.no_grad():
-                view.copy_(p.detach().reshape(-1).clone())  # a clone: it may be a re-view of this very slot
-            p.data = view.view(self._shapes[gi][j])
-            self._versions[gi][j] = None  # compared with the masters at the next step
-
-    def _home_list(self) -> list:
-        """(group, index, parameter, address where its data starts in the flat buffer, its strides there) of every
-        non-empty parameter at stages 0-2 (an empty tensor's ``data_ptr()`` is 0: nothing to adopt)."""
-        return [(gi, j, p, g.flat.data_ptr() + off * g.flat.element_size(), self._strides[gi][j])
-                for gi, g in enumerate(self.params.groups) for j, (p, off) in enumerate(zip(g.params, g.offsets))
-                if p.numel()]
-
-    def _adopt_changed_weights(self) -> None:
-        """[Note: weights changed between steps] At stages 0-2 the optimizer steps masters that
-        are not the model's parameters (bf16/fp16, or fp32 with the optimizer state on NVMe or the
-        parameters on CUDA) and writes the result into the parameters; a weight the user changed
-        between steps (``model.load_state_dict``, ``torch.nn.init`` or an in-place op under
-        ``torch.no_grad``) was put back by the next step, silently (fp32 with NVMe too). A parameter whose
-        version counter moved since (or whose data was replaced: :meth:`_adopt_replaced_data`) is
-        compared with its masters rounded to its dtype, and the elements that differ are taken
-        into the masters, as ``torch.optim.AdamW`` would step them. The engine's own writes
-        (through the kernel's pointers, the all-gather into the flat buffer) move no parameter's
-        counter; an in-place op on ``p.data`` moves none either and is not seen.
-
-        A bf16/fp16 parameter loaded from fp32 (or fp64) values by ``load_state_dict``
-        (:func:`_loaded_values_hook`) gives its masters those values, not their rounding, where it
-        still holds that rounding: the elements whose rounding had not moved kept their trained
-        master (as at stage 3: ``units.exact_values``)."""
-        index = self.params._sub_index()
-        loaded, self._loaded_fp32 = self._loaded_fp32, {}
-        todo: Dict[int, list] = {}  # sub-group -> [(start, end, values, loaded fp32 or None)] in sub-group coordinates
-        for gi, g in enumerate(self.params.groups):
-            seen = self._versions[gi]
-            for j, p in enumerate(g.params):
-                if p._version == seen[j]:
-                    continue
-                seen[j] = p._version
-                values, off = p.detach().reshape(-1), g.offsets[j]
-                exact = loaded.get(p)  # a CPU fp32 copy already (_loaded_values_hook)
-                if exact is not None:
-                    exact = exact.reshape(-1)
-                for i, (sg, s, n) in enumerate(index):
-                    lo = g.part_start + s
-                    a, b = max(off, lo), min(off + values.numel(), lo + n)
-                    if sg is g and a < b:
-                        todo.setdefault(i, []).append((a - lo, b - lo, values[a - off:b - off].to("cpu"),
-                                                       None if exact is None else exact[a - off:b - off]))
-        nvme = self.sub_optimizer.device == "nvme"
-        for i, pieces in todo.items():  # each sub-group's state read once, however many parameters changed
-            with self.sub_optimizer.state(i) as (master, m, v):
-                if nvme:  # the swap buffer is gone after the block: keep copies to write back
-                    master, m, v = master.clone(), m.clone(), v.clone()
-                changed_any = False
-                for a, b, new, exact in pieces:
-                    old = master[a:b]
-                    changed = new != old.to(new.dtype)
-                    src = new
-                    if exact is not None:  # the loaded fp32 value where the parameter still holds its rounding
-                        took = exact.to(new.dtype) == new
-                        src = torch.where(took, exact, new.float())
-                        changed |= took & (exact != old)
-                    if bool(changed.any()):
-                        old[changed] = src[changed].float()
-                        changed_any = True
-            if nvme and changed_any:
-                self.sub_optimizer.load_state(i, master, m, v)
-
     def _mark_weights_current(self) -> None:
         """Take the parameters as they are now for the fp32 masters' rounded values (after a
         checkpoint load wrote both), so the next step does not compare them again
         ([Note: weights changed between steps]); a no-op at stage 3."""
-        if self._versions is not None:
-            self._versions = [[p._version for p in g.params] for g in self.params.groups]
-            self._loaded_fp32 = {}
+        self.params.mark_weights_current()
 
     def _close_backward_step(self) -> None:
         """engine.step() with ``zeroinf.optimizer_in_backward``: the update already runs (since
@@ -1302,7 +1138,7 @@ class ZeroEngine:
         self._step_applied = True
         self.params.backward_step_done()
         s = self._step_stats
-        s["io_wait_s"] += self.params.manager.step_gate.take_wait_s()
+        s["io_wait_s"] += self.params.take_step_wait_s()
         if not self.config.zeroinf.overlap_step:
             self.synchronize()
         s["optimizer_s"] += time.perf_counter() - t0
@@ -1325,8 +1161,7 @@ class ZeroEngine:
             OSError: a read-ahead had failed; its data was never used, and nothing else changed.
         """
         self._check_open()
-        manager = getattr(self.params, "manager", None)
-        freed = manager.empty_cache() if manager is not None else 0
+        freed = self.params.empty_cache()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
         return freed
@@ -1388,7 +1223,7 @@ class ZeroEngine:
         """
         from zeroinf.checkpoint import save_atomically
         self._check_open()
-        if self.config.zero_optimization.stage == 3 and not self.config.zero_optimization.stage3_gather_16bit_weights_on_model_save:
+        if not self.params.saves_16bit_model:
             warnings.warn("save_16bit_model: nothing saved; at stage 3 set zero_optimization."
                           "stage3_gather_16bit_weights_on_model_save to true (or use zeroinf.checkpoint.consolidate "
                           "on a checkpoint for fp32 weights)", RuntimeWarning, stacklevel=2)
@@ -1437,7 +1272,7 @@ class ZeroEngine:
     @property
     def device(self) -> torch.device:
         """The compute device of the model's parameters."""
-        return torch.device(getattr(self.params, "device", "cpu"))
+        return torch.device(self.params.device)
 
     @property
     def local_rank(self) -> int:
@@ -1536,9 +1371,11 @@ class ZeroEngine:
         and (stage 3) the parameter manager's swappers' registered keys. Other files in the
         ``nvme_path`` folders (an earlier run's, left there: swap files outlive ``close``) are not
         included. Empty without NVMe offload or after ``close``."""
-        swappers = [getattr(self.sub_optimizer, "_swapper", None),
-                    getattr(getattr(self.params, "manager", None), "_swapper", None)]
-        return sorted({str(p) for sw in swappers if sw is not None for p in sw.files()})
+        files = set(self.params.swap_files())
+        swapper = getattr(self.sub_optimizer, "_swapper", None)
+        if swapper is not None:
+            files |= {str(p) for p in swapper.files()}
+        return sorted(files)
 
     def stats(self) -> Dict[str, Any]:
         """Counters of the last optimizer step: seconds in backward, gradient reduction, optimizer
@@ -1557,15 +1394,14 @@ class ZeroEngine:
         out.update(global_steps=self.global_steps, skipped_steps=self.skipped_steps, loss_scale=self.loss_scale,
                    pinned_bytes=self.sub_optimizer.pinned_bytes() + self.params.pinned_bytes(),
                    grad_norm=self._grad_norm)
-        if hasattr(self.params, "stats"):  # stage 3: transfer counters of the last optimizer step
-            out["stage3"] = self.params.stats()
+        stage = self.params.stats()  # stage 3: transfer counters of the last optimizer step
+        if stage is not None:
+            out["stage3"] = stage
         return out
 
     def trace(self, path) -> int:
         """Stage 3: write the last iteration's transfers and unit executions as Chrome/Perfetto
         JSON to ``path``; returns the number of events. Raises NotImplementedError below stage 3."""
-        if not hasattr(self.params, "trace"):
-            raise NotImplementedError("engine.trace() records stage-3 transfers; zero_optimization.stage is not 3")
         return self.params.trace(path)
 
     # ------------------------------------------------------------------------------------------
@@ -1584,10 +1420,10 @@ class ZeroEngine:
         from zeroinf import checkpoint
         self._check_open()
         self._check_step_closed("save_checkpoint")
-        if self._versions is not None:  # stages 0-2: the weights the module holds now are the ones to save
-            self._adopt_replaced_data()
-            with torch.no_grad():
-                self._adopt_changed_weights()
+        # stages 0-2: the weights the module holds now are the ones to save
+        self.params.adopt_replaced_data()
+        with torch.no_grad():
+            self.params.adopt_changed_weights(self.sub_optimizer)
         return checkpoint.save(self, save_dir, tag, client_state, save_latest=save_latest,
                                exclude_frozen_parameters=exclude_frozen_parameters)
 
@@ -1647,9 +1483,7 @@ class ZeroEngine:
             try:
                 self.sub_optimizer.close()
             finally:
-                manager = getattr(self.params, "manager", None)
-                if manager is not None:
-                    manager.close()
+                self.params.close()
 
     def _check_open(self, loading: bool = False) -> None:
         """Raise RuntimeError once :meth:`close` ran, while :meth:`offload_states` holds the state

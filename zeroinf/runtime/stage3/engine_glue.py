@@ -17,6 +17,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from ..stage_api import StageParamsBase
 from .manager import Stage3ParameterManager, refreshed_master
 from .options import Stage3Options
 from .state_dict import ModuleStateHooks
@@ -59,6 +60,7 @@ def engine_manager(model: torch.nn.Module, cfg, groups: Sequence[Sequence[torch.
         opts = dataclasses.replace(opts, grads_on_nvme=True)  # ZeRO-Infinity: host memory flat in model size
     glue = Stage3EngineParams(model, opts, groups, sub_group_size=cfg.zero_optimization.sub_group_size,
                               master_in_partitions=master_in_partitions(cfg))
+    glue.saves_16bit_model = cfg.zero_optimization.stage3_gather_16bit_weights_on_model_save
     # the optimizer in backward takes NVMe masters from copies made as the backward's reads land
     glue.manager.snapshot_partitions = (glue.master_in_partitions and cfg.zeroinf.optimizer_in_backward
                                         and cfg.zero_optimization.offload_param.device == "nvme")
@@ -202,8 +204,9 @@ class _PartitionMaster:
         self.glue.manager.write_partition_slice(g, lo, values.to(torch.float32).reshape(-1))
 
 
-class Stage3EngineParams:
-    """The seam's methods over a :class:`Stage3ParameterManager` (attribute ``manager``).
+class Stage3EngineParams(StageParamsBase):
+    """The engine's stage interface (:class:`zeroinf.runtime.stage_api.StageParams`) over a
+    :class:`Stage3ParameterManager` (attribute ``manager``).
 
     Flat groups are laid out per optimizer param group and apart from frozen parameters
     (``build_units``' ``param_group_of``), so each sub-group is stepped with one param group's
@@ -215,6 +218,13 @@ class Stage3EngineParams:
         RuntimeError: a flat group mixes param groups or frozen and trainable parameters after
             all (``requires_grad`` changed while the manager was being built).
     """
+
+    params_may_be_masters = False  # the optimizer's masters are its own, or the partitions (master_io)
+    reduces_during_backward = True  # each unit's gradient, as its backward ends (reduce.py)
+    overlaps_step = True  # [Note: overlapped step] in overlap.py
+    saves_16bit_model = False  # zero_optimization.stage3_gather_16bit_weights_on_model_save (engine_manager)
+    #: the device of the engine's gradient-norm all-reduce and of ``engine.device``
+    device = torch.device("cpu")
 
     def __init__(self, model: torch.nn.Module, options: Stage3Options,
                  groups: Sequence[Sequence[torch.nn.Parameter]], *, sub_group_size: int,
@@ -674,10 +684,59 @@ class Stage3EngineParams:
                              [s.offset for s in g.slots], [list(s.shape) for s in g.slots], keys.get(g.key, []))
                 for g in self.manager.groups() if g.key in keys]  # trainable groups only
 
-    def stats(self):
+    def stats(self) -> Dict[str, Any]:
         """Stage-3 counters of the last optimizer step: all its micro-batches' forwards and
         backwards (``iterations`` of them) and the parameter write-backs of the step."""
         return self.manager.stats_dict(step=True)
 
     def trace(self, path) -> int:
+        """Write the last iteration's transfers and unit executions as Chrome/Perfetto JSON to
+        ``path``; returns the number of events."""
         return self.manager.trace(path)
+
+    # --- the rest of the engine's interface: the manager's iteration state ---------------------
+    def set_state_guard(self, guard) -> None:
+        """``gathered_parameters`` refuses a state ``guard`` (the engine's StateGuard) marks torn."""
+        self.manager.state_guard = guard
+
+    def abort_iteration(self, keep_changes: bool = False) -> None:
+        """Release what an interrupted forward or backward left gathered
+        (:meth:`Stage3ParameterManager.abort_iteration`)."""
+        self.manager.abort_iteration(keep_changes=keep_changes)
+
+    def forget_raised_pass(self) -> None:
+        """Before a backward: forget a pass that raised part-way."""
+        self.manager.forget_raised_pass()
+
+    def held_parameter_names(self) -> List[str]:
+        """Names of the parameters of units a ``gathered_parameters`` block holds now."""
+        return [s.name for u in self.manager.units if u.user_holds for g in u.groups for s in g.slots]
+
+    def check_dropped_data(self) -> None:
+        """RuntimeError naming parameters a forward gave data their partitions cannot take
+        (:meth:`Stage3ParameterManager.check_dropped_data`)."""
+        self.manager.check_dropped_data()
+
+    def reduced_since_check(self) -> bool:
+        """Whether a backward hook reduced gradients since :meth:`clear_reduced_since_check`."""
+        return self.manager.reduced_since_check
+
+    def clear_reduced_since_check(self) -> None:
+        self.manager.reduced_since_check = False
+
+    def take_step_wait_s(self) -> float:
+        """Seconds the forward's gathers waited on the background step since the last call."""
+        return self.manager.step_gate.take_wait_s()
+
+    def empty_cache(self) -> int:
+        """Free read-ahead partitions and scratch buffers; returns host scratch bytes freed
+        (:meth:`Stage3ParameterManager.empty_cache`)."""
+        return self.manager.empty_cache()
+
+    def swap_files(self) -> List[str]:
+        """Paths of the parameter (and gradient) partitions' swap files on this rank."""
+        return self.manager.swap_files()
+
+    def close(self) -> None:
+        """Release the manager's buffers, threads and files (:meth:`Stage3ParameterManager.close`)."""
+        self.manager.close()

@@ -327,6 +327,10 @@ class Stage3ParameterManager(LayoutMixin, HooksMixin, ReadsMixin, FetchMixin, Sa
         ``fn`` raises propagates out of that unit's forward."""
         self._in_forward_call = None if fn is None else (max(1, int(after_units)), fn)
 
+    def swap_files(self) -> List[str]:
+        """Paths of this rank's parameter and gradient partition swap files (none in memory tiers)."""
+        return [] if self._swapper is None else [str(p) for p in self._swapper.files()]
+
     def close(self) -> None:
         """Release everything: gathered units, the I/O thread, the swapper, the pinned (locked)
         staging buffers and the host cache; :func:`managers` no longer lists it (but with
