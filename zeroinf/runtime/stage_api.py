@@ -1,6 +1,6 @@
 """The interface between :class:`zeroinf.runtime.engine.ZeroEngine` and a ZeRO stage.
 
-The engine picks one implementation at construction (:func:`zeroinf.runtime.engine_build.build_stage`)
+The engine picks one implementation at construction (:func:`zeroinf.runtime.engine.build_stage`)
 and from then on calls only what :class:`StageParams` lists: stages 0-2 are
 :class:`zeroinf.runtime.flat.FlatParamManager`, stage 3 is
 :class:`zeroinf.runtime.stage3.engine_glue.Stage3EngineParams`. Both derive from

@@ -195,7 +195,7 @@ class Stage3ParameterManager(LayoutMixin, HooksMixin, ReadsMixin, FetchMixin, Sa
         self._held_into_backward: Set[int] = set()
         self.scratch = BufferRecycler()  # unit-sized CPU scratch tensors, reused (no page faults)
 
-        from .init import init_shapes  # parameters partitioned at construction (zeroinf.Init)
+        from .held import init_shapes  # parameters partitioned at construction (zeroinf.Init)
         shapes = init_shapes(module)
         if unit_modules is None:
             unit_modules = find_unit_modules(module, opts.unit_classes)
