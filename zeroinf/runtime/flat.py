@@ -49,10 +49,12 @@ from typing import Any, Deque, Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from .optimizer import SubGroupSpec
 from . import collectives
+from .optimizer import SubGroupSpec
 from .pinned import PinnedHost
+from .stage_api import StageParamsBase
 from .streams import transfers_for
+from .weight_changes import WeightWatch
 
 __all__ = ["FlatGroup", "FlatParamManager", "STAGING_NUMEL"]
 
@@ -76,7 +78,7 @@ class FlatGroup:
     host_part: Optional[torch.Tensor] = None  #: CUDA: pinned host copy of this rank's slice (model dtype)
 
 
-class FlatParamManager:
+class FlatParamManager(StageParamsBase):
     """Owns the flat parameter buffers, gradient reduction and accumulation for stages 0–2.
 
     Args:
@@ -89,6 +91,9 @@ class FlatParamManager:
         group: the torch.distributed process group (None: default).
         transfers: device<->host copies (default ``transfers_for(device)``: CUDA side streams, or
             plain copies on the CPU); see [Note: stage 1/2 transfers].
+
+    The engine's interface to it is :class:`zeroinf.runtime.stage_api.StageParams`; what a stage
+    without partitioned parameters does not do comes from :class:`StageParamsBase`.
 
     Raises:
         ValueError: mixed devices/dtypes, a parameter in two groups.
@@ -126,6 +131,7 @@ class FlatParamManager:
         self._pinned = PinnedHost()  # grad_acc, host_part and the staging buffers: pinned with CUDA
         self.groups: List[FlatGroup] = []
         self._fresh = False  # True: grad_acc holds stale values that count as zero
+        self.weights: Optional[WeightWatch] = None  # [Note: weights changed between steps], from watch_weights
         for ps in param_groups:
             ps = list(ps)
             offsets, n = [], 0
@@ -146,6 +152,28 @@ class FlatParamManager:
 
     # ------------------------------------------------------------------------------------------
 
+    def watch_weights(self, model: torch.nn.Module, names: Dict[torch.nn.Parameter, str]) -> list:
+        """Take the parameters as they are now (after the masters were made) for
+        :meth:`adopt_replaced_data` and :meth:`adopt_changed_weights` ([Note: weights changed
+        between steps] in weight_changes.py); ``names``: parameter -> name, for errors. Returns
+        the load hooks registered on ``model``'s modules."""
+        self.weights = WeightWatch(self, names)
+        return self.weights.load_hooks(model)
+
+    def adopt_replaced_data(self) -> None:
+        """Put parameters given new data (``p.data = t``) back into their flat buffers
+        (:meth:`WeightWatch.adopt_replaced_data`; RuntimeError for data that cannot go there)."""
+        self.weights.adopt_replaced_data()
+
+    def adopt_changed_weights(self, sub_optimizer) -> None:
+        """Take weights changed since the last step into ``sub_optimizer``'s masters
+        (:meth:`WeightWatch.adopt_changed_weights`)."""
+        self.weights.adopt_changed_weights(sub_optimizer)
+
+    def mark_weights_current(self) -> None:
+        """Take the weights as they are now for the masters' values (after a checkpoint load)."""
+        self.weights.mark_current()
+
     def pinned_bytes(self) -> int:
         """Bytes of page-locked host memory held: the ``grad_acc`` buffers (fp32, ``part_numel``
         each), the ``host_part`` copies (model dtype) and the two staging buffers (fp32,
@@ -158,13 +186,14 @@ class FlatParamManager:
         return [SubGroupSpec(f"g{gi}/s{si}", numel, gi)
                 for gi, g in enumerate(self.groups) for si, (_, numel) in enumerate(g.sub_ranges)]
 
-    def _sub_index(self) -> List[Tuple[FlatGroup, int, int]]:
+    def sub_index(self) -> List[Tuple[FlatGroup, int, int]]:
+        """(flat group, start relative to ``part_start``, numel) of every sub-group, in spec order."""
         return [(g, s, n) for g in self.groups for (s, n) in g.sub_ranges]
 
     def master_init(self, i: int, fp32_params: Optional[Dict[int, torch.Tensor]] = None) -> torch.Tensor:
         """fp32 initial values of sub-group ``i`` (from ``fp32_params``: id(param) → fp32 copy taken
         before a cast to bf16/fp16, else from the flat buffer). Padding is zero."""
-        g, s, n = self._sub_index()[i]
+        g, s, n = self.sub_index()[i]
         a = g.part_start + s
         out = g.flat[a:a + n].to(device="cpu", dtype=torch.float32, copy=True)
         if fp32_params:
@@ -178,14 +207,14 @@ class FlatParamManager:
     def grad(self, i: int) -> torch.Tensor:
         """This rank's accumulated fp32 gradient of sub-group ``i`` (a view; CPU)."""
         self._materialize()
-        g, s, n = self._sub_index()[i]
+        g, s, n = self.sub_index()[i]
         return g.grad_acc[s:s + n]
 
     def param_target(self, i: int) -> torch.Tensor:
         """Where sub-group ``i``'s updated parameters go (model dtype, ``numel`` of the sub-group):
         the flat slice of the model's parameters on the CPU; on CUDA its pinned host copy, moved
         to the device by :meth:`gather_params` ([Note: stage 1/2 transfers])."""
-        g, s, n = self._sub_index()[i]
+        g, s, n = self.sub_index()[i]
         a = g.part_start + s
         if not self.transfers.side_streams:
             return g.flat[a:a + n]

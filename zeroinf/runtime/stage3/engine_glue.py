@@ -1,4 +1,4 @@
-"""Stage 3 behind the engine's parameter-manager seam (see ``zeroinf/runtime/engine.py``).
+"""Stage 3 behind the engine's stage interface (``zeroinf/runtime/stage_api.py``).
 
 The engine owns the optimizer (part 1's ``SubGroupOptimizer``); this adapter exposes the rank's
 unit partitions to it as sub-groups: each flat group's partition is cut into sub-groups of at most
@@ -10,16 +10,17 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
-import threading
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from ..stage_api import StageParamsBase
 from .manager import Stage3ParameterManager, refreshed_master
 from .options import Stage3Options
+from .overlap import run_overlapped_step
 from .state_dict import ModuleStateHooks
+from .swap_plan import all_fp32, grads_on_nvme, group_index, master_in_partitions, swap_file_bytes
 from .units import FlatGroup
 
 __all__ = ["engine_manager", "master_in_partitions", "swap_file_bytes", "Stage3EngineParams"]
@@ -37,11 +38,6 @@ class _LayoutGroup:
     sub_keys: list
 
 
-def _group_index(groups: Sequence[Sequence[torch.nn.Parameter]]) -> Dict[torch.nn.Parameter, int]:
-    """Parameter -> index of its optimizer param group."""
-    return {p: gi for gi, ps in enumerate(groups) for p in ps}
-
-
 def engine_manager(model: torch.nn.Module, cfg, groups: Sequence[Sequence[torch.nn.Parameter]], *,
                    rank: int = 0, world_size: int = 1) -> "Stage3EngineParams":
     """Build the stage-3 parameter manager for ``ZeroEngine`` (``zero_optimization.stage == 3``).
@@ -52,13 +48,14 @@ def engine_manager(model: torch.nn.Module, cfg, groups: Sequence[Sequence[torch.
         groups: trainable parameters of each optimizer param group.
     """
     _refuse_compiled(model)
-    from .init import check_placeholders
+    from .held import check_placeholders
     check_placeholders(model.parameters())  # before any value is taken
     opts = Stage3Options.from_zero_config(cfg.zero_optimization, cfg.aio.as_dict())
-    if _grads_on_nvme(cfg):
+    if grads_on_nvme(cfg):
         opts = dataclasses.replace(opts, grads_on_nvme=True)  # ZeRO-Infinity: host memory flat in model size
     glue = Stage3EngineParams(model, opts, groups, sub_group_size=cfg.zero_optimization.sub_group_size,
                               master_in_partitions=master_in_partitions(cfg))
+    glue.saves_16bit_model = cfg.zero_optimization.stage3_gather_16bit_weights_on_model_save
     # the optimizer in backward takes NVMe masters from copies made as the backward's reads land
     glue.manager.snapshot_partitions = (glue.master_in_partitions and cfg.zeroinf.optimizer_in_backward
                                         and cfg.zero_optimization.offload_param.device == "nvme")
@@ -114,76 +111,6 @@ def _guard_resize(model: torch.nn.Module) -> None:
     model.resize_token_embeddings = resize_token_embeddings
 
 
-def master_in_partitions(cfg) -> bool:
-    """Whether the optimizer's fp32 master weights are the parameter partitions themselves
-    ([Note: master in the partitions]): fp32 training, optimizer state on NVMe, partitions in
-    host memory or on NVMe."""
-    zc = cfg.zero_optimization
-    return (cfg.precision == "fp32" and zc.offload_optimizer.device == "nvme"
-            and zc.offload_param.device in ("cpu", "nvme"))
-
-
-def _grads_on_nvme(cfg) -> bool:
-    """Gradient partitions go to swap files with both offloads on NVMe (ZeRO-Infinity), unless
-    the optimizer runs in the backward and consumes them as they are reduced."""
-    zc = cfg.zero_optimization
-    return (zc.offload_param.device == "nvme" and zc.offload_optimizer.device == "nvme"
-            and not cfg.zeroinf.optimizer_in_backward)
-
-
-def swap_file_bytes(model: torch.nn.Module, cfg, groups: Sequence[Sequence[torch.nn.Parameter]], *,
-                    rank: int = 0, world_size: int = 1) -> List[Tuple[str, str, str, int, str]]:
-    """NVMe swap files that :func:`engine_manager` and the engine's optimizer will create on
-    this rank, computed from the unit layout before anything is written.
-
-    Returns ``(config key, nvme_path, swap folder, bytes, what)`` per kind of file: parameter
-    partitions in the training dtype (``offload_param.device: nvme``), trainable gradient
-    partitions in fp32 and in the training dtype (both offloads on NVMe, ZeRO-Infinity, unless
-    ``zeroinf.optimizer_in_backward``; [Note: gradients on NVMe]), optimizer state at 12 bytes per trainable partition
-    element (fp32 master, exp_avg, exp_avg_sq; ``offload_optimizer.device: nvme``), 8 when the
-    partitions are the masters (:func:`master_in_partitions`).
-    """
-    from .init import init_shapes
-    from .units import build_units, find_unit_modules
-
-    opts = Stage3Options.from_zero_config(cfg.zero_optimization, cfg.aio.as_dict())
-    zc = cfg.zero_optimization
-    units = build_units(model, find_unit_modules(model, opts.unit_classes), opts.param_persistence_threshold,
-                        world_size, init_shapes(model), _group_index(groups))
-    parts = [g for u in units for g in u.groups]
-    trainable = {p for ps in groups for p in ps}
-    out = []
-    if zc.offload_param.device == "nvme":
-        key, path = "zero_optimization.offload_param.nvme_path", opts.nvme_path
-        folder = os.path.join(path, f"zeroinf_params_rank{rank}")
-        out.append((key, path, folder, sum(g.shard_numel * torch.empty(0, dtype=g.dtype).element_size()
-                                           for g in parts), "parameter partitions"))
-        if _grads_on_nvme(cfg):
-            # fp32 (accumulated) and, for bf16/fp16 training, one micro-batch's in the training
-            # dtype; none for groups the optimizer does not step (the manager makes no file for them)
-            out.append((key, path, folder, sum((4 + (0 if g.dtype == torch.float32 else g.dtype.itemsize))
-                                               * g.shard_numel for g in parts
-                                               if any(s.param in trainable for s in g.slots)),
-                        "gradient partitions"))
-    if zc.offload_optimizer.device == "nvme":
-        path = zc.offload_optimizer.nvme_path
-        masters = master_in_partitions(cfg) and _all_fp32(  # as Stage3EngineParams decides
-            g for g in parts if any(s.param in trainable for s in g.slots))
-        per = 8 if masters else 12
-        out.append(("zero_optimization.offload_optimizer.nvme_path", path,
-                    os.path.join(path, "zeroinf_optimizer", f"rank{rank}"),
-                    per * sum(g.shard_numel for g in parts if any(s.param in trainable for s in g.slots)),
-                    f"optimizer state ({per} bytes per element)"))
-    return out
-
-
-def _all_fp32(groups) -> bool:
-    """Whether every given (trainable) flat group is fp32: only then are the partitions the
-    masters ([Note: master in the partitions]); a model left in bf16 under ``"precision":
-    "fp32"`` keeps the optimizer's own fp32 copy."""
-    return all(g.dtype == torch.float32 for g in groups)
-
-
 class _PartitionMaster:
     """``SubGroupOptimizer``'s ``master_io`` over the rank's fp32 partitions: sub-group ``i``'s
     master weights are elements ``[lo, hi)`` of its flat group's partition."""
@@ -202,8 +129,9 @@ class _PartitionMaster:
         self.glue.manager.write_partition_slice(g, lo, values.to(torch.float32).reshape(-1))
 
 
-class Stage3EngineParams:
-    """The seam's methods over a :class:`Stage3ParameterManager` (attribute ``manager``).
+class Stage3EngineParams(StageParamsBase):
+    """The engine's stage interface (:class:`zeroinf.runtime.stage_api.StageParams`) over a
+    :class:`Stage3ParameterManager` (attribute ``manager``).
 
     Flat groups are laid out per optimizer param group and apart from frozen parameters
     (``build_units``' ``param_group_of``), so each sub-group is stepped with one param group's
@@ -216,10 +144,17 @@ class Stage3EngineParams:
             all (``requires_grad`` changed while the manager was being built).
     """
 
+    params_may_be_masters = False  # the optimizer's masters are its own, or the partitions (master_io)
+    reduces_during_backward = True  # each unit's gradient, as its backward ends (reduce.py)
+    overlaps_step = True  # [Note: overlapped step] in overlap.py
+    saves_16bit_model = False  # zero_optimization.stage3_gather_16bit_weights_on_model_save (engine_manager)
+    #: the device of the engine's gradient-norm all-reduce and of ``engine.device``
+    device = torch.device("cpu")
+
     def __init__(self, model: torch.nn.Module, options: Stage3Options,
                  groups: Sequence[Sequence[torch.nn.Parameter]], *, sub_group_size: int,
                  master_in_partitions: bool = False):
-        group_of = _group_index(groups)
+        group_of = group_index(groups)
         self.manager = m = Stage3ParameterManager(model, options, param_group_of=group_of)
         self.nparts = m.world_size
         self._subs: List[Tuple[FlatGroup, int, int, int]] = []  # (group, lo, hi, param group)
@@ -249,7 +184,7 @@ class Stage3EngineParams:
         # grad() moves to another group, unless param_target() showed the optimizer consumed it.
         self._grad_cache: Optional[List[Any]] = None  # [group, tensor, write back?]
         self.state_hooks = ModuleStateHooks(model, m)  # [Note: module state dict]
-        self.master_in_partitions = master_in_partitions and _all_fp32(g for g, *_ in self._subs)
+        self.master_in_partitions = master_in_partitions and all_fp32(g for g, *_ in self._subs)
 
     # [Note: master in the partitions] In fp32 training the optimizer's master weights hold the
     # same values as the parameter partitions: each step writes the new fp32 values into both.
@@ -385,91 +320,9 @@ class Stage3EngineParams:
         m.check_grad_io(wait=True)
         m.params_updated()  # staged reads are stale; the persistent unit is gathered afresh
         m.stats.begin_step()  # the background write-backs count in the step during which they run
-        last: Dict[str, int] = {}
-        for i, (g, _lo, _hi, _gi) in enumerate(self._subs):
-            last[g.key] = i
-        groups = list(dict.fromkeys(g for g, _lo, _hi, _gi in self._subs))  # forward order, unique
-        following = {a.key: b for a, b in zip(groups, groups[1:])}  # the group stepped after each
-        on_nvme = m.options.grads_on_nvme
-        cur: Dict[str, Any] = {}  # the group being stepped: its gradient and its new partition
-        ahead: Dict[str, Any] = {}  # the next group's gradient read, in flight on the I/O thread
-
-        def read_grad(g: FlatGroup):
-            if not on_nvme:
-                return None
-            # in the dtype the file holds (bf16 after one micro-batch of bf16 training): fewest bytes
-            t = m.scratch.take(g.shard_numel, m.grad_file_dtype(g))
-            return t, m.submit_io(m.read_grad_raw, g, t)
-
-        def read(g: FlatGroup):  # the gradient and (partition = master) the partition, on the I/O thread
-            return read_grad(g), self.read_master_ahead(g)
-
-        def enter(g: FlatGroup) -> None:
-            grad_read, master_read = ahead.pop(g.key, None) or read(g)
-            nxt = following.get(g.key)
-            if nxt is not None:
-                ahead[nxt.key] = read(nxt)
-            if grad_read is not None:
-                t, fut = grad_read
-                fut.result()
-            else:
-                t = g.grad_shard if g.grad_shard is not None else torch.zeros(g.shard_numel, dtype=torch.float32)
-            master = None
-            if master_read is not None:
-                master, fut = master_read
-                fut.result()
-            cur.update(g=g, grad=t, target=self.step_target(g, master))
-
-        def grad(i: int) -> torch.Tensor:
-            g, lo, hi, _ = self._subs[i]
-            if cur.get("g") is not g:
-                enter(g)
-            return cur["grad"][lo:hi]
-
-        def out(i: int) -> torch.Tensor:
-            g, lo, hi, _ = self._subs[i]
-            return cur["target"][lo:hi]
-
-        def done(i: int) -> None:
-            g = self._subs[i][0]
-            if last[g.key] != i:
-                return
-            self.store_stepped(g, cur["target"])
-            if on_nvme:
-                m.scratch.give(cur["grad"])
-                g.grad_on_nvme = False
-                g.grad_norm_part = None
-            else:
-                g.drop_grad_shard()
-            cur.clear()
-            m.step_gate.done(g.key)
-
-        def run() -> None:
-            m.step_gate.set_worker(threading.get_ident())
-            try:
-                sub_optimizer.step(step=step, hyper=hyper, grad=grad, out=out, grad_scale=grad_scale, on_done=done)
-            except BaseException as exc:  # re-raised in the caller's thread by the gate
-                for reads in ahead.values():
-                    for r in reads:
-                        if r is not None:
-                            r[1].exception()  # let the read in flight finish before its tensor goes
-                m.step_gate.fail(exc)
-                return
-            m.step_gate.finish()
-
-        # not a daemon: the interpreter joins it before tearing down. A daemon thread still in the
-        # C++ Adam op at exit was killed mid-frame ("terminate called without an active exception",
-        # exit code 134, when a script ends right after engine.step() without engine.close())
-        self._worker = threading.Thread(target=run, name="zeroinf-optimizer-step")
-        m.step_gate.starting(self._worker)
-        m.step_gate.begin(last.keys())
-        try:
-            self._worker.start()
-        except BaseException as exc:  # nothing runs the step: its waits raise instead of blocking for good
-            m.step_gate.fail(exc)
-            raise
-        finally:
-            m.step_gate.started()
+        self._worker = run_overlapped_step(m, sub_optimizer, self._subs, step=step, hyper=hyper,
+                                           grad_scale=grad_scale, read_master_ahead=self.read_master_ahead,
+                                           step_target=self.step_target, store_stepped=self.store_stepped)
 
     def step_target(self, g: FlatGroup, master: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Where a background step writes group ``g``'s new partition: the partition itself on
@@ -674,10 +527,59 @@ class Stage3EngineParams:
                              [s.offset for s in g.slots], [list(s.shape) for s in g.slots], keys.get(g.key, []))
                 for g in self.manager.groups() if g.key in keys]  # trainable groups only
 
-    def stats(self):
+    def stats(self) -> Dict[str, Any]:
         """Stage-3 counters of the last optimizer step: all its micro-batches' forwards and
         backwards (``iterations`` of them) and the parameter write-backs of the step."""
         return self.manager.stats_dict(step=True)
 
     def trace(self, path) -> int:
+        """Write the last iteration's transfers and unit executions as Chrome/Perfetto JSON to
+        ``path``; returns the number of events."""
         return self.manager.trace(path)
+
+    # --- the rest of the engine's interface: the manager's iteration state ---------------------
+    def set_state_guard(self, guard) -> None:
+        """``gathered_parameters`` refuses a state ``guard`` (the engine's StateGuard) marks torn."""
+        self.manager.state_guard = guard
+
+    def abort_iteration(self, keep_changes: bool = False) -> None:
+        """Release what an interrupted forward or backward left gathered
+        (:meth:`Stage3ParameterManager.abort_iteration`)."""
+        self.manager.abort_iteration(keep_changes=keep_changes)
+
+    def forget_raised_pass(self) -> None:
+        """Before a backward: forget a pass that raised part-way."""
+        self.manager.forget_raised_pass()
+
+    def held_parameter_names(self) -> List[str]:
+        """Names of the parameters of units a ``gathered_parameters`` block holds now."""
+        return [s.name for u in self.manager.units if u.user_holds for g in u.groups for s in g.slots]
+
+    def check_dropped_data(self) -> None:
+        """RuntimeError naming parameters a forward gave data their partitions cannot take
+        (:meth:`Stage3ParameterManager.check_dropped_data`)."""
+        self.manager.check_dropped_data()
+
+    def reduced_since_check(self) -> bool:
+        """Whether a backward hook reduced gradients since :meth:`clear_reduced_since_check`."""
+        return self.manager.reduced_since_check
+
+    def clear_reduced_since_check(self) -> None:
+        self.manager.reduced_since_check = False
+
+    def take_step_wait_s(self) -> float:
+        """Seconds the forward's gathers waited on the background step since the last call."""
+        return self.manager.step_gate.take_wait_s()
+
+    def empty_cache(self) -> int:
+        """Free read-ahead partitions and scratch buffers; returns host scratch bytes freed
+        (:meth:`Stage3ParameterManager.empty_cache`)."""
+        return self.manager.empty_cache()
+
+    def swap_files(self) -> List[str]:
+        """Paths of the parameter (and gradient) partitions' swap files on this rank."""
+        return self.manager.swap_files()
+
+    def close(self) -> None:
+        """Release the manager's buffers, threads and files (:meth:`Stage3ParameterManager.close`)."""
+        self.manager.close()

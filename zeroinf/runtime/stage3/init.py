@@ -27,67 +27,22 @@ import itertools
 import os
 import shutil
 import tempfile
-import threading
 import weakref
-from dataclasses import dataclass, field
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
-from torch.utils.weak import WeakIdKeyDictionary
 
-from .released import attribute_of, gathered_class, released_class, set_held_hooks
+# init_shapes, init_shapes_of, init_dtype, take_init_values and check_placeholders are answered by
+# the held registry and exported here too
+from .held import (HELD, LOCK, Held, allow_copies, check_placeholders, held_forward_pre_hook, held_load_pre_hook,
+                   held_state_dict_hook, init_dtype, init_shapes, init_shapes_of, pop_held, refuse_copy, rounded,
+                   take_init_values)
+from .released import attribute_of, gathered_class, released_class
 
 __all__ = ["Init", "init_shapes", "init_shapes_of", "init_dtype", "take_init_values", "held_values",
-           "check_placeholders"]
-
-
-@dataclass
-class _Held:
-    """One parameter moved out at construction: its shape/dtype and where its values are."""
-
-    key: str
-    seq: int
-    shape: torch.Size
-    dtype: torch.dtype
-    owner: "Init"
-    host: Optional[torch.Tensor] = None  # values kept in host memory (tiers none/cpu)
-    finalizer: Any = None  # drops the values when the parameter is freed unread
-    casts: List[torch.dtype] = field(default_factory=list)  # dtypes its placeholder took since (note_cast)
-
-    @property
-    def nbytes(self) -> int:
-        return self.shape.numel() * torch.empty((), dtype=self.dtype).element_size()
-
-
-# Keyed by the Parameter object itself (a dict matches tensors by identity), never by id(), and
-# weakly: an entry leaves when the manager takes its values, or when its parameter is freed (a
-# module replaced before initialize: a resized embedding), and the values go with it.
-_HELD: "WeakIdKeyDictionary[nn.Parameter, _Held]" = WeakIdKeyDictionary()
-_LOCK = threading.Lock()
-
-
-def _pop(p: nn.Parameter) -> _Held:
-    """Take ``p``'s entry out of ``_HELD`` (call with ``_LOCK`` held); ``p`` gets its own class
-    back ([Note: held placeholders refuse compute])."""
-    held = _HELD.pop(p)
-    held.finalizer.detach()
-    p.__class__ = gathered_class(type(p))
-    for name in ("ds_shape", "ds_numel"):  # whole again (a stage-3 manager sets its own)
-        p.__dict__.pop(name, None)
-    return held
-
-
-def init_shapes(module: nn.Module) -> Dict[nn.Parameter, torch.Size]:
-    """True shapes of ``module``'s parameters that ``Init`` moved out."""
-    return init_shapes_of(module.parameters())
-
-
-def init_shapes_of(params) -> Dict[nn.Parameter, torch.Size]:
-    """True shapes of those of ``params`` that ``Init`` moved out."""
-    with _LOCK:
-        return {p: _HELD[p].shape for p in params if p in _HELD}
+           "check_placeholders", "swap_bytes_freed_by"]
 
 
 def swap_bytes_freed_by(params) -> Dict[str, int]:
@@ -97,67 +52,14 @@ def swap_bytes_freed_by(params) -> Dict[str, int]:
     are gone before the optimizer's are made (counted as not free, a disk with room would be
     refused after ``Init``)."""
     params = list(params)
-    with _LOCK:
+    with LOCK:
         mine: Dict[Init, int] = {}
         for p in params:
-            held = _HELD.get(p)
+            held = HELD.get(p)
             if held is not None and held.host is None:
                 mine[held.owner] = mine.get(held.owner, 0) + 1
     return {owner._dir: owner.held_bytes_nvme for owner, n in mine.items()
             if owner._dir is not None and Init._active is not owner and n == owner._outstanding}
-
-
-def note_cast(param: nn.Parameter, dtype: torch.dtype) -> None:
-    """Record that held ``param``'s placeholder became ``dtype`` (``model.half()``, ``.to()``
-    between the ``Init`` block and ``initialize``). [Note: casts of held parameters] The held
-    values then pass through every dtype but the last, as a plain parameter's would:
-    ``model.half().float()`` rounds them to fp16, as it does a plain parameter's. The last
-    cast is the caller's: the engine keeps fp32 values of a model cast to bf16/fp16 as its
-    masters ([Note: Init masters]). A no-op for a parameter ``Init`` does not hold."""
-    with _LOCK:
-        held = _HELD.get(param)
-        if held is not None and dtype != (held.casts[-1] if held.casts else held.dtype):
-            held.casts.append(dtype)
-
-
-def init_dtype(param: nn.Parameter) -> Optional[torch.dtype]:
-    """The dtype ``Init`` holds ``param``'s values in (as constructed, before any later cast of
-    the module); None when ``Init`` does not hold it."""
-    with _LOCK:
-        held = _HELD.get(param)
-    return held.dtype if held is not None else None
-
-
-def take_init_values(param: nn.Parameter) -> torch.Tensor:
-    """Return the values ``Init`` holds for ``param`` (a new CPU tensor) and forget them.
-
-    Raises:
-        KeyError: ``param`` was not created under ``Init`` (or was taken already).
-        RuntimeError: ``param.data`` was replaced after the ``Init`` block (``p.data = t``): the
-            held values would silently win over the new ones.
-    """
-    check_placeholders([param])
-    with _LOCK:
-        held = _pop(param)
-    _allow_copies(param)
-    return held.owner._take(held)
-
-
-def check_placeholders(params) -> None:
-    """Raise RuntimeError naming the first parameter ``Init`` holds whose ``.data`` is no longer
-    its empty placeholder (``p.data = t`` after the block): the held values would silently win
-    over the new ones. ``zeroinf.initialize``
-    checks every parameter before it takes any value, so a refusal loses nothing."""
-    for p in params:
-        if p.data.numel() != 0:
-            with _LOCK:
-                held = _HELD.get(p)
-            if held is not None:
-                raise RuntimeError(f"zeroinf.Init: a held parameter (shape {tuple(held.shape)}) was given new data "
-                                   f"(p.data = a tensor of shape {tuple(p.data.shape)}) after the Init block; Init "
-                                   "still holds its old values, which initialize would take. Change weights inside "
-                                   "zeroinf.gathered_parameters([p], modifier_rank=0), or load them after initialize; "
-                                   "nothing was taken")
 
 
 @contextlib.contextmanager
@@ -176,8 +78,8 @@ def held_values(params: Sequence[nn.Parameter], modifier_rank: Optional[int]) ->
     parameters come back on their own ([Note: late initialisation]); nothing is done here.
     """
     params = list({id(p): p for p in params}.values())  # a tied pair listed twice
-    with _LOCK:
-        todo = [(p, _HELD[p]) for p in params if p in _HELD and Init._active is not _HELD[p].owner]
+    with LOCK:
+        todo = [(p, HELD[p]) for p in params if p in HELD and Init._active is not HELD[p].owner]
     entered = []  # [param, held, placeholder, values as given]
     try:
         for p, held in todo:
@@ -196,9 +98,9 @@ def held_values(params: Sequence[nn.Parameter], modifier_rank: Optional[int]) ->
                     dist.broadcast(p.data, src=modifier_rank)  # same shape on every rank: a collective
                 if tuple(p.data.shape) != tuple(held.shape):
                     # resized (transformers' resize_token_embeddings swaps .data): no longer Init's
-                    with _LOCK:
-                        _pop(p)
-                    _allow_copies(p)
+                    with LOCK:
+                        pop_held(p)
+                    allow_copies(p)
                     held.owner._forget(held)
                     e[2] = None
                 elif not torch.equal(p.data, given):
@@ -208,32 +110,6 @@ def held_values(params: Sequence[nn.Parameter], modifier_rank: Optional[int]) ->
             if ph is not None:
                 p.data = ph
                 p.__class__ = released_class(type(p), held=True)
-
-
-def _rounded(held: _Held, values: torch.Tensor) -> torch.Tensor:
-    """``values`` (held dtype) passed through every cast of the placeholder but the last."""
-    if len(held.casts) < 2:
-        return values
-    out = values
-    for dtype in held.casts[:-1]:
-        out = out.to(dtype)
-    return out.to(held.dtype)
-
-
-def _refuse_copy(*_args):
-    """``__deepcopy__`` / ``__reduce_ex__`` of a parameter ``Init`` moved out: its copy would
-    hold the empty placeholder, with nothing to take its values from (``zeroinf.initialize`` on a
-    deep-copied model failed on "'weight' must be 2-D"); raise ``TypeError`` saying what to do."""
-    raise TypeError("zeroinf.Init: this parameter holds an empty placeholder until zeroinf.initialize takes its "
-                    "values (Init keeps them in host memory or a swap file), so it cannot be deep-copied or pickled; "
-                    "build a second model inside zeroinf.Init, or after zeroinf.initialize load the model's "
-                    "state_dict() into a new one")
-
-
-def _allow_copies(p: nn.Parameter) -> None:
-    """Undo :func:`_refuse_copy` once ``p``'s values are no longer held."""
-    for name in ("__deepcopy__", "__reduce_ex__"):
-        p.__dict__.pop(name, None)
 
 
 class _GuardMode(TorchFunctionMode):
@@ -255,7 +131,7 @@ class _GuardMode(TorchFunctionMode):
         if name in ("__get__", "__set__"):  # metadata (shape, grad_fn, ...) needs no values; .data does
             attr = attribute_of(func)
             if name == "__get__" and attr == "shape" and args and isinstance(args[0], nn.Parameter):
-                held = _HELD.get(args[0])
+                held = HELD.get(args[0])
                 if held is not None and held.owner is self.owner:
                     # the true shape, not the placeholder's (transformers' resize_token_embeddings set
                     # config.vocab_size from it: 0); no values needed
@@ -263,7 +139,7 @@ class _GuardMode(TorchFunctionMode):
             if attr != "data":
                 return func(*args, **kwargs)
         for a in itertools.chain(args, kwargs.values()):
-            if isinstance(a, nn.Parameter) and a in _HELD and _HELD[a].owner is self.owner:
+            if isinstance(a, nn.Parameter) and a in HELD and HELD[a].owner is self.owner:
                 self.owner._bring_back(a)
         return func(*args, **kwargs)
 
@@ -398,12 +274,12 @@ class Init:
     # --- moving values ------------------------------------------------------------------------
     def _move_out(self, module: nn.Module) -> None:
         if module._parameters and not getattr(module, "_zeroinf_held_hook", False):
-            module._register_state_dict_hook(_held_state_dict_hook)
-            module._register_load_state_dict_pre_hook(_held_load_pre_hook, with_module=True)
-            module.register_forward_pre_hook(_held_forward_pre_hook)
+            module._register_state_dict_hook(held_state_dict_hook)
+            module._register_load_state_dict_pre_hook(held_load_pre_hook, with_module=True)
+            module.register_forward_pre_hook(held_forward_pre_hook)
             module._zeroinf_held_hook = True
         for p in module._parameters.values():
-            if p is None or p in _HELD or p.numel() == 0 or (self._back is not None and p is self._back[0]):
+            if p is None or p in HELD or p.numel() == 0 or (self._back is not None and p is self._back[0]):
                 continue
             if p.is_meta:  # no values to move: its loader (transformers' from_pretrained) puts them in later
                 continue
@@ -414,7 +290,7 @@ class Init:
         data = p.detach().to("cpu").contiguous()
         if seq is None:
             seq, self._seq = self._seq, self._seq + 1
-        held = _Held(f"init/p{seq}", seq, p.shape, p.dtype, self)
+        held = Held(f"init/p{seq}", seq, p.shape, p.dtype, self)
         if self._swapper is not None:
             spec = (data.numel(), data.dtype)
             if self._registered.get(held.key, spec) != spec:  # put back resized or cast (resize_token_embeddings)
@@ -431,22 +307,22 @@ class Init:
         # [Note: held placeholders refuse compute] As a released stage-3 parameter does (see
         # released.py), a held one refuses compute outside the Init block: p.sum() gave 0 and
         # torch.nn.init.normal_(p) changed nothing, silently. Inside the block _GuardMode
-        # brings the values back first; _pop gives the class back.
+        # brings the values back first; pop_held gives the class back.
         p.__class__ = released_class(type(p), held=True)
         p.ds_shape, p.ds_numel = held.shape, held.shape.numel()  # DeepSpeed's names, as for a managed parameter
         for name in ("__deepcopy__", "__reduce_ex__"):  # copy and pickle look both up on the instance
-            setattr(p, name, _refuse_copy)
+            setattr(p, name, refuse_copy)
         held.finalizer = weakref.finalize(p, self._forget, held)
-        with _LOCK:
-            _HELD[p] = held
+        with LOCK:
+            HELD[p] = held
         self._outstanding += 1
 
     def _bring_back(self, p: nn.Parameter) -> None:
         if self._back is not None and self._back[0] is not p:
             self._put_back()
-        with _LOCK:
-            held = _pop(p)
-        _allow_copies(p)
+        with LOCK:
+            held = pop_held(p)
+        allow_copies(p)
         p.data = held.owner._take(held).to(p.device)
         self._back = (p, held.seq)
 
@@ -465,14 +341,14 @@ class Init:
         if self._building:  # only when an outermost model-level constructor returns
             return
         reachable = {p: None for _, p in module.named_parameters(remove_duplicate=False)}
-        with _LOCK:
-            orphans = [p for p, h in _HELD.items() if h.owner is self and h.seq >= first and p not in reachable]
-            dropped = [_pop(p) for p in orphans]
+        with LOCK:
+            orphans = [p for p, h in HELD.items() if h.owner is self and h.seq >= first and p not in reachable]
+            dropped = [pop_held(p) for p in orphans]
         for p, h in zip(orphans, dropped):
-            _allow_copies(p)
+            allow_copies(p)
             self._forget(h)
 
-    def _forget(self, held: _Held) -> None:
+    def _forget(self, held: Held) -> None:
         """Drop one parameter's held values unread (its module let it go)."""
         if held.host is not None:
             self.held_bytes_host -= held.nbytes
@@ -489,7 +365,7 @@ class Init:
             self._swapper = None
             shutil.rmtree(self._dir, ignore_errors=True)
 
-    def _peek(self, held: _Held) -> torch.Tensor:
+    def _peek(self, held: Held) -> torch.Tensor:
         """A copy of the values held for one parameter (CPU, held dtype, rounded through its
         placeholder's casts: [Note: casts of held parameters]); they stay held."""
         if held.host is not None:
@@ -497,9 +373,9 @@ class Init:
         else:
             out = torch.empty(held.shape, dtype=held.dtype)
             self._swapper.swap_in([(held.key, out.view(-1))], async_op=False)
-        return _rounded(held, out)
+        return rounded(held, out)
 
-    def _rewrite(self, held: _Held, values: torch.Tensor) -> None:
+    def _rewrite(self, held: Held, values: torch.Tensor) -> None:
         """Replace the values held for one parameter (same shape; cast to the held dtype)."""
         data = values.detach().to("cpu", held.dtype).reshape(held.shape).contiguous()
         if held.host is not None:
@@ -507,7 +383,7 @@ class Init:
         else:
             self._swapper.swap_out([(held.key, data)], async_op=False)
 
-    def _take(self, held: _Held) -> torch.Tensor:
+    def _take(self, held: Held) -> torch.Tensor:
         if held.host is not None:
             out, held.host = held.host, None
             self.held_bytes_host -= out.numel() * out.element_size()
@@ -516,78 +392,7 @@ class Init:
             self._swapper.swap_in([(held.key, out.view(-1))], async_op=False)
             self.held_bytes_nvme -= out.numel() * out.element_size()
         self._one_less()
-        return _rounded(held, out.view(held.shape))
-
-
-def _held_state_dict_hook(module: nn.Module, state_dict: Dict[str, Any], prefix: str, local_metadata) -> None:
-    """[Note: state_dict before initialize] Between the ``Init`` block and
-    ``zeroinf.initialize`` a moved-out parameter is an empty placeholder, so
-    ``model.state_dict()`` (``torch.save``, ``save_pretrained``) held empty tensors, silently.
-    This hook, on every module whose parameters ``Init`` moved out, puts a copy of the held
-    values in their place (read from the swap file on NVMe). Once the manager took a
-    parameter's values it is no longer held and the hook leaves it to the engine's own."""
-    if not _HELD:  # nothing held any more (after initialize): the hooks stay, at the cost of this test
-        return
-    for name, p in module._parameters.items():
-        key = prefix + name
-        if p is None or state_dict.get(key) is p:  # keep_vars=True: the parameter object stays
-            continue
-        with _LOCK:
-            held = _HELD.get(p)
-        if held is not None and key in state_dict:
-            # in the placeholder's dtype, as a plain model's state_dict after model.half() (it gave
-            # the fp32 values)
-            state_dict[key] = held.owner._peek(held).to(p.dtype)
-
-
-def _held_load_pre_hook(module: nn.Module, state_dict: Dict[str, Any], prefix: str, local_metadata, strict,
-                        missing_keys, unexpected_keys, error_msgs) -> None:
-    """``model.load_state_dict(pretrained)`` between the ``Init`` block and ``zeroinf.initialize``
-    failed on torch's shape check against the empty placeholders ("size mismatch ... the shape in
-    current model is torch.Size([0])"), which blamed the checkpoint. Each held
-    parameter's value is written into what ``Init`` holds for it, and torch is left an empty
-    tensor to copy into the placeholder; a value of another shape is reported against the held
-    shape, as torch reports it for a plain model. ``state_dict`` is torch's own shallow copy."""
-    if not _HELD:
-        return
-    for name, p in module._parameters.items():
-        key = prefix + name
-        with _LOCK:
-            held = _HELD.get(p) if p is not None else None
-        if held is None or key not in state_dict:
-            continue
-        if local_metadata.get("assign_to_params_buffers"):  # it put the placeholder in as the value: all lost
-            raise RuntimeError(f"zeroinf.Init: load_state_dict(..., assign=True) between the Init block and "
-                               f"zeroinf.initialize would replace the held parameter '{key}' (shape "
-                               f"{tuple(held.shape)}) by a plain tensor that Init does not hold; load with "
-                               "assign=False (the default): the values are written into what Init holds")
-        value = state_dict[key]
-        if not isinstance(value, torch.Tensor):
-            continue  # torch reports it
-        if tuple(value.shape) != tuple(held.shape):
-            error_msgs.append(f"size mismatch for {key}: copying a param with shape {value.shape} from checkpoint, "
-                              f"the shape in current model is {held.shape}.")
-        else:
-            held.owner._rewrite(held, value)
-        state_dict[key] = p.detach()  # the placeholder itself: torch's shape check and copy pass
-
-
-def _held_forward_pre_hook(module: nn.Module, args) -> None:
-    """A forward of a module whose parameter ``Init`` still holds (before ``zeroinf.initialize``)
-    computed on the empty placeholder: "mat2 must be a matrix, got 1-D tensor". Raise saying so.
-    On every forward of such a module for good: after initialize ``_HELD`` is empty and the
-    first test returns."""
-    if not _HELD:
-        return
-    for name, p in module._parameters.items():
-        with _LOCK:
-            held = _HELD.get(p) if p is not None else None
-        if held is not None:
-            raise RuntimeError(
-                f"zeroinf.Init: parameter '{name}' (shape {tuple(held.shape)}) of this {type(module).__name__} is held by "
-                "zeroinf.Init until zeroinf.initialize takes it, and is an empty placeholder until then, so this "
-                "forward would compute on nothing: call zeroinf.initialize(model=...) first, or read the weights "
-                "inside zeroinf.gathered_parameters(...)")
+        return rounded(held, out.view(held.shape))
 
 
 def _all_module_classes() -> List[type]:
@@ -601,4 +406,3 @@ def _all_module_classes() -> List[type]:
     return seen
 
 
-set_held_hooks(init_shapes_of, note_cast)  # released.py describes and casts held parameters through them

@@ -148,7 +148,7 @@ class LayoutMixin:
         fp32 master weights start rounded, so for such groups this rank's partition is also kept
         in fp32 (host memory, 4 bytes per partition element) until :meth:`take_init_master`
         hands it to the engine."""
-        from .init import init_dtype, take_init_values
+        from .held import init_dtype, take_init_values
         for u in self.units:
             for g in u.groups:
                 wide = g.dtype != torch.float32 and g.dtype.is_floating_point and any(

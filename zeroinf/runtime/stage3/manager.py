@@ -195,7 +195,7 @@ class Stage3ParameterManager(LayoutMixin, HooksMixin, ReadsMixin, FetchMixin, Sa
         self._held_into_backward: Set[int] = set()
         self.scratch = BufferRecycler()  # unit-sized CPU scratch tensors, reused (no page faults)
 
-        from .init import init_shapes  # parameters partitioned at construction (zeroinf.Init)
+        from .held import init_shapes  # parameters partitioned at construction (zeroinf.Init)
         shapes = init_shapes(module)
         if unit_modules is None:
             unit_modules = find_unit_modules(module, opts.unit_classes)
@@ -326,6 +326,10 @@ class Stage3ParameterManager(LayoutMixin, HooksMixin, ReadsMixin, FetchMixin, Sa
         backward); ``fn=None`` cancels. One call is armed at a time: a new one replaces it. What
         ``fn`` raises propagates out of that unit's forward."""
         self._in_forward_call = None if fn is None else (max(1, int(after_units)), fn)
+
+    def swap_files(self) -> List[str]:
+        """Paths of this rank's parameter and gradient partition swap files (none in memory tiers)."""
+        return [] if self._swapper is None else [str(p) for p in self._swapper.files()]
 
     def close(self) -> None:
         """Release everything: gathered units, the I/O thread, the swapper, the pinned (locked)

@@ -21,9 +21,14 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Callable, Iterable, Optional, Set
+from typing import TYPE_CHECKING, Any, Callable, Dict, Iterable, Optional, Sequence, Set, Tuple
 
-__all__ = ["StepGate", "StepFailedError"]
+import torch
+
+if TYPE_CHECKING:  # annotations only
+    from .units import FlatGroup
+
+__all__ = ["StepGate", "StepFailedError", "run_overlapped_step"]
 
 _WHOLE_STEP = object()  # pending until the worker returns: its optimizer state I/O is done too
 
@@ -157,3 +162,105 @@ class StepGate:
             # str(), not repr(): an OSError's repr leaves out its file name
             raise StepFailedError(f"the background optimizer step failed: {type(self._error).__name__}: "
                                   f"{self._error}") from self._error
+
+
+def run_overlapped_step(m, sub_optimizer, subs: Sequence[Tuple[Any, int, int, int]], *, step: int, hyper,
+                        grad_scale: float, read_master_ahead: Callable, step_target: Callable,
+                        store_stepped: Callable) -> threading.Thread:
+    """Start ``sub_optimizer``'s step over every sub-group on a background thread and return
+    the thread ([Note: overlapped step]). ``m``: the :class:`Stage3ParameterManager`; ``subs``:
+    ``(flat group, lo, hi, param group)`` per sub-group, in forward order; ``read_master_ahead(g)``,
+    ``step_target(g, master)`` and ``store_stepped(g, target)``: where a group's partition is
+    read, stepped and stored (:class:`~zeroinf.runtime.stage3.engine_glue.Stage3EngineParams`).
+    Each group, once stored, has its gradient cleared and is released to the forward's gathers
+    (``m.step_gate``); an exception in the thread is re-raised by the gate's waits.
+
+    Raises:
+        RuntimeError: the thread could not be started (the gate fails, so no wait blocks for good).
+    """
+    last: Dict[str, int] = {}
+    for i, (g, _lo, _hi, _gi) in enumerate(subs):
+        last[g.key] = i
+    groups = list(dict.fromkeys(g for g, _lo, _hi, _gi in subs))  # forward order, unique
+    following = {a.key: b for a, b in zip(groups, groups[1:])}  # the group stepped after each
+    on_nvme = m.options.grads_on_nvme
+    cur: Dict[str, Any] = {}  # the group being stepped: its gradient and its new partition
+    ahead: Dict[str, Any] = {}  # the next group's gradient read, in flight on the I/O thread
+
+    def read_grad(g: FlatGroup):
+        if not on_nvme:
+            return None
+        # in the dtype the file holds (bf16 after one micro-batch of bf16 training): fewest bytes
+        t = m.scratch.take(g.shard_numel, m.grad_file_dtype(g))
+        return t, m.submit_io(m.read_grad_raw, g, t)
+
+    def read(g: FlatGroup):  # the gradient and (partition = master) the partition, on the I/O thread
+        return read_grad(g), read_master_ahead(g)
+
+    def enter(g: FlatGroup) -> None:
+        grad_read, master_read = ahead.pop(g.key, None) or read(g)
+        nxt = following.get(g.key)
+        if nxt is not None:
+            ahead[nxt.key] = read(nxt)
+        if grad_read is not None:
+            t, fut = grad_read
+            fut.result()
+        else:
+            t = g.grad_shard if g.grad_shard is not None else torch.zeros(g.shard_numel, dtype=torch.float32)
+        master = None
+        if master_read is not None:
+            master, fut = master_read
+            fut.result()
+        cur.update(g=g, grad=t, target=step_target(g, master))
+
+    def grad(i: int) -> torch.Tensor:
+        g, lo, hi, _ = subs[i]
+        if cur.get("g") is not g:
+            enter(g)
+        return cur["grad"][lo:hi]
+
+    def out(i: int) -> torch.Tensor:
+        g, lo, hi, _ = subs[i]
+        return cur["target"][lo:hi]
+
+    def done(i: int) -> None:
+        g = subs[i][0]
+        if last[g.key] != i:
+            return
+        store_stepped(g, cur["target"])
+        if on_nvme:
+            m.scratch.give(cur["grad"])
+            g.grad_on_nvme = False
+            g.grad_norm_part = None
+        else:
+            g.drop_grad_shard()
+        cur.clear()
+        m.step_gate.done(g.key)
+
+    def run() -> None:
+        m.step_gate.set_worker(threading.get_ident())
+        try:
+            sub_optimizer.step(step=step, hyper=hyper, grad=grad, out=out, grad_scale=grad_scale, on_done=done)
+        except BaseException as exc:  # re-raised in the caller's thread by the gate
+            for reads in ahead.values():
+                for r in reads:
+                    if r is not None:
+                        r[1].exception()  # let the read in flight finish before its tensor goes
+            m.step_gate.fail(exc)
+            return
+        m.step_gate.finish()
+
+    # not a daemon: the interpreter joins it before tearing down. A daemon thread still in the
+    # C++ Adam op at exit was killed mid-frame ("terminate called without an active exception",
+    # exit code 134, when a script ends right after engine.step() without engine.close())
+    worker = threading.Thread(target=run, name="zeroinf-optimizer-step")
+    m.step_gate.starting(worker)
+    m.step_gate.begin(last.keys())
+    try:
+        worker.start()
+    except BaseException as exc:  # nothing runs the step: its waits raise instead of blocking for good
+        m.step_gate.fail(exc)
+        raise
+    finally:
+        m.step_gate.started()
+    return worker

@@ -58,10 +58,10 @@ HELD_PASS_THROUGH = PASS_THROUGH | frozenset({"to", "half", "float", "double", "
 
 _CLASSES: Dict[Tuple[type, bool], type] = {}
 
-#: What ``zeroinf.Init`` (init.py) knows of the parameters it holds: ``shapes_of(params)``, the
+#: What ``zeroinf.Init`` (held.py) knows of the parameters it holds: ``shapes_of(params)``, the
 #: true shapes of those it holds, and ``note_cast(param, dtype)``, a cast of one's placeholder.
-#: init.py installs them when imported (:func:`set_held_hooks`); until then no parameter is held.
-#: This module does not import init.py, which imports it: dependencies point one way.
+#: held.py installs them when imported (:func:`set_held_hooks`); until then no parameter is held.
+#: This module does not import held.py or init.py, which import it: dependencies point one way.
 _held_hooks: Tuple[Callable[[Iterable[nn.Parameter]], Dict[nn.Parameter, torch.Size]],
                    Callable[[nn.Parameter, torch.dtype], None]] = (lambda params: {}, lambda param, dtype: None)
 

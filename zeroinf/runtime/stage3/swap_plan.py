@@ -1,0 +1,90 @@
+"""What stage 3 will put on disk, decided from the config and the unit layout before anything is
+written: whether the fp32 partitions are the optimizer's masters, whether gradient partitions
+go to swap files, and the bytes of every swap file of a rank (for ``zeroinf.initialize``'s disk
+check and ``zeroinf.memcheck``).
+"""
+from __future__ import annotations
+
+import os
+from typing import Dict, List, Sequence, Tuple
+
+import torch
+
+from .options import Stage3Options
+
+__all__ = ["all_fp32", "grads_on_nvme", "group_index", "master_in_partitions", "swap_file_bytes"]
+
+
+def group_index(groups: Sequence[Sequence[torch.nn.Parameter]]) -> Dict[torch.nn.Parameter, int]:
+    """Parameter -> index of its optimizer param group."""
+    return {p: gi for gi, ps in enumerate(groups) for p in ps}
+
+
+def master_in_partitions(cfg) -> bool:
+    """Whether the optimizer's fp32 master weights are the parameter partitions themselves
+    ([Note: master in the partitions]): fp32 training, optimizer state on NVMe, partitions in
+    host memory or on NVMe."""
+    zc = cfg.zero_optimization
+    return (cfg.precision == "fp32" and zc.offload_optimizer.device == "nvme"
+            and zc.offload_param.device in ("cpu", "nvme"))
+
+
+def grads_on_nvme(cfg) -> bool:
+    """Gradient partitions go to swap files with both offloads on NVMe (ZeRO-Infinity), unless
+    the optimizer runs in the backward and consumes them as they are reduced."""
+    zc = cfg.zero_optimization
+    return (zc.offload_param.device == "nvme" and zc.offload_optimizer.device == "nvme"
+            and not cfg.zeroinf.optimizer_in_backward)
+
+
+def swap_file_bytes(model: torch.nn.Module, cfg, groups: Sequence[Sequence[torch.nn.Parameter]], *,
+                    rank: int = 0, world_size: int = 1) -> List[Tuple[str, str, str, int, str]]:
+    """NVMe swap files that :func:`engine_manager` and the engine's optimizer will create on
+    this rank, computed from the unit layout before anything is written.
+
+    Returns ``(config key, nvme_path, swap folder, bytes, what)`` per kind of file: parameter
+    partitions in the training dtype (``offload_param.device: nvme``), trainable gradient
+    partitions in fp32 and in the training dtype (both offloads on NVMe, ZeRO-Infinity, unless
+    ``zeroinf.optimizer_in_backward``; [Note: gradients on NVMe]), optimizer state at 12 bytes per trainable partition
+    element (fp32 master, exp_avg, exp_avg_sq; ``offload_optimizer.device: nvme``), 8 when the
+    partitions are the masters (:func:`master_in_partitions`).
+    """
+    from .held import init_shapes
+    from .units import build_units, find_unit_modules
+
+    opts = Stage3Options.from_zero_config(cfg.zero_optimization, cfg.aio.as_dict())
+    zc = cfg.zero_optimization
+    units = build_units(model, find_unit_modules(model, opts.unit_classes), opts.param_persistence_threshold,
+                        world_size, init_shapes(model), group_index(groups))
+    parts = [g for u in units for g in u.groups]
+    trainable = {p for ps in groups for p in ps}
+    out = []
+    if zc.offload_param.device == "nvme":
+        key, path = "zero_optimization.offload_param.nvme_path", opts.nvme_path
+        folder = os.path.join(path, f"zeroinf_params_rank{rank}")
+        out.append((key, path, folder, sum(g.shard_numel * torch.empty(0, dtype=g.dtype).element_size()
+                                           for g in parts), "parameter partitions"))
+        if grads_on_nvme(cfg):
+            # fp32 (accumulated) and, for bf16/fp16 training, one micro-batch's in the training
+            # dtype; none for groups the optimizer does not step (the manager makes no file for them)
+            out.append((key, path, folder, sum((4 + (0 if g.dtype == torch.float32 else g.dtype.itemsize))
+                                               * g.shard_numel for g in parts
+                                               if any(s.param in trainable for s in g.slots)),
+                        "gradient partitions"))
+    if zc.offload_optimizer.device == "nvme":
+        path = zc.offload_optimizer.nvme_path
+        masters = master_in_partitions(cfg) and all_fp32(  # as Stage3EngineParams decides
+            g for g in parts if any(s.param in trainable for s in g.slots))
+        per = 8 if masters else 12
+        out.append(("zero_optimization.offload_optimizer.nvme_path", path,
+                    os.path.join(path, "zeroinf_optimizer", f"rank{rank}"),
+                    per * sum(g.shard_numel for g in parts if any(s.param in trainable for s in g.slots)),
+                    f"optimizer state ({per} bytes per element)"))
+    return out
+
+
+def all_fp32(groups) -> bool:
+    """Whether every given (trainable) flat group is fp32: only then are the partitions the
+    masters ([Note: master in the partitions]); a model left in bf16 under ``"precision":
+    "fp32"`` keeps the optimizer's own fp32 copy."""
+    return all(g.dtype == torch.float32 for g in groups)
