@@ -18,6 +18,7 @@ from zeroinf.io import (AIOError, AIOFileNotFoundError, AsyncIOHandle, BackendUn
                         DiskFullError, PinnedBufferPool, ReadPastEndError, SizeMismatchError)
 from zeroinf.io import backends as io_backends
 from zeroinf.io import handle as io_handle
+from zeroinf.io import locked as io_locked
 from zeroinf.ops import OpUnavailableError
 
 MiB = 1 << 20
@@ -630,20 +631,20 @@ def _vm_flags_and_locked(addr: int):
 def test_locked_tensor_layout_lock_and_free(huge):
     numel = 3 * MiB + 5  # fp32: 12 MiB + 20 bytes, so the last huge page is partly used
     nbytes = numel * 4
-    step = io_handle.HUGE_PAGE if huge else 4096
+    step = io_locked.HUGE_PAGE if huge else 4096
     expect = -(-nbytes // step) * step
-    assert io_handle.locked_cpu_tensor_bytes(numel, torch.float32, huge) == expect
+    assert io_locked.locked_cpu_tensor_bytes(numel, torch.float32, huge) == expect
     _, before = _vm_flags_and_locked(0)
-    t = io_handle.locked_cpu_tensor(numel, torch.float32, huge_pages=huge)
+    t = io_locked.locked_cpu_tensor(numel, torch.float32, huge_pages=huge)
     assert t.dtype == torch.float32 and t.shape == (numel,) and t.is_contiguous()
-    assert t.data_ptr() % io_handle.HUGE_PAGE == 0
+    assert t.data_ptr() % io_locked.HUGE_PAGE == 0
     assert not t.any()
     flags, locked = _vm_flags_and_locked(t.data_ptr())
     assert locked - before == expect
     assert ("hg" in flags) == huge  # MADV_HUGEPAGE applied exactly when asked
-    assert io_handle.free_locked_cpu_tensor(t)
-    assert not io_handle.free_locked_cpu_tensor(t)  # already freed
-    assert not io_handle.free_locked_cpu_tensor(torch.zeros(3))  # not ours
+    assert io_locked.free_locked_cpu_tensor(t)
+    assert not io_locked.free_locked_cpu_tensor(t)  # already freed
+    assert not io_locked.free_locked_cpu_tensor(torch.zeros(3))  # not ours
     assert _vm_flags_and_locked(0)[1] == before
     t.fill_(1.5)  # still valid memory after free (unlocked), until dropped
     assert float(t[-1]) == 1.5
@@ -669,28 +670,28 @@ def test_locked_tensor_budget_errors_before_allocating(monkeypatch):
     from zeroinf.io import PinnedMemoryError
 
     with pytest.raises(ValueError, match="num_elem"):
-        io_handle.locked_cpu_tensor(0)
+        io_locked.locked_cpu_tensor(0)
     with pytest.raises(TypeError, match="example_tensor"):
         AsyncIOHandle(backend="python").new_cpu_locked_tensor(4, torch.float32)
-    monkeypatch.setattr(io_handle, "_memlock_limit", lambda: 4 * MiB)
+    monkeypatch.setattr(io_locked, "_memlock_limit", lambda: 4 * MiB)
     with pytest.raises(PinnedMemoryError, match="memlock limit"):
-        io_handle.locked_cpu_tensor(4 * MiB + 1)
-    monkeypatch.setattr(io_handle, "_memlock_limit", lambda: None)
-    monkeypatch.setattr(io_handle, "_available_bytes", lambda: 8 * MiB)
+        io_locked.locked_cpu_tensor(4 * MiB + 1)
+    monkeypatch.setattr(io_locked, "_memlock_limit", lambda: None)
+    monkeypatch.setattr(io_locked, "_available_bytes", lambda: 8 * MiB)
     with pytest.raises(PinnedMemoryError, match="available memory"):
-        io_handle.locked_cpu_tensor(8 * MiB + 1)
+        io_locked.locked_cpu_tensor(8 * MiB + 1)
 
 
 def test_locked_tensor_warns_once_when_thp_is_off(monkeypatch):
-    monkeypatch.setattr(io_handle, "_thp_mode", lambda: "never")
-    monkeypatch.setattr(io_handle, "_THP_WARNED", False)
+    monkeypatch.setattr(io_locked, "_thp_mode", lambda: "never")
+    monkeypatch.setattr(io_locked, "_THP_WARNED", False)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        a = io_handle.locked_cpu_tensor(4096)
-        b = io_handle.locked_cpu_tensor(4096)
+        a = io_locked.locked_cpu_tensor(4096)
+        b = io_locked.locked_cpu_tensor(4096)
     msgs = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
     assert len(msgs) == 1 and "huge pages are disabled" in msgs[0]
-    assert io_handle.free_locked_cpu_tensor(a) and io_handle.free_locked_cpu_tensor(b)
+    assert io_locked.free_locked_cpu_tensor(a) and io_locked.free_locked_cpu_tensor(b)
 
 
 def test_one_python_backend_handle_shared_by_threads(tmp_path):
