@@ -3,7 +3,8 @@
 
 # DeepSpeed Team
 #
-# Modified for zeroinf: copied from deepspeedai/DeepSpeed v0.19.5, tests/unit/v1/nvme/test_aio.py (tests/unit/ops/aio/ before).
+# Modified for zeroinf: copied from deepspeedai/DeepSpeed v0.19.5, tests/unit/v1/nvme/test_aio.py
+# (tests/unit/ops/aio/test_aio.py before v0.19.4).
 # Changed: the imports (DeepSpeed's op names from zeroinf, its test utilities and accelerator
 # from the single-process stand-ins in .common).
 

@@ -5,7 +5,8 @@
 #
 # Modified for zeroinf: copied from deepspeedai/DeepSpeed v0.19.5, tests/unit/ops/adam/test_cpu_adam.py.
 # Changed: the imports (DeepSpeed's op names from zeroinf, its test utilities and accelerator
-# from the single-process stand-ins in .common), and TestCPUAdamGPUError skips where the accelerator is the CPU.
+# from the single-process stand-ins in .common), and TestCPUAdamGPUError skips where the
+# accelerator is the CPU.
 
 import os
 import sys

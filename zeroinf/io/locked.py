@@ -2,12 +2,13 @@
 :class:`~zeroinf.io.AsyncIOHandle` (DeepSpeed's ``new_cpu_locked_tensor``).
 
 :func:`locked_cpu_tensor` (also :meth:`AsyncIOHandle.new_cpu_locked_tensor`) gives page-locked
-memory backed by 2 MiB transparent huge pages. O_DIRECT hands the buffer's pages to the device as a scatter list of at most ``max_segments`` entries per
-request (254 on this project's virtio disk), so scattered 4 KiB pages cap device requests near
-1 MiB, while physically contiguous 2 MiB pages let the block layer merge them up to
-``max_sectors_kb`` (4 MiB there). On that disk this buffer read 1.11-1.18x and wrote 1.17-1.26x
-faster than a :class:`~zeroinf.io.PinnedBufferPool` buffer (4 KiB pages), same engine, same
-run (bench/README.md, bench/aio.py).
+memory backed by 2 MiB transparent huge pages. O_DIRECT hands the buffer's pages to the device
+as a scatter list of at most ``max_segments`` entries per request (254 on this project's virtio
+disk), so scattered 4 KiB pages cap device requests near 1 MiB, while physically contiguous 2
+MiB pages let the block layer merge them up to ``max_sectors_kb`` (4 MiB there). On that disk
+this buffer read 1.11-1.18x and wrote 1.17-1.26x faster than a
+:class:`~zeroinf.io.PinnedBufferPool` buffer (4 KiB pages), same engine, same run
+(bench/README.md, bench/aio.py).
 """
 from __future__ import annotations
 
