@@ -90,7 +90,10 @@ def test_subgroup_errors_name_the_problem():
 
 
 def test_op_builder_entry_points():
+    import zeroinf as deepspeed
+
     assert __compatible_ops__ == {"cpu_adam": True, "async_io": True, "fused_adam": False}
+    assert deepspeed.ops.adam.DeepSpeedCPUAdam is DeepSpeedCPUAdam  # DeepSpeed's attribute path
     op = CPUAdamBuilder().load()
     op.create_adam(3, 1e-2, 0.9, 0.999, 1e-8, 0.1, True, False)
     base = torch.randn(50)

@@ -13,3 +13,12 @@ __compatible_ops__ = compatible_ops()
 
 __all__ = ["OPS", "OpBuildError", "OpUnavailableError", "cache_dir", "load_op", "op_status",
            "ops_disabled", "try_load_op"]
+
+
+def __getattr__(name):
+    """``zeroinf.ops.adam`` without its own import (as ``deepspeed.ops.adam``), imported on first
+    access so that loading the op machinery does not import the optimizers."""
+    if name == "adam":
+        import importlib
+        return importlib.import_module("zeroinf.ops.adam")
+    raise AttributeError(f"module 'zeroinf.ops' has no attribute {name!r}")
