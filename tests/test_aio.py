@@ -663,7 +663,9 @@ def test_locked_tensor_round_trip(handle, tmp_path, numel, dtype):
     handle.async_pread(dst, path)
     assert handle.wait() == 1
     assert torch.equal(dst, src)
+    assert handle.is_pinned(src) and handle.is_pinned(dst[numel // 2:]) and not handle.is_pinned(torch.zeros(4))
     assert handle.free_cpu_locked_tensor(src) and handle.free_cpu_locked_tensor(dst)
+    assert not handle.is_pinned(src)
 
 
 def test_locked_tensor_budget_errors_before_allocating(monkeypatch):

@@ -48,7 +48,7 @@ import torch
 from .backends import ALIGN, choose_backend, fault_spec, make_engine
 from .checksum import ChunkChecksums
 from .errors import AIOError, SizeMismatchError, ReadPastEndError, make_error
-from .locked import (HUGE_PAGE, free_locked_cpu_tensor, huge_page_bytes, locked_cpu_tensor,
+from .locked import (HUGE_PAGE, free_locked_cpu_tensor, huge_page_bytes, is_locked_cpu_tensor, locked_cpu_tensor,
                      locked_cpu_tensor_bytes)
 from .request_args import byte_view, writable_fd_path
 
@@ -250,6 +250,12 @@ class AsyncIOHandle:
     def free_cpu_locked_tensor(self, tensor: torch.Tensor) -> bool:
         """Unlock a tensor from :meth:`new_cpu_locked_tensor`; see :func:`free_locked_cpu_tensor`."""
         return free_locked_cpu_tensor(tensor)
+
+    def is_pinned(self, buffer: torch.Tensor) -> bool:
+        """DeepSpeed's ``is_pinned``: whether ``buffer`` is page-locked (torch-pinned, or from
+        :meth:`new_cpu_locked_tensor`). Any contiguous CPU tensor can be read or written; locked
+        ones are the fastest."""
+        return is_locked_cpu_tensor(buffer) or (isinstance(buffer, torch.Tensor) and bool(buffer.is_pinned()))
 
     # -- submission ---------------------------------------------------------------------------
     def _open(self, path: str, is_read: bool, offset: int, nbytes: int, whole_file: bool = False):

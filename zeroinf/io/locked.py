@@ -21,7 +21,8 @@ import torch
 
 from .pool import HUGE_PAGE, PinnedMemoryError, _available_bytes, _locked_bytes, _memlock_limit, _mlock, _munlock
 
-__all__ = ["HUGE_PAGE", "free_locked_cpu_tensor", "huge_page_bytes", "locked_cpu_tensor", "locked_cpu_tensor_bytes"]
+__all__ = ["HUGE_PAGE", "free_locked_cpu_tensor", "huge_page_bytes", "is_locked_cpu_tensor", "locked_cpu_tensor",
+           "locked_cpu_tensor_bytes"]
 
 _THP_ENABLED = "/sys/kernel/mm/transparent_hugepage/enabled"
 _THP_WARNED = False
@@ -127,6 +128,16 @@ def free_locked_cpu_tensor(tensor: torch.Tensor) -> bool:
         return False
     _munlock(tensor.data_ptr(), total)
     return True
+
+
+def is_locked_cpu_tensor(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor``'s first byte lies in a buffer made by :func:`locked_cpu_tensor` and not
+    yet freed (a view of one counts)."""
+    if not isinstance(tensor, torch.Tensor) or tensor.device.type != "cpu":
+        return False
+    addr = tensor.data_ptr()
+    with _LOCKED_MU:
+        return any(start <= addr < start + total for start, total in _LOCKED.items())
 
 
 def huge_page_bytes(tensor: torch.Tensor) -> int:
