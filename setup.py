@@ -99,7 +99,7 @@ setup(
     install_requires=["torch>=2.4", "numpy", "psutil", "ninja", "pybind11", "tqdm"],
     extras_require={
         "train": ["transformers>=4.40", "safetensors", "matplotlib"],
-        "test": ["pytest", "transformers>=4.40", "accelerate>=1.0", "safetensors", "matplotlib", "hjson"],
+        "test": ["pytest", "py-cpuinfo", "transformers>=4.40", "accelerate>=1.0", "safetensors", "matplotlib", "hjson"],
     },
     entry_points={"console_scripts": ["zeroinf=zeroinf.cli:main"]},
     ext_modules=ext_modules,

@@ -12,7 +12,7 @@ queue depth and which buffer the bytes came from / went to:
 * ``fio-libaio`` — fio (ioengine=libaio, direct=1, its own buffer: ``buf=fio``) with the same
   block size and depth, when the ``fio`` binary is installed.
 
-Buffers (``--buffers``): ``locked`` is :func:`zeroinf.io.handle.locked_cpu_tensor` (page-locked,
+Buffers (``--buffers``): ``locked`` is :func:`zeroinf.io.locked.locked_cpu_tensor` (page-locked,
 2 MiB huge pages; ``AsyncIOHandle.new_cpu_locked_tensor``), ``pool`` a
 :class:`~zeroinf.io.PinnedBufferPool` buffer (mlock-ed 4 KiB pages). The buffer decides much of
 the speed on a virtio disk: device requests are capped by how many physically scattered pages
@@ -47,7 +47,7 @@ import torch  # noqa: E402
 
 from zeroinf.io import AsyncIOHandle, PinnedBufferPool  # noqa: E402
 from zeroinf.io.backends import BACKENDS, backend_reasons  # noqa: E402
-from zeroinf.io.handle import huge_page_bytes, locked_cpu_tensor  # noqa: E402
+from zeroinf.io.locked import huge_page_bytes, locked_cpu_tensor  # noqa: E402
 from zeroinf.io.tune import parse_block_sizes, parse_bytes  # noqa: E402
 from zeroinf.sizes import format_bytes as _fmt  # noqa: E402
 from zeroinf.sizes import SIZE_HELP  # noqa: E402

@@ -18,6 +18,7 @@ from zeroinf.io import (AIOError, AIOFileNotFoundError, AsyncIOHandle, BackendUn
                         DiskFullError, PinnedBufferPool, ReadPastEndError, SizeMismatchError)
 from zeroinf.io import backends as io_backends
 from zeroinf.io import handle as io_handle
+from zeroinf.io import locked as io_locked
 from zeroinf.ops import OpUnavailableError
 
 MiB = 1 << 20
@@ -71,14 +72,14 @@ def test_round_trip_exact(handle, pool, tmp_path, n, offset):
     # plain tensor (bounce/buffered path) for small ones, so both paths are covered.
     src = pool.buffers()[0][:n] if n >= MiB else torch.empty(n + 1, dtype=torch.uint8)[1:]
     src.copy_(_rand_bytes(n))
-    assert handle.sync_pwrite(src, path, offset) == n
+    assert handle.sync_pwrite(src, path, offset) == 1  # DeepSpeed's value: one request completed
     on_disk = path.read_bytes()
     assert len(on_disk) == offset + n
     assert on_disk[:offset] == _bytes(head)
     assert on_disk[offset:] == _bytes(src)
     dst = pool.buffers()[1][:n] if n >= MiB else torch.empty(n + 3, dtype=torch.uint8)[3:]
     dst.fill_(0xAB)
-    assert handle.sync_pread(dst, path, offset) == n
+    assert handle.sync_pread(dst, path, offset) == 1
     assert torch.equal(dst, src)
 
 
@@ -259,17 +260,17 @@ def test_deepspeed_aio_handle_calls_carry_over(backend, tmp_path):
     assert (h.get_single_submit(), h.get_overlap_events(), h.get_intra_op_parallelism()) == (True, False, 2)
     a, b = _rand_bytes(4096), _rand_bytes(5000)
     path = tmp_path / "two"
-    assert h.sync_pwrite(a, path, 0) == 4096 and h.pwrite(b, path, False, True, 4096) == 0 and h.wait() == 1
+    assert h.sync_pwrite(a, path, 0) == 1 and h.pwrite(b, path, False, True, 4096) == 0 and h.wait() == 1
     got_a, got_b = torch.zeros_like(a), torch.zeros_like(b)
-    assert h.sync_pread(got_a, path) == 4096  # the first tensor of the file, from offset 0
-    assert h.pread(got_b, path, False, False, 4096) == 5000
+    assert h.sync_pread(got_a, path) == 1  # the first tensor of the file, from offset 0
+    assert h.pread(got_b, path, False, False, 4096) == 1
     assert torch.equal(got_a, a) and torch.equal(got_b, b)
     head = torch.zeros(16, dtype=torch.uint8)
-    h.async_pread(head, path)
+    assert h.async_pread(head, path) == 0
     assert h.wait() == 1 and torch.equal(head, a[:16])
     whole = torch.zeros(4096 + 5000, dtype=torch.uint8)
-    assert h.read(whole, path) == 9096 and torch.equal(whole, torch.cat([a, b]))
-    h.write(b, tmp_path / "one")
+    assert h.read(whole, path) == 0 and torch.equal(whole, torch.cat([a, b]))
+    assert h.write(b, tmp_path / "one") == 0
     assert (tmp_path / "one").read_bytes() == _bytes(b)
     h.close()
 
@@ -387,8 +388,8 @@ def test_from_config_deepspeed_block():
     assert (h.get_block_size(), h.get_queue_depth(), h.get_intra_op_parallelism()) == (262144, 32, 2)
     with pytest.raises(ValueError, match=r"^aio\.block_sise: unknown key"):
         AsyncIOHandle.from_config({"block_sise": 4096})
-    with pytest.raises(ValueError, match=r"^aio\.block_size: .*multiple of 4096"):
-        AsyncIOHandle.from_config({"block_size": 1000})
+    with pytest.raises(ValueError, match=r"^aio\.block_size: expected an integer >= 1, got 0"):
+        AsyncIOHandle.from_config({"block_size": 0})
     with pytest.raises(ValueError, match=r"^aio\.single_submit"):
         AsyncIOHandle.from_config({"single_submit": "yes"})
     with pytest.raises(ValueError, match=r"^aio\.thread_count: 3 disagrees with intra_op_parallelism=2"):
@@ -630,20 +631,20 @@ def _vm_flags_and_locked(addr: int):
 def test_locked_tensor_layout_lock_and_free(huge):
     numel = 3 * MiB + 5  # fp32: 12 MiB + 20 bytes, so the last huge page is partly used
     nbytes = numel * 4
-    step = io_handle.HUGE_PAGE if huge else 4096
+    step = io_locked.HUGE_PAGE if huge else 4096
     expect = -(-nbytes // step) * step
-    assert io_handle.locked_cpu_tensor_bytes(numel, torch.float32, huge) == expect
+    assert io_locked.locked_cpu_tensor_bytes(numel, torch.float32, huge) == expect
     _, before = _vm_flags_and_locked(0)
-    t = io_handle.locked_cpu_tensor(numel, torch.float32, huge_pages=huge)
+    t = io_locked.locked_cpu_tensor(numel, torch.float32, huge_pages=huge)
     assert t.dtype == torch.float32 and t.shape == (numel,) and t.is_contiguous()
-    assert t.data_ptr() % io_handle.HUGE_PAGE == 0
+    assert t.data_ptr() % io_locked.HUGE_PAGE == 0
     assert not t.any()
     flags, locked = _vm_flags_and_locked(t.data_ptr())
     assert locked - before == expect
     assert ("hg" in flags) == huge  # MADV_HUGEPAGE applied exactly when asked
-    assert io_handle.free_locked_cpu_tensor(t)
-    assert not io_handle.free_locked_cpu_tensor(t)  # already freed
-    assert not io_handle.free_locked_cpu_tensor(torch.zeros(3))  # not ours
+    assert io_locked.free_locked_cpu_tensor(t)
+    assert not io_locked.free_locked_cpu_tensor(t)  # already freed
+    assert not io_locked.free_locked_cpu_tensor(torch.zeros(3))  # not ours
     assert _vm_flags_and_locked(0)[1] == before
     t.fill_(1.5)  # still valid memory after free (unlocked), until dropped
     assert float(t[-1]) == 1.5
@@ -657,40 +658,42 @@ def test_locked_tensor_round_trip(handle, tmp_path, numel, dtype):
     assert src.dtype == dtype and src.numel() == numel
     src.copy_(torch.randn(numel).to(dtype))
     path = tmp_path / "f.bin"
-    assert handle.sync_pwrite(src, path) == numel * src.element_size()
+    assert handle.sync_pwrite(src, path) == 1
     assert path.read_bytes() == _bytes(src)
     handle.async_pread(dst, path)
     assert handle.wait() == 1
     assert torch.equal(dst, src)
+    assert handle.is_pinned(src) and handle.is_pinned(dst[numel // 2:]) and not handle.is_pinned(torch.zeros(4))
     assert handle.free_cpu_locked_tensor(src) and handle.free_cpu_locked_tensor(dst)
+    assert not handle.is_pinned(src)
 
 
 def test_locked_tensor_budget_errors_before_allocating(monkeypatch):
     from zeroinf.io import PinnedMemoryError
 
     with pytest.raises(ValueError, match="num_elem"):
-        io_handle.locked_cpu_tensor(0)
+        io_locked.locked_cpu_tensor(0)
     with pytest.raises(TypeError, match="example_tensor"):
         AsyncIOHandle(backend="python").new_cpu_locked_tensor(4, torch.float32)
-    monkeypatch.setattr(io_handle, "_memlock_limit", lambda: 4 * MiB)
+    monkeypatch.setattr(io_locked, "_memlock_limit", lambda: 4 * MiB)
     with pytest.raises(PinnedMemoryError, match="memlock limit"):
-        io_handle.locked_cpu_tensor(4 * MiB + 1)
-    monkeypatch.setattr(io_handle, "_memlock_limit", lambda: None)
-    monkeypatch.setattr(io_handle, "_available_bytes", lambda: 8 * MiB)
+        io_locked.locked_cpu_tensor(4 * MiB + 1)
+    monkeypatch.setattr(io_locked, "_memlock_limit", lambda: None)
+    monkeypatch.setattr(io_locked, "_available_bytes", lambda: 8 * MiB)
     with pytest.raises(PinnedMemoryError, match="available memory"):
-        io_handle.locked_cpu_tensor(8 * MiB + 1)
+        io_locked.locked_cpu_tensor(8 * MiB + 1)
 
 
 def test_locked_tensor_warns_once_when_thp_is_off(monkeypatch):
-    monkeypatch.setattr(io_handle, "_thp_mode", lambda: "never")
-    monkeypatch.setattr(io_handle, "_THP_WARNED", False)
+    monkeypatch.setattr(io_locked, "_thp_mode", lambda: "never")
+    monkeypatch.setattr(io_locked, "_THP_WARNED", False)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        a = io_handle.locked_cpu_tensor(4096)
-        b = io_handle.locked_cpu_tensor(4096)
+        a = io_locked.locked_cpu_tensor(4096)
+        b = io_locked.locked_cpu_tensor(4096)
     msgs = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
     assert len(msgs) == 1 and "huge pages are disabled" in msgs[0]
-    assert io_handle.free_locked_cpu_tensor(a) and io_handle.free_locked_cpu_tensor(b)
+    assert io_locked.free_locked_cpu_tensor(a) and io_locked.free_locked_cpu_tensor(b)
 
 
 def test_one_python_backend_handle_shared_by_threads(tmp_path):
@@ -727,3 +730,36 @@ def test_one_python_backend_handle_shared_by_threads(tmp_path):
     h.close()
     for t in range(4):
         assert (tmp_path / f"t{t}.bin").read_bytes() == bytes([t]) * 100
+
+
+def test_block_size_below_4096_and_writes_through_a_descriptor(backend, tmp_path):
+    """DeepSpeed's tests use block_size=1024: the engine moves 4096-byte transfers and the getter
+    returns 1024. async_pwrite takes an open descriptor (fd=, or an int in filename's place) and
+    leaves it open; the bytes land at the offsets given."""
+    h = AsyncIOHandle(1024, 2, True, True, 2)
+    assert h.get_block_size() == 1024
+    data = _rand_bytes(3 * 4096 + 100)
+    path = tmp_path / "via_fd"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o600)
+    try:
+        assert h.async_pwrite(buffer=data[:4096], fd=fd, file_offset=0) == 0
+        assert h.async_pwrite(data[4096:], fd, 4096) == 0
+        assert h.wait() == 2
+        os.fstat(fd)  # still open
+    finally:
+        os.close(fd)
+    assert path.read_bytes() == _bytes(data)
+    back = torch.zeros_like(data)
+    assert h.sync_pread(back, path, 0) == 1 and torch.equal(back, data)
+    ro = os.open(path, os.O_RDONLY)
+    try:
+        with pytest.raises(ValueError, match=f"fd {ro}: opened read-only"):
+            h.async_pwrite(data, fd=ro)
+    finally:
+        os.close(ro)
+    with pytest.raises(ValueError, match="exactly one of filename and fd"):
+        h.async_pwrite(data, path, fd=3)
+    with pytest.raises(ValueError, match="fd 987654: not an open file descriptor"):
+        h.async_pwrite(data, fd=987654)
+    assert path.read_bytes() == _bytes(data)  # the refused requests wrote nothing
+    h.close()

@@ -284,7 +284,7 @@ def _vm_locked() -> int:
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA pinned memory comes from CUDA's host allocator")
 def test_pool_buffers_are_backed_by_huge_pages_where_the_kernel_allows():
     """4 KiB pages scattered in physical memory cap O_DIRECT requests near 1 MiB (bench/README.md)."""
-    from zeroinf.io.handle import _thp_mode, huge_page_bytes
+    from zeroinf.io.locked import _thp_mode, huge_page_bytes
 
     if _thp_mode() not in ("always", "madvise"):
         pytest.skip(f"transparent huge pages are {_thp_mode() or 'unknown'} on this kernel")

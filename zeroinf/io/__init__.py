@@ -4,7 +4,7 @@
   (backends: libaio, a C++ thread pool, a pure-Python thread pool; see :mod:`.backends`).
 * :class:`PinnedBufferPool` / :func:`pinned_pool_bytes` — aligned, page-locked buffers with a
   budget checked before allocating.
-* :func:`locked_cpu_tensor` / :func:`free_locked_cpu_tensor` — one page-locked tensor on 2 MiB
+* :func:`locked_cpu_tensor` / :func:`free_locked_cpu_tensor` (:mod:`.locked`) — one page-locked tensor on 2 MiB
   huge pages (DeepSpeed's ``new_cpu_locked_tensor``); :func:`huge_page_bytes` checks it got them.
 * :class:`TensorSwapper` — named tensors to preallocated swap files and back, with a manifest;
   every transfer's CRC-32Cs recorded and verified (:class:`ChunkChecksums`, :mod:`.checksum`).

@@ -22,15 +22,6 @@ Alignment and file-size rules (all sizes in bytes, alignment 4096):
 * When the filesystem refuses O_DIRECT (``open`` fails with EINVAL), I/O on it is buffered and
   one ``RuntimeWarning`` per filesystem per process says so.
 
-Buffers for speed: :func:`locked_cpu_tensor` (also :meth:`AsyncIOHandle.new_cpu_locked_tensor`,
-DeepSpeed's name) gives page-locked memory backed by 2 MiB transparent huge pages. O_DIRECT hands
-the buffer's pages to the device as a scatter list of at most ``max_segments`` entries per
-request (254 on this project's virtio disk), so scattered 4 KiB pages cap device requests near
-1 MiB, while physically contiguous 2 MiB pages let the block layer merge them up to
-``max_sectors_kb`` (4 MiB there). On that disk this buffer read 1.11-1.18x and wrote 1.17-1.26x
-faster than a :class:`~zeroinf.io.PinnedBufferPool` buffer (4 KiB pages), same engine, same
-run (bench/README.md, bench/aio.py).
-
 Lifetime: :meth:`AsyncIOHandle.close` waits for pending requests, then stops the worker threads;
 it is idempotent. Every live handle is also closed by an ``atexit`` hook (handles are tracked by
 weak reference), so the workers are joined while the interpreter, torch and pybind11 are still
@@ -42,7 +33,6 @@ from __future__ import annotations
 import atexit
 import contextlib
 import errno
-import mmap
 import os
 import signal
 import stat
@@ -58,137 +48,12 @@ import torch
 from .backends import ALIGN, choose_backend, fault_spec, make_engine
 from .checksum import ChunkChecksums
 from .errors import AIOError, SizeMismatchError, ReadPastEndError, make_error
-from .pool import HUGE_PAGE, PinnedMemoryError, _available_bytes, _locked_bytes, _memlock_limit, _mlock, _munlock
+from .locked import (HUGE_PAGE, free_locked_cpu_tensor, huge_page_bytes, is_locked_cpu_tensor, locked_cpu_tensor,
+                     locked_cpu_tensor_bytes)
+from .request_args import byte_view, writable_fd_path
 
 __all__ = ["AsyncIOHandle", "HUGE_PAGE", "free_locked_cpu_tensor", "huge_page_bytes", "locked_cpu_tensor",
            "locked_cpu_tensor_bytes"]
-
-#: Transparent huge page size (bytes) that locked buffers are aligned to and advised for.
-
-_THP_ENABLED = "/sys/kernel/mm/transparent_hugepage/enabled"
-_THP_WARNED = False
-
-#: data_ptr -> locked bytes of every buffer made by locked_cpu_tensor and not yet freed.
-_LOCKED: Dict[int, int] = {}
-_LOCKED_MU = threading.Lock()
-
-
-def _thp_mode() -> str:
-    """The kernel's transparent huge page mode ("always", "madvise", "never"; "" if unknown)."""
-    try:
-        with open(_THP_ENABLED) as f:
-            text = f.read()
-    except OSError:
-        return ""
-    start, end = text.find("["), text.find("]")
-    return text[start + 1:end] if 0 <= start < end else ""
-
-
-def locked_cpu_tensor_bytes(num_elem: int, dtype: torch.dtype = torch.uint8, huge_pages: bool = True) -> int:
-    """Exact bytes :func:`locked_cpu_tensor` locks for ``num_elem`` elements of ``dtype``.
-
-    The tensor's bytes rounded up to :data:`HUGE_PAGE` (``huge_pages``) or to the page size, so
-    the last huge page is whole. Raises ``ValueError`` for ``num_elem`` < 1.
-    """
-    if not isinstance(num_elem, int) or isinstance(num_elem, bool) or num_elem < 1:
-        raise ValueError(f"num_elem: expected an integer >= 1, got {num_elem!r}")
-    nbytes = num_elem * torch.empty((), dtype=dtype).element_size()
-    step = HUGE_PAGE if huge_pages else mmap.PAGESIZE
-    return -(-nbytes // step) * step
-
-
-def locked_cpu_tensor(num_elem: int, dtype: torch.dtype = torch.uint8, huge_pages: bool = True) -> torch.Tensor:
-    """A 1-D CPU tensor of ``num_elem`` elements of ``dtype`` in page-locked, pre-faulted memory.
-
-    The memory is an anonymous mapping whose start is :data:`HUGE_PAGE`-aligned (so it also
-    meets O_DIRECT's 4096-byte rule), advised ``MADV_HUGEPAGE`` when ``huge_pages`` (the default),
-    then ``mlock``-ed, which faults every page in: with transparent huge pages enabled
-    ("always" or "madvise") it is backed by 2 MiB pages, the fastest buffer for
-    :class:`AsyncIOHandle` (see the module docstring). Contents are zero.
-
-    Lifetime: the mapping lives as long as any view of the tensor; :func:`free_locked_cpu_tensor`
-    (or :meth:`AsyncIOHandle.free_cpu_locked_tensor`) unlocks it early.
-
-    Args:
-        num_elem: elements (>= 1).
-        dtype: element type (default ``torch.uint8``).
-        huge_pages: advise 2 MiB pages. When the kernel's THP mode is "never", 4 KiB pages are
-            used and one ``RuntimeWarning`` per process says so.
-
-    Raises:
-        ValueError: ``num_elem`` < 1.
-        PinnedMemoryError: before allocating, when :func:`locked_cpu_tensor_bytes` exceeds the
-            available memory or the soft ``RLIMIT_MEMLOCK`` (unless CAP_IPC_LOCK); or when
-            ``mlock`` fails (nothing stays allocated then).
-    """
-    global _THP_WARNED
-    total = locked_cpu_tensor_bytes(num_elem, dtype, huge_pages)
-    avail = _available_bytes()
-    if total > avail:
-        raise PinnedMemoryError(f"locked tensor of {num_elem} x {dtype} ({total} bytes locked) exceeds the "
-                                f"{avail} bytes of available memory")
-    limit = _memlock_limit()
-    if limit is not None and total + _locked_bytes() > limit:
-        raise PinnedMemoryError(f"locked tensor of {num_elem} x {dtype} ({total} bytes locked) exceeds the memlock "
-                                f"limit (RLIMIT_MEMLOCK soft = {limit} bytes, {_locked_bytes()} already locked); "
-                                "raise it with `ulimit -l`")
-    if huge_pages and _thp_mode() == "never" and not _THP_WARNED:
-        _THP_WARNED = True
-        warnings.warn(f"transparent huge pages are disabled ({_THP_ENABLED} is 'never'): locked buffers use "
-                      "4 KiB pages, which can cap O_DIRECT device requests near 1 MiB", RuntimeWarning, stacklevel=2)
-    # Over-map by one huge page so an aligned start exists; the slack is never touched (no RSS).
-    m = mmap.mmap(-1, total + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    whole = torch.frombuffer(m, dtype=torch.uint8)  # holds a reference to the mapping
-    skip = (-whole.data_ptr()) % HUGE_PAGE
-    if huge_pages:
-        m.madvise(mmap.MADV_HUGEPAGE, skip, total)
-    addr = whole.data_ptr() + skip
-    try:
-        _mlock(addr, total)
-    except PinnedMemoryError as exc:
-        whole = None  # the mapping cannot close while a tensor still exports its buffer
-        m.close()
-        raise PinnedMemoryError(f"locked tensor of {num_elem} x {dtype} ({total} bytes): {exc}") from None
-    with _LOCKED_MU:
-        _LOCKED[addr] = total
-    nbytes = num_elem * torch.empty((), dtype=dtype).element_size()
-    return whole[skip:skip + nbytes].view(dtype)
-
-
-def free_locked_cpu_tensor(tensor: torch.Tensor) -> bool:
-    """Unlock a tensor made by :func:`locked_cpu_tensor` (DeepSpeed's ``free_cpu_locked_tensor``).
-
-    Returns False, doing nothing, for any other tensor (or one already freed). The memory stays
-    valid, unlocked, until the last view of it is dropped.
-    """
-    if not isinstance(tensor, torch.Tensor):
-        return False
-    with _LOCKED_MU:
-        total = _LOCKED.pop(tensor.data_ptr(), None)
-    if total is None:
-        return False
-    _munlock(tensor.data_ptr(), total)
-    return True
-
-
-def huge_page_bytes(tensor: torch.Tensor) -> int:
-    """Bytes of the anonymous huge pages (``AnonHugePages`` in /proc/self/smaps) of the memory
-    mapping holding ``tensor``'s first byte; 0 when that mapping has none or smaps is unreadable.
-    A diagnostic for benches and tests: whether :func:`locked_cpu_tensor` got 2 MiB pages."""
-    addr = tensor.data_ptr()
-    try:
-        with open("/proc/self/smaps") as f:
-            inside = False
-            for line in f:
-                head = line.split(" ", 1)[0]
-                if "-" in head and ":" not in head:
-                    lo, hi = (int(x, 16) for x in head.split("-"))
-                    inside = lo <= addr < hi
-                elif inside and line.startswith("AnonHugePages:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
 
 #: st_dev of filesystems already warned about refusing O_DIRECT (one warning per process each).
 _NO_DIRECT_WARNED: set = set()
@@ -229,21 +94,6 @@ class _Pending:
     checksums: Optional[ChunkChecksums] = None  # filled by _finish when the request succeeds
 
 
-def _byte_view(buffer, name: str = "buffer") -> torch.Tensor:
-    if not isinstance(buffer, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(buffer).__name__}")
-    if buffer.device.type != "cpu":
-        raise ValueError(f"{name} must be a CPU tensor, got device {buffer.device}")
-    if buffer.layout != torch.strided:  # sparse: is_contiguous() says True, yet it has no flat bytes
-        raise ValueError(f"{name} is a {buffer.layout} tensor, which has no flat bytes; pass a dense one (.to_dense())")
-    if buffer.is_conj() or buffer.is_neg():  # a lazy view: its bytes are not its values
-        raise ValueError(f"{name} is a lazily {'conjugated' if buffer.is_conj() else 'negated'} view; pass "
-                         f"a plain tensor ({'.resolve_conj()' if buffer.is_conj() else '.resolve_neg()'} makes one, a copy)")
-    if not buffer.is_contiguous():
-        raise ValueError(f"{name} must be contiguous (a .contiguous() copy would not receive the data)")
-    return buffer.reshape(-1).view(torch.uint8)
-
-
 @contextlib.contextmanager
 def _interrupts_deferred() -> Iterator[None]:
     """[Note: Ctrl-C between the engine and the bookkeeping] A request's outcome lives in one
@@ -274,9 +124,14 @@ class AsyncIOHandle:
     Knobs and their meanings follow DeepSpeed's ``aio`` config block, so existing blocks carry
     over (see :meth:`from_config`); the positional order is DeepSpeed's ``aio_handle``'s
     (``block_size, queue_depth, single_submit, overlap_events, intra_op_parallelism``).
+    The defaults are those of DeepSpeed's ``aio`` config block; ``aio_handle``'s own
+    (queue_depth 128, overlap_events False) are those of
+    ``zeroinf.ops.op_builder.AsyncIOBuilder().load().aio_handle``.
 
     Args:
-        block_size: bytes per submitted transfer; a positive multiple of 4096 (default 1 MiB).
+        block_size: bytes per submitted transfer, an integer >= 1 (default 1 MiB); the engine
+            rounds it up to a multiple of 4096 (O_DIRECT's alignment), so 1024 moves 4096-byte
+            transfers. :meth:`get_block_size` returns the value given.
         queue_depth: transfers in flight per parallel lane (default 8).
         intra_op_parallelism: parallel lanes splitting each request (libaio: threads each with
             their own io context; threads/python: multiplies the pool size). Old name: ``thread_count``.
@@ -304,13 +159,12 @@ class AsyncIOHandle:
                                  f"{intra_op_parallelism}; give only intra_op_parallelism")
             intra_op_parallelism = thread_count
         for key, value, ok in (
-                ("block_size", block_size, isinstance(block_size, int) and block_size > 0 and block_size % ALIGN == 0),
+                ("block_size", block_size, isinstance(block_size, int) and block_size >= 1),
                 ("queue_depth", queue_depth, isinstance(queue_depth, int) and queue_depth >= 1),
                 ("intra_op_parallelism", intra_op_parallelism,
                  isinstance(intra_op_parallelism, int) and intra_op_parallelism >= 1)):
             if not ok or isinstance(value, bool):
-                rule = f"a positive multiple of {ALIGN} bytes" if key == "block_size" else "an integer >= 1"
-                raise ValueError(f"{key}: expected {rule}, got {value!r}")
+                raise ValueError(f"{key}: expected an integer >= 1, got {value!r}")
         self.block_size = block_size
         self.queue_depth = queue_depth
         self.intra_op_parallelism = intra_op_parallelism
@@ -322,7 +176,7 @@ class AsyncIOHandle:
         self.verify_checksums = bool(verify_checksums)
         self._fault = fault_spec()
         self.backend = choose_backend(backend)
-        self._engine = make_engine(self.backend, block_size, queue_depth, intra_op_parallelism,
+        self._engine = make_engine(self.backend, -(-block_size // ALIGN) * ALIGN, queue_depth, intra_op_parallelism,
                                    self.single_submit, self.overlap_events, self._fault)
         self._lock = threading.RLock()     # guards _pending; re-entered by close() from a signal handler
         self._wait_lock = threading.RLock()  # one collector at a time (sync ops and wait())
@@ -397,6 +251,12 @@ class AsyncIOHandle:
         """Unlock a tensor from :meth:`new_cpu_locked_tensor`; see :func:`free_locked_cpu_tensor`."""
         return free_locked_cpu_tensor(tensor)
 
+    def is_pinned(self, buffer: torch.Tensor) -> bool:
+        """DeepSpeed's ``is_pinned``: whether ``buffer`` is page-locked (torch-pinned, or from
+        :meth:`new_cpu_locked_tensor`). Any contiguous CPU tensor can be read or written; locked
+        ones are the fastest."""
+        return is_locked_cpu_tensor(buffer) or (isinstance(buffer, torch.Tensor) and bool(buffer.is_pinned()))
+
     # -- submission ---------------------------------------------------------------------------
     def _open(self, path: str, is_read: bool, offset: int, nbytes: int, whole_file: bool = False):
         flags = os.O_RDONLY if is_read else (os.O_WRONLY | os.O_CREAT)
@@ -464,7 +324,7 @@ class AsyncIOHandle:
             if not isinstance(checksums, ChunkChecksums) or checksums.chunk_bytes < 1:
                 raise ValueError(f"checksums: expected a ChunkChecksums with chunk_bytes >= 1, got {checksums!r}")
             checksums.crcs = None
-        flat = _byte_view(buffer)
+        flat = byte_view(buffer)
         nbytes = flat.numel()
         try:
             fd, fd_direct = self._open(path, is_read, file_offset, nbytes, whole_file)
@@ -518,6 +378,9 @@ class AsyncIOHandle:
         return exc
 
     # -- DeepSpeed aio_handle operations ------------------------------------------------------
+    # Return values are DeepSpeed's: a synchronous pread/pwrite returns 1 (the requests it
+    # completed), an asynchronous one 0 (wait() then returns the count), read/write 0. Where
+    # DeepSpeed returns -1 for a failure these raise an AIOError subclass instead.
     def sync_pread(self, buffer: torch.Tensor, filename, file_offset: int = 0, *, whole_file: bool = False,
                    checksums: Optional[ChunkChecksums] = None) -> int:
         """Read ``buffer.numel() * buffer.element_size()`` bytes at ``file_offset`` into ``buffer``.
@@ -532,7 +395,7 @@ class AsyncIOHandle:
                 of the bytes read, one per ``chunk_bytes``, computed by the I/O threads.
 
         Returns:
-            The bytes read (always the buffer's size).
+            1, the requests completed (DeepSpeed's value); the bytes read are always the buffer's.
 
         Raises:
             AIOError (OSError) subclasses: AIOFileNotFoundError, SizeMismatchError,
@@ -546,7 +409,7 @@ class AsyncIOHandle:
         ``checksums`` receives the written bytes' CRC-32Cs as in :meth:`sync_pread`.
 
         Returns:
-            The bytes written (always the buffer's size).
+            1, the requests completed; all of the buffer's bytes are written.
 
         Raises:
             AIOError (OSError) subclasses: AIOFileNotFoundError (missing directory),
@@ -562,56 +425,76 @@ class AsyncIOHandle:
             exc = self._finish(self._engine.wait_one(rid))
         if exc is not None:
             raise exc
-        return _byte_view(buffer).numel()
+        return 1
 
     def async_pread(self, buffer: torch.Tensor, filename, file_offset: int = 0, *, whole_file: bool = False,
-                    checksums: Optional[ChunkChecksums] = None) -> None:
-        """Queue a read like :meth:`sync_pread`; returns once submitted. Errors in opening or
+                    checksums: Optional[ChunkChecksums] = None) -> int:
+        """Queue a read like :meth:`sync_pread`; returns 0 once submitted. Errors in opening or
         size checks raise here; transfer errors raise from :meth:`wait`. Each queued request
         holds its file open until collected; a submission that finds no free file descriptor
         first finishes the queue (its count and errors still come from :meth:`wait`).
         ``checksums`` is filled by the :meth:`wait` that collects the request."""
         self._submit(True, buffer, filename, file_offset, whole_file, checksums)
+        return 0
 
-    def async_pwrite(self, buffer: torch.Tensor, filename, file_offset: int = 0, *,
-                     checksums: Optional[ChunkChecksums] = None) -> None:
-        """Queue a write like :meth:`sync_pwrite`; returns once submitted. Do not modify
+    def async_pwrite(self, buffer: torch.Tensor, filename=None, file_offset: int = 0, *, fd: Optional[int] = None,
+                     checksums: Optional[ChunkChecksums] = None) -> int:
+        """Queue a write like :meth:`sync_pwrite`; returns 0 once submitted. Do not modify
         ``buffer`` before :meth:`wait` returns. File descriptors and ``checksums`` as in
-        :meth:`async_pread`."""
-        self._submit(False, buffer, filename, file_offset, checksums=checksums)
+        :meth:`async_pread`.
 
-    def read(self, buffer: torch.Tensor, filename, validate: bool = False) -> int:
-        """DeepSpeed's ``read``: a synchronous whole-file read (the buffer must be exactly the
-        file's size). ``validate`` is accepted and ignored: sizes are always checked, and every
-        transfer is checked complete. Returns the bytes read.
+        The file is ``filename``, or an open descriptor: ``fd=`` (or an ``int`` in
+        ``filename``'s place, DeepSpeed's positional form). The handle writes through
+        descriptors of its own opened on the same file (``/proc/self/fd/<fd>``), so the data
+        goes by O_DIRECT where aligned whatever flags ``fd`` was opened with; ``fd`` is
+        neither moved nor closed.
 
         Raises:
+            ValueError: both or neither of ``filename`` and ``fd``; ``fd`` not open for writing
+                or not a regular file (the message names it).
+        """
+        if isinstance(filename, int) and not isinstance(filename, bool):
+            filename, fd = (None, filename) if fd is None else (filename, fd)
+        if (filename is None) == (fd is None):
+            raise ValueError("async_pwrite: give exactly one of filename and fd")
+        self._submit(False, buffer, filename if fd is None else writable_fd_path(fd), file_offset,
+                     checksums=checksums)
+        return 0
+
+    def read(self, buffer: torch.Tensor, filename, validate: bool = False, file_offset: int = 0) -> int:
+        """DeepSpeed's ``read``: a synchronous whole-file read (the buffer must be exactly the
+        file's size, as DeepSpeed asserts). ``validate`` is accepted and ignored: sizes are
+        always checked, and every transfer is checked complete. Returns 0 (DeepSpeed's success).
+
+        Raises:
+            ValueError: ``file_offset`` is not 0 (a whole-file read starts at the file's start).
             SizeMismatchError: the buffer's bytes differ from the file's size (nothing is read);
                 the other errors as :meth:`sync_pread`.
         """
-        return self._sync(True, buffer, filename, 0, whole_file=True)
+        self._sync(True, buffer, filename, file_offset, whole_file=True)
+        return 0
 
-    def write(self, buffer: torch.Tensor, filename, validate: bool = False) -> int:
-        """DeepSpeed's ``write``: a synchronous write of ``buffer`` at offset 0 (``validate``
-        ignored, as in :meth:`read`). Returns the bytes written."""
-        return self._sync(False, buffer, filename, 0)
+    def write(self, buffer: torch.Tensor, filename, validate: bool = False, file_offset: int = 0) -> int:
+        """DeepSpeed's ``write``: a synchronous write of ``buffer`` at ``file_offset``
+        (``validate`` ignored, as in :meth:`read`). Returns 0 (DeepSpeed's success)."""
+        self._sync(False, buffer, filename, file_offset)
+        return 0
 
     def pread(self, buffer: torch.Tensor, filename, validate: bool = False, async_op: bool = False,
               file_offset: int = 0) -> int:
-        """DeepSpeed's ``pread``: :meth:`sync_pread`, or :meth:`async_pread` with ``async_op``
-        (then returns 0; :meth:`wait` collects it). ``validate`` ignored, as in :meth:`read`."""
+        """DeepSpeed's ``pread`` (its ``async`` is ``async_op`` here, ``async`` being a Python
+        keyword): :meth:`sync_pread` (returns 1), or :meth:`async_pread` with ``async_op``
+        (returns 0; :meth:`wait` collects it). ``validate`` ignored, as in :meth:`read`."""
         if async_op:
-            self._submit(True, buffer, filename, file_offset)
-            return 0
+            return self.async_pread(buffer, filename, file_offset)
         return self._sync(True, buffer, filename, file_offset)
 
     def pwrite(self, buffer: torch.Tensor, filename, validate: bool = False, async_op: bool = False,
                file_offset: int = 0) -> int:
-        """DeepSpeed's ``pwrite``: :meth:`sync_pwrite`, or :meth:`async_pwrite` with ``async_op``
-        (then returns 0). ``validate`` ignored, as in :meth:`read`."""
+        """DeepSpeed's ``pwrite``: :meth:`sync_pwrite` (returns 1), or :meth:`async_pwrite` with
+        ``async_op`` (returns 0). ``validate`` ignored, as in :meth:`read`."""
         if async_op:
-            self._submit(False, buffer, filename, file_offset)
-            return 0
+            return self.async_pwrite(buffer, filename, file_offset)
         return self._sync(False, buffer, filename, file_offset)
 
     def wait(self) -> int:
