@@ -184,7 +184,8 @@ class OffloadOptimizerConfig:
 
     ``buffer_count``: pinned buffers used to swap the optimizer state with NVMe; each holds one
     sub-group's swapped state (fp32 master, exp_avg, exp_avg_sq: ``12 * sub-group numel`` bytes;
-    8 in fp32 stage 3, where the parameter partitions are the masters); at least :func:`min_optimizer_buffer_count` (the sub-groups in flight).
+    8 in fp32 stage 3, where the parameter partitions are the masters; 4 bytes less per element
+    with ``state_dtype`` bf16); at least :func:`min_optimizer_buffer_count` (the sub-groups in flight).
     """
 
     device: str = "none"         #: "none" | "cpu" | "nvme"
@@ -194,6 +195,9 @@ class OffloadOptimizerConfig:
     pipeline_read: bool = False
     pipeline_write: bool = False
     fast_init: bool = False
+    #: "fp32" | "bf16": element type of the Adam moments in memory and swap files (zeroinf
+    #: extension); bf16 is written with stochastic rounding, the master weights stay fp32
+    state_dtype: str = "fp32"
 
 
 @dataclass(frozen=True)
@@ -467,7 +471,8 @@ def _parse_zero(config: Mapping) -> ZeroConfig:
         device=_choice(oo, "device", opre, "none", ("none", "cpu", "nvme")),
         nvme_path=_nvme_path(oo, opre), buffer_count=_int(oo, "buffer_count", opre, 4, min_value=1),
         pin_memory=_bool(oo, "pin_memory", opre, False), pipeline_read=_bool(oo, "pipeline_read", opre, False),
-        pipeline_write=_bool(oo, "pipeline_write", opre, False), fast_init=_bool(oo, "fast_init", opre, False))
+        pipeline_write=_bool(oo, "pipeline_write", opre, False), fast_init=_bool(oo, "fast_init", opre, False),
+        state_dtype=_choice(oo, "state_dtype", opre, "fp32", ("fp32", "bf16")))
     if oo_cfg.device == "nvme":
         if not oo_cfg.nvme_path:
             raise ConfigError(f"{opre}.nvme_path", "required when device is nvme")

@@ -50,7 +50,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from zeroinf.config import ConfigError, ZeroInfConfig, parse_config
 
 from .loss_scaler import LossScaler
-from .optimizer import SubGroupOptimizer
+from .optimizer import SubGroupOptimizer, state_bytes_per_element
 
 __all__ = ["StateGuard", "ZeroEngine", "ZeroOptimizer", "initialize"]
 
@@ -399,11 +399,14 @@ class ZeroEngine:
         # [Note: master in the partitions] (stage3/engine_glue.py): fp32 stage 3 with the optimizer
         # state on NVMe keeps no second fp32 copy of the parameters
         master_io = self.params.master_io() if zc.stage == 3 else None
+        state_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[off.state_dtype]
+        state_bytes = state_bytes_per_element(state_dtype, master=master_io is None)
         if zc.stage != 3 and off.device == "nvme":
             self._check_disk([("zero_optimization.offload_optimizer.nvme_path", off.nvme_path,
                                os.path.join(off.nvme_path, "zeroinf_optimizer", f"rank{rank}"),
-                               12 * sum(s.numel for s in specs), "optimizer state (12 bytes per element)")])
-        self._check_machine(specs, 8 if master_io is not None else 12)
+                               state_bytes * sum(s.numel for s in specs),
+                               f"optimizer state ({state_bytes} bytes per element)")])
+        self._check_machine(specs, state_bytes)
         swap_dir = None
         if off.device == "nvme":
             swap_dir = os.path.join(off.nvme_path, "zeroinf_optimizer", f"rank{rank}")
@@ -412,7 +415,7 @@ class ZeroEngine:
             self.sub_optimizer = SubGroupOptimizer(
                 specs, device=off.device, swap_dir=swap_dir, buffer_count=off.buffer_count,
                 pipeline_read=off.pipeline_read, pipeline_write=off.pipeline_write, pin_memory=off.pin_memory,
-                aio=cfg.aio, master_io=master_io)
+                aio=cfg.aio, master_io=master_io, state_dtype=state_dtype)
         except MemoryError as e:  # zeroinf.io.PinnedMemoryError: over RAM or ulimit -l
             raise ConfigError("zero_optimization.offload_optimizer.buffer_count",
                               f"{e}; lower sub_group_size or buffer_count") from e
