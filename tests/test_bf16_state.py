@@ -299,3 +299,29 @@ def test_stage3_infinity_with_bf16_moments_follows_plain_adamw(tmp_path):
         engine.close()
     want = _reference(ref, 6)
     assert max(abs(a - b) for a, b in zip(losses, want)) < 2e-3 * max(want), (losses, want)
+
+
+def test_planner_and_commands_take_the_state_dtype(tmp_path, capsys):
+    """make_config writes the key (and parse_config takes it back); the NVMe step-time bound moves
+    8 bytes per parameter each way; zeroinf estimate --state-dtype and plan --state-dtype use it."""
+    import json
+
+    from zeroinf import cli
+    from zeroinf.placement import make_config, step_time_bounds
+
+    pl = Placement(2, "none", "nvme")
+    cfg = make_config(pl, state_dtype="bf16")
+    assert cfg["zero_optimization"]["offload_optimizer"]["state_dtype"] == "bf16"
+    assert parse_config(cfg).zero_optimization.offload_optimizer.state_dtype == "bf16"
+    assert "state_dtype" not in make_config(pl)["zero_optimization"]["offload_optimizer"]
+    est = estimate(10**9, pl, state_dtype="bf16")
+    secs, _ = step_time_bounds(est, nvme_read_gbps=1.0, nvme_write_gbps=1.0, state_dtype="bf16")["nvme"]
+    assert secs == pytest.approx(2 * 8.0)  # 8 GB read + 8 GB written at 1 GB/s
+    assert cli.main(["estimate", "--params", "1B", "--stage", "2", "--state-dtype", "bf16", "--json"]) == 0
+    rows = {r["offload_optimizer"]: r for r in json.loads(capsys.readouterr().out)["rows"]}
+    assert rows["nvme"]["nvme_bytes"] == 8 * 10**9 and rows["none"]["per_device_bytes"] == 16 * 10**9
+    out = tmp_path / "plan.json"
+    assert cli.main(["plan", "--params", "1B", "--gpu-mem", "4GB", "--cpu-mem", "24GB", "--nvme", "100GB",
+                     "--state-dtype", "bf16", "--out", str(out)]) == 0
+    written = json.loads(out.read_text())["zero_optimization"]
+    assert written["offload_optimizer"]["state_dtype"] == "bf16", written
