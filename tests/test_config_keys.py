@@ -446,7 +446,7 @@ _LEAF_VALUES = {  # SUPPORTED leaves read back from the dataclass attribute of t
                           "round_robin_gradients": True},
     "zero_optimization.offload_optimizer": {"device": "nvme", "nvme_path": "/nvme", "buffer_count": 9,
                                             "pin_memory": True, "pipeline_read": True, "pipeline_write": True,
-                                            "fast_init": True},
+                                            "fast_init": True, "state_dtype": "bf16"},
     "zero_optimization.offload_param": {"device": "nvme", "nvme_path": "/nvme", "buffer_count": 9, "buffer_size": 10,
                                         "max_in_cpu": 11, "pin_memory": True},
     "aio": {"block_size": 4096, "queue_depth": 3, "intra_op_parallelism": 2, "single_submit": True,

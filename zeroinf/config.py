@@ -168,7 +168,8 @@ def _parse_zero(config: Mapping) -> ZeroConfig:
         device=_choice(oo, "device", opre, "none", ("none", "cpu", "nvme")),
         nvme_path=_nvme_path(oo, opre), buffer_count=_int(oo, "buffer_count", opre, 4, min_value=1),
         pin_memory=_bool(oo, "pin_memory", opre, False), pipeline_read=_bool(oo, "pipeline_read", opre, False),
-        pipeline_write=_bool(oo, "pipeline_write", opre, False), fast_init=_bool(oo, "fast_init", opre, False))
+        pipeline_write=_bool(oo, "pipeline_write", opre, False), fast_init=_bool(oo, "fast_init", opre, False),
+        state_dtype=_choice(oo, "state_dtype", opre, "fp32", ("fp32", "bf16")))
     if oo_cfg.device == "nvme":
         if not oo_cfg.nvme_path:
             raise ConfigError(f"{opre}.nvme_path", "required when device is nvme")

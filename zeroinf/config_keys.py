@@ -214,6 +214,9 @@ _RECORDS: Tuple[Key, ...] = (
         "device", "nvme_path", "buffer_count", "pin_memory", "pipeline_read", "pipeline_write")),
     Key("zero_optimization.offload_optimizer.fast_init", S, "accepted; NVMe state is always initialised one "
         "sub-group at a time"),
+    Key("zero_optimization.offload_optimizer.state_dtype", S, "zeroinf extension, not a DeepSpeed key: \"fp32\" "
+        "(default) or \"bf16\" Adam moments in memory and swap files, written with stochastic rounding; the "
+        "master weights stay fp32"),
     Key("zero_optimization.offload_optimizer.ratio", N, "partial optimizer offload (only 1.0)", (1.0, 1)),
     Key("zero_optimization.offload_optimizer.super_offload", N, "SuperOffload", (False,)),
     Key("zero_optimization.offload_optimizer.cpuadam_cores_perc", N, "a CPU-core share for SuperOffload; "

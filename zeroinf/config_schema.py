@@ -76,7 +76,8 @@ class OffloadOptimizerConfig:
 
     ``buffer_count``: pinned buffers used to swap the optimizer state with NVMe; each holds one
     sub-group's swapped state (fp32 master, exp_avg, exp_avg_sq: ``12 * sub-group numel`` bytes;
-    8 in fp32 stage 3, where the parameter partitions are the masters); at least :func:`min_optimizer_buffer_count` (the sub-groups in flight).
+    8 in fp32 stage 3, where the parameter partitions are the masters; 4 bytes less per element
+    with ``state_dtype`` bf16); at least :func:`min_optimizer_buffer_count` (the sub-groups in flight).
     """
 
     device: str = "none"         #: "none" | "cpu" | "nvme"
@@ -86,6 +87,9 @@ class OffloadOptimizerConfig:
     pipeline_read: bool = False
     pipeline_write: bool = False
     fast_init: bool = False
+    #: "fp32" | "bf16": element type of the Adam moments in memory and swap files (zeroinf
+    #: extension); bf16 is written with stochastic rounding, the master weights stay fp32
+    state_dtype: str = "fp32"
 
 
 @dataclass(frozen=True)

@@ -333,7 +333,7 @@ def estimate(params: int, placement: Placement, *, world_size: int = 1, gpus_per
              activations: int = 0, activations_formula: str = "Korthikanti et al. 2022, Sec. 4",
              swap: SwapBuffers = SwapBuffers(), optimizer_pin_memory: bool = False,
              param_pin_memory: bool = False, unit_sizes: Optional[Sequence[int]] = None,
-             live_params_formula: Optional[str] = None) -> Estimate:
+             live_params_formula: Optional[str] = None, state_dtype: str = "fp32") -> Estimate:
     """Bytes per accelerator, per host and on NVMe for one placement (formulas: module docstring).
 
     Args:
@@ -343,6 +343,9 @@ def estimate(params: int, placement: Placement, *, world_size: int = 1, gpus_per
         gpus_per_node: ranks per host (default ``world_size``: one node); host and NVMe bytes are per node.
         precision: ``"bf16"``/``"fp16"`` (fp32 master weights) or ``"fp32"``.
         optimizer: a key of :data:`OPTIMIZERS`.
+        state_dtype: ``offload_optimizer.state_dtype``, ``"fp32"`` or ``"bf16"``: with the optimizer
+            offloaded, bf16 halves the optimizer's own state (Adam: exp_avg and exp_avg_sq at 2 bytes
+            each); the fp32 master stays 4 bytes.
         live_params: parameters a stage-3 rank holds gathered at once (None: not counted).
         live_params_formula: where ``live_params`` comes from, shown with its term.
         activations: activation bytes per accelerator (see :func:`activation_bytes`), added as a term.
@@ -362,8 +365,10 @@ def estimate(params: int, placement: Placement, *, world_size: int = 1, gpus_per
 
     Raises:
         ValueError: non-positive counts, ``gpus_per_node`` not dividing ``world_size``, unknown
-            precision or optimizer.
+            precision, optimizer or state dtype.
     """
+    if state_dtype not in ("fp32", "bf16"):
+        raise ValueError(f"state_dtype: {state_dtype!r} is not one of fp32, bf16")
     if not isinstance(params, int) or params < 1:
         raise ValueError(f"params: must be a positive integer, got {params!r}")
     if not isinstance(world_size, int) or world_size < 1:
@@ -382,7 +387,9 @@ def estimate(params: int, placement: Placement, *, world_size: int = 1, gpus_per
     partitions_are_masters = (prec.name == "fp32" and placement.stage == 3 and placement.offload_optimizer == "nvme"
                               and placement.offload_param in ("cpu", "nvme"))
     master = prec.master_bytes if placement.offload_optimizer == "none" or partitions_are_masters else 4
-    k = master + OPTIMIZERS[optimizer]
+    # zeroinf.runtime.optimizer.state_bytes_per_element: the offloaded moments in bf16 take half
+    own = OPTIMIZERS[optimizer] // (2 if state_dtype == "bf16" and placement.offload_optimizer != "none" else 1)
+    k = master + own
     n = world_size
     shard = -(-params // n)
     st = placement.stage
@@ -410,9 +417,11 @@ def estimate(params: int, placement: Placement, *, world_size: int = 1, gpus_per
         terms.append(Term(f"{prec.name} gradients", "device", prec.grad_bytes * numel, f"{prec.grad_bytes} B x {what}"))
     # optimizer state
     numel, what = count(st >= 1)
-    parts = f"master {master} + {optimizer} {OPTIMIZERS[optimizer]}" if master else f"{optimizer}"
+    moments = f"{optimizer} {own}" + (" in bf16" if own != OPTIMIZERS[optimizer] else "")
+    parts = f"master {master} + {moments}" if master else moments
     tier = {"none": "device", "cpu": "host", "nvme": "nvme"}[placement.offload_optimizer]
-    terms.append(Term("optimizer state (fp32)", tier, k * numel, f"K = {k} B ({parts}) x {what}",
+    name = "optimizer state (fp32)" if own == OPTIMIZERS[optimizer] else "optimizer state (fp32 master, bf16 moments)"
+    terms.append(Term(name, tier, k * numel, f"K = {k} B ({parts}) x {what}",
                       "cuda" if optimizer_pin_memory and tier == "host" else "never"))
     if st == 3 and placement.offload_param == "nvme" and placement.offload_optimizer == "nvme":
         # ZeRO-Infinity: the engine swaps the fp32 gradient partitions to NVMe as well

@@ -235,7 +235,8 @@ def assess(module, cfg, *, world_size: int = 1, rank: int = 0, gpus_per_node: Op
     zero = cfg.zero_optimization
     info = model_info_of(module, zero, world_size)
     placement = placement_from_config(cfg)
-    common = dict(world_size=world_size, gpus_per_node=gpn, precision=cfg.precision, optimizer="adam")
+    common = dict(world_size=world_size, gpus_per_node=gpn, precision=cfg.precision, optimizer="adam",
+                  state_dtype=zero.offload_optimizer.state_dtype)
     est = estimate(info.params, placement, live_params=info.live_params, live_params_formula=info.live_formula,
                    swap=swap_buffers_from_config(cfg), optimizer_pin_memory=zero.offload_optimizer.pin_memory,
                    param_pin_memory=zero.offload_param.pin_memory, unit_sizes=info.unit_sizes, **common)
@@ -278,7 +279,8 @@ def assess(module, cfg, *, world_size: int = 1, rank: int = 0, gpus_per_node: Op
     if plan.chosen is None:
         return report
     block = make_config(plan.chosen.placement, precision=cfg.precision, nvme_path=str(Path(spare).absolute()),
-                        max_live_parameters=plan.live_params, swap=swap_for(info, world_size))["zero_optimization"]
+                        max_live_parameters=plan.live_params, swap=swap_for(info, world_size),
+                        state_dtype=zero.offload_optimizer.state_dtype)["zero_optimization"]
     for key in ("offload_param", "offload_optimizer"):  # a tier left as the config has it would not fit
         block.setdefault(key, {"device": "none"})
     return dataclasses.replace(report, suggestion=block, suggested=plan.chosen)

@@ -119,14 +119,14 @@ def check_fit(est: Estimate, limits: Limits) -> Tuple[str, ...]:
 
 def choose(info: ModelInfo, limits: Limits, *, world_size: int, gpus_per_node: int, precision: str = "bf16",
            optimizer: str = "adam", activations: int = 0, activations_formula: str = "",
-           swap: Optional[SwapBuffers] = None) -> Plan:
+           swap: Optional[SwapBuffers] = None, state_dtype: str = "fp32") -> Plan:
     """Try :data:`LADDER` in order; stop at the first placement that fits.
 
     Args:
         info: the model (P, the largest stage-3 unit and the unit sizes, which size the NVMe swap buffers).
         limits: memory per accelerator, per host and NVMe per node.
-        world_size, gpus_per_node, precision, optimizer, activations, activations_formula: as
-            :func:`zeroinf.estimate.estimate`.
+        world_size, gpus_per_node, precision, optimizer, activations, activations_formula,
+            state_dtype: as :func:`zeroinf.estimate.estimate`.
         swap: pinned swap settings (default :func:`swap_for`).
 
     Returns:
@@ -145,7 +145,8 @@ def choose(info: ModelInfo, limits: Limits, *, world_size: int, gpus_per_node: i
         def est_with(live):
             return estimate(info.params, pl, world_size=world_size, gpus_per_node=gpus_per_node, precision=precision,
                             optimizer=optimizer, live_params=live, activations=activations,
-                            activations_formula=activations_formula, swap=swap, unit_sizes=info.unit_sizes)
+                            activations_formula=activations_formula, swap=swap, unit_sizes=info.unit_sizes,
+                            state_dtype=state_dtype)
         live = info.live_params
         if live is None and pl.stage == 3:
             prec = PRECISIONS[precision]
@@ -161,14 +162,15 @@ def choose(info: ModelInfo, limits: Limits, *, world_size: int, gpus_per_node: i
 
 def make_config(placement: Placement, *, precision: str = "bf16", micro_batch: int = 1, nvme_path: str = "/local_nvme",
                 swap: SwapBuffers = PLAN_SWAP, lr: float = 1e-4, optimizer: str = "adamw",
-                max_live_parameters: Optional[int] = None) -> dict:
+                max_live_parameters: Optional[int] = None, state_dtype: str = "fp32") -> dict:
     """A DeepSpeed-format config dict for ``placement``.
 
     Holds ``train_micro_batch_size_per_gpu``, ``gradient_accumulation_steps`` 1, the precision block,
     an ``optimizer`` block (Adam/AdamW), and ``zero_optimization`` with the stage, the offload blocks
     (pinned; NVMe with ``nvme_path``, the swap buffers of ``swap``, and pipelined reads and writes)
     and ``sub_group_size``; at stage 3 with ``max_live_parameters``, ``stage3_max_live_parameters``
-    (the engine refuses at start-up a model whose root and largest unit together need more).
+    (the engine refuses at start-up a model whose root and largest unit together need more); with
+    ``state_dtype`` "bf16" and the optimizer offloaded, ``offload_optimizer.state_dtype``.
 
     Raises:
         ValueError: an optimizer other than adam/adamw (the engine steps only those).
@@ -185,6 +187,8 @@ def make_config(placement: Placement, *, precision: str = "bf16", micro_batch: i
         zero["stage3_max_live_parameters"] = int(max_live_parameters)
     if placement.offload_optimizer != "none":
         block = {"device": placement.offload_optimizer, "pin_memory": True}
+        if state_dtype != "fp32":
+            block["state_dtype"] = state_dtype
         if placement.offload_optimizer == "nvme":
             block.update(nvme_path=nvme_path, buffer_count=swap.optimizer_buffer_count,
                          pipeline_read=swap.optimizer_pipeline_read, pipeline_write=swap.optimizer_pipeline_write)
@@ -201,13 +205,15 @@ def make_config(placement: Placement, *, precision: str = "bf16", micro_batch: i
 
 def step_time_bounds(est: Estimate, *, adam_params_per_s: Optional[float] = None,
                      nvme_read_gbps: Optional[float] = None, nvme_write_gbps: Optional[float] = None,
-                     precision: str = "bf16", optimizer: str = "adam") -> Dict[str, Tuple[float, str]]:
+                     precision: str = "bf16", optimizer: str = "adam",
+                     state_dtype: str = "fp32") -> Dict[str, Tuple[float, str]]:
     """Lower bounds on one optimizer step's time, seconds, per node, with their formulas.
 
     Args:
         est: the placement's estimate (P, N, gpus per node).
         adam_params_per_s: CPU Adam rate of the whole host, parameters per second.
         nvme_read_gbps, nvme_write_gbps: NVMe bandwidth of the node, GB/s (1e9 bytes/s).
+        state_dtype: ``offload_optimizer.state_dtype``; "bf16" moves the moments at 2 bytes each.
 
     Returns:
         ``{"optimizer": (seconds, formula), "nvme": (seconds, formula)}``, each present only when it
@@ -223,7 +229,7 @@ def step_time_bounds(est: Estimate, *, adam_params_per_s: Optional[float] = None
         out["optimizer"] = (stepped / adam_params_per_s,
                             f"{gpn} ranks x {part:,} params / {adam_params_per_s:.3g} params/s")
     read = write = 0
-    k = 4 + OPTIMIZERS[optimizer]
+    k = 4 + OPTIMIZERS[optimizer] // (2 if state_dtype == "bf16" else 1)
     psize = PRECISIONS[precision].param_bytes
     if pl.offload_optimizer == "nvme":
         read += k * part

@@ -51,7 +51,7 @@ void check_buffer(const at::Tensor& t, const std::string& name, int64_t numel) {
 }
 
 struct Checked {
-  za::DType gt, ot;
+  za::DType gt, ot, mt;
   void* out;
 };
 
@@ -64,15 +64,17 @@ Checked check_all(const at::Tensor& params, const at::Tensor& grads, const at::T
   TORCH_CHECK_VALUE(params.scalar_type() == at::kFloat, "params", sfx, " must be float32, got ",
                     params.scalar_type());
   check_buffer(grads, "grads" + sfx, n);
-  Checked c{to_dtype(grads.scalar_type()), za::DType::kNone, nullptr};
+  Checked c{to_dtype(grads.scalar_type()), za::DType::kNone, to_dtype(exp_avg.scalar_type()), nullptr};
   TORCH_CHECK_VALUE(c.gt != za::DType::kNone, "grads", sfx, " must be float32, bfloat16 or float16, got ",
                     grads.scalar_type());
   check_buffer(exp_avg, "exp_avg" + sfx, n);
-  TORCH_CHECK_VALUE(exp_avg.scalar_type() == at::kFloat, "exp_avg", sfx, " must be float32, got ",
-                    exp_avg.scalar_type());
+  TORCH_CHECK_VALUE(c.mt == za::DType::kF32 || c.mt == za::DType::kBF16, "exp_avg", sfx,
+                    " must be float32 or bfloat16, got ", exp_avg.scalar_type());
   check_buffer(exp_avg_sq, "exp_avg_sq" + sfx, n);
-  TORCH_CHECK_VALUE(exp_avg_sq.scalar_type() == at::kFloat, "exp_avg_sq", sfx, " must be float32, got ",
-                    exp_avg_sq.scalar_type());
+  TORCH_CHECK_VALUE(exp_avg_sq.scalar_type() == exp_avg.scalar_type(), "exp_avg_sq", sfx, " must have exp_avg",
+                    sfx, "'s dtype ", exp_avg.scalar_type(), ", got ", exp_avg_sq.scalar_type());
+  TORCH_CHECK_VALUE(c.mt == za::DType::kF32 || n < (int64_t{1} << 32), "exp_avg", sfx, ": bf16 moments allow "
+                    "fewer than 2^32 elements per tensor, got ", n);
   if (params_out.has_value()) {
     check_buffer(*params_out, "params_out" + sfx, n);
     c.ot = to_dtype(params_out->scalar_type());
@@ -110,20 +112,23 @@ za::Hyper make_hyper(int64_t step, double lr, double beta1, double beta2, double
 }
 
 za::Buffers buffers(const at::Tensor& params, const at::Tensor& grads, const at::Tensor& exp_avg,
-                    const at::Tensor& exp_avg_sq, const Checked& c, int32_t hyper) {
-  return za::Buffers{params.data_ptr<float>(), grads.data_ptr(), exp_avg.data_ptr<float>(),
-                     exp_avg_sq.data_ptr<float>(), c.out, params.numel(), c.gt, c.ot, hyper};
+                    const at::Tensor& exp_avg_sq, const Checked& c, int32_t hyper, uint32_t sr_key = 0) {
+  return za::Buffers{params.data_ptr<float>(), grads.data_ptr(), exp_avg.data_ptr(), exp_avg_sq.data_ptr(),
+                     c.out, params.numel(), c.gt, c.ot, c.mt, hyper, sr_key};
 }
 
+// `sr_seed` (any 64-bit value, as an int64) keys the stochastic rounding of bf16 moments together
+// with `step`; fp32 moments ignore it.
 void adam_step(at::Tensor params, at::Tensor grads, at::Tensor exp_avg, at::Tensor exp_avg_sq,
                c10::optional<at::Tensor> params_out, int64_t step, double lr, double beta1, double beta2,
                double eps, double weight_decay, bool adamw_mode, bool bias_correction, double grad_scale,
-               const std::string& isa) {
+               const std::string& isa, int64_t sr_seed) {
   const Checked c = check_all(params, grads, exp_avg, exp_avg_sq, params_out);
   const std::vector<za::Hyper> h{
       make_hyper(step, lr, beta1, beta2, eps, weight_decay, adamw_mode, bias_correction, grad_scale)};
   const za::Isa path = parse_isa(isa);
-  const std::vector<za::Buffers> bufs{buffers(params, grads, exp_avg, exp_avg_sq, c, 0)};
+  const uint32_t key = za::sr_key(static_cast<uint64_t>(sr_seed), step);
+  const std::vector<za::Buffers> bufs{buffers(params, grads, exp_avg, exp_avg_sq, c, 0, key)};
   const int threads = at::get_num_threads();
   py::gil_scoped_release no_gil;
   za::adam_update(path, bufs, h, threads);
@@ -155,6 +160,8 @@ void adam_step_list(const std::vector<at::Tensor>& params, const std::vector<at:
   for (size_t i = 0; i < k; ++i) {
     const std::string sfx = "[" + std::to_string(i) + "]";
     const Checked c = check_all(params[i], grads[i], exp_avgs[i], exp_avg_sqs[i], params_outs[i], sfx);
+    TORCH_CHECK_VALUE(c.mt == za::DType::kF32, "exp_avgs", sfx, " must be float32 in the list form (bf16 "
+                      "moments are stepped one tensor at a time, with adam_step and its sr_seed)");
     const int64_t gi = group_of[i];
     TORCH_CHECK_VALUE(gi >= 0 && static_cast<size_t>(gi) < groups.size(), "group_of", sfx, " is ", gi,
                       "; there are ", groups.size(), " groups");
@@ -174,11 +181,29 @@ void adam_step_list(const std::vector<at::Tensor>& params, const std::vector<at:
 void stream_rmw(at::Tensor params, at::Tensor grads, at::Tensor exp_avg, at::Tensor exp_avg_sq,
                 c10::optional<at::Tensor> params_out, const std::string& isa) {
   const Checked c = check_all(params, grads, exp_avg, exp_avg_sq, params_out);
+  TORCH_CHECK_VALUE(c.mt == za::DType::kF32, "exp_avg must be float32 for stream_rmw, got ", exp_avg.scalar_type());
   const za::Isa path = parse_isa(isa);
   const std::vector<za::Buffers> bufs{buffers(params, grads, exp_avg, exp_avg_sq, c, 0)};
   const int threads = at::get_num_threads();
   py::gil_scoped_release no_gil;
   za::stream_rmw(path, bufs, threads);
+}
+
+// dst = src rounded to bf16 stochastically, with the bits adam_step uses for exp_avg at (sr_seed, step).
+void round_bf16_stochastic(at::Tensor src, at::Tensor dst, int64_t sr_seed, int64_t step, const std::string& isa) {
+  check_buffer(src, "src", src.numel());
+  TORCH_CHECK_VALUE(src.scalar_type() == at::kFloat, "src must be float32, got ", src.scalar_type());
+  check_buffer(dst, "dst", src.numel());
+  TORCH_CHECK_VALUE(dst.scalar_type() == at::kBFloat16, "dst must be bfloat16, got ", dst.scalar_type());
+  TORCH_CHECK_VALUE(src.numel() < (int64_t{1} << 32), "src: fewer than 2^32 elements allowed, got ", src.numel());
+  const za::Isa path = parse_isa(isa);
+  const uint32_t key = za::sr_key(static_cast<uint64_t>(sr_seed), step);
+  const float* s = src.data_ptr<float>();
+  auto* d = static_cast<uint16_t*>(dst.data_ptr());
+  const int64_t n = src.numel();
+  const int threads = at::get_num_threads();
+  py::gil_scoped_release no_gil;
+  za::round_bf16_stochastic(path, s, d, n, key, threads);
 }
 
 // MKL's matmuls keep a per-thread count of their own. Torch reaches MKL through libtorch_cpu when
@@ -228,7 +253,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("params"), py::arg("grads"), py::arg("exp_avg"), py::arg("exp_avg_sq"),
         py::arg("params_out"), py::arg("step"), py::arg("lr"), py::arg("beta1"), py::arg("beta2"),
         py::arg("eps"), py::arg("weight_decay"), py::arg("adamw_mode"), py::arg("bias_correction"),
-        py::arg("grad_scale"), py::arg("isa"));
+        py::arg("grad_scale"), py::arg("isa"), py::arg("sr_seed") = 0);
   m.def("adam_step_list", &adam_step_list,
         "adam_step over lists of tensors in one parallel region (a step number and a group each; groups "
         "are (lr, beta1, beta2, eps, weight_decay, adamw_mode, bias_correction) tuples)",
@@ -238,6 +263,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("stream_rmw", &stream_rmw, "Bandwidth roof: the Adam step's loads and stores, one add each",
         py::arg("params"), py::arg("grads"), py::arg("exp_avg"), py::arg("exp_avg_sq"),
         py::arg("params_out"), py::arg("isa"));
+  m.def("round_bf16_stochastic", &round_bf16_stochastic,
+        "dst (bf16) = src (fp32) with stochastic rounding keyed by (sr_seed, step), as adam_step rounds exp_avg",
+        py::arg("src"), py::arg("dst"), py::arg("sr_seed"), py::arg("step"), py::arg("isa"));
   m.def("limit_thread_parallelism", &limit_thread_parallelism,
         "Cap the OpenMP and MKL threads of parallel regions started from the calling thread; returns torch's count there",
         py::arg("n"));

@@ -17,7 +17,8 @@
 namespace zeroinf {
 namespace adam {
 
-using RangeFn = void (*)(float*, const void*, float*, float*, void*, int64_t, const Hyper&);
+using RangeFn = void (*)(float*, const void*, void*, void*, void*, int64_t, uint32_t, uint32_t, const Hyper&);
+using RoundFn = void (*)(const float*, simd::bf16_t*, int64_t, uint32_t, uint32_t);
 
 namespace isa_scalar {
 using V = simd::Scalar;
@@ -44,34 +45,53 @@ using V = simd::Avx512;
 
 namespace {
 
-// The one table from (isa, grad dtype, out dtype) to a kernel instantiation.
-#define ZEROINF_ROW(NS, ROOF)                                                                   \
-  {                                                                                             \
-    {nullptr, nullptr, nullptr, nullptr},                                                       \
-        {&NS::range<float, simd::no_out_t, ROOF>, nullptr, &NS::range<float, simd::bf16_t, ROOF>, \
-         &NS::range<float, simd::fp16_t, ROOF>},                                                \
-        {&NS::range<simd::bf16_t, simd::no_out_t, ROOF>, nullptr,                               \
-         &NS::range<simd::bf16_t, simd::bf16_t, ROOF>, &NS::range<simd::bf16_t, simd::fp16_t, ROOF>}, \
-        {&NS::range<simd::fp16_t, simd::no_out_t, ROOF>, nullptr,                               \
-         &NS::range<simd::fp16_t, simd::bf16_t, ROOF>, &NS::range<simd::fp16_t, simd::fp16_t, ROOF>}, \
+// The one table from (isa, grad dtype, out dtype, moment dtype) to a kernel instantiation.
+#define ZEROINF_ROW(NS, ROOF, M)                                                                   \
+  {                                                                                                \
+    {nullptr, nullptr, nullptr, nullptr},                                                          \
+        {&NS::range<float, simd::no_out_t, M, ROOF>, nullptr, &NS::range<float, simd::bf16_t, M, ROOF>, \
+         &NS::range<float, simd::fp16_t, M, ROOF>},                                                \
+        {&NS::range<simd::bf16_t, simd::no_out_t, M, ROOF>, nullptr,                               \
+         &NS::range<simd::bf16_t, simd::bf16_t, M, ROOF>, &NS::range<simd::bf16_t, simd::fp16_t, M, ROOF>}, \
+        {&NS::range<simd::fp16_t, simd::no_out_t, M, ROOF>, nullptr,                               \
+         &NS::range<simd::fp16_t, simd::bf16_t, M, ROOF>, &NS::range<simd::fp16_t, simd::fp16_t, M, ROOF>}, \
   }
 
-// [roof][isa][grad dtype][out dtype]; nullptr = combination not offered.
+// [roof][isa][grad dtype][out dtype] with fp32 moments; nullptr = combination not offered.
 const RangeFn kTable[2][3][4][4] = {
-    {ZEROINF_ROW(isa_scalar, false),
+    {ZEROINF_ROW(isa_scalar, false, float),
 #if ZEROINF_X86
-     ZEROINF_ROW(isa_avx2, false), ZEROINF_ROW(isa_avx512, false)
+     ZEROINF_ROW(isa_avx2, false, float), ZEROINF_ROW(isa_avx512, false, float)
 #else
      {}, {}
 #endif
     },
-    {ZEROINF_ROW(isa_scalar, true),
+    {ZEROINF_ROW(isa_scalar, true, float),
 #if ZEROINF_X86
-     ZEROINF_ROW(isa_avx2, true), ZEROINF_ROW(isa_avx512, true)
+     ZEROINF_ROW(isa_avx2, true, float), ZEROINF_ROW(isa_avx512, true, float)
 #else
      {}, {}
 #endif
     },
+};
+
+// [isa][grad dtype][out dtype] with bf16 moments (Adam only; the roof is defined on fp32 state).
+const RangeFn kTableBf16State[3][4][4] = {
+    ZEROINF_ROW(isa_scalar, false, simd::bf16_t),
+#if ZEROINF_X86
+    ZEROINF_ROW(isa_avx2, false, simd::bf16_t), ZEROINF_ROW(isa_avx512, false, simd::bf16_t)
+#else
+    {}, {}
+#endif
+};
+
+const RoundFn kRound[3] = {
+    &isa_scalar::round_sr_range,
+#if ZEROINF_X86
+    &isa_avx2::round_sr_range, &isa_avx512::round_sr_range
+#else
+    nullptr, nullptr
+#endif
 };
 #undef ZEROINF_ROW
 
@@ -136,7 +156,7 @@ WorkList make_work_list(const std::vector<Buffers>& bufs) {
     const Buffers& b = bufs[i];
     if (b.n <= 0) continue;
     const std::pair<const void*, int64_t> spans[5] = {
-        {b.p, 4}, {b.g, elem_size(b.gt)}, {b.m, 4}, {b.v, 4}, {b.out, elem_size(b.ot)}};
+        {b.p, 4}, {b.g, elem_size(b.gt)}, {b.m, elem_size(b.mt)}, {b.v, elem_size(b.mt)}, {b.out, elem_size(b.ot)}};
     bool meets = false;
     for (const auto& [ptr, size] : spans)
       if (ptr != nullptr) {
@@ -210,9 +230,15 @@ void run(bool roof, Isa isa, const std::vector<Buffers>& bufs, const std::vector
   for (size_t i = 0; i < bufs.size(); ++i) {
     const Buffers& b = bufs[i];
     const int gt = static_cast<int>(b.gt), ot = static_cast<int>(b.ot);
-    fns[i] = (gt >= 0 && gt < 4 && ot >= 0 && ot < 4) ? kTable[roof][static_cast<int>(isa)][gt][ot] : nullptr;
+    const bool known = gt >= 0 && gt < 4 && ot >= 0 && ot < 4;
+    fns[i] = nullptr;
+    if (known && b.mt == DType::kF32) fns[i] = kTable[roof][static_cast<int>(isa)][gt][ot];
+    if (known && b.mt == DType::kBF16 && !roof) fns[i] = kTableBf16State[static_cast<int>(isa)][gt][ot];
     if (fns[i] == nullptr)
-      throw std::invalid_argument("cpu_adam: unsupported grad/output dtype pair for tensor " + std::to_string(i));
+      throw std::invalid_argument("cpu_adam: unsupported grad/output/moment dtypes for tensor " + std::to_string(i));
+    if (b.mt == DType::kBF16 && b.n >= (int64_t{1} << 32))  // element indices of the rounding are 32-bit
+      throw std::invalid_argument("cpu_adam: tensor " + std::to_string(i) + " has " + std::to_string(b.n) +
+                                  " elements; bf16 moments allow fewer than 2^32");
     if (!roof && (b.hyper < 0 || static_cast<size_t>(b.hyper) >= hypers.size()))
       throw std::invalid_argument("cpu_adam: hyper-parameter index out of range for tensor " + std::to_string(i));
   }
@@ -230,7 +256,9 @@ void run(bool roof, Isa isa, const std::vector<Buffers>& bufs, const std::vector
       const Buffers& b = bufs[sl.tensor];
       const char* g = static_cast<const char*>(b.g) + sl.begin * elem_size(b.gt);
       char* out = b.out ? static_cast<char*>(b.out) + sl.begin * elem_size(b.ot) : nullptr;
-      fns[sl.tensor](b.p + sl.begin, g, b.m + sl.begin, b.v + sl.begin, out, sl.len,
+      char* m = static_cast<char*>(b.m) + sl.begin * elem_size(b.mt);
+      char* v = static_cast<char*>(b.v) + sl.begin * elem_size(b.mt);
+      fns[sl.tensor](b.p + sl.begin, g, m, v, out, sl.len, static_cast<uint32_t>(sl.begin), b.sr_key,
                      roof ? unused : hypers[b.hyper]);
     }
   };
@@ -322,6 +350,34 @@ void adam_update(Isa isa, const std::vector<Buffers>& bufs, const std::vector<Hy
 
 void stream_rmw(Isa isa, const std::vector<Buffers>& bufs, int nthreads) {
   run(true, isa, bufs, {}, nthreads);
+}
+
+namespace {
+uint64_t splitmix64(uint64_t x) {
+  x += 0x9E3779B97F4A7C15ull;
+  x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
+  x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
+  return x ^ (x >> 31);
+}
+}  // namespace
+
+uint32_t sr_key(uint64_t seed, int64_t step) {
+  return static_cast<uint32_t>(splitmix64(splitmix64(seed) + static_cast<uint64_t>(step)));
+}
+
+void round_bf16_stochastic(Isa isa, const float* src, uint16_t* dst, int64_t n, uint32_t key, int nthreads) {
+  const std::string why = isa_unsupported_reason(isa);
+  if (!why.empty()) throw std::invalid_argument(why);
+  if (n >= (int64_t{1} << 32))
+    throw std::invalid_argument("round_bf16_stochastic: " + std::to_string(n) + " elements; fewer than 2^32 allowed");
+  const RoundFn fn = kRound[static_cast<int>(isa)];
+  auto* out = reinterpret_cast<simd::bf16_t*>(dst);
+  const int64_t chunks = (n + kChunk - 1) / kChunk;
+#pragma omp parallel for num_threads(std::max(1, nthreads)) if (nthreads > 1 && chunks > 1) schedule(static)
+  for (int64_t c = 0; c < chunks; ++c) {
+    const int64_t lo = c * kChunk, len = std::min(kChunk, n - lo);
+    fn(src + lo, out + lo, len, static_cast<uint32_t>(lo), key);
+  }
 }
 
 }  // namespace adam

@@ -10,7 +10,8 @@ namespace adam {
 
 // Instruction-set paths, widest last. All give identical bits (see csrc/includes/simd.h).
 enum class Isa : int { kScalar = 0, kAvx2 = 1, kAvx512 = 2 };
-// Element type of the gradient input and of the optional 16-bit parameter output.
+// Element type of the gradient input, of the moments (kF32 or kBF16) and of the optional 16-bit
+// parameter output.
 enum class DType : int { kNone = 0, kF32 = 1, kBF16 = 2, kF16 = 3 };
 
 const char* isa_name(Isa isa);
@@ -38,18 +39,26 @@ struct Hyper {
   bool use_decay, use_l2, divide_grad;
 };
 
-// One tensor's buffers: n elements each; `g` and `out` of element type `gt` / `ot` (out may be
-// nullptr with ot == kNone); `hyper` indexes the hyper-parameter list of the call.
+// One tensor's buffers: n elements each; `g`, `m` and `v`, and `out` of element type `gt`, `mt` and
+// `ot` (out may be nullptr with ot == kNone); `hyper` indexes the hyper-parameter list of the call.
+// With mt == kBF16 the moments are read exactly, updated in fp32 and written back with stochastic
+// rounding whose random bits are a hash of (element index, sr_key) (csrc/includes/simd.h), so the
+// result depends on nothing else (not on the isa, the threads or the work list); n < 2^32 then.
 struct Buffers {
   float* p;
   const void* g;
-  float* m;
-  float* v;
+  void* m;
+  void* v;
   void* out;
   int64_t n;
-  DType gt, ot;
+  DType gt, ot, mt;
   int32_t hyper;
+  uint32_t sr_key;
 };
+
+// The rounding key of one tensor at one step: the low 32 bits of splitmix64(splitmix64(seed) + step)
+// (Steele et al. 2014, "Fast Splittable Pseudorandom Number Generators"), step the 1-based step.
+uint32_t sr_key(uint64_t seed, int64_t step);
 
 // In-place update of every tensor of `bufs` with hypers[bufs[i].hyper], as if each were updated
 // alone in list order: one OpenMP parallel region of `nthreads` threads runs one flat work list
@@ -58,9 +67,13 @@ struct Buffers {
 // Throws std::invalid_argument for an unsupported isa, dtype pair or hyper index.
 void adam_update(Isa isa, const std::vector<Buffers>& bufs, const std::vector<Hyper>& hypers, int nthreads);
 
+// dst[i] = src[i] rounded to bf16 stochastically, with the random bits adam_update uses for exp_avg
+// element i under `key`: n < 2^32 elements, `nthreads` OpenMP threads.
+void round_bf16_stochastic(Isa isa, const float* src, uint16_t* dst, int64_t n, uint32_t key, int nthreads);
+
 // The bandwidth roof of the same memory traffic, over the same work list: reads grads, params,
 // exp_avg, exp_avg_sq, writes params, exp_avg, exp_avg_sq (+ out), with one add per stream
-// instead of Adam's math. Hyper indices are ignored.
+// instead of Adam's math. Hyper indices are ignored; moments must be fp32.
 void stream_rmw(Isa isa, const std::vector<Buffers>& bufs, int nthreads);
 
 }  // namespace adam

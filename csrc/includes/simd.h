@@ -18,6 +18,14 @@
 //     (what `torch.Tensor.to(torch.bfloat16)` gives on CPU).
 //   * fp16: IEEE round to nearest even (VCVTPS2PH imm 0); NaN keeps its sign and top payload bits
 //     with the quiet bit set; overflow gives infinity.
+//
+// Stochastic rounding to bf16 (store_sr) adds 16 random bits to the fp32 bits and truncates, so the
+// magnitude rounds up with probability (dropped bits) / 2^16 and the expected result is the fp32
+// value (Gupta et al. 2015, "Deep Learning with Limited Numerical Precision"); NaN becomes 0xFFFF,
+// infinity stays, and a value within one bf16 step of the largest finite one may round to infinity.
+// The random bits come from hash_index: lowbias32 (C. Wellons, "Prospecting for hash functions",
+// 2018) of (element index XOR key), a bijection of 32-bit words computed with 32-bit integer
+// operations only, so every path gives the same bits for the same (index, key).
 #pragma once
 
 #include <cstdint>
@@ -49,6 +57,22 @@ inline uint16_t bf16_from_f32(float f) {
   return static_cast<uint16_t>((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
 }
 inline float f32_from_bf16(uint16_t h) { return bits_f32(static_cast<uint32_t>(h) << 16); }
+
+// lowbias32: a bijective 32-bit mixer (see the header comment).
+inline uint32_t hash32(uint32_t x) {
+  x ^= x >> 16;
+  x *= 0x7feb352du;
+  x ^= x >> 15;
+  x *= 0x846ca68bu;
+  x ^= x >> 16;
+  return x;
+}
+
+// fp32 -> bf16 bits with stochastic rounding; `r16` holds 16 random bits (< 2^16).
+inline uint16_t bf16_sr_from_f32(float f, uint32_t r16) {
+  if (f != f) return 0xFFFF;
+  return static_cast<uint16_t>((f32_bits(f) + r16) >> 16);
+}
 
 // fp32 -> fp16 bits, IEEE round to nearest even, with VCVTPS2PH's NaN and overflow results.
 inline uint16_t fp16_from_f32(float f) {
@@ -99,6 +123,12 @@ struct Scalar {
   static inline vf mul(vf a, vf b) { return a * b; }
   static inline vf div(vf a, vf b) { return a / b; }
   static inline vf sqrt(vf a) { return __builtin_sqrtf(a); }
+  // stochastic rounding (see the header comment): 32 random bits per element idx0 + lane
+  using vi = uint32_t;
+  static inline vi hash_index(uint32_t idx0, uint32_t key) { return hash32(idx0 ^ key); }
+  static inline vi lo16(vi r) { return r & 0xFFFFu; }
+  static inline vi hi16(vi r) { return r >> 16; }
+  static inline void store_sr(bf16_t* p, vf a, vi r16) { p->x = bf16_sr_from_f32(a, r16); }
 };
 
 #if ZEROINF_X86
@@ -136,6 +166,26 @@ struct Avx2 {
   static inline vf mul(vf a, vf b) { return _mm256_mul_ps(a, b); }
   static inline vf div(vf a, vf b) { return _mm256_div_ps(a, b); }
   static inline vf sqrt(vf a) { return _mm256_sqrt_ps(a); }
+  using vi = __m256i;
+  static inline vi hash_index(uint32_t idx0, uint32_t key) {
+    __m256i x = _mm256_add_epi32(_mm256_set1_epi32(static_cast<int>(idx0)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+    x = _mm256_xor_si256(x, _mm256_set1_epi32(static_cast<int>(key)));
+    x = _mm256_xor_si256(x, _mm256_srli_epi32(x, 16));
+    x = _mm256_mullo_epi32(x, _mm256_set1_epi32(0x7feb352d));
+    x = _mm256_xor_si256(x, _mm256_srli_epi32(x, 15));
+    x = _mm256_mullo_epi32(x, _mm256_set1_epi32(static_cast<int>(0x846ca68bu)));
+    return _mm256_xor_si256(x, _mm256_srli_epi32(x, 16));
+  }
+  static inline vi lo16(vi r) { return _mm256_and_si256(r, _mm256_set1_epi32(0xFFFF)); }
+  static inline vi hi16(vi r) { return _mm256_srli_epi32(r, 16); }
+  static inline void store_sr(bf16_t* p, vf a, vi r16) {
+    __m256i r = _mm256_srli_epi32(_mm256_add_epi32(_mm256_castps_si256(a), r16), 16);
+    const __m256 ordered = _mm256_cmp_ps(a, a, _CMP_ORD_Q);
+    r = _mm256_castps_si256(_mm256_blendv_ps(_mm256_castsi256_ps(_mm256_set1_epi32(0xFFFF)),
+                                             _mm256_castsi256_ps(r), ordered));
+    const __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p), packed);
+  }
 };
 #pragma GCC pop_options
 
@@ -171,6 +221,25 @@ struct Avx512 {
   static inline vf mul(vf a, vf b) { return _mm512_mul_ps(a, b); }
   static inline vf div(vf a, vf b) { return _mm512_div_ps(a, b); }
   static inline vf sqrt(vf a) { return _mm512_sqrt_ps(a); }
+  using vi = __m512i;
+  static inline vi hash_index(uint32_t idx0, uint32_t key) {
+    __m512i x = _mm512_add_epi32(_mm512_set1_epi32(static_cast<int>(idx0)),
+                                 _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
+    x = _mm512_xor_si512(x, _mm512_set1_epi32(static_cast<int>(key)));
+    x = _mm512_xor_si512(x, _mm512_srli_epi32(x, 16));
+    x = _mm512_mullo_epi32(x, _mm512_set1_epi32(0x7feb352d));
+    x = _mm512_xor_si512(x, _mm512_srli_epi32(x, 15));
+    x = _mm512_mullo_epi32(x, _mm512_set1_epi32(static_cast<int>(0x846ca68bu)));
+    return _mm512_xor_si512(x, _mm512_srli_epi32(x, 16));
+  }
+  static inline vi lo16(vi r) { return _mm512_and_si512(r, _mm512_set1_epi32(0xFFFF)); }
+  static inline vi hi16(vi r) { return _mm512_srli_epi32(r, 16); }
+  static inline void store_sr(bf16_t* p, vf a, vi r16) {
+    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_castps_si512(a), r16), 16);
+    const __mmask16 ordered = _mm512_cmp_ps_mask(a, a, _CMP_ORD_Q);
+    r = _mm512_mask_blend_epi32(ordered, _mm512_set1_epi32(0xFFFF), r);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(r));
+  }
 };
 #pragma GCC pop_options
 #endif  // ZEROINF_X86

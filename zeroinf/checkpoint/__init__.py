@@ -2,7 +2,8 @@
 
 Layout of ``<dir>/<tag>/`` (every file loads with ``torch.load(weights_only=True)``)::
 
-    optim_rank{r}_{group}_{sub}.pt   one per sub-group of rank r: key, master, exp_avg, exp_avg_sq (fp32)
+    optim_rank{r}_{group}_{sub}.pt   one per sub-group of rank r: key, master, exp_avg, exp_avg_sq
+                                     (fp32; the moments bf16 with offload_optimizer.state_dtype bf16)
     rng_rank{r}.pt                   rank r's RNG states (python, numpy, torch CPU, CUDA)
     model_states.pt                  written by rank 0 *last*: the module's state dict, step counters,
                                      loss scaler, LR scheduler, param-group hyper-parameters, the

@@ -45,6 +45,9 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--nodes", type=int, default=1, help="nodes (default 1); N = gpus x nodes")
     parser.add_argument("--precision", choices=list(PRECISIONS), default=None,
                         help="bf16/fp16 (fp32 master weights) or fp32 (default bf16, or the --config's)")
+    parser.add_argument("--state-dtype", choices=["fp32", "bf16"], default=None,
+                        help="offloaded Adam moments in fp32 or bf16 (offload_optimizer.state_dtype; default fp32, "
+                             "or the --config's)")
     parser.add_argument("--live-params", type=flag_type(parse_count), default=None,
                         help="parameters a stage-3 rank holds gathered at once (default: from --model: "
                              "persistent + root + largest block; zeroinf plan with --params only: "
@@ -130,7 +133,7 @@ def main(args: argparse.Namespace) -> int:
     try:
         precision = args.precision or "bf16"
         swap = PLAN_SWAP
-        pins = {}  # without --config: pin_memory false, the config default
+        pins = {"state_dtype": args.state_dtype or "fp32"}  # without --config: pin_memory false, the config default
         placements = list(PLACEMENTS)
         threshold = PERSISTENCE_THRESHOLD
         limits = GatherLimits()
@@ -145,7 +148,8 @@ def main(args: argparse.Namespace) -> int:
             threshold = cfg.zero_optimization.stage3_param_persistence_threshold
             limits = GatherLimits.from_zero_config(cfg.zero_optimization)
             pins = dict(optimizer_pin_memory=cfg.zero_optimization.offload_optimizer.pin_memory,
-                        param_pin_memory=cfg.zero_optimization.offload_param.pin_memory)
+                        param_pin_memory=cfg.zero_optimization.offload_param.pin_memory,
+                        state_dtype=args.state_dtype or cfg.zero_optimization.offload_optimizer.state_dtype)
         info, act, act_formula = resolve_model(args, persistence_threshold=threshold, limits=limits)
         live, live_formula = info.live_params, info.live_formula
         if live is None:  # units unknown: the engine gathers at most stage3_max_live_parameters
@@ -168,14 +172,15 @@ def main(args: argparse.Namespace) -> int:
         print(json.dumps({"params": info.params, "world_size": n, "rows": [r.row() for r in rows]}, indent=1))
         return 0
     k = PRECISIONS[precision].master_bytes + OPTIMIZERS[args.optimizer]
-    k_off = 4 + OPTIMIZERS[args.optimizer]
+    k_off = 4 + OPTIMIZERS[args.optimizer] // (2 if pins["state_dtype"] == "bf16" else 1)
     print(f"model {info.name}: P = {format_count(info.params)} parameters"
           + (f"; stage 3 gathers {format_count(info.live_params)} at once (largest unit {format_count(info.largest_unit)})"
              if info.live_params and info.largest_unit else ""))
     print(f"N = {n} ranks ({args.gpus} per node x {args.nodes} nodes); {precision}"
           + (" with fp32 master weights" if PRECISIONS[precision].master_bytes else "")
           + f"; {args.optimizer}: K = {k} B/param of optimizer state"
-          + (f" ({k_off} when offloaded: it keeps its own fp32 master)" if k_off != k else ""))
+          + (f" ({k_off} when offloaded: it keeps its own fp32 master"
+             + (", moments in bf16" if pins["state_dtype"] == "bf16" else "") + ")" if k_off != k else ""))
     if act:
         print(f"activations: {format_size(act)} GB per device (seq {args.seq_len}, micro-batch {args.micro_batch}, "
               f"checkpointing {args.checkpointing})")

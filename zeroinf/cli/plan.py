@@ -233,7 +233,8 @@ def main(args: argparse.Namespace) -> int:
     limits = Limits(gpu_mem=args.gpu_mem, cpu_mem=args.cpu_mem, nvme=args.nvme, reserve=args.reserve)
     swap = swap_for(info, n)
     plan = choose(info, limits, world_size=n, gpus_per_node=args.gpus, precision=precision,
-                  optimizer=args.optimizer, activations=act, activations_formula=act_formula, swap=swap)
+                  optimizer=args.optimizer, activations=act, activations_formula=act_formula, swap=swap,
+                  state_dtype=args.state_dtype or "fp32")
     # the live parameters counted are the config's cap: plan's own figure (--params alone) or the
     # user's --live-params, which is written too (counted and not written, the engine would gather
     # more than the estimate counted)
@@ -245,7 +246,7 @@ def main(args: argparse.Namespace) -> int:
         # away (zeroinf plan | head -1) ends the output, not the file
         cfg = make_config(plan.chosen.placement, precision=precision, micro_batch=args.micro_batch,
                           nvme_path=args.nvme_path, swap=swap, lr=args.lr, optimizer=args.optimizer,
-                          max_live_parameters=written_live)
+                          max_live_parameters=written_live, state_dtype=args.state_dtype or "fp32")
         parse_config(cfg, world_size=n)  # the engine's own validation; a failure here is a bug in make_config
         try:
             out.parent.mkdir(parents=True, exist_ok=True)
@@ -287,7 +288,7 @@ def main(args: argparse.Namespace) -> int:
         print(f"note: nvme_path {args.nvme_path} (--nvme-path) does not exist on this machine; the engine creates "
               "it, so point it at a fast local disk with room, or give --nvme-path DIR")
     bounds = step_time_bounds(plan.chosen, adam_params_per_s=adam, nvme_read_gbps=rd, nvme_write_gbps=wr,
-                              precision=precision, optimizer=args.optimizer)
+                              precision=precision, optimizer=args.optimizer, state_dtype=args.state_dtype or "fp32")
     for what, (secs, formula) in bounds.items():
         print(f"step time >= {secs:.3g} s set by {what}: {formula}")
     if pl.offload_optimizer != "none" and "optimizer" not in bounds:

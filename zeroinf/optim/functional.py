@@ -9,6 +9,11 @@ PyTorch ops, also the tests' second reference — only when ops are unavailable
 
 ``ZEROINF_ADAM_ISA=avx512|avx2|scalar`` (read at every call) forces one instruction-set path,
 ``auto`` or unset takes the widest this CPU supports. All paths give the same bits.
+
+bf16 moments: ``exp_avg`` and ``exp_avg_sq`` may both be bf16. They are read exactly, updated in
+fp32 and written back with stochastic rounding (:func:`round_bf16_stochastic`), whose random bits
+are a hash of (``sr_seed``, ``step``, element index) and nothing else: the same call gives the
+same bits on every path, thread count and run, so a resumed run repeats the rounding exactly.
 """
 from __future__ import annotations
 
@@ -22,13 +27,17 @@ import torch
 from ..ops import try_load_op
 
 __all__ = ["AdamHyper", "adam_step", "adam_step_groups", "adam_step_list", "adam_step_reference", "isa_info",
-           "limit_thread_parallelism", "load_adam_op", "stream_rmw", "ISA_ENV"]
+           "limit_thread_parallelism", "load_adam_op", "round_bf16_stochastic", "round_bf16_stochastic_reference",
+           "stream_rmw", "ISA_ENV"]
 
 #: Environment variable that forces an instruction-set path of the C++ op.
 ISA_ENV = "ZEROINF_ADAM_ISA"
 _ISAS = ("auto", "avx512", "avx2", "scalar")
 _GRAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _OUT_DTYPES = (torch.bfloat16, torch.float16)
+_MOMENT_DTYPES = (torch.float32, torch.bfloat16)
+_U32 = 0xFFFFFFFF
+_U64 = 0xFFFFFFFFFFFFFFFF
 _FALLBACK = "the pure-PyTorch Adam (zeroinf.optim.adam_step_reference)"
 
 
@@ -68,8 +77,10 @@ def _check_all(params, grads, exp_avg, exp_avg_sq, params_out, sfx: str = "") ->
     _check("params" + sfx, params, None, (torch.float32,))
     n = params.numel()
     _check("grads" + sfx, grads, n, _GRAD_DTYPES)
-    _check("exp_avg" + sfx, exp_avg, n, (torch.float32,))
-    _check("exp_avg_sq" + sfx, exp_avg_sq, n, (torch.float32,))
+    _check("exp_avg" + sfx, exp_avg, n, _MOMENT_DTYPES)
+    _check("exp_avg_sq" + sfx, exp_avg_sq, n, (exp_avg.dtype,))
+    if exp_avg.dtype == torch.bfloat16 and n >= 1 << 32:
+        raise ValueError(f"exp_avg{sfx}: bf16 moments allow fewer than 2^32 elements per tensor, got {n}")
     if params_out is not None:
         _check("params_out" + sfx, params_out, n, _OUT_DTYPES)
 
@@ -77,7 +88,7 @@ def _check_all(params, grads, exp_avg, exp_avg_sq, params_out, sfx: str = "") ->
 def adam_step(params: torch.Tensor, grads: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
               *, step: int, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float,
               adamw_mode: bool = True, bias_correction: bool = True, grad_scale: float = 1.0,
-              params_out: Optional[torch.Tensor] = None) -> None:
+              params_out: Optional[torch.Tensor] = None, sr_seed: int = 0) -> None:
     """One Adam/AdamW step, in place, over flat contiguous CPU buffers of equal numel.
 
     Per element, in float32 (Loshchilov & Hutter, "Decoupled Weight Decay Regularization",
@@ -99,7 +110,8 @@ def adam_step(params: torch.Tensor, grads: torch.Tensor, exp_avg: torch.Tensor, 
     Args:
         params: fp32 master parameters, any shape, contiguous; updated in place.
         grads: fp32, bf16 or fp16 gradients (read only).
-        exp_avg, exp_avg_sq: fp32 first and second moments; updated in place.
+        exp_avg, exp_avg_sq: first and second moments, both fp32 or both bf16 (fewer than 2^32
+            elements; written with stochastic rounding, see the module docstring); updated in place.
         step: the 1-based step number after increment (``torch.optim`` convention).
         lr, beta1, beta2, eps, weight_decay: the usual hyper-parameters (Python floats).
         adamw_mode: decoupled weight decay (AdamW) if True, L2 added to the gradient if False.
@@ -107,6 +119,8 @@ def adam_step(params: torch.Tensor, grads: torch.Tensor, exp_avg: torch.Tensor, 
         grad_scale: the gradients are divided by it first (fp16 loss scaling folded in).
         params_out: optional bf16/fp16 buffer receiving the updated parameters, bit-equal to
             ``params.to(params_out.dtype)`` (round to nearest even; NaN as torch casts it).
+        sr_seed: with bf16 moments, the seed of their stochastic rounding (an int taken modulo
+            2^64); the caller gives each tensor its own. Ignored with fp32 moments.
 
     Raises:
         ValueError: a buffer is not a contiguous CPU tensor of the required dtype and numel (the
@@ -125,11 +139,12 @@ def adam_step(params: torch.Tensor, grads: torch.Tensor, exp_avg: torch.Tensor, 
     if op is None:
         adam_step_reference(params, grads, exp_avg, exp_avg_sq, step=step, lr=lr, beta1=beta1, beta2=beta2,
                             eps=eps, weight_decay=weight_decay, adamw_mode=adamw_mode,
-                            bias_correction=bias_correction, grad_scale=grad_scale, params_out=params_out)
+                            bias_correction=bias_correction, grad_scale=grad_scale, params_out=params_out,
+                            sr_seed=sr_seed)
         return
     op.adam_step(params, grads, exp_avg, exp_avg_sq, params_out, step, float(lr), float(beta1), float(beta2),
                  float(eps), float(weight_decay), bool(adamw_mode), bool(bias_correction), float(grad_scale),
-                 isa)
+                 isa, _as_int64(sr_seed))
 
 
 class AdamHyper(NamedTuple):
@@ -201,6 +216,9 @@ def adam_step_groups(params: Sequence[torch.Tensor], grads: Sequence[torch.Tenso
         return
     for i in range(k):
         _check_all(params[i], grads[i], exp_avgs[i], exp_avg_sqs[i], outs[i], f"[{i}]")
+        if exp_avgs[i].dtype != torch.float32:
+            raise ValueError(f"exp_avgs[{i}] must be float32 in the list form (bf16 moments are stepped one "
+                             "tensor at a time, with adam_step and its sr_seed)")
         if steps[i] < 1:
             raise ValueError(f"step[{i}] must be >= 1 (the step number after increment), got {steps[i]}")
         if not 0 <= group_of[i] < len(groups):
@@ -215,13 +233,23 @@ def adam_step_reference(params: torch.Tensor, grads: torch.Tensor, exp_avg: torc
                         exp_avg_sq: torch.Tensor, *, step: int, lr: float, beta1: float, beta2: float,
                         eps: float, weight_decay: float, adamw_mode: bool = True,
                         bias_correction: bool = True, grad_scale: float = 1.0,
-                        params_out: Optional[torch.Tensor] = None) -> None:
+                        params_out: Optional[torch.Tensor] = None, sr_seed: int = 0) -> None:
     """:func:`adam_step` written with PyTorch ops: the runtime fallback and the tests' reference.
 
     Same arguments, formula and errors as :func:`adam_step`; float32 arithmetic in the same order
-    as the C++ kernel, so the two agree to about one rounding step.
+    as the C++ kernel, so the two agree to about one rounding step (bf16 moments: the same random
+    bits, so they agree to about one bf16 step where the fp32 values differ by a rounding).
     """
     _check_all(params, grads, exp_avg, exp_avg_sq, params_out)
+    if exp_avg.dtype == torch.bfloat16:
+        m, v = exp_avg.float(), exp_avg_sq.float()
+        adam_step_reference(params, grads, m, v, step=step, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
+                            weight_decay=weight_decay, adamw_mode=adamw_mode, bias_correction=bias_correction,
+                            grad_scale=grad_scale, params_out=params_out)
+        r = _sr_bits(m.numel(), _sr_key(sr_seed, step))
+        exp_avg.view(-1).copy_(_round_bf16_bits(m.view(-1), r & 0xFFFF))
+        exp_avg_sq.view(-1).copy_(_round_bf16_bits(v.view(-1), r >> 16))
+        return
     bc1 = 1.0 - beta1 ** step if bias_correction else 1.0
     bc2 = 1.0 - beta2 ** step if bias_correction else 1.0
     g = grads.float()
@@ -238,6 +266,72 @@ def adam_step_reference(params: torch.Tensor, grads: torch.Tensor, exp_avg: torc
     params.sub_((exp_avg / denom).mul_(lr / bc1))
     if params_out is not None:
         params_out.copy_(params)
+
+
+def _as_int64(seed: int) -> int:
+    """``seed`` modulo 2^64 as a signed 64-bit int (what the op's int64 argument takes)."""
+    u = operator.index(seed) & _U64
+    return u - (1 << 64) if u >= 1 << 63 else u
+
+
+def _splitmix64(x: int) -> int:
+    x = (x + 0x9E3779B97F4A7C15) & _U64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _U64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _U64
+    return x ^ (x >> 31)
+
+
+def _sr_key(seed: int, step: int) -> int:
+    """The op's rounding key of (seed, step): low 32 bits of splitmix64(splitmix64(seed) + step)
+    (``sr_key`` in csrc/adam/cpu_adam.h)."""
+    return _splitmix64((_splitmix64(operator.index(seed) & _U64) + int(step)) & _U64) & _U32
+
+
+def _sr_bits(n: int, key: int) -> torch.Tensor:
+    """32 random bits per element index 0..n-1 (int64 tensor): lowbias32(index XOR key), as
+    ``hash_index`` in csrc/includes/simd.h; products are taken modulo 2^32."""
+    x = torch.arange(n, dtype=torch.int64) ^ key
+    x = x ^ (x >> 16)
+    x = (x * 0x7FEB352D) & _U32
+    x = x ^ (x >> 15)
+    x = (x * 0x846CA68B) & _U32  # < 2^64 before the mask: int64 wraps, the low 32 bits are exact
+    return x ^ (x >> 16)
+
+
+def _round_bf16_bits(x: torch.Tensor, r16: torch.Tensor) -> torch.Tensor:
+    """fp32 ``x`` rounded to bf16 by adding the 16 random bits ``r16`` to its bits and truncating
+    (csrc/includes/simd.h, ``store_sr``); NaN becomes 0xFFFF."""
+    bits = x.contiguous().view(torch.int32).to(torch.int64) & _U32
+    h = ((bits + r16) >> 16) & 0xFFFF
+    h = torch.where(torch.isnan(x), torch.full_like(h, 0xFFFF), h)
+    return (((h + 0x8000) & 0xFFFF) - 0x8000).to(torch.int16).view(torch.bfloat16)
+
+
+def round_bf16_stochastic_reference(src: torch.Tensor, *, sr_seed: int, step: int) -> torch.Tensor:
+    """:func:`round_bf16_stochastic` in PyTorch ops, bit-equal to the op: the fallback and the
+    tests' reference."""
+    _check("src", src, None, (torch.float32,))
+    return _round_bf16_bits(src.view(-1), _sr_bits(src.numel(), _sr_key(sr_seed, step)) & 0xFFFF).view(src.shape)
+
+
+def round_bf16_stochastic(src: torch.Tensor, *, sr_seed: int, step: int) -> torch.Tensor:
+    """``src`` (fp32, contiguous CPU, fewer than 2^32 elements) rounded to bf16 stochastically:
+    element i rounds up in magnitude with probability (its dropped 16 bits) / 2^16, so the
+    expected result is ``src``; the random bits are those :func:`adam_step` uses for ``exp_avg``
+    element i at (``sr_seed``, ``step``). Returns a new bf16 tensor of ``src``'s shape.
+
+    Raises:
+        ValueError: ``src`` is not a contiguous fp32 CPU tensor, or has 2^32 elements or more.
+    """
+    _check("src", src, None, (torch.float32,))
+    if src.numel() >= 1 << 32:
+        raise ValueError(f"src: fewer than 2^32 elements allowed, got {src.numel()}")
+    op = try_load_op("adam", _FALLBACK)
+    if op is None:
+        return round_bf16_stochastic_reference(src, sr_seed=sr_seed, step=step)
+    out = torch.empty(src.shape, dtype=torch.bfloat16)
+    op.round_bf16_stochastic(src, out, _as_int64(sr_seed), int(step), _forced_isa())
+    return out
 
 
 def stream_rmw(params: torch.Tensor, grads: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,

@@ -45,11 +45,14 @@ from .engine_info import EngineInfo
 from .engine_state import EngineState
 from .engine_step import StepDriver
 from .loss_scaler import LossScaler
-from .optimizer import SubGroupOptimizer
+from .optimizer import SubGroupOptimizer, state_bytes_per_element
 from .stage_api import StageParams
 from .zero_optimizer import ZeroOptimizer, hand_over, hyper_from_client
 
 __all__ = ["StateGuard", "ZeroEngine", "ZeroOptimizer", "build_stage", "destroy_process_group", "initialize"]
+
+#: ``offload_optimizer.state_dtype`` -> the Adam moments' element type
+_STATE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 def _bytes_gb(n: int) -> str:
@@ -111,9 +114,10 @@ def build_stage(model: torch.nn.Module, cfg: ZeroInfConfig, groups, *, rank: int
                             reduce_bucket_size=zc.reduce_bucket_size, allgather_bucket_size=zc.allgather_bucket_size,
                             reduce_scatter=zc.reduce_scatter, rank=rank, world_size=world_size)
     if off.device == "nvme":
+        per = state_bytes_per_element(_STATE_DTYPES[off.state_dtype], master=True)
         check_disk([("zero_optimization.offload_optimizer.nvme_path", off.nvme_path,
                      os.path.join(off.nvme_path, "zeroinf_optimizer", f"rank{rank}"),
-                     12 * sum(s.numel for s in flat.sub_group_specs()), "optimizer state (12 bytes per element)")])
+                     per * sum(s.numel for s in flat.sub_group_specs()), f"optimizer state ({per} bytes per element)")])
     return flat
 
 
@@ -191,7 +195,8 @@ class ZeroEngine(StepDriver, EngineState, EngineInfo):
         # [Note: master in the partitions] (stage3/engine_glue.py): fp32 stage 3 with the optimizer
         # state on NVMe keeps no second fp32 copy of the parameters
         master_io = self.params.master_io()
-        self._check_machine(specs, 8 if master_io is not None else 12)
+        state_dtype = _STATE_DTYPES[off.state_dtype]
+        self._check_machine(specs, state_bytes_per_element(state_dtype, master=master_io is None))
         swap_dir = None
         if off.device == "nvme":
             swap_dir = os.path.join(off.nvme_path, "zeroinf_optimizer", f"rank{rank}")
@@ -200,7 +205,7 @@ class ZeroEngine(StepDriver, EngineState, EngineInfo):
             self.sub_optimizer = SubGroupOptimizer(
                 specs, device=off.device, swap_dir=swap_dir, buffer_count=off.buffer_count,
                 pipeline_read=off.pipeline_read, pipeline_write=off.pipeline_write, pin_memory=off.pin_memory,
-                aio=cfg.aio, master_io=master_io)
+                aio=cfg.aio, master_io=master_io, state_dtype=state_dtype)
         except MemoryError as e:  # zeroinf.io.PinnedMemoryError: over RAM or ulimit -l
             raise ConfigError("zero_optimization.offload_optimizer.buffer_count",
                               f"{e}; lower sub_group_size or buffer_count") from e

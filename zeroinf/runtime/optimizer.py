@@ -32,6 +32,12 @@ then hold only ``[exp_avg | exp_avg_sq]`` (8 bytes per element instead of 12), `
 be the fp32 master itself (its current values, updated in place), and ``state``/``load_state``
 read and write the master through ``master_io``.
 
+With ``state_dtype=torch.bfloat16`` the moments are stored in bf16 (the master stays fp32), in
+memory and in the swap files: 8 bytes per element (4 with ``master_io``). The step reads them
+exactly and writes them with stochastic rounding keyed by (sub-group key, step, element index)
+(:func:`zeroinf.optim.adam_step`), so a run resumed from a checkpoint rounds exactly as the
+uninterrupted run does; ``state`` yields them in bf16 and ``load_state`` takes any float dtype.
+
 Numerics are those of :func:`zeroinf.optim.adam_step` (bit-compatible with ``torch.optim.AdamW``
 up to float rounding); ``step`` is the 1-based step number used for bias correction, identical
 for all sub-groups of a step.
@@ -50,6 +56,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+import zlib
 from dataclasses import dataclass
 from typing import Callable, Iterator, List, Mapping, Optional, Protocol, Sequence, Tuple
 
@@ -57,7 +64,19 @@ import torch
 
 from .pinned import PinnedHost
 
-__all__ = ["MasterIO", "SubGroupSpec", "SubGroupOptimizer", "optimizer_buffer_count"]
+__all__ = ["MasterIO", "SubGroupSpec", "SubGroupOptimizer", "optimizer_buffer_count", "state_bytes_per_element"]
+
+#: Element types the Adam moments may be stored in.
+STATE_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def state_bytes_per_element(state_dtype: torch.dtype = torch.float32, master: bool = True) -> int:
+    """Bytes of optimizer state per element: the fp32 master (4, when ``master``) plus the two
+    Adam moments of ``state_dtype`` (4 + 4 in fp32, 2 + 2 in bf16). Raises ValueError for a dtype
+    outside :data:`STATE_DTYPES`."""
+    if state_dtype not in STATE_DTYPES:
+        raise ValueError(f"state_dtype must be torch.float32 or torch.bfloat16, got {state_dtype}")
+    return 4 * bool(master) + 2 * state_dtype.itemsize
 
 
 def optimizer_buffer_count(buffer_count: int, pipeline_read: bool, pipeline_write: bool, n_sub_groups: int) -> int:
@@ -120,8 +139,9 @@ class SubGroupOptimizer:
         specs: the sub-groups, keys unique.
         device: "none" or "cpu" (state in CPU memory) or "nvme" (swap files).
         swap_dir: directory for the swap files (required for "nvme"); a private subfolder is used.
-        buffer_count: pinned swap buffers for "nvme", each holding one sub-group's swapped fp32
-            tensors (``12 * max numel`` bytes, 8 with ``master_io``); at least
+        buffer_count: pinned swap buffers for "nvme", each holding one sub-group's swapped
+            tensors (:func:`state_bytes_per_element` ``* max numel`` bytes: 12, 8 with ``master_io``,
+            8 and 4 with bf16 moments); at least
             ``1 + pipeline_read + pipeline_write``.
         pipeline_read / pipeline_write: overlap the next sub-group's swap-in / the previous one's
             swap-out with the current Adam compute.
@@ -131,15 +151,18 @@ class SubGroupOptimizer:
         master_io: with device "nvme", a :class:`MasterIO` over the caller's fp32 parameters,
             which are the master weights: only the moments are swapped, and ``step``'s ``out(i)``
             must return the master (fp32, contiguous, CPU), holding its current values.
+        state_dtype: element type of ``exp_avg`` and ``exp_avg_sq``, torch.float32 (default) or
+            torch.bfloat16 (stochastic rounding; see the module docstring).
 
     Raises:
         ValueError: duplicate keys, a non-positive numel, an unknown device, too few buffers,
-            ``master_io`` with a device other than "nvme".
+            ``master_io`` with a device other than "nvme", a ``state_dtype`` other than fp32 or bf16.
     """
 
     def __init__(self, specs: Sequence[SubGroupSpec], *, device: str = "cpu", swap_dir: Optional[str] = None,
                  buffer_count: int = 4, pipeline_read: bool = False, pipeline_write: bool = False,
-                 pin_memory: bool = False, aio=None, master_io: Optional[MasterIO] = None):
+                 pin_memory: bool = False, aio=None, master_io: Optional[MasterIO] = None,
+                 state_dtype: torch.dtype = torch.float32):
         keys = [s.key for s in specs]
         if len(set(keys)) != len(keys):
             raise ValueError(f"SubGroupOptimizer: duplicate sub-group keys in {keys}")
@@ -151,8 +174,15 @@ class SubGroupOptimizer:
         if master_io is not None and device != "nvme":
             raise ValueError(f"SubGroupOptimizer: master_io needs device 'nvme' (got {device!r}); CPU-resident "
                              "state takes the parameters as init_master(..., storage=...)")
+        if state_dtype not in STATE_DTYPES:
+            raise ValueError(f"SubGroupOptimizer: state_dtype must be torch.float32 or torch.bfloat16, "
+                             f"got {state_dtype}")
         self.master_io = master_io
-        self._swapped = 2 if master_io is not None else 3  # fp32 tensors per element in the swap files
+        self.state_dtype = state_dtype
+        # bytes per element in the swap files and buffers: [fp32 master |] exp_avg | exp_avg_sq
+        self._elem_bytes = state_bytes_per_element(state_dtype, master=master_io is None)
+        # the stochastic rounding's seed of each sub-group: fixed by its key, so the same in a resumed run
+        self._seeds = [zlib.crc32(s.key.encode()) for s in specs]
         self.specs: List[SubGroupSpec] = list(specs)
         self.device = device
         self.pipeline_read, self.pipeline_write = bool(pipeline_read), bool(pipeline_write)
@@ -196,30 +226,35 @@ class SubGroupOptimizer:
         # terminal when allocating them takes over a second (a large model on a slow file system)
         for s in tqdm(self.specs, desc="zeroinf: allocating optimizer swap files", unit="file", delay=1.0,
                       leave=False, disable=None):
-            self._swapper.register(self._file_key(s), self._swapped * s.numel, torch.float32)
+            self._swapper.register(self._file_key(s), self._elem_bytes // 4 * s.numel, torch.float32)
         max_numel = max((s.numel for s in self.specs), default=1)
         count = optimizer_buffer_count(buffer_count, self.pipeline_read, self.pipeline_write, len(self.specs))
-        self._pool = PinnedBufferPool(count, self._swapped * 4 * max_numel)
+        self._pool = PinnedBufferPool(count, self._elem_bytes * max_numel)
         self._buffers = [self._pool.acquire() for _ in range(count)]
         self._free = list(range(count))
 
     def _file_key(self, spec: SubGroupSpec) -> str:
-        return f"{spec.key}/adam_state" if self.master_io is None else f"{spec.key}/adam_moments"
+        name = "adam_state" if self.master_io is None else "adam_moments"
+        return f"{spec.key}/{name}" + ("_bf16" if self.state_dtype == torch.bfloat16 else "")
 
     def _views(self, buf_index: int, numel: int) -> Tuple[Optional[torch.Tensor], torch.Tensor, torch.Tensor]:
-        """(master, exp_avg, exp_avg_sq) in swap buffer ``buf_index``; master None with ``master_io``."""
-        buf = self._buffers[buf_index]
-        flat = buf.view(torch.uint8).view(torch.float32) if buf.dtype != torch.float32 else buf
-        views = [flat[k * numel:(k + 1) * numel] for k in range(self._swapped)]
-        return tuple(views) if self.master_io is None else (None, *views)
+        """(master, exp_avg, exp_avg_sq) in swap buffer ``buf_index``, laid out as the swap file:
+        [fp32 master | exp_avg | exp_avg_sq]; master None with ``master_io``."""
+        raw = self._buffers[buf_index].view(torch.uint8)
+        mb = self.state_dtype.itemsize  # bytes per moment element
+        master = None if self.master_io is not None else raw[:4 * numel].view(torch.float32)
+        lo = 0 if self.master_io is not None else 4 * numel
+        m = raw[lo:lo + mb * numel].view(self.state_dtype)
+        v = raw[lo + mb * numel:lo + 2 * mb * numel].view(self.state_dtype)
+        return master, m, v
 
     def _items(self, rec: _Record):
-        buf = self._buffers[rec.buffer]
-        flat = buf.view(torch.uint8).view(torch.float32) if buf.dtype != torch.float32 else buf
-        return [(self._file_key(rec.spec), flat[:self._swapped * rec.spec.numel])]
+        raw = self._buffers[rec.buffer].view(torch.uint8)
+        return [(self._file_key(rec.spec), raw[:self._elem_bytes * rec.spec.numel].view(torch.float32))]
 
     def _new_cpu_state(self, numel: int) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        return tuple(self._pinned.zeros(numel, torch.float32, pin=self._pin) for _ in range(3))
+        return (self._pinned.zeros(numel, torch.float32, pin=self._pin),
+                *(self._pinned.zeros(numel, self.state_dtype, pin=self._pin) for _ in range(2)))
 
     def init_master(self, index: int, values: Optional[torch.Tensor], storage: Optional[torch.Tensor] = None) -> None:
         """Set sub-group ``index``'s master weights to ``values`` (any float dtype, numel as the
@@ -294,7 +329,8 @@ class SubGroupOptimizer:
 
     @contextlib.contextmanager
     def state(self, index: int) -> Iterator[Tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-        """Yield sub-group ``index``'s (master, exp_avg, exp_avg_sq) fp32 tensors for reading.
+        """Yield sub-group ``index``'s (master, exp_avg, exp_avg_sq) tensors for reading: the master
+        fp32, the moments of ``state_dtype``.
 
         For NVMe they live in a swap buffer only inside the ``with`` block (one sub-group at a
         time, so a checkpoint streams the state); do not keep references past the block. With
@@ -415,7 +451,7 @@ class SubGroupOptimizer:
             adam_step(master, g, m, v, step=int(step), lr=float(h["lr"]), beta1=float(b1), beta2=float(b2),
                       eps=float(h["eps"]), weight_decay=float(h["weight_decay"]),
                       adamw_mode=bool(h.get("adamw_mode", True)), bias_correction=bool(h.get("bias_correction", True)),
-                      grad_scale=float(grad_scale), params_out=low)
+                      grad_scale=float(grad_scale), params_out=low, sr_seed=self._seeds[i])
             st.adam_s += time.perf_counter() - t0
             if dst is not None:
                 if low is None:
@@ -445,7 +481,7 @@ class SubGroupOptimizer:
             return
 
         swapper = self._swapper
-        nbytes = lambda i: 4 * self._swapped * self._records[i].spec.numel
+        nbytes = lambda i: self._elem_bytes * self._records[i].spec.numel
         t0 = time.perf_counter()
         # prefetched sub-groups are used if they are this step's first ones (the loop below
         # needs a free buffer for any other read); the others are dropped

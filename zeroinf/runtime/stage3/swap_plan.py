@@ -47,7 +47,8 @@ def swap_file_bytes(model: torch.nn.Module, cfg, groups: Sequence[Sequence[torch
     partitions in fp32 and in the training dtype (both offloads on NVMe, ZeRO-Infinity, unless
     ``zeroinf.optimizer_in_backward``; [Note: gradients on NVMe]), optimizer state at 12 bytes per trainable partition
     element (fp32 master, exp_avg, exp_avg_sq; ``offload_optimizer.device: nvme``), 8 when the
-    partitions are the masters (:func:`master_in_partitions`).
+    partitions are the masters (:func:`master_in_partitions`), 4 bytes less with bf16 moments
+    (``offload_optimizer.state_dtype``).
     """
     from .held import init_shapes
     from .units import build_units, find_unit_modules
@@ -75,7 +76,9 @@ def swap_file_bytes(model: torch.nn.Module, cfg, groups: Sequence[Sequence[torch
         path = zc.offload_optimizer.nvme_path
         masters = master_in_partitions(cfg) and all_fp32(  # as Stage3EngineParams decides
             g for g in parts if any(s.param in trainable for s in g.slots))
-        per = 8 if masters else 12
+        from ..optimizer import state_bytes_per_element
+        per = state_bytes_per_element({"fp32": torch.float32, "bf16": torch.bfloat16}[zc.offload_optimizer.state_dtype],
+                                      master=not masters)
         out.append(("zero_optimization.offload_optimizer.nvme_path", path,
                     os.path.join(path, "zeroinf_optimizer", f"rank{rank}"),
                     per * sum(g.shard_numel for g in parts if any(s.param in trainable for s in g.slots)),
