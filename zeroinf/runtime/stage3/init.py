@@ -201,13 +201,19 @@ def held_values(params: Sequence[nn.Parameter], modifier_rank: Optional[int]) ->
                     _allow_copies(p)
                     held.owner._forget(held)
                     e[2] = None
-                elif not torch.equal(p.data, given):
+                elif not _same_bits(p.data, given):
                     held.owner._rewrite(held, p.data)
     finally:
         for p, _held, ph, _given in entered:
             if ph is not None:
                 p.data = ph
                 p.__class__ = released_class(type(p), held=True)
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ``a`` and ``b`` (same shape and dtype) hold the same bytes: ``torch.equal`` calls
+    NaN unequal to itself and -0.0 equal to 0.0, so a changed sign of zero would not be kept."""
+    return torch.equal(a.detach().reshape(-1).view(torch.uint8), b.detach().reshape(-1).view(torch.uint8))
 
 
 def _rounded(held: _Held, values: torch.Tensor) -> torch.Tensor:
@@ -554,7 +560,10 @@ def _held_load_pre_hook(module: nn.Module, state_dict: Dict[str, Any], prefix: s
         key = prefix + name
         with _LOCK:
             held = _HELD.get(p) if p is not None else None
-        if held is None or key not in state_dict:
+        if held is None or key not in state_dict or p.data.numel() != 0:
+            # not held, or its values are out in a gathered_parameters block: torch's copy writes
+            # them and the block's end keeps them (written here, the block's end would write its
+            # stale copy back over them)
             continue
         if local_metadata.get("assign_to_params_buffers"):  # it put the placeholder in as the value: all lost
             raise RuntimeError(f"zeroinf.Init: load_state_dict(..., assign=True) between the Init block and "
