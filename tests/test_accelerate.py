@@ -3,7 +3,7 @@
 hf_ds_config=config))`` prepares a tiny Llama, its optimizer and dataloader; ``accelerator.
 backward`` and ``optimizer.step()`` train it as plain PyTorch with torch.optim.AdamW does; and
 ``accelerator.save_state`` / ``load_state`` (routed to the engine's ``save_checkpoint`` /
-``load_checkpoint``) resume exactly."""
+``load_checkpoint``) resume exactly. A torch.optim.AdamW given to ``prepare`` works too."""
 import json
 import os
 import subprocess
@@ -58,16 +58,26 @@ def plain_losses():
     return out
 
 
-def accelerate_run(case, tmp, save_at=None, resume=None):
+def accelerate_run(case, tmp, save_at=None, resume=None, client_optimizer=False):
     """Train STEPS steps through Accelerate on zeroinf; with ``save_at``, ``save_state`` after
     that many steps; with ``resume=(folder, steps)``, ``load_state(folder)`` first and skip the
-    ``steps`` batches it was saved after.
+    ``steps`` batches it was saved after. ``client_optimizer``: a torch.optim.AdamW given to
+    ``prepare`` and none in the config (Accelerate turns it into ``DeepSpeedCPUAdam`` when the
+    optimizer is offloaded).
     Returns ``(engine type name, {step: loss})``."""
     from accelerate import Accelerator
     from accelerate.utils import DeepSpeedPlugin, DummyOptim
-    acc = Accelerator(deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=_ds_config(case, tmp)))
+    cfg = _ds_config(case, tmp)
+    if client_optimizer:
+        del cfg["optimizer"]
+    acc = Accelerator(deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=cfg))
     model = _model()
-    model, opt, loader = acc.prepare(model, DummyOptim(model.parameters()), _loader())
+    if client_optimizer:
+        opt = torch.optim.AdamW(model.parameters(), lr=ADAMW["lr"], betas=tuple(ADAMW["betas"]), eps=ADAMW["eps"],
+                                weight_decay=ADAMW["weight_decay"])
+    else:
+        opt = DummyOptim(model.parameters())
+    model, opt, loader = acc.prepare(model, opt, _loader())
     done = 0
     if resume is not None:
         acc.load_state(resume[0])
@@ -97,7 +107,8 @@ sys.path.insert(0, {tests!r})
 import test_accelerate as t
 engine, first = t.accelerate_run({case!r}, {tmp!r}, save_at=3)
 _, resumed = t.accelerate_run({case!r}, {tmp!r}, resume=({tmp!r} + "/state", 3))
-json.dump(dict(engine=engine, first=first, resumed=resumed), open({tmp!r} + "/out.json", "w"))
+_, client = t.accelerate_run({case!r}, {tmp!r} + "/client", client_optimizer=True)
+json.dump(dict(engine=engine, first=first, resumed=resumed, client=client), open({tmp!r} + "/out.json", "w"))
 '''
 
 
@@ -114,7 +125,10 @@ def test_accelerate_on_zeroinf_matches_plain_adamw_and_resumes(tmp_path, case):
     assert out["engine"] == "ZeroEngine"
     first = {int(k): v for k, v in out["first"].items()}
     assert list(first) == list(range(1, STEPS + 1))
-    assert list(first.values()) == pytest.approx(plain_losses(), abs=2e-5)
+    plain = plain_losses()
+    assert list(first.values()) == pytest.approx(plain, abs=2e-5)
+    # a torch.optim.AdamW given to prepare (no optimizer in the config) trains the same
+    assert list(out["client"].values()) == pytest.approx(plain, abs=2e-5)
     # the run resumed from the step-3 state continues as the uninterrupted one did
     resumed = {int(k): v for k, v in out["resumed"].items()}
     assert list(resumed) == [4, 5]

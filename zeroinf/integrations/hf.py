@@ -79,6 +79,20 @@ def _zero_init(*args, **kwargs):
     return deepspeed_compat.zero.Init(*args, **kwargs)
 
 
+def _cpu_adam(model_params, lr=1e-3, bias_correction=True, betas=(0.9, 0.999), eps=1e-8, weight_decay=0,
+              amsgrad=False, adamw_mode=True, fp32_optimizer_states=True):
+    """``deepspeed.ops.adam.DeepSpeedCPUAdam(...)``, DeepSpeed's signature: a
+    :class:`zeroinf.optim.CPUAdam` (Accelerate puts a torch Adam/AdamW's groups in one when the
+    optimizer is offloaded). ``fp32_optimizer_states`` is accepted: CPUAdam keeps fp32 states.
+
+    Raises:
+        ValueError: as :class:`zeroinf.optim.CPUAdam` (``amsgrad`` True among them).
+    """
+    from zeroinf.optim import CPUAdam
+    return CPUAdam(model_params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
+                   adamw_mode=adamw_mode, bias_correction=bias_correction)
+
+
 def _build_shim() -> Dict[str, types.ModuleType]:
     """The ``deepspeed`` module and its submodules the two libraries import, by name."""
     ds = types.ModuleType("deepspeed", "zeroinf standing in for DeepSpeed (zeroinf.integrations.hf)")
@@ -100,6 +114,10 @@ def _build_shim() -> Dict[str, types.ModuleType]:
     utils.logger = logging.getLogger("zeroinf")
     accel = types.ModuleType("deepspeed.accelerator")
     accel.get_accelerator = _Accelerator
+    ops = types.ModuleType("deepspeed.ops")
+    adam = types.ModuleType("deepspeed.ops.adam")
+    adam.DeepSpeedCPUAdam = _cpu_adam
+    ops.adam = adam
     runtime = types.ModuleType("deepspeed.runtime")
     lr = types.ModuleType("deepspeed.runtime.lr_schedules")
     lr.VALID_LR_SCHEDULES = list(VALID_LR_SCHEDULES)
@@ -112,9 +130,10 @@ def _build_shim() -> Dict[str, types.ModuleType]:
     # names only have to exist
     pp._orig_torch_arange = torch.arange
     pp.zero_wrapper_for_fp_tensor_constructor = lambda fn, *args, **kwargs: fn
-    ds.comm, ds.utils, ds.accelerator, ds.runtime, runtime.lr_schedules = comm, utils, accel, runtime, lr
+    ds.comm, ds.utils, ds.accelerator, ds.ops, ds.runtime, runtime.lr_schedules = comm, utils, accel, ops, runtime, lr
     runtime.zero, rzero.partition_parameters = rzero, pp
     return {"deepspeed": ds, "deepspeed.comm": comm, "deepspeed.utils": utils, "deepspeed.accelerator": accel,
+            "deepspeed.ops": ops, "deepspeed.ops.adam": adam,
             "deepspeed.runtime": runtime, "deepspeed.runtime.lr_schedules": lr, "deepspeed.runtime.zero": rzero,
             "deepspeed.runtime.zero.partition_parameters": pp}
 

@@ -30,7 +30,7 @@ from typing import Callable, Dict, Iterator, List, Tuple
 import torch
 from torch import nn
 
-#: attribute of a meta tensor from :func:`load_state_dict`: ``(file path, name in the file)``
+#: attribute of a meta tensor from :func:`lazy_state_dict`: ``(file path, name in the file)``
 SOURCE = "_zeroinf_source"
 
 
@@ -43,13 +43,21 @@ def _active() -> bool:
 
 def lazy_state_dict(path: str) -> Dict[str, torch.Tensor]:
     """The tensors of the safetensors file ``path`` as meta tensors of their shapes and dtypes,
-    each with :data:`SOURCE` set; nothing is read but the header."""
+    each with :data:`SOURCE` set; nothing is read but the header.
+
+    Raises:
+        ValueError: a tensor of a safetensors dtype not in :data:`_DTYPES` (named, with the file).
+    """
     from safetensors import safe_open
     out = {}
     with safe_open(path, framework="pt") as f:
         for k in f.keys():
             sl = f.get_slice(k)
-            t = torch.empty(sl.get_shape(), dtype=_DTYPES[sl.get_dtype()], device="meta")
+            dtype = _DTYPES.get(sl.get_dtype())
+            if dtype is None:
+                raise ValueError(f"{path}: tensor {k!r} has safetensors dtype {sl.get_dtype()}, which the streamed "
+                                 "ZeRO-3 load (zeroinf.integrations.hf_load) does not read")
+            t = torch.empty(sl.get_shape(), dtype=dtype, device="meta")
             setattr(t, SOURCE, (path, k))
             out[k] = t
     return out
