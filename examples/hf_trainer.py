@@ -2,7 +2,8 @@
 imports transformers. The DeepSpeed config is the one a DeepSpeed user passes, "auto" values
 included (transformers fills them from TrainingArguments). A tiny Llama built from LlamaConfig
 (no downloads) trains for 20 steps on random tokens with ZeRO-3, parameters and optimizer state
-on NVMe (a temp folder), saves with trainer.save_model and loads back with from_pretrained.
+on NVMe (a temp folder), saves with trainer.save_model and loads back with from_pretrained (at
+ZeRO-3 straight into zeroinf.Init's partitions).
 
     python examples/hf_trainer.py [--stage 2|3] [--steps N] [--out DIR]
 """
@@ -15,6 +16,8 @@ import tempfile  # noqa: E402
 
 import torch  # noqa: E402
 import transformers  # noqa: E402
+
+import zeroinf  # noqa: E402
 
 
 def main() -> None:
@@ -49,9 +52,15 @@ def main() -> None:
     trainer.train()
     print("engine:", type(trainer.model_wrapped).__module__ + "." + type(trainer.model_wrapped).__name__)
     trainer.save_model(out + "/model")
-    transformers.integrations.deepspeed.unset_hf_deepspeed_config()  # a plain load below
+    saved = trainer.model_wrapped.module_state_dict()
+    # at stage 3 the Trainer's ZeRO-3 config is still active: from_pretrained builds the model under
+    # zeroinf.Init and streams the weights into what it holds, one module at a time
     back = transformers.LlamaForCausalLM.from_pretrained(out + "/model")
-    print(f"saved and loaded back: {sum(t.numel() for t in back.parameters()):,} parameters in {out}/model")
+    with zeroinf.gathered_parameters(list(back.parameters())):  # full values (a no-op at stage 2)
+        same = all(torch.equal(p, saved[n]) for n, p in back.named_parameters())
+    print(f"saved and loaded back{' under zeroinf.Init' if a.stage == 3 else ''}: "
+          f"{sum(saved[n].numel() for n, _ in back.named_parameters()):,} parameters in {out}/model, "
+          f"equal to the engine's: {same}")
 
 
 if __name__ == "__main__":

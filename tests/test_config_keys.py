@@ -550,3 +550,44 @@ def test_top_level_keys_deepspeed_never_reads_are_ignored_with_a_warning():
     assert cfg.train_batch_size == 2
     e = err({"train_batch_size": 2, "gradient_cliping": 1.0})
     assert e.key_path == "gradient_cliping" and "did you mean gradient_clipping?" in str(e)
+
+
+@pytest.mark.parametrize("knobs, prefetch, live, reuse", [
+    ({"stage3_max_live_parameters": 0}, 0, "unbounded", 10**9),
+    ({"stage3_prefetch_bucket_size": 0}, 0, 10**9, 10**9),
+    ({"stage3_max_reuse_distance": 0}, 50_000_000, 10**9, 0),
+    ({"stage3_max_live_parameters": 0, "stage3_prefetch_bucket_size": 0, "stage3_max_reuse_distance": 0},
+     0, "unbounded", 0)])
+def test_stage3_knobs_at_zero_are_read_as_deepspeed_reads_them(tmp_path, knobs, prefetch, live, reuse):
+    """DeepSpeed accepts 0 for the three: a prefetch bucket of 0 prefetches nothing, a reuse
+    distance of 0 keeps no module gathered after use, and max_live_parameters bounds only
+    prefetching (0: none; gathers on demand unbounded). A stage-3 engine with them trains as
+    torch.optim.AdamW does."""
+    import sys
+    import torch
+    import zeroinf
+    from stage3_models import TinyLM, batch, loss_fn
+    cfg = {"train_micro_batch_size_per_gpu": 2, "steps_per_print": 0,
+           "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01}},
+           "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0,
+                                 "offload_param": {"device": "nvme", "nvme_path": str(tmp_path)}, **knobs}}
+    z = parse_quietly(cfg).zero_optimization
+    assert (z.stage3_prefetch_bucket_size, z.stage3_max_reuse_distance) == (prefetch, reuse)
+    assert z.stage3_max_live_parameters == (sys.maxsize if live == "unbounded" else live)
+    torch.manual_seed(0)
+    model = TinyLM()
+    ref = TinyLM()
+    ref.load_state_dict(model.state_dict())
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.01, foreach=False)
+    engine, *_ = zeroinf.initialize(model=model, config=cfg)
+    for step in (1, 2):
+        x, y = batch(step)
+        loss = loss_fn(engine(x), y)
+        engine.backward(loss)
+        engine.step()
+        ref_loss = loss_fn(ref(x), y)
+        ref_loss.backward()
+        opt.step()
+        opt.zero_grad()
+        assert loss.item() == pytest.approx(ref_loss.item(), abs=1e-6)
+    engine.close()

@@ -74,8 +74,8 @@ def check_case(case, tmp_path, plain):
     # save_model writes weights that from_pretrained loads back equal to the engine's
     trainer.save_model(str(tmp_path / "saved"))
     expected = {k: v.clone() for k, v in trainer.model_wrapped.module_state_dict().items()}
-    # a plain load: from_pretrained while the Trainer's ZeRO-3 config is active would build the
-    # model under DeepSpeed's zero.Init, which is not routed to zeroinf
+    # a plain load (from_pretrained while the Trainer's ZeRO-3 config is active builds the model
+    # under zero.Init: tests/test_hf_from_pretrained.py)
     transformers.integrations.deepspeed.unset_hf_deepspeed_config()
     loaded = transformers.LlamaForCausalLM.from_pretrained(str(tmp_path / "saved")).state_dict()
     assert set(loaded) >= set(expected) - {"lm_head.weight"}

@@ -25,6 +25,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import sys
 import warnings
 from typing import Any, Mapping, Optional, Tuple
 
@@ -196,6 +197,10 @@ def _parse_zero(config: Mapping) -> ZeroConfig:
         op_cfg = OffloadParamConfig()
     if op_cfg.device == "nvme" and not op_cfg.nvme_path:
         raise ConfigError(f"{ppre}.nvme_path", "required when device is nvme")
+    # DeepSpeed reads stage3_max_live_parameters only to bound prefetching: at 0 nothing is
+    # prefetched and gathers on demand are not bounded. zeroinf's bound also covers gathers on
+    # demand, so 0 maps to no prefetch and no bound.
+    max_live = _int(z, "stage3_max_live_parameters", pre, 1_000_000_000, min_value=0)
     return ZeroConfig(
         stage=stage, offload_optimizer=oo_cfg, offload_param=op_cfg,
         # 0 (DeepSpeed: one parameter per sub-group) takes the default: the sub-group size tiles
@@ -208,9 +213,9 @@ def _parse_zero(config: Mapping) -> ZeroConfig:
         reduce_scatter=_bool(z, "reduce_scatter", pre, True),
         allgather_partitions=_bool(z, "allgather_partitions", pre, True),
         round_robin_gradients=_bool(z, "round_robin_gradients", pre, False),
-        stage3_prefetch_bucket_size=_int(z, "stage3_prefetch_bucket_size", pre, 50_000_000, min_value=0),
+        stage3_prefetch_bucket_size=_int(z, "stage3_prefetch_bucket_size", pre, 50_000_000, min_value=0) if max_live else 0,
         stage3_param_persistence_threshold=_int(z, "stage3_param_persistence_threshold", pre, 100_000, min_value=0),
-        stage3_max_live_parameters=_int(z, "stage3_max_live_parameters", pre, 1_000_000_000, min_value=1),
+        stage3_max_live_parameters=max_live or sys.maxsize,
         stage3_max_reuse_distance=_int(z, "stage3_max_reuse_distance", pre, 1_000_000_000, min_value=0),
         stage3_gather_16bit_weights_on_model_save=_bool(z, "stage3_gather_16bit_weights_on_model_save", pre, False))
 

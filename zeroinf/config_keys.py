@@ -72,6 +72,8 @@ _MONITOR = "monitoring (DeepSpeed writes training metrics); zeroinf logs steps_p
 _PROFILE = "profiling"
 _AUTOTP = "an option of AutoTP, which is not implemented (tensor_parallel.autotp_size <= 1 only)"
 _DEEPCOMPILE = "an option of DeepCompile, which is not implemented (compile.deepcompile false only)"
+_PIN = ("default false (DeepSpeed 0.19.8: true): set true for DeepSpeed's page-locked host state; acts only "
+        "with CUDA present")
 
 _RECORDS: Tuple[Key, ...] = (
     # ---- top level
@@ -165,9 +167,13 @@ _RECORDS: Tuple[Key, ...] = (
     Key("zero_optimization.sub_group_size", S, "0 (one parameter per sub-group in DeepSpeed) takes the "
         "default 1e9: the sub-group size changes no result here, only the optimizer step's tiling"),
     *(Key(f"zero_optimization.{k}", S) for k in (
-        "reduce_bucket_size", "allgather_bucket_size", "reduce_scatter", "stage3_prefetch_bucket_size",
-        "stage3_param_persistence_threshold", "stage3_max_live_parameters", "stage3_max_reuse_distance",
-        "stage3_gather_16bit_weights_on_model_save")),
+        "reduce_bucket_size", "allgather_bucket_size", "reduce_scatter",
+        "stage3_param_persistence_threshold", "stage3_gather_16bit_weights_on_model_save")),
+    Key("zero_optimization.stage3_prefetch_bucket_size", S, "0: nothing is prefetched, as in DeepSpeed"),
+    Key("zero_optimization.stage3_max_live_parameters", S, "bounds every gathered unit (DeepSpeed: prefetching "
+        "only), so a value below the root plus the largest unit is refused; 0, as in DeepSpeed: no prefetch and "
+        "no bound"),
+    Key("zero_optimization.stage3_max_reuse_distance", S, "0: no unit stays gathered for reuse, as in DeepSpeed"),
     *(Key(f"zero_optimization.{k}", S, "accepted; changes no result (gradients always reduce into contiguous "
           "flat buffers after the backward)") for k in (
         "overlap_comm", "contiguous_gradients", "allgather_partitions", "round_robin_gradients")),
@@ -211,7 +217,8 @@ _RECORDS: Tuple[Key, ...] = (
     Key("zero_optimization.mics_hierarchical_params_gather", N, f"MiCS, {_REMOVED}", (False,)),
     Key("zero_optimization.zeropp_loco_param", N, f"LoCo-Zero++, {_REMOVED}", (None,)),
     *(Key(f"zero_optimization.offload_optimizer.{k}", S) for k in (
-        "device", "nvme_path", "buffer_count", "pin_memory", "pipeline_read", "pipeline_write")),
+        "device", "nvme_path", "buffer_count", "pipeline_read", "pipeline_write")),
+    Key("zero_optimization.offload_optimizer.pin_memory", S, _PIN),
     Key("zero_optimization.offload_optimizer.fast_init", S, "accepted; NVMe state is always initialised one "
         "sub-group at a time"),
     Key("zero_optimization.offload_optimizer.state_dtype", S, "zeroinf extension, not a DeepSpeed key: \"fp32\" "
@@ -222,7 +229,8 @@ _RECORDS: Tuple[Key, ...] = (
     Key("zero_optimization.offload_optimizer.cpuadam_cores_perc", N, "a CPU-core share for SuperOffload; "
         "set OMP_NUM_THREADS", (0.8,)),
     *(Key(f"zero_optimization.offload_param.{k}", S) for k in (
-        "device", "nvme_path", "buffer_count", "buffer_size", "max_in_cpu", "pin_memory")),
+        "device", "nvme_path", "buffer_count", "buffer_size", "max_in_cpu")),
+    Key("zero_optimization.offload_param.pin_memory", S, _PIN),
     # ---- aio / checkpoint
     *(Key(f"aio.{k}", S) for k in ("block_size", "queue_depth", "intra_op_parallelism", "single_submit",
                                    "overlap_events")),

@@ -189,7 +189,10 @@ def held_load_pre_hook(module: nn.Module, state_dict: Dict[str, Any], prefix: st
         key = prefix + name
         with LOCK:
             held = HELD.get(p) if p is not None else None
-        if held is None or key not in state_dict:
+        if held is None or key not in state_dict or p.data.numel() != 0:
+            # not held, or its values are out in a gathered_parameters block: torch's copy writes
+            # them and the block's end keeps them (written here, the block's end would write its
+            # stale copy back over them)
             continue
         if local_metadata.get("assign_to_params_buffers"):  # it put the placeholder in as the value: all lost
             raise RuntimeError(f"zeroinf.Init: load_state_dict(..., assign=True) between the Init block and "

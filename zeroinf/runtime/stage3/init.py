@@ -103,13 +103,19 @@ def held_values(params: Sequence[nn.Parameter], modifier_rank: Optional[int]) ->
                     allow_copies(p)
                     held.owner._forget(held)
                     e[2] = None
-                elif not torch.equal(p.data, given):
+                elif not _same_bits(p.data, given):
                     held.owner._rewrite(held, p.data)
     finally:
         for p, _held, ph, _given in entered:
             if ph is not None:
                 p.data = ph
                 p.__class__ = released_class(type(p), held=True)
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ``a`` and ``b`` (same shape and dtype) hold the same bytes: ``torch.equal`` calls
+    NaN unequal to itself and -0.0 equal to 0.0, so a changed sign of zero would not be kept."""
+    return torch.equal(a.detach().reshape(-1).view(torch.uint8), b.detach().reshape(-1).view(torch.uint8))
 
 
 class _GuardMode(TorchFunctionMode):
