@@ -33,6 +33,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from zeroinf import progress
 from zeroinf.io.atomic import write_text_then_rename, write_then_rename
 from zeroinf.io.swapper import tensor_crc32
 from zeroinf.runtime.waits import collective
@@ -342,7 +343,7 @@ def save(engine, save_dir: str, tag: Optional[str] = None, client_state: Optiona
     problem = None
     try:
         os.makedirs(ckpt, exist_ok=True)
-        for i, spec in enumerate(opt.specs):
+        for i, spec in enumerate(progress.counting(opt.specs, "zeroinf: saving optimizer state", unit="file")):
             with opt.state(i) as (master, m, v):
                 save_atomically({"key": spec.key, "numel": spec.numel, "master": master.clone(), "exp_avg": m.clone(),
                               "exp_avg_sq": v.clone(), "crc32": [tensor_crc32(t) for t in (master, m, v)],
@@ -581,7 +582,8 @@ def _check_files(engine, load_dir: str, tag: Optional[str]):
                                   "restore?)")
     check_id(rng, rng_file)
     states = []  # memory-mapped: checked now, read when loaded
-    for spec, f in zip(engine.sub_optimizer.specs, files):
+    for spec, f in progress.counting(list(zip(engine.sub_optimizer.specs, files)), "zeroinf: checking checkpoint files",
+                                     unit="file"):
         sd = _read(f, mmap=True)
         if not isinstance(sd, dict) or sd.get("key") != spec.key or sd.get("numel") != spec.numel:
             got = (sd.get("key"), sd.get("numel")) if isinstance(sd, dict) else type(sd).__name__
@@ -769,7 +771,7 @@ def load(engine, load_dir: str, tag: Optional[str] = None, load_lr_scheduler_sta
         _load_module(engine.module, meta["module"], meta.get("excluded_frozen", []))
         if hasattr(engine.params, "settle_host_copies"):  # CUDA stages 1/2: a copy may still read the masters
             engine.params.settle_host_copies()
-        for i, sd in enumerate(states):
+        for i, sd in enumerate(progress.counting(states, "zeroinf: loading optimizer state", unit="file")):
             engine.sub_optimizer.load_state(i, sd["master"], sd["exp_avg"], sd["exp_avg_sq"])
         del states
         for g, h in zip(engine.optimizer.param_groups, meta["param_groups"]):
@@ -868,39 +870,44 @@ def _consolidated(load_dir: str, tag: Optional[str]) -> Tuple[str, Dict[str, Any
     ckpt, meta = _load_meta(load_dir, tag)
     _check_module_crcs(meta, os.path.join(ckpt, "model_states.pt"))
     sd = {k: (v.float() if v.is_floating_point() else v).clone() for k, v in meta["module"].items()}
-    from tqdm import tqdm
-
     subs: Dict[int, list] = {}
     for key, numel, gi in meta["sub_groups"]:
         subs.setdefault(gi, []).append((key, numel))
-    # a bar on a terminal when reading the ranks' files takes over a second (a large model)
-    bar = tqdm(total=sum(lay["nparts"] for lay in meta["layout"]), desc="zeroinf: consolidating", unit="part",
-               delay=1.0, leave=False, disable=None)
-    for gi, lay in enumerate(meta["layout"]):
-        flat = torch.zeros(lay["padded"], dtype=torch.float32)
-        for r in range(lay["nparts"]):
-            bar.update(1)
-            pos = r * lay["part_numel"]
-            keys = subs.get(gi, []) if lay.get("sub_keys") is None else [
-                (k, n) for ks in subs.values() for k, n in ks if k in set(lay["sub_keys"])]
-            for key, numel in keys:
-                f = _optim_file(ckpt, r, key)
-                if not os.path.isfile(f):
-                    raise CheckpointError(f"{f}: missing; consolidate needs every rank's optimizer files")
-                opt = _read(f, mmap=True)
-                want = meta.get("save_id")  # checkpoints from before save ids have none
-                if want is not None and isinstance(opt, dict) and opt.get("save_id") != want:
-                    raise CheckpointError(f"{f}: written by another save ({opt.get('save_id')!r}) than model_states.pt "
-                                          f"({want!r}); the folder mixes the files of two saves")
-                _check_crc(opt, 0, f)
-                flat[pos:pos + numel].copy_(opt["master"])
-                pos += numel
-        for p in lay["params"]:
-            n = 1
-            for s in p["shape"]:
-                n *= s
-            t = flat[p["offset"]:p["offset"] + n].view(p["shape"])
-            for name in p["names"]:
-                sd[name] = t.clone()
-    bar.close()
+    shown = progress.bar("zeroinf: consolidating", unit="part", total=sum(lay["nparts"] for lay in meta["layout"]))
+    try:
+        for gi, lay in enumerate(meta["layout"]):
+            flat = torch.zeros(lay["padded"], dtype=torch.float32)
+            for r in range(lay["nparts"]):
+                _read_part(ckpt, meta, subs, gi, lay, r, flat)
+                shown.update(1)
+            for p in lay["params"]:
+                n = 1
+                for s in p["shape"]:
+                    n *= s
+                t = flat[p["offset"]:p["offset"] + n].view(p["shape"])
+                for name in p["names"]:
+                    sd[name] = t.clone()
+    finally:
+        shown.close()
     return ckpt, meta, sd
+
+
+def _read_part(ckpt: str, meta: Dict[str, Any], subs: Dict[int, list], gi: int, lay: Dict[str, Any], r: int,
+               flat: torch.Tensor) -> None:
+    """Copy rank ``r``'s fp32 master weights of layout group ``gi`` into its part of ``flat``
+    (the group's padded fp32 buffer), checking each file's save id and CRC-32."""
+    pos = r * lay["part_numel"]
+    keys = subs.get(gi, []) if lay.get("sub_keys") is None else [
+        (k, n) for ks in subs.values() for k, n in ks if k in set(lay["sub_keys"])]
+    for key, numel in keys:
+        f = _optim_file(ckpt, r, key)
+        if not os.path.isfile(f):
+            raise CheckpointError(f"{f}: missing; consolidate needs every rank's optimizer files")
+        opt = _read(f, mmap=True)
+        want = meta.get("save_id")  # checkpoints from before save ids have none
+        if want is not None and isinstance(opt, dict) and opt.get("save_id") != want:
+            raise CheckpointError(f"{f}: written by another save ({opt.get('save_id')!r}) than model_states.pt "
+                                  f"({want!r}); the folder mixes the files of two saves")
+        _check_crc(opt, 0, f)
+        flat[pos:pos + numel].copy_(opt["master"])
+        pos += numel
