@@ -117,3 +117,13 @@ def test_stage3_nvme_set_up_checkpoints_and_consolidate_show_progress(tmp_path, 
     for n, w in want.items():
         torch.testing.assert_close(sd[n], w, rtol=0, atol=0)
     engine.close()
+
+
+def test_tune_io_sweep_shows_progress_and_measures_every_point(tmp_path, monkeypatch, capsys):
+    from zeroinf.io.tune import sweep
+
+    monkeypatch.setenv(PROGRESS_ENV, "1")
+    rows = sweep(str(tmp_path), 65536, [4096, 16384], [1, 2], backend="python", repeat=1)
+    assert [(r["block_size"], r["queue_depth"]) for r in rows] == [(4096, 1), (4096, 2), (16384, 1), (16384, 2)]
+    assert "zeroinf tune-io: measuring" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []  # its scratch file is gone
