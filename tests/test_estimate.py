@@ -546,3 +546,15 @@ def test_estimate_pinned_bytes_equal_a_stage3_run_of_several_units(case, tmp_pat
                      "--json"]) == 0
     (row,) = json.loads(capsys.readouterr().out)["rows"]
     assert row["pinned_bytes_per_rank"] >= pinned
+
+
+def test_format_size_is_positional_with_three_significant_digits_below_one():
+    from zeroinf.estimate import format_size
+    assert format_size(0) == "0.00"
+    assert format_size(1_234_567_890) == "1.23" and format_size(12_345_678_901_234) == "12,345.68"
+    assert format_size(328_000_000) == "0.328" and format_size(900_000_000) == "0.9"
+    assert format_size(16_000) == "0.000016" and format_size(100) == "0.0000001"
+    assert format_size(999_600) == "0.001"  # rounds up to the next power of ten
+    assert format_size(2**30, "GiB") == "1.00" and format_size(2**20, "GiB") == "0.000977"
+    for n in (1, 7, 100, 12_345, 999_999, 10**8):
+        assert "e" not in format_size(n) and float(format_size(n)) == float(f"{n / 1e9:.3g}")

@@ -61,6 +61,9 @@ def format_count(n: int) -> str:
 
 def format_size(nbytes: int, unit: str = "GB") -> str:
     """``nbytes`` in ``unit`` (``"GB"`` = 1e9 or ``"GiB"`` = 2**30 bytes), without the unit: two
-    decimals from 1 up, three significant digits below (so small models do not print 0.00)."""
+    decimals from 1 up, three significant digits below (so small models do not print 0.00),
+    always positional (2000 bytes: ``0.000002``, not ``2e-06``)."""
     v = nbytes / (GB if unit == "GB" else GiB)
-    return f"{v:,.2f}" if v >= 1 or v == 0 else f"{v:.3g}"
+    if v >= 1 or v == 0:
+        return f"{v:,.2f}"
+    return f"{v:.{2 - math.floor(math.log10(v))}f}".rstrip("0").rstrip(".")

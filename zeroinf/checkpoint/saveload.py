@@ -9,6 +9,7 @@ from typing import Any, Dict, Optional, Tuple
 
 import torch
 
+from zeroinf import progress
 from zeroinf.io.swapper import tensor_crc32
 
 from .consolidation import _consolidated
@@ -78,7 +79,7 @@ def save(engine, save_dir: str, tag: Optional[str] = None, client_state: Optiona
     problem = None
     try:
         os.makedirs(ckpt, exist_ok=True)
-        for i, spec in enumerate(opt.specs):
+        for i, spec in enumerate(progress.counting(opt.specs, "zeroinf: saving optimizer state", unit="file")):
             with opt.state(i) as (master, m, v):
                 save_atomically({"key": spec.key, "numel": spec.numel, "master": master.clone(), "exp_avg": m.clone(),
                               "exp_avg_sq": v.clone(), "crc32": [tensor_crc32(t) for t in (master, m, v)],
@@ -203,7 +204,7 @@ def load(engine, load_dir: str, tag: Optional[str] = None, load_lr_scheduler_sta
         _load_module(engine.module, meta["module"], meta.get("excluded_frozen", []))
         if hasattr(engine.params, "settle_host_copies"):  # CUDA stages 1/2: a copy may still read the masters
             engine.params.settle_host_copies()
-        for i, sd in enumerate(states):
+        for i, sd in enumerate(progress.counting(states, "zeroinf: loading optimizer state", unit="file")):
             engine.sub_optimizer.load_state(i, sd["master"], sd["exp_avg"], sd["exp_avg_sq"])
         del states
         for g, h in zip(engine.optimizer.param_groups, meta["param_groups"]):

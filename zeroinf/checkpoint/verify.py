@@ -6,6 +6,7 @@ from typing import Any, Dict, Optional, Sequence
 
 import torch
 
+from zeroinf import progress
 from zeroinf.io.swapper import tensor_crc32
 
 from .files import CheckpointError, _load_meta, _optim_file, _read
@@ -179,7 +180,8 @@ def _check_files(engine, load_dir: str, tag: Optional[str]):
                                   "restore?)")
     check_id(rng, rng_file)
     states = []  # memory-mapped: checked now, read when loaded
-    for spec, f in zip(engine.sub_optimizer.specs, files):
+    for spec, f in progress.counting(list(zip(engine.sub_optimizer.specs, files)), "zeroinf: checking checkpoint files",
+                                     unit="file"):
         sd = _read(f, mmap=True)
         if not isinstance(sd, dict) or sd.get("key") != spec.key or sd.get("numel") != spec.numel:
             got = (sd.get("key"), sd.get("numel")) if isinstance(sd, dict) else type(sd).__name__

@@ -29,6 +29,8 @@ COMMANDS = {
 #: exit code when the reader of stdout went away (``zeroinf plan | head -1``): 128 + SIGPIPE, the
 #: status a shell reports for a tool that SIGPIPE ended
 EXIT_BROKEN_PIPE = 141
+#: exit code after Ctrl-C: 128 + SIGINT, as a shell reports for a tool that SIGINT ended
+EXIT_INTERRUPTED = 130
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -38,6 +40,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     :data:`EXIT_BROKEN_PIPE` (not a BrokenPipeError traceback); files a
     subcommand finished writing before that are complete. A full or failing stdout (ENOSPC, EIO,
     EDQUOT) ends with one line on stderr and exit 1; a closed stdout or stderr is /dev/null.
+    Ctrl-C that the subcommand does not handle itself (while torch is imported, during a progress
+    bar) ends with one line on stderr and :data:`EXIT_INTERRUPTED`, not a traceback.
     """
     for name in ("stdout", "stderr"):  # started with it closed (>&-, 2>&-): every print raised
         if _closed(getattr(sys, name)):
@@ -50,6 +54,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     except BrokenPipeError:
         _drop_stdout()
         return EXIT_BROKEN_PIPE
+    except KeyboardInterrupt:
+        print("zeroinf: interrupted", file=sys.stderr, flush=True)
+        return EXIT_INTERRUPTED
     except OSError as exc:
         if exc.errno not in (errno.ENOSPC, errno.EIO, errno.EDQUOT):
             raise

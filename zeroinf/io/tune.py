@@ -50,6 +50,8 @@ def sweep(directory: str, size: int, block_sizes: Sequence[int], queue_depths: S
         One dict per point: ``block_size``, ``queue_depth``, ``backend``, ``write_gbps``,
         ``read_gbps`` (GB/s = 1e9 bytes/s), ``seconds`` (median write + median read).
     """
+    from zeroinf.progress import counting
+
     from .handle import AsyncIOHandle
     from .pool import PinnedBufferPool
 
@@ -65,15 +67,15 @@ def sweep(directory: str, size: int, block_sizes: Sequence[int], queue_depths: S
             os.posix_fallocate(fd, 0, size)
         finally:
             os.close(fd)
-        for bs in block_sizes:
-            for qd in queue_depths:
-                h = AsyncIOHandle(block_size=bs, queue_depth=qd, backend=backend)
-                h.sync_pwrite(buf, path)  # warm-up: first write converts unwritten extents
-                w = statistics.median(_time(lambda: h.sync_pwrite(buf, path)) for _ in range(repeat))
-                r = statistics.median(_time(lambda: h.sync_pread(buf, path)) for _ in range(repeat))
-                out.append({"block_size": bs, "queue_depth": qd, "backend": h.backend,
-                            "write_gbps": size / w / 1e9, "read_gbps": size / r / 1e9, "seconds": w + r})
-                h.close()
+        points = [(bs, qd) for bs in block_sizes for qd in queue_depths]
+        for bs, qd in counting(points, "zeroinf tune-io: measuring", unit="point"):
+            h = AsyncIOHandle(block_size=bs, queue_depth=qd, backend=backend)
+            h.sync_pwrite(buf, path)  # warm-up: first write converts unwritten extents
+            w = statistics.median(_time(lambda: h.sync_pwrite(buf, path)) for _ in range(repeat))
+            r = statistics.median(_time(lambda: h.sync_pread(buf, path)) for _ in range(repeat))
+            out.append({"block_size": bs, "queue_depth": qd, "backend": h.backend,
+                        "write_gbps": size / w / 1e9, "read_gbps": size / r / 1e9, "seconds": w + r})
+            h.close()
     finally:
         if os.path.exists(path):
             os.unlink(path)

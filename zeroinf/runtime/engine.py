@@ -38,6 +38,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.weak import WeakIdKeyDictionary
 
+from zeroinf import progress
 from zeroinf.config import ConfigError, ZeroInfConfig, parse_config
 
 from .engine_guards import StateGuard, note_gloo_used, take_over_guard_hooks, watch
@@ -216,7 +217,7 @@ class ZeroEngine(StepDriver, EngineState, EngineInfo):
             self.sub_optimizer.on_torn = lambda exc: self.state_guard.failed(exc, during="an optimizer step")
         # fp32 parameters in CPU memory with CPU-resident state: the parameter is the master weight
         alias = dtype == torch.float32 and off.device != "nvme" and self.params.params_may_be_masters
-        for i in range(len(specs)):
+        for i in progress.counting(range(len(specs)), "zeroinf: writing initial optimizer state", unit="sub-group"):
             target = self.params.param_target(i) if alias else None
             if target is not None and (target.device.type != "cpu" or not target.is_contiguous()
                                        or target.dtype != torch.float32):  # a bf16/fp16 model: own fp32 master

@@ -219,13 +219,11 @@ class SubGroupOptimizer:
         if aio is not None and not isinstance(aio, Mapping):
             aio = aio.as_dict()
         handle = AsyncIOHandle.from_config(dict(aio or {}))
-        from tqdm import tqdm
+        from zeroinf.progress import counting
 
         self._swapper = TensorSwapper(swap_dir, handle)
-        # one file per sub-group: [master | exp_avg | exp_avg_sq] or [exp_avg | exp_avg_sq]; a bar on a
-        # terminal when allocating them takes over a second (a large model on a slow file system)
-        for s in tqdm(self.specs, desc="zeroinf: allocating optimizer swap files", unit="file", delay=1.0,
-                      leave=False, disable=None):
+        # one file per sub-group: [master | exp_avg | exp_avg_sq] or [exp_avg | exp_avg_sq]
+        for s in counting(self.specs, "zeroinf: allocating optimizer swap files", unit="file"):
             self._swapper.register(self._file_key(s), self._elem_bytes // 4 * s.numel, torch.float32)
         max_numel = max((s.numel for s in self.specs), default=1)
         count = optimizer_buffer_count(buffer_count, self.pipeline_read, self.pipeline_write, len(self.specs))

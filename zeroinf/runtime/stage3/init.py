@@ -34,6 +34,8 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
+from zeroinf import progress
+
 # init_shapes, init_shapes_of, init_dtype, take_init_values and check_placeholders are answered by
 # the held registry and exported here too
 from .held import (HELD, LOCK, Held, allow_copies, check_placeholders, held_forward_pre_hook, held_load_pre_hook,
@@ -182,6 +184,7 @@ class Init:
             self.device, self.nvme_path = off.device, off.nvme_path
             self._verify = parsed.aio.verify_checksums
         self._swapper = None
+        self._shown = None  # the bar of bytes moved to NVMe (zeroinf.progress), while a block is active
         self._dir: Optional[str] = None
         self._seq = 0
         self._outstanding = 0
@@ -208,6 +211,7 @@ class Init:
                 raise ConfigError("zero_optimization.offload_param.nvme_path", f"{self.nvme_path!r} {problem}")
             self._dir = os.path.abspath(tempfile.mkdtemp(prefix="zeroinf_init_", dir=self.nvme_path))
             self._swapper = TensorSwapper(self._dir, checksum=self._verify)
+            self._shown = progress.bar("zeroinf.Init: moving parameters to NVMe", unit="B", unit_scale=True)
         Init._active = self
         self._orig_init_subclass = nn.Module.__dict__.get("__init_subclass__")
         for cls in _all_module_classes():
@@ -245,6 +249,9 @@ class Init:
             Init._active = None
             if self._swapper is not None:
                 self._swapper.wait()
+            if self._shown is not None:
+                self._shown.close()
+                self._shown = None
 
     def _patch(self, cls: type) -> None:
         """Wrap ``cls.__init__`` (its own, not an inherited one) so that a module built while a
@@ -306,6 +313,8 @@ class Init:
                 self._registered[held.key] = spec
             self._swapper.swap_out([(held.key, data)], async_op=False)
             self.held_bytes_nvme += data.numel() * data.element_size()
+            if self._shown is not None:
+                self._shown.update(data.numel() * data.element_size())
         else:
             held.host = data.clone() if data.data_ptr() == p.data_ptr() else data
             self.held_bytes_host += data.numel() * data.element_size()

@@ -7,6 +7,8 @@ from typing import Optional, Tuple
 import torch
 import torch.distributed as dist
 
+from zeroinf import progress
+
 from .options import Stage3ConfigError
 from .released import released_class
 from .tiers import DeviceStore, HostCache, HostStore, NvmeStore
@@ -117,11 +119,13 @@ class LayoutMixin:
         if opts.grads_on_nvme:
             # groups the optimizer does not step keep no gradient: no file (a LoRA
             # base's would be 420 GB at 70B bf16; parameters left out of model_parameters have none)
-            for g in (g for g in self.groups() if g.optimized):
+            optimized = [g for g in self.groups() if g.optimized]
+            for g in progress.counting(optimized, "zeroinf: allocating gradient swap files", unit="group"):
                 self._swapper.register(self._grad_key(g), g.shard_numel, torch.float32)
                 if g.dtype != torch.float32:
                     self._swapper.register(self._grad_key(g, g.dtype), g.shard_numel, g.dtype)
-        for u in self.units:
+        what = "parameter swap files" if tier == "nvme" else "parameter partitions"
+        for u in progress.counting(self.units, f"zeroinf: allocating {what}", unit="unit"):
             for g in u.groups:
                 if tier == "nvme":
                     g.store = NvmeStore(self._swapper, f"rank{self.rank}/param/{g.key}", g.shard_numel, g.dtype,
@@ -149,7 +153,7 @@ class LayoutMixin:
         in fp32 (host memory, 4 bytes per partition element) until :meth:`take_init_master`
         hands it to the engine."""
         from .held import init_dtype, take_init_values
-        for u in self.units:
+        for u in progress.counting(self.units, "zeroinf: partitioning parameters", unit="unit"):
             for g in u.groups:
                 wide = g.dtype != torch.float32 and g.dtype.is_floating_point and any(
                     s.param in shapes and init_dtype(s.param) == torch.float32 for s in g.slots)
