@@ -23,17 +23,19 @@ Reported, all measured in this process:
 * ``disk_read_gbps`` / ``disk_write_gbps``: sequential O_DIRECT bandwidth of the project's
   ``AsyncIOHandle`` on the same folder (files of ``--disk-bytes`` in all, requests of 256 MiB or
   ``--disk-bytes`` if less),
-  measured after the training steps; ``disk_gbps`` is the combined rate the floor implies,
+  measured before and after the training steps, the faster of the two kept per direction;
+  ``disk_gbps`` is the combined rate the floor implies,
   (read_bytes + write_bytes) / io_floor_s;
 * ``io_floor_s`` = read_bytes / read_gbps + write_bytes / write_gbps: reads and writes do not
   overlap, because on the VMs measured they share one device bandwidth (docs/performance.md);
 * ``compute_floor_s``: forward + backward of the same blocks held resident in bf16 (plain
   PyTorch, same batch), timed with 0 and with ``--floor-blocks`` blocks (the fastest of
-  ``--floor-repeat`` interleaved rounds each: a floor, so the rounds other jobs slowed are
-  dropped) and scaled: t(0) + L * (t(k) - t(0)) / k for L blocks;
+  ``--floor-repeat`` interleaved rounds each, after the steps with the engine open and idle: a
+  floor, so the rounds other jobs slowed are dropped) and scaled: t(0) + L * (t(k) - t(0)) / k
+  for L blocks;
 * ``ratio`` = step_s / max(io_floor_s, compute_floor_s);
-* ``peak_rss_bytes``: the process's peak resident set (``ru_maxrss``) read right after training,
-  before the floors are measured.
+* ``peak_rss_bytes``: the process's peak resident set (``ru_maxrss``) read right after the steps,
+  before the resident blocks are timed.
 
 Also printed per timed step, to show where the time goes: the engine's backward, optimizer
 (Adam compute, I/O wait) and stage-3 gather-wait and I/O-busy seconds. ``--trace FILE`` writes
@@ -171,7 +173,8 @@ def engine_config(args, width: int, nvme: str) -> dict:
 
 
 def train(args, blocks: int, width: int, nvme: str) -> dict:
-    """Build under Init, run ``args.steps`` steps; the timings, bytes and per-step breakdown."""
+    """Build under Init, run ``args.steps`` steps; the timings, bytes, per-step breakdown, peak RSS
+    and :func:`block_times` measured after the steps with the engine still open."""
     cfg = engine_config(args, width, nvme)
     torch.manual_seed(0)
     t0 = time.perf_counter()
@@ -207,40 +210,51 @@ def train(args, blocks: int, width: int, nvme: str) -> dict:
                 "optimizer_io_wait_s": st["io_wait_s"], "pinned_bytes": st["pinned_bytes"]})
         engine.synchronize()
         t_end, io1 = time.perf_counter(), proc_io()
+        peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
         if args.trace:
             engine.trace(args.trace)
+        # the resident blocks are timed while the engine is open and idle: plain torch runs in
+        # the same process state as the steps did (an open engine's threads change how this
+        # process's OpenMP workers wait, and with it the speed of small ops on a loaded machine)
+        times = block_times(args, blocks, width)
     finally:
         engine.close()
     timed = args.steps - 1
     steady = per_step[2:] or per_step[1:]  # see the module docstring: steps after the first timed one
-    return {"build_s": build_s, "step_s": (t_end - t_start) / timed, "losses": losses, "per_step": per_step,
+    return {"build_s": build_s, "step_s": (t_end - t_start) / timed, "peak_rss": peak_rss, "block_times": times,
+            "losses": losses, "per_step": per_step,
             "read_bytes": statistics.mean(s["read_bytes"] for s in steady),
             "write_bytes": statistics.mean(s["write_bytes"] for s in steady),
             "proc_read_bytes": (io1[0] - io0[0]) / timed, "proc_write_bytes": (io1[1] - io0[1]) / timed}
 
 
-def compute_floor(args, blocks: int, width: int) -> tuple:
-    """Seconds of forward + backward of the model held resident in bf16: (floor, t0, tk, k)."""
+def block_times(args, blocks: int, width: int) -> dict:
+    """Fastest forward + backward seconds, over ``args.floor_repeat`` interleaved rounds, of the
+    model held resident in bf16 with 0 and with k = min(``--floor-blocks``, blocks) blocks:
+    ``{0: seconds, k: seconds}``."""
     k = max(1, min(args.floor_blocks, blocks))
     x = torch.randint(0, VOCAB, (args.micro_batch, args.seq), generator=torch.Generator().manual_seed(1))
     models = {n: GPT(n, width, args.seq).to(torch.bfloat16) for n in (0, k)}
 
     def fwd_bwd(m):
-        def run():
-            m.zero_grad(set_to_none=True)
-            F.cross_entropy(m(x).flatten(0, 1).float(), x.flatten()).backward()
-        return run
-    run = {n: fwd_bwd(m) for n, m in models.items()}
-    for f in run.values():  # warm-up: first-call allocations
-        f()
-    t = {n: math.inf for n in run}
-    for _ in range(args.floor_repeat):  # interleaved rounds; the fastest round of each is its floor
-        for n, f in run.items():
+        m.zero_grad(set_to_none=True)
+        F.cross_entropy(m(x).flatten(0, 1).float(), x.flatten()).backward()
+    for m in models.values():  # warm-up: first-call allocations
+        fwd_bwd(m)
+    t = {n: math.inf for n in models}
+    for _ in range(args.floor_repeat):
+        for n, m in models.items():
             t1 = time.perf_counter()
-            f()
+            fwd_bwd(m)
             t[n] = min(t[n], time.perf_counter() - t1)
-    per_block = max(0.0, t[k] - t[0]) / k  # a difference within noise at tiny widths counts as 0
-    return t[0] + blocks * per_block, t[0], t[k], k
+    return t
+
+
+def compute_floor(times: dict, blocks: int) -> float:
+    """t(0) + blocks * (t(k) - t(0)) / k from :func:`block_times`' ``{0: t0, k: tk}`` (seconds);
+    a difference within noise (tk <= t0, tiny widths) counts as 0 per block."""
+    (_, t0), (k, tk) = sorted(times.items())
+    return t0 + blocks * max(0.0, tk - t0) / k
 
 
 def main() -> int:
@@ -273,15 +287,20 @@ def main() -> int:
     print(machine_line())
     print(f"model: {n:,} parameters ({blocks} blocks x width {width}, {width // 64} heads), bf16, "
           f"{args.micro_batch} x {args.seq} tokens; torch threads {torch.get_num_threads()}", flush=True)
+    # the disk is measured before and after training and the faster of each direction kept: on a
+    # shared machine either moment can be slowed by other jobs, and a floor is a best case
+    chunk = min(256 << 20, args.disk_bytes) >> 20 << 20  # whole MiB: O_DIRECT alignment
     nvme = tempfile.mkdtemp(prefix="zeroinf_bench_scale_", dir=args.nvme_path)
     try:
+        bandwidths = [io_bandwidth(nvme, args.disk_bytes, AIO, chunk)]  # (write, read) GB/s
         run = train(args, blocks, width, nvme)
-        peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
-        chunk = min(256 << 20, args.disk_bytes) >> 20 << 20  # whole MiB: O_DIRECT alignment
-        write_gbps, read_gbps = io_bandwidth(nvme, args.disk_bytes, AIO, chunk)
+        bandwidths.append(io_bandwidth(nvme, args.disk_bytes, AIO, chunk))
     finally:
         shutil.rmtree(nvme, ignore_errors=True)
-    floor_c, t0, tk, k = compute_floor(args, blocks, width)
+    peak_rss = run["peak_rss"]
+    floor_c = compute_floor(run["block_times"], blocks)
+    (_, t0), (k, tk) = sorted(run["block_times"].items())
+    write_gbps, read_gbps = (max(b[i] for b in bandwidths) for i in (0, 1))
     # reads and writes share the device, so their times add (see the module docstring)
     io_floor = run["read_bytes"] / (read_gbps * 1e9) + run["write_bytes"] / (write_gbps * 1e9)
     out = {"step_s": run["step_s"], "io_floor_s": io_floor, "compute_floor_s": floor_c,
@@ -294,6 +313,7 @@ def main() -> int:
            "disk_method": f"AsyncIOHandle O_DIRECT, {args.disk_bytes // chunk * chunk} bytes, {chunk >> 20} MiB requests",
            "proc_read_bytes": run["proc_read_bytes"], "proc_write_bytes": run["proc_write_bytes"],
            "compute_floor_parts_s": {"no_blocks": t0, f"{k}_blocks": tk},
+           "disk_write_read_gbps_before_after": bandwidths,
            "build_s": run["build_s"], "losses": run["losses"], "per_step": run["per_step"],
            "load_average": os.getloadavg()}
     print(f"{'':<16} {'seconds':>9} {'read GB':>8} {'write GB':>8}  note")
@@ -302,7 +322,8 @@ def main() -> int:
     print(f"{'  /proc/self/io':<16} {'':>9} {out['proc_read_bytes'] / 1e9:8.2f} {out['proc_write_bytes'] / 1e9:8.2f}  "
           "the kernel's count, per step")
     print(f"{'io floor':<16} {io_floor:9.3f} {'':>8} {'':>8}  disk read {read_gbps:.2f} GB/s, write "
-          f"{write_gbps:.2f} GB/s ({out['disk_method']})")
+          f"{write_gbps:.2f} GB/s ({out['disk_method']}; before/after training, write/read: "
+          + ", ".join(f"{w:.2f}/{r:.2f}" for w, r in bandwidths) + ")")
     print(f"{'compute floor':<16} {floor_c:9.3f} {'':>8} {'':>8}  resident bf16: 0 blocks {t0:.3f} s, "
           f"{k} blocks {tk:.3f} s, scaled to {blocks}")
     print(f"ratio {out['ratio']:.2f} (step / max(floors)); peak RSS {peak_rss / 2**30:.2f} GiB; "
