@@ -12,14 +12,17 @@ prefetch trace and takes the masters from Init's files) that is not counted. Sha
 
 Reported, all measured in this process:
 
-* ``step_s``: wall seconds from the end of the warm-up step (its background optimizer step
-  finished) to the end of the last step (``engine.synchronize()``), divided by the steps timed;
+* ``step_s``: wall seconds from the end of the warm-up step to the return of the last
+  ``engine.step()``, divided by the steps timed. Each optimizer step runs in the background behind
+  the next forward (``zeroinf.overlap_step``), so the window holds the optimizer steps of the
+  warm-up to the last but one, as a long run's steps do; ``drain_s``, printed apart, is the wait
+  for the last one (``engine.synchronize()``);
 * ``read_bytes`` / ``write_bytes``: NVMe bytes per step from the engine's own counters
   (optimizer swaps, ``engine.stats()["nvme_*_bytes"]``, plus stage 3's parameter and gradient
-  partitions, ``engine.stats()["stage3"]["bytes_nvme_*"]``), the mean over the steps after the
-  first timed one (each step's counters hold the previous step's optimizer I/O, and the warm-up's
-  optimizer step is not a steady one); ``proc_read_bytes`` / ``proc_write_bytes``: the kernel's
-  count for this process (``/proc/self/io``) over the timed window, per step, as a check;
+  partitions, ``engine.stats()["stage3"]["bytes_nvme_*"]``), the mean over the timed steps (a
+  step's counters hold the previous step's optimizer I/O: the same window); ``proc_read_bytes`` /
+  ``proc_write_bytes``: the kernel's count for this process (``/proc/self/io``) over the timed
+  window, per step, as a check;
 * ``disk_read_gbps`` / ``disk_write_gbps``: sequential O_DIRECT bandwidth of the project's
   ``AsyncIOHandle`` on the same folder (files of ``--disk-bytes`` in all, requests of 256 MiB or
   ``--disk-bytes`` if less),
@@ -182,12 +185,12 @@ def train(args, blocks: int, width: int, nvme: str) -> dict:
         model = GPT(blocks, width, args.seq)
     engine, *_ = zeroinf.initialize(model=model, config=cfg)
     build_s = time.perf_counter() - t0
+    print(f"built under zeroinf.Init and initialized in {build_s:.1f} s", flush=True)
     x = torch.randint(0, VOCAB, (args.micro_batch, args.seq), generator=torch.Generator().manual_seed(1))
     per_step, losses = [], []
     try:
         for i in range(args.steps):
-            if i == 1:
-                engine.synchronize()  # the warm-up's background optimizer step is not timed
+            if i == 1:  # the warm-up's optimizer step runs behind this forward, as every step's does
                 io0, t_start = proc_io(), time.perf_counter()
             t1 = time.perf_counter()
             logits = engine(x)
@@ -208,8 +211,10 @@ def train(args, blocks: int, width: int, nvme: str) -> dict:
                 "gather_wait_s": s3["wait_io_s"], "param_io_busy_s": s3["io_busy_s"],
                 "backward_s": st["backward_s"], "optimizer_s": st["optimizer_s"], "adam_s": st["adam_s"],
                 "optimizer_io_wait_s": st["io_wait_s"], "pinned_bytes": st["pinned_bytes"]})
-        engine.synchronize()
+            print(f"step {i}{' (warm-up)' if i == 0 else ''}: {t4 - t1:.2f} s, loss {losses[-1]:.4f}", flush=True)
         t_end, io1 = time.perf_counter(), proc_io()
+        engine.synchronize()  # the last step's optimizer step, which no next forward hides
+        drain_s = time.perf_counter() - t_end
         peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
         if args.trace:
             engine.trace(args.trace)
@@ -220,11 +225,10 @@ def train(args, blocks: int, width: int, nvme: str) -> dict:
     finally:
         engine.close()
     timed = args.steps - 1
-    steady = per_step[2:] or per_step[1:]  # see the module docstring: steps after the first timed one
-    return {"build_s": build_s, "step_s": (t_end - t_start) / timed, "peak_rss": peak_rss, "block_times": times,
-            "losses": losses, "per_step": per_step,
-            "read_bytes": statistics.mean(s["read_bytes"] for s in steady),
-            "write_bytes": statistics.mean(s["write_bytes"] for s in steady),
+    return {"build_s": build_s, "step_s": (t_end - t_start) / timed, "drain_s": drain_s, "peak_rss": peak_rss,
+            "block_times": times, "losses": losses, "per_step": per_step,
+            "read_bytes": statistics.mean(s["read_bytes"] for s in per_step[1:]),
+            "write_bytes": statistics.mean(s["write_bytes"] for s in per_step[1:]),
             "proc_read_bytes": (io1[0] - io0[0]) / timed, "proc_write_bytes": (io1[1] - io0[1]) / timed}
 
 
@@ -314,11 +318,12 @@ def main() -> int:
            "proc_read_bytes": run["proc_read_bytes"], "proc_write_bytes": run["proc_write_bytes"],
            "compute_floor_parts_s": {"no_blocks": t0, f"{k}_blocks": tk},
            "disk_write_read_gbps_before_after": bandwidths,
-           "build_s": run["build_s"], "losses": run["losses"], "per_step": run["per_step"],
+           "drain_s": run["drain_s"], "build_s": run["build_s"], "losses": run["losses"], "per_step": run["per_step"],
            "load_average": os.getloadavg()}
     print(f"{'':<16} {'seconds':>9} {'read GB':>8} {'write GB':>8}  note")
     print(f"{'step':<16} {out['step_s']:9.3f} {out['read_bytes'] / 1e9:8.2f} {out['write_bytes'] / 1e9:8.2f}  "
-          f"engine counters, per step ({out['steps_timed']} timed)")
+          f"engine counters, per step ({out['steps_timed']} timed; then {run['drain_s']:.2f} s for the last "
+          "optimizer step)")
     print(f"{'  /proc/self/io':<16} {'':>9} {out['proc_read_bytes'] / 1e9:8.2f} {out['proc_write_bytes'] / 1e9:8.2f}  "
           "the kernel's count, per step")
     print(f"{'io floor':<16} {io_floor:9.3f} {'':>8} {'':>8}  disk read {read_gbps:.2f} GB/s, write "
