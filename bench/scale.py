@@ -41,11 +41,12 @@ Reported, all measured in this process:
   before the resident blocks are timed.
 
 Also printed per timed step, to show where the time goes: the engine's backward, optimizer
-(Adam compute, I/O wait) and stage-3 gather-wait and I/O-busy seconds. ``--trace FILE`` writes
-the last step's Chrome/Perfetto trace (``engine.trace``).
+(Adam compute, I/O wait) and stage-3 gather-wait and I/O-busy seconds, and the last step's
+trace summed per thread and kind (:func:`trace_summary`); ``--trace FILE`` keeps that
+Chrome/Perfetto trace (``engine.trace``).
 
     python bench/scale.py --params 1B [--json FILE] [--nvme-path DIR] [--steps 3] [--seq 256]
-                          [--micro-batch 1] [--disk-bytes 2GiB] [--trace FILE]
+                          [--micro-batch 1] [--disk-bytes 2GiB] [--trace FILE] [--optimizer-in-backward]
 
 Needs about 20 bytes per parameter of free disk under ``--nvme-path`` (Init's fp32 copy 4, bf16
 partitions and gradients 4, fp32 masters and moments 12) plus ``--disk-bytes``.
@@ -166,6 +167,7 @@ def engine_config(args, width: int, nvme: str) -> dict:
     return {
         "train_micro_batch_size_per_gpu": args.micro_batch, "optimizer": {"type": "AdamW", "params": ADAMW},
         "bf16": {"enabled": True}, "aio": dict(AIO),
+        "zeroinf": {"optimizer_in_backward": args.optimizer_in_backward},
         "zero_optimization": {
             "stage": 3, "sub_group_size": 20_000_000, "stage3_max_reuse_distance": 0,
             "stage3_prefetch_bucket_size": 2 * unit,
@@ -216,8 +218,9 @@ def train(args, blocks: int, width: int, nvme: str) -> dict:
         engine.synchronize()  # the last step's optimizer step, which no next forward hides
         drain_s = time.perf_counter() - t_end
         peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
-        if args.trace:
-            engine.trace(args.trace)
+        trace = args.trace or os.path.join(nvme, "trace.json")
+        engine.trace(trace)
+        trace_s = trace_summary(trace)
         # the resident blocks are timed while the engine is open and idle: plain torch runs in
         # the same process state as the steps did (an open engine's threads change how this
         # process's OpenMP workers wait, and with it the speed of small ops on a loaded machine)
@@ -226,10 +229,28 @@ def train(args, blocks: int, width: int, nvme: str) -> dict:
         engine.close()
     timed = args.steps - 1
     return {"build_s": build_s, "step_s": (t_end - t_start) / timed, "drain_s": drain_s, "peak_rss": peak_rss,
-            "block_times": times, "losses": losses, "per_step": per_step,
+            "block_times": times, "losses": losses, "per_step": per_step, "trace_s": trace_s,
             "read_bytes": statistics.mean(s["read_bytes"] for s in per_step[1:]),
             "write_bytes": statistics.mean(s["write_bytes"] for s in per_step[1:]),
             "proc_read_bytes": (io1[0] - io0[0]) / timed, "proc_write_bytes": (io1[1] - io0[1]) / timed}
+
+
+def trace_summary(path: str) -> dict:
+    """Seconds per kind of span in an ``engine.trace`` file (the last iteration): on the compute
+    thread the whole ``forward`` and ``backward`` and the gather ``wait``s; on the I/O thread its
+    parameter ``read``s, ``copy``s into staging, partition ``write``s and ``grad`` handling (norm
+    part, swap-out of the reduced gradient). Keys ``"<thread> <kind>"``."""
+    with open(path) as f:
+        events = json.load(f)["traceEvents"]
+    threads = {e["tid"]: e["args"]["name"] for e in events if e.get("ph") == "M" and e["name"] == "thread_name"}
+    out: dict = {}
+    for e in events:
+        kind = e["name"].split(" ")[0]
+        if e.get("ph") != "X" or kind in ("fwd", "bwd", "reduce"):  # per-unit spans nest in forward/backward
+            continue
+        key = f"{threads.get(e['tid'], e['tid'])} {kind}"
+        out[key] = out.get(key, 0.0) + e["dur"] / 1e6  # microseconds
+    return out
 
 
 def block_times(args, blocks: int, width: int) -> dict:
@@ -271,11 +292,14 @@ def main() -> int:
     p.add_argument("--seq", type=int, default=256, help="tokens per sequence (default 256)")
     p.add_argument("--micro-batch", type=int, default=1, help="sequences per step (default 1)")
     p.add_argument("--optimizer-buffers", type=int, default=8, help="offload_optimizer.buffer_count (default 8)")
+    p.add_argument("--optimizer-in-backward", action="store_true",
+                   help="zeroinf.optimizer_in_backward: each group stepped in the backward, no gradients on NVMe")
     p.add_argument("--disk-bytes", type=parse_count, default=2 << 30,
                    help="bytes written then read to measure the disk (default 2GiB)")
     p.add_argument("--floor-blocks", type=int, default=2, help="resident blocks timed for the compute floor")
-    p.add_argument("--floor-repeat", type=int, default=3, help="timed rounds of the compute floor (fastest kept; default 3)")
-    p.add_argument("--trace", metavar="FILE", default=None, help="write the last step's Perfetto trace")
+    p.add_argument("--floor-repeat", type=int, default=3,
+                   help="timed rounds of the compute floor (fastest kept; default 3)")
+    p.add_argument("--trace", metavar="FILE", default=None, help="keep the last step's Perfetto trace in FILE")
     args = p.parse_args()
     if args.steps < 2:
         p.error(f"--steps {args.steps}: needs at least 2 (the first is a warm-up)")
@@ -313,12 +337,15 @@ def main() -> int:
            "disk_gbps": (run["read_bytes"] + run["write_bytes"]) / io_floor / 1e9,
            "peak_rss_bytes": peak_rss,
            "params": n, "blocks": blocks, "width": width, "seq": args.seq, "micro_batch": args.micro_batch,
-           "steps_timed": args.steps - 1, "disk_read_gbps": read_gbps, "disk_write_gbps": write_gbps,
-           "disk_method": f"AsyncIOHandle O_DIRECT, {args.disk_bytes // chunk * chunk} bytes, {chunk >> 20} MiB requests",
+           "steps_timed": args.steps - 1, "optimizer_in_backward": args.optimizer_in_backward,
+           "disk_read_gbps": read_gbps, "disk_write_gbps": write_gbps,
+           "disk_method": f"AsyncIOHandle O_DIRECT, {args.disk_bytes // chunk * chunk} bytes, "
+                          f"{chunk >> 20} MiB requests",
            "proc_read_bytes": run["proc_read_bytes"], "proc_write_bytes": run["proc_write_bytes"],
            "compute_floor_parts_s": {"no_blocks": t0, f"{k}_blocks": tk},
            "disk_write_read_gbps_before_after": bandwidths,
-           "drain_s": run["drain_s"], "build_s": run["build_s"], "losses": run["losses"], "per_step": run["per_step"],
+           "drain_s": run["drain_s"], "last_step_trace_s": run["trace_s"], "build_s": run["build_s"],
+           "losses": run["losses"], "per_step": run["per_step"],
            "load_average": os.getloadavg()}
     print(f"{'':<16} {'seconds':>9} {'read GB':>8} {'write GB':>8}  note")
     print(f"{'step':<16} {out['step_s']:9.3f} {out['read_bytes'] / 1e9:8.2f} {out['write_bytes'] / 1e9:8.2f}  "
@@ -339,6 +366,7 @@ def main() -> int:
         print(f"  {i}{' (warm-up)' if i == 0 else ''}: {s['forward_s']:.2f} / {s['backward_call_s']:.2f} / "
               f"{s['step_call_s']:.2f} | {s['gather_wait_s']:.2f}, {s['param_io_busy_s']:.2f} | "
               f"{s['optimizer_s']:.2f}, {s['adam_s']:.2f}, {s['optimizer_io_wait_s']:.2f}")
+    print("last step's trace, seconds: " + ", ".join(f"{k} {v:.2f}" for k, v in sorted(run["trace_s"].items())))
     if args.json:
         tmp = args.json + ".tmp"
         with open(tmp, "w") as f:

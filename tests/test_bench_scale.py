@@ -67,6 +67,8 @@ def test_scale_json_tiny(tmp_path):
     assert d["io_floor_s"] == pytest.approx(floor, rel=1e-9)
     assert d["disk_gbps"] == pytest.approx((d["read_bytes"] + d["write_bytes"]) / floor / 1e9, rel=1e-9)
     assert d["ratio"] == pytest.approx(d["step_s"] / max(d["io_floor_s"], d["compute_floor_s"]), rel=1e-9)
+    trace = d["last_step_trace_s"]  # the last step's engine trace, summed per thread and kind
+    assert trace["compute forward"] > 0 and trace["compute backward"] > 0 and trace["io grad"] > 0, trace
     assert len(d["losses"]) == 2 and all(math.isfinite(v) for v in d["losses"])
     assert not any((tmp_path / "nvme").iterdir())  # the swap folder is removed
     assert "ratio" in proc.stdout and "io floor" in proc.stdout
