@@ -16,7 +16,8 @@ Reported, all measured in this process:
   ``engine.step()``, divided by the steps timed. Each optimizer step runs in the background behind
   the next forward (``zeroinf.overlap_step``), so the window holds the optimizer steps of the
   warm-up to the last but one, as a long run's steps do; ``drain_s``, printed apart, is the wait
-  for the last one (``engine.synchronize()``);
+  for the last one (``engine.synchronize()``). With ``--optimizer-in-backward`` each step's
+  optimizer runs inside its own backward instead;
 * ``read_bytes`` / ``write_bytes``: NVMe bytes per step from the engine's own counters
   (optimizer swaps, ``engine.stats()["nvme_*_bytes"]``, plus stage 3's parameter and gradient
   partitions, ``engine.stats()["stage3"]["bytes_nvme_*"]``), the mean over the timed steps (a
@@ -25,9 +26,8 @@ Reported, all measured in this process:
   window, per step, as a check;
 * ``disk_read_gbps`` / ``disk_write_gbps``: sequential O_DIRECT bandwidth of the project's
   ``AsyncIOHandle`` on the same folder (files of ``--disk-bytes`` in all, requests of 256 MiB or
-  ``--disk-bytes`` if less),
-  measured before and after the training steps, the faster of the two kept per direction;
-  ``disk_gbps`` is the combined rate the floor implies,
+  ``--disk-bytes`` if less), measured before and after the training steps, the faster of the two
+  kept per direction; ``disk_gbps`` is the combined rate the floor implies,
   (read_bytes + write_bytes) / io_floor_s;
 * ``io_floor_s`` = read_bytes / read_gbps + write_bytes / write_gbps: reads and writes do not
   overlap, because on the VMs measured they share one device bandwidth (docs/performance.md);
@@ -221,9 +221,10 @@ def train(args, blocks: int, width: int, nvme: str) -> dict:
         trace = args.trace or os.path.join(nvme, "trace.json")
         engine.trace(trace)
         trace_s = trace_summary(trace)
-        # the resident blocks are timed while the engine is open and idle: plain torch runs in
-        # the same process state as the steps did (an open engine's threads change how this
-        # process's OpenMP workers wait, and with it the speed of small ops on a loaded machine)
+        # the resident blocks are timed while the engine is open and idle, in the process state
+        # the steps ran in: on a loaded 2-core VM the same blocks took 5x the time and the CPU
+        # time in this process before an engine was opened or after it closed (torch's element-
+        # wise ops most) as while one was open
         times = block_times(args, blocks, width)
     finally:
         engine.close()
