@@ -223,8 +223,9 @@ def train(args, blocks: int, width: int, nvme: str) -> dict:
         trace_s = trace_summary(trace)
         # the resident blocks are timed while the engine is open and idle, in the process state
         # the steps ran in: on a loaded 2-core VM the same blocks took 5x the time and the CPU
-        # time in this process before an engine was opened or after it closed (torch's element-
-        # wise ops most) as while one was open
+        # time in this process before an engine was opened or after it closed as while one was
+        # open, and as with OMP_WAIT_POLICY=PASSIVE (OpenMP workers spin-waiting for a
+        # descheduled peer, unless an open engine's threads make them sleep instead)
         times = block_times(args, blocks, width)
     finally:
         engine.close()
