@@ -64,11 +64,11 @@ def engine_step_times(model: nn.Module, device: str, nvme: str, sub_group: int, 
     return {k: statistics.median(v) for k, v in samples.items()}
 
 
-def io_bandwidth(path: str, nbytes: int, aio: dict) -> tuple:
-    """(write GB/s, read GB/s) overwriting then reading 256 MiB files through AsyncIOHandle."""
+def io_bandwidth(path: str, nbytes: int, aio: dict, chunk: int = 256 << 20) -> tuple:
+    """(write GB/s, read GB/s) overwriting then reading ``max(1, nbytes // chunk)`` files of
+    ``chunk`` bytes (one request each) through AsyncIOHandle."""
     from zeroinf.io import AsyncIOHandle, PinnedBufferPool
 
-    chunk = 256 << 20
     n = max(1, nbytes // chunk)
     files = [os.path.join(path, f"bench_step_bw{i}.bin") for i in range(n)]  # one file per chunk
     with PinnedBufferPool(1, chunk) as pool:
