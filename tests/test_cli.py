@@ -2,6 +2,7 @@
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -39,6 +40,27 @@ def test_ctrl_c_while_a_command_is_imported_is_one_line_and_130(monkeypatch, cap
     assert cli.main(["report"]) == cli.EXIT_INTERRUPTED == 130
     out = capsys.readouterr()
     assert out.out == "" and out.err == "zeroinf: interrupted\n"
+
+
+def test_a_slow_command_import_says_what_it_waits_for(monkeypatch, capsys):
+    """A subcommand whose module takes longer than LOADING_NOTICE_S to import prints one line
+    naming the wait; a fast one prints nothing before its own output."""
+    real = cli.importlib.import_module
+
+    def slow(name):
+        time.sleep(0.5)
+        return real(name)
+
+    monkeypatch.setattr(cli, "LOADING_NOTICE_S", 0.05)
+    monkeypatch.setattr(cli.importlib, "import_module", slow)
+    with pytest.raises(SystemExit):
+        cli.main(["estimate", "--help"])
+    assert capsys.readouterr().err.count("zeroinf estimate: loading torch ...\n") == 1
+    monkeypatch.setattr(cli, "LOADING_NOTICE_S", 5.0)
+    monkeypatch.setattr(cli.importlib, "import_module", real)
+    with pytest.raises(SystemExit):
+        cli.main(["estimate", "--help"])
+    assert "loading" not in capsys.readouterr().err
 
 
 def test_import_from_the_folder_that_holds_a_clone(tmp_path):

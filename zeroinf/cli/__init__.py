@@ -14,6 +14,7 @@ import io
 import os
 import re
 import sys
+import threading
 from typing import List, Optional
 
 #: subcommand -> (module, one-line help)
@@ -25,6 +26,10 @@ COMMANDS = {
     "tune-io": ("zeroinf.cli.tune_io", "sweep aio block size / queue depth on a path, print the best block"),
 }
 
+
+#: seconds a subcommand's module may take to load (``import torch``, transformers) before a line
+#: on stderr says what the wait is; on a busy 2-core machine it takes 10 s or more
+LOADING_NOTICE_S = 2.0
 
 #: exit code when the reader of stdout went away (``zeroinf plan | head -1``): 128 + SIGPIPE, the
 #: status a shell reports for a tool that SIGPIPE ended
@@ -121,7 +126,14 @@ def _run(argv: Optional[List[str]]) -> int:
             print(f"zeroinf: error: unknown command {argv[0]!r} (choose from {', '.join(COMMANDS)})",
                   file=sys.stderr)
         return 2
-    module = importlib.import_module(COMMANDS[argv[0]][0])
+    notice = threading.Timer(LOADING_NOTICE_S, print, (f"zeroinf {argv[0]}: loading torch ...",),
+                             {"file": sys.stderr, "flush": True})
+    notice.daemon = True
+    notice.start()
+    try:
+        module = importlib.import_module(COMMANDS[argv[0]][0])
+    finally:
+        notice.cancel()
     cmd_parser = _Parser(prog=f"zeroinf {argv[0]}", description=COMMANDS[argv[0]][1])
     module.add_arguments(cmd_parser)
     args = cmd_parser.parse_args(argv[1:])
