@@ -209,7 +209,7 @@ def test_working_set_counts_prefetched_and_kept_blocks(limits, gathered):
 
 
 def test_working_set_never_below_root_and_largest_block():
-    # a max_live the engine refuses at start-up (below root + largest) does not shrink the estimate
+    # a max_live below root + largest (the engine raises it to that sum) does not shrink the estimate
     assert working_set(0, 7, (30,), GatherLimits(max_live_parameters=1))[0] == 37
 
 

@@ -169,7 +169,8 @@ def make_config(placement: Placement, *, precision: str = "bf16", micro_batch: i
     an ``optimizer`` block (Adam/AdamW), and ``zero_optimization`` with the stage, the offload blocks
     (pinned; NVMe with ``nvme_path``, the swap buffers of ``swap``, and pipelined reads and writes)
     and ``sub_group_size``; at stage 3 with ``max_live_parameters``, ``stage3_max_live_parameters``
-    (the engine refuses at start-up a model whose root and largest unit together need more); with
+    (a model whose root and largest unit together need more runs at that sum: the engine raises
+    the limit with a warning); with
     ``state_dtype`` "bf16" and the optimizer offloaded, ``offload_optimizer.state_dtype``.
 
     Raises:

@@ -276,12 +276,12 @@ def main(args: argparse.Namespace) -> int:
         print(f"(stage 3 without the model's units: a device gathers at most {plan.live_params:,} parameters at once, "
               f"what its memory leaves room for (at most min(P, {MAX_LIVE_PARAMETERS:,}), at least "
               f"P/{MAX_UNITS}, as if the model had {MAX_UNITS} equal blocks), written as "
-              "stage3_max_live_parameters; the engine refuses at start-up a model whose root and largest unit "
-              "together need more (persistent parameters are not counted). "
+              "stage3_max_live_parameters; a model whose root and largest unit together need more runs at "
+              "that sum, which the engine takes with a warning (persistent parameters are not counted). "
               "Give --model or --live-params to count the model's own)")
     if plan.live_params is None and written_live is not None:
-        print(f"(stage 3: --live-params {written_live:,} written as stage3_max_live_parameters; the engine refuses at "
-              "start-up a model whose root and largest unit together need more)")
+        print(f"(stage 3: --live-params {written_live:,} written as stage3_max_live_parameters; a model whose root "
+              "and largest unit together need more runs at that sum, which the engine takes with a warning)")
     for note in notes:
         print(note)
     if "nvme" in (pl.offload_param, pl.offload_optimizer) and not os.path.isdir(args.nvme_path):

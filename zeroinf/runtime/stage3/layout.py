@@ -1,7 +1,9 @@
 """Stage 3 set-up: limits, staging-buffer sizes, tier stores, the initial partitioning."""
 from __future__ import annotations
 
+import dataclasses
 import os
+import warnings
 from typing import Optional, Tuple
 
 import torch
@@ -27,9 +29,13 @@ class LayoutMixin:
         biggest = max(blocks, key=lambda u: u.numel, default=None)
         need_live = root.numel + (biggest.numel if biggest else 0)
         if opts.max_live_parameters < need_live:
+            # DeepSpeed reads the key as a bound on prefetching only and runs any value; here it
+            # bounds every gather, so a value below what one forward needs becomes that minimum
+            # (no prefetch beyond it) rather than a refusal of a config DeepSpeed runs
             who = f"the root unit ({root.numel}) plus unit '{biggest.name}' ({biggest.numel})" if biggest else "the root unit"
-            raise Stage3ConfigError("zero_optimization.stage3_max_live_parameters",
-                                    f"{opts.max_live_parameters} elements cannot hold {who}; the minimum is {need_live}")
+            warnings.warn(f"zero_optimization.stage3_max_live_parameters: {opts.max_live_parameters} elements cannot "
+                          f"hold {who}; using the minimum, {need_live}", stacklevel=2)
+            self.options = opts = dataclasses.replace(opts, max_live_parameters=need_live)
         if opts.offload_param_device == "nvme":
             part = max((g for u in self.units for g in u.groups), key=lambda g: g.shard_numel, default=None)
             if part is not None and opts.buffer_size < part.shard_numel:

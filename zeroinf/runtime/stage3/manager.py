@@ -107,9 +107,9 @@ class Stage3ParameterManager(LayoutMixin, HooksMixin, ReadsMixin, FetchMixin, Sa
     Raises:
         Stage3ConfigError: ``offload_param.nvme_path`` cannot hold swap files (NVMe tier, no
             ``swapper`` given), ``offload_param.buffer_size`` is smaller than the largest unit
-            partition, ``offload_param.buffer_count`` below :meth:`min_buffer_count`, or
-            ``stage3_max_live_parameters`` below the root unit plus the largest unit; the
-            message names the unit and the minimum.
+            partition, or ``offload_param.buffer_count`` below :meth:`min_buffer_count`; the
+            message names the unit and the minimum. (``stage3_max_live_parameters`` below the root
+            unit plus the largest unit is raised to that sum with a warning, as DeepSpeed runs it.)
         RuntimeError: (later) a unit module is called outside the model's forward, or a gather
             would exceed ``stage3_max_live_parameters``; ``OSError`` from the swap files.
 
@@ -222,6 +222,7 @@ class Stage3ParameterManager(LayoutMixin, HooksMixin, ReadsMixin, FetchMixin, Sa
         self._init_masters: Dict[str, torch.Tensor] = {}  # [Note: Init masters]
         self._make_stores(swapper)
         self._partition_initial(shapes)
+        opts = self.options  # as the limit check left it
         self.scheduler = PrefetchScheduler(self, opts.prefetch_bucket_size, opts.max_live_parameters,
                                            opts.max_reuse_distance)
         self._install_hooks()

@@ -71,7 +71,7 @@ class ReduceMixin:
         uses in the forward lie far apart gets its gradient only once every use's backward ran:
         a head tied to the embedding, whose single accumulation comes at the very end of the
         backward, after the root unit was released to make room for the blocks (at the smallest
-        stage3_max_live_parameters the config check allows). Such a unit is gathered again here, on demand (also in a pass of
+        stage3_max_live_parameters the engine runs). Such a unit is gathered again here, on demand (also in a pass of
         ``torch.autograd.grad`` with respect to the parameter, which accumulates nothing: the
         hook cannot tell the two apart)."""
         if unit.state is not UnitState.GATHERED:
