@@ -65,6 +65,7 @@ import torch
 
 from ...optim import limit_thread_parallelism
 from .common import _norm_part
+from .step_cursor import SubGroupCursor
 
 __all__ = ["BackwardStep", "OptimizerInBackwardError", "sub_group_indices", "worker_threads"]
 
@@ -136,14 +137,13 @@ class BackwardStep:
         here on the manager hands reduced gradients to this object."""
         subs = self.glue._subs
         indices = sub_group_indices(subs, self.order)
-        last = {subs[i][0].key: i for i in indices}
         self.opt.prefetch(indices)
         # [Note: worker threads] the backward runs on this thread, with this thread's count
         self._threads = torch.get_num_threads() if self.m.device.type == "cpu" else None
         self.m.step_gate.begin(())
         self.m.step_gate.before_block = self.check_can_wait
         try:
-            self.thread = threading.Thread(target=self._run, args=(indices, last),
+            self.thread = threading.Thread(target=self._run, args=(indices,),
                                            name="zeroinf-optimizer-in-backward")
             self.thread.start()
         except BaseException:
@@ -255,12 +255,11 @@ class BackwardStep:
         return [self.norms[g.key] for g in self.m.groups() if g.key in self.norms]
 
     # --- the worker -----------------------------------------------------------------------
-    def _run(self, indices: List[int], last: Dict[str, int]) -> None:
+    def _run(self, indices: List[int]) -> None:
         m, subs = self.m, self.glue._subs
         m.step_gate.set_worker(threading.get_ident())
-        cur: Dict[str, Any] = {}
 
-        def enter(g) -> None:
+        def enter(g) -> Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
             with self._cv:
                 self._wanted = g.key
                 self._cv.notify_all()  # a hand-over held back may go on now
@@ -285,32 +284,14 @@ class BackwardStep:
                 with self._cv:
                     self.norms[g.key] = norm
                     self._cv.notify_all()
-            cur.update(g=g, grad=part, recycle=recycle, target=self.glue.step_target(g, master))
-
-        def grad(i: int) -> torch.Tensor:
-            g, lo, hi, _ = subs[i]
-            if cur.get("g") is not g:
-                enter(g)
-            return cur["grad"][lo:hi]
-
-        def out(i: int) -> torch.Tensor:
-            _g, lo, hi, _ = subs[i]
-            return cur["target"][lo:hi]
-
-        def done(i: int) -> None:
-            g = subs[i][0]
-            if last[g.key] != i:
-                return
-            self.glue.store_stepped(g, cur["target"])
-            if cur["recycle"] is not None:
-                m.scratch.give(cur["recycle"])
-            cur.clear()
-            m.step_gate.done(g.key)
+            return part, self.glue.step_target(g, master), recycle
 
         try:
+            cur = SubGroupCursor(m, subs, indices, enter=enter, store=self.glue.store_stepped)
             if self._threads is not None:
                 limit_thread_parallelism(worker_threads(self._threads))
-            self.opt.step(step=self.step, hyper=self.hyper, grad=grad, out=out, indices=indices, on_done=done)
+            self.opt.step(step=self.step, hyper=self.hyper, grad=cur.grad_of, out=cur.out_of, indices=indices,
+                          on_done=cur.done)
         except _Cancelled:  # nothing was handed over, so nothing was stepped: the state is whole
             m.step_gate.finish()
         except BaseException as exc:  # re-raised in the caller's thread by the gate

@@ -25,6 +25,8 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, Iterable, Optional, Seque
 
 import torch
 
+from .step_cursor import SubGroupCursor
+
 if TYPE_CHECKING:  # annotations only
     from .units import FlatGroup
 
@@ -178,13 +180,9 @@ def run_overlapped_step(m, sub_optimizer, subs: Sequence[Tuple[Any, int, int, in
     Raises:
         RuntimeError: the thread could not be started (the gate fails, so no wait blocks for good).
     """
-    last: Dict[str, int] = {}
-    for i, (g, _lo, _hi, _gi) in enumerate(subs):
-        last[g.key] = i
     groups = list(dict.fromkeys(g for g, _lo, _hi, _gi in subs))  # forward order, unique
     following = {a.key: b for a, b in zip(groups, groups[1:])}  # the group stepped after each
     on_nvme = m.options.grads_on_nvme
-    cur: Dict[str, Any] = {}  # the group being stepped: its gradient and its new partition
     ahead: Dict[str, Any] = {}  # the next group's gradient read, in flight on the I/O thread
 
     def read_grad(g: FlatGroup):
@@ -197,7 +195,7 @@ def run_overlapped_step(m, sub_optimizer, subs: Sequence[Tuple[Any, int, int, in
     def read(g: FlatGroup):  # the gradient and (partition = master) the partition, on the I/O thread
         return read_grad(g), read_master_ahead(g)
 
-    def enter(g: FlatGroup) -> None:
+    def enter(g: FlatGroup) -> Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
         grad_read, master_read = ahead.pop(g.key, None) or read(g)
         nxt = following.get(g.key)
         if nxt is not None:
@@ -211,36 +209,22 @@ def run_overlapped_step(m, sub_optimizer, subs: Sequence[Tuple[Any, int, int, in
         if master_read is not None:
             master, fut = master_read
             fut.result()
-        cur.update(g=g, grad=t, target=step_target(g, master))
+        return t, step_target(g, master), t if on_nvme else None  # the read's scratch goes back
 
-    def grad(i: int) -> torch.Tensor:
-        g, lo, hi, _ = subs[i]
-        if cur.get("g") is not g:
-            enter(g)
-        return cur["grad"][lo:hi]
-
-    def out(i: int) -> torch.Tensor:
-        g, lo, hi, _ = subs[i]
-        return cur["target"][lo:hi]
-
-    def done(i: int) -> None:
-        g = subs[i][0]
-        if last[g.key] != i:
-            return
-        store_stepped(g, cur["target"])
+    def finished(g: FlatGroup) -> None:  # the stepped group's gradient is spent
         if on_nvme:
-            m.scratch.give(cur["grad"])
             g.grad_on_nvme = False
             g.grad_norm_part = None
         else:
             g.drop_grad_shard()
-        cur.clear()
-        m.step_gate.done(g.key)
+
+    cur = SubGroupCursor(m, subs, range(len(subs)), enter=enter, store=store_stepped, finished=finished)
 
     def run() -> None:
         m.step_gate.set_worker(threading.get_ident())
         try:
-            sub_optimizer.step(step=step, hyper=hyper, grad=grad, out=out, grad_scale=grad_scale, on_done=done)
+            sub_optimizer.step(step=step, hyper=hyper, grad=cur.grad_of, out=cur.out_of, grad_scale=grad_scale,
+                               on_done=cur.done)
         except BaseException as exc:  # re-raised in the caller's thread by the gate
             for reads in ahead.values():
                 for r in reads:
@@ -255,7 +239,7 @@ def run_overlapped_step(m, sub_optimizer, subs: Sequence[Tuple[Any, int, int, in
     # exit code 134, when a script ends right after engine.step() without engine.close())
     worker = threading.Thread(target=run, name="zeroinf-optimizer-step")
     m.step_gate.starting(worker)
-    m.step_gate.begin(last.keys())
+    m.step_gate.begin(g.key for g in groups)
     try:
         worker.start()
     except BaseException as exc:  # nothing runs the step: its waits raise instead of blocking for good
