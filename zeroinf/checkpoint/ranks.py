@@ -57,7 +57,7 @@ def _on_every_rank(engine, flag: bool, what: str) -> bool:
     """Collective with more than one rank: whether ``flag`` is true on every rank."""
     if engine.world_size == 1:
         return flag
-    t = torch.tensor([float(flag)], device=getattr(engine.params, "device", "cpu"))
+    t = torch.tensor([float(flag)], device=engine.params.device)
     with collective(what, engine.rank, engine.world_size):
         dist.all_reduce(t, op=dist.ReduceOp.MIN)
     return bool(t.item())
@@ -69,7 +69,7 @@ def _agree(engine, problem: Optional[BaseException], others, what: str) -> None:
     renames a save into place) while another stopped, and none waits for it forever."""
     failed = problem is not None
     if engine.world_size > 1:
-        flags = torch.zeros(engine.world_size, dtype=torch.float32, device=getattr(engine.params, "device", "cpu"))
+        flags = torch.zeros(engine.world_size, dtype=torch.float32, device=engine.params.device)
         flags[engine.rank] = float(failed)
         with collective(what, engine.rank, engine.world_size):
             dist.all_reduce(flags)

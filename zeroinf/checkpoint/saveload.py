@@ -202,8 +202,7 @@ def load(engine, load_dir: str, tag: Optional[str] = None, load_lr_scheduler_sta
     problem = None
     try:
         _load_module(engine.module, meta["module"], meta.get("excluded_frozen", []))
-        if hasattr(engine.params, "settle_host_copies"):  # CUDA stages 1/2: a copy may still read the masters
-            engine.params.settle_host_copies()
+        engine.params.settle_host_copies()  # CUDA stages 1/2: a copy may still read the masters
         for i, sd in enumerate(progress.counting(states, "zeroinf: loading optimizer state", unit="file")):
             engine.sub_optimizer.load_state(i, sd["master"], sd["exp_avg"], sd["exp_avg_sq"])
         del states

@@ -196,7 +196,7 @@ def _check_files(engine, load_dir: str, tag: Optional[str]):
         states.append(sd)
     meta_file = os.path.join(ckpt, "model_states.pt")
     _check_meta(engine, meta, meta_file)
-    _check_module_state(engine.module, meta.get("module"), meta_file, getattr(engine.params, "state_hooks", None),
+    _check_module_state(engine.module, meta.get("module"), meta_file, engine.params.state_hooks,
                         meta.get("excluded_frozen", ()))
     _check_module_crcs(meta, meta_file)
     return ckpt, meta, rng, states

@@ -35,6 +35,9 @@ class StageParams(Protocol):
     overlaps_step: bool
     #: whether ``save_16bit_model`` writes the full weights (stage 3 only when the config says so)
     saves_16bit_model: bool
+    #: the stage's own load pre-hooks on the model (stage 3's ``ModuleStateHooks``), which a
+    #: checkpoint's key check does not count as the user's; None when the stage installs none
+    state_hooks: Any
 
     # --- layout and the optimizer's sub-groups ---------------------------------------------
     def sub_group_specs(self) -> list: ...
@@ -43,6 +46,7 @@ class StageParams(Protocol):
     def attach_optimizer(self, sub_optimizer) -> None: ...
     def set_state_guard(self, guard) -> None: ...
     def pinned_bytes(self) -> int: ...
+    def settle_host_copies(self) -> None: ...
 
     # --- gradients and the synchronous step ---------------------------------------------------
     def reduce_gradients(self) -> int: ...
@@ -99,6 +103,11 @@ class StageParamsBase:
     reduces_during_backward = False
     overlaps_step = False
     saves_16bit_model = True
+    state_hooks = None
+
+    def settle_host_copies(self) -> None:
+        """No-op: no device copy reads or writes the host buffers outside the step (CUDA stages 1-2
+        override it: a checkpoint load waits for their copies before writing the masters)."""
 
     def master_io(self) -> Any:
         """None: the optimizer keeps its own fp32 masters (``SubGroupOptimizer(master_io=None)``)."""

@@ -148,14 +148,15 @@ class Stage3EngineParams(StageParamsBase):
     reduces_during_backward = True  # each unit's gradient, as its backward ends (reduce.py)
     overlaps_step = True  # [Note: overlapped step] in overlap.py
     saves_16bit_model = False  # zero_optimization.stage3_gather_16bit_weights_on_model_save (engine_manager)
-    #: the device of the engine's gradient-norm all-reduce and of ``engine.device``
-    device = torch.device("cpu")
 
     def __init__(self, model: torch.nn.Module, options: Stage3Options,
                  groups: Sequence[Sequence[torch.nn.Parameter]], *, sub_group_size: int,
                  master_in_partitions: bool = False):
         group_of = group_index(groups)
         self.manager = m = Stage3ParameterManager(model, options, param_group_of=group_of)
+        #: the compute device (the manager's: CUDA when available): ``engine.device``, and where the
+        #: gradient-norm all-reduce runs (NCCL reduces CUDA tensors only)
+        self.device = m.device
         self.nparts = m.world_size
         self._subs: List[Tuple[FlatGroup, int, int, int]] = []  # (group, lo, hi, param group)
         self._keys: List[str] = []
