@@ -3,7 +3,8 @@
 A GPT-style decoder (learned positions, pre-norm blocks of causal self-attention and a 4x GELU
 MLP, untied head, vocabulary 256) of about ``--params`` parameters is built under
 ``zeroinf.Init`` straight onto NVMe (its fp32 values never sit in memory all at once), then
-trained by stage 3 in bf16 (bf16 parameters and gradients, fp32 master weights and Adam moments)
+trained by stage 3 in bf16 (bf16 parameters and gradients, fp32 master weights, Adam moments in
+fp32 or with ``--state-dtype bf16`` in bf16)
 with ``offload_param`` and ``offload_optimizer`` both on ``nvme``: ``--steps`` steps of one
 micro-batch of ``--micro-batch`` x ``--seq`` tokens, the first a warm-up (it records the
 prefetch trace and takes the masters from Init's files) that is not counted. Shape: width
@@ -47,9 +48,11 @@ Chrome/Perfetto trace (``engine.trace``).
 
     python bench/scale.py --params 1B [--json FILE] [--nvme-path DIR] [--steps 3] [--seq 256]
                           [--micro-batch 1] [--disk-bytes 2GiB] [--trace FILE] [--optimizer-in-backward]
+                          [--state-dtype bf16]
 
-Needs about 20 bytes per parameter of free disk under ``--nvme-path`` (Init's fp32 copy 4, bf16
-partitions and gradients 4, fp32 masters and moments 12) plus ``--disk-bytes``.
+Needs about 16 bytes per parameter of free disk under ``--nvme-path`` (bf16 partitions and
+gradients 4, fp32 masters and moments 12; Init's fp32 copy, 4, is removed before the optimizer's
+files are made), 12 with ``--state-dtype bf16``, plus ``--disk-bytes``.
 """
 from __future__ import annotations
 
@@ -79,9 +82,11 @@ VOCAB = 256
 ADAMW = {"lr": 1e-4, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.01}
 AIO = {"block_size": 1 << 20, "queue_depth": 8, "intra_op_parallelism": 1, "single_submit": False,
        "overlap_events": True}
-#: bytes per parameter the run keeps on disk: Init's fp32 copy, bf16 partition and gradient,
-#: fp32 master, two fp32 moments
-DISK_BYTES_PER_PARAM = 4 + 2 + 2 + 12
+#: bytes per parameter on disk at the run's peak, by ``--state-dtype``: the bf16 partition and
+#: gradient (4) stay; Init's fp32 copy (4) is there while initialize writes them and is gone
+#: before the optimizer's files are made (the fp32 master and two moments: 12, or 8 with bf16
+#: moments)
+DISK_BYTES_PER_PARAM = {"fp32": max(4 + 4, 4 + 12), "bf16": max(4 + 4, 4 + 8)}
 
 
 class Block(nn.Module):
@@ -174,7 +179,8 @@ def engine_config(args, width: int, nvme: str) -> dict:
             "offload_param": {"device": "nvme", "nvme_path": nvme, "buffer_count": 6, "buffer_size": unit,
                               "max_in_cpu": 0},
             "offload_optimizer": {"device": "nvme", "nvme_path": nvme, "buffer_count": args.optimizer_buffers,
-                                  "pipeline_read": True, "pipeline_write": True}}}
+                                  "pipeline_read": True, "pipeline_write": True,
+                                  "state_dtype": args.state_dtype}}}
 
 
 def train(args, blocks: int, width: int, nvme: str) -> dict:
@@ -296,6 +302,9 @@ def main() -> int:
     p.add_argument("--optimizer-buffers", type=int, default=8, help="offload_optimizer.buffer_count (default 8)")
     p.add_argument("--optimizer-in-backward", action="store_true",
                    help="zeroinf.optimizer_in_backward: each group stepped in the backward, no gradients on NVMe")
+    p.add_argument("--state-dtype", choices=("fp32", "bf16"), default="fp32",
+                   help="offload_optimizer.state_dtype: bf16 Adam moments (8 bytes of optimizer state "
+                        "per parameter instead of 12; default fp32)")
     p.add_argument("--disk-bytes", type=parse_count, default=2 << 30,
                    help="bytes written then read to measure the disk (default 2GiB)")
     p.add_argument("--floor-blocks", type=int, default=2, help="resident blocks timed for the compute floor")
@@ -310,7 +319,7 @@ def main() -> int:
     blocks, width = shape_for(args.params, args.seq)
     n = blocks * block_params(width) + other_params(width, args.seq)
     os.makedirs(args.nvme_path, exist_ok=True)
-    need = DISK_BYTES_PER_PARAM * n + args.disk_bytes
+    need = DISK_BYTES_PER_PARAM[args.state_dtype] * n + args.disk_bytes
     free = shutil.disk_usage(args.nvme_path).free
     if free < need:
         p.error(f"--nvme-path {args.nvme_path}: {free / 1e9:.1f} GB free, the run needs about {need / 1e9:.1f} GB")
@@ -340,6 +349,7 @@ def main() -> int:
            "peak_rss_bytes": peak_rss,
            "params": n, "blocks": blocks, "width": width, "seq": args.seq, "micro_batch": args.micro_batch,
            "steps_timed": args.steps - 1, "optimizer_in_backward": args.optimizer_in_backward,
+           "state_dtype": args.state_dtype,
            "disk_read_gbps": read_gbps, "disk_write_gbps": write_gbps,
            "disk_method": f"AsyncIOHandle O_DIRECT, {args.disk_bytes // chunk * chunk} bytes, "
                           f"{chunk >> 20} MiB requests",
