@@ -45,7 +45,11 @@ nvme step costs no more than the resident one, 0 when it costs the whole floor o
 each engine's nvme / resident ratio.
 
     python bench/stage3_step.py [--blocks 12] [--width 1024] [--nvme-path DIR] [--optimizer-buffers 8] [--steps 3]
-                                [--rounds 3] [--no-peers] [--checksum-ratio]
+                                [--rounds 3] [--no-peers] [--checksum-ratio] [--param-ratio R [R ...]]
+
+``--param-ratio 1 0.5 0`` runs only the nvme row at each ``offload_param.ratio`` (the fraction of
+the parameters offloaded; the rest stay on the compute device) and prints seconds per step and the
+engine's NVMe bytes per step for each.
 """
 from __future__ import annotations
 
@@ -111,15 +115,19 @@ def _timed_steps(engine, args) -> dict:
             "disk_written": (io1.write_bytes - io0.write_bytes) / args.steps}
 
 
-def run(args, tier: str, nvme: str, in_backward: bool = False, checksums: bool = True) -> dict:
+def run(args, tier: str, nvme: str, in_backward: bool = False, checksums: bool = True,
+        param_ratio: float = 1.0) -> dict:
     """zeroinf stage 3, parameters and optimizer on ``tier`` ("none" or "nvme"); with
     ``in_backward``, ``zeroinf.optimizer_in_backward`` (each group stepped inside the backward);
-    ``checksums``: the ``aio.verify_checksums`` key."""
+    ``checksums``: the ``aio.verify_checksums`` key; ``param_ratio``: ``offload_param.ratio``
+    (NVMe only)."""
     z = {"stage": 3, "sub_group_size": 20_000_000, "stage3_max_reuse_distance": 0,
          "stage3_prefetch_bucket_size": 3 * args.width * args.width * 8,
          "offload_param": {"device": tier}, "offload_optimizer": {"device": tier}}
     if tier == "nvme":
         z["offload_param"].update(nvme_path=nvme, buffer_count=6, buffer_size=9 * args.width * args.width, max_in_cpu=0)
+        if param_ratio < 1.0:
+            z["offload_param"]["ratio"] = param_ratio
         z["offload_optimizer"].update(nvme_path=nvme, buffer_count=args.optimizer_buffers, pipeline_read=True,
                                       pipeline_write=True)
     cfg = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": ADAMW},
@@ -186,6 +194,26 @@ def run_peer(args, tier: str, nvme: str) -> dict:
     return {"error": f"exit {proc.returncode}: " + " | ".join(tail)}
 
 
+def ratio_sweep(args, nvme: str) -> int:
+    """``--param-ratio``: the nvme row at each ratio, ``--rounds`` rounds with the order rotated;
+    median seconds per step over rounds, and the last round's engine NVMe bytes per step."""
+    ratios = list(args.param_ratio)
+    rounds = []
+    for k in range(max(1, args.rounds)):
+        order = ratios[k % len(ratios):] + ratios[:k % len(ratios)]
+        rounds.append({r: run(args, "nvme", nvme, param_ratio=r) for r in order})
+    params = sum(p.numel() for p in LM(args.blocks, args.width).parameters())
+    print(f"model {params / 1e6:.1f}M params, fp32, 2x{args.seq} tokens; parameters and optimizer on NVMe; "
+          f"median seconds per step over {len(rounds)} rounds ({args.steps} steps each after the first)")
+    print(f"{'ratio':>6} {'seconds':>8} {'loss':>9} {'NVMe read GB':>13} {'NVMe write GB':>14}  rounds")
+    for r in ratios:
+        last = rounds[-1][r]
+        secs = [g[r]["step_s"] for g in rounds]
+        print(f"{r:6.2f} {statistics.median(secs):8.3f} {last['loss']:9.5f} {last['read_bytes'] / 1e9:13.3f} "
+              f"{last['write_bytes'] / 1e9:14.3f}  {', '.join(f'{s:.3f}' for s in secs)}")
+    return 0
+
+
 def main() -> int:
     import importlib.util
     import json
@@ -202,6 +230,9 @@ def main() -> int:
     p.add_argument("--no-peers", action="store_true", help="skip the DeepSpeed rows")
     p.add_argument("--checksum-ratio", action="store_true",
                    help="run only the nvme and nvme-nocrc rows and print their ratio (the checksums' cost)")
+    p.add_argument("--param-ratio", type=float, nargs="+", metavar="R",
+                   help="run only the nvme row at each offload_param.ratio R (0 to 1) and print seconds per step "
+                        "and the engine's NVMe bytes per step")
     p.add_argument("--peer-row", choices=["none", "nvme"], help=argparse.SUPPRESS)  # run_peer's subprocess
     args = p.parse_args()
     if args.peer_row:
@@ -210,6 +241,11 @@ def main() -> int:
     peers = not args.no_peers and importlib.util.find_spec("deepspeed") is not None
     os.makedirs(args.nvme_path, exist_ok=True)  # as the engine makes a missing nvme_path (it raised here)
     nvme = tempfile.mkdtemp(prefix="zeroinf_bench_s3_", dir=args.nvme_path)
+    if args.param_ratio:
+        try:
+            return ratio_sweep(args, nvme)
+        finally:
+            shutil.rmtree(nvme, ignore_errors=True)
     kinds = {"resident": ("none", False, True), "nvme": ("nvme", False, True), "resident-in-bwd": ("none", True, True),
              "nvme-in-bwd": ("nvme", True, True), "nvme-nocrc": ("nvme", False, False)}
     if args.checksum_ratio:

@@ -448,7 +448,7 @@ _LEAF_VALUES = {  # SUPPORTED leaves read back from the dataclass attribute of t
                                             "pin_memory": True, "pipeline_read": True, "pipeline_write": True,
                                             "fast_init": True, "state_dtype": "bf16"},
     "zero_optimization.offload_param": {"device": "nvme", "nvme_path": "/nvme", "buffer_count": 9, "buffer_size": 10,
-                                        "max_in_cpu": 11, "pin_memory": True},
+                                        "max_in_cpu": 11, "pin_memory": True, "ratio": 0.25},
     "aio": {"block_size": 4096, "queue_depth": 3, "intra_op_parallelism": 2, "single_submit": True,
             "overlap_events": False},
 }
@@ -471,6 +471,8 @@ for _block, _vals in _LEAF_VALUES.items():
         _want = tuple(_v) if isinstance(_v, list) else _v
         if _k == "nvme_path":
             _want = "/nvme"
+        if _k == "ratio":  # read only with parameters offloaded
+            _frag["zero_optimization"]["offload_param"]["device"] = "cpu"
         SUPPORTED[f"{_block}.{_k}"] = (_frag, (lambda b, k: lambda c: getattr(_ATTR[b](c), k))(_block, _k), _want)
 MAPPED = {  # a value for each mapped key, and the parsed value it lands on
     "bfloat16": ({"enabled": True}, lambda c: c.precision, "bf16"),

@@ -343,7 +343,7 @@ def test_cli_json_llama65b(capsys):
     assert rc == 0
     out = json.loads(capsys.readouterr().out)
     assert (out["params"], out["world_size"], len(out["rows"])) == (65 * 10**9, 128, 18)
-    assert set(out["rows"][0]) == {"stage", "offload_param", "offload_optimizer", "per_device_bytes",
+    assert set(out["rows"][0]) == {"stage", "offload_param", "offload_param_ratio", "offload_optimizer", "per_device_bytes",
                                    "per_host_bytes", "nvme_bytes", "pinned_bytes_per_rank",
                                    "pinned_bytes_per_rank_cuda"}
     plain = {r["stage"]: r["per_device_bytes"] for r in out["rows"]

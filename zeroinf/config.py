@@ -188,7 +188,10 @@ def _parse_zero(config: Mapping) -> ZeroConfig:
         buffer_count=_int(op, "buffer_count", ppre, 5, min_value=1),
         buffer_size=_int(op, "buffer_size", ppre, 100_000_000, min_value=1),
         max_in_cpu=_int(op, "max_in_cpu", ppre, 1_000_000_000, min_value=0),
-        pin_memory=_bool(op, "pin_memory", ppre, False))
+        pin_memory=_bool(op, "pin_memory", ppre, False),
+        ratio=_float(op, "ratio", ppre, 1.0, min_value=0.0, max_value=1.0))
+    if op_cfg.device == "none" and op.get("ratio") is not None:
+        raise ConfigError(f"{ppre}.ratio", "needs offload_param.device cpu or nvme (with device none nothing is offloaded)")
     if op_cfg.device != "none" and stage != 3:
         # DeepSpeed reads offload_param at stage 3 only (DeepSpeed-Chat writes it at every stage)
         warnings.warn(f"zeroinf config: {ppre}.device {op_cfg.device!r} has no effect at zero_optimization.stage "

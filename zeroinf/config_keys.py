@@ -231,6 +231,9 @@ _RECORDS: Tuple[Key, ...] = (
     *(Key(f"zero_optimization.offload_param.{k}", S) for k in (
         "device", "nvme_path", "buffer_count", "buffer_size", "max_in_cpu")),
     Key("zero_optimization.offload_param.pin_memory", S, _PIN),
+    Key("zero_optimization.offload_param.ratio", S, "zeroinf extension, not a DeepSpeed key: the fraction of "
+        "the parameters offloaded to offload_param.device, 0.0 to 1.0 (default 1.0, all); stage-3 units in "
+        "forward order stay on the compute device for the rest"),
     # ---- aio / checkpoint
     *(Key(f"aio.{k}", S) for k in ("block_size", "queue_depth", "intra_op_parallelism", "single_submit",
                                    "overlap_events")),

@@ -102,6 +102,10 @@ class OffloadParamConfig:
     buffer_size: int = 100_000_000   #: elements per buffer
     max_in_cpu: int = 1_000_000_000  #: elements
     pin_memory: bool = False
+    #: fraction of the parameter elements offloaded to ``device`` (zeroinf extension), in [0, 1]:
+    #: stage-3 units in forward order stay on the compute device until about ``1 - ratio`` of the
+    #: elements are resident; 1.0 offloads every unit
+    ratio: float = 1.0
 
 
 @dataclass(frozen=True)

@@ -40,7 +40,7 @@ def _int(block: Mapping, key: str, prefix: str, default: Any, *, min_value: Opti
 
 
 def _float(block: Mapping, key: str, prefix: str, default: Any, *, min_value: Optional[float] = None,
-           allow_inf: bool = False) -> Any:
+           max_value: Optional[float] = None, allow_inf: bool = False) -> Any:
     v = block.get(key, _MISSING)
     if v is _MISSING or v is None:
         return default
@@ -50,6 +50,8 @@ def _float(block: Mapping, key: str, prefix: str, default: Any, *, min_value: Op
         raise ConfigError(_path(prefix, key), f"expected a number, got {v!r}")
     if min_value is not None and v < min_value:
         raise ConfigError(_path(prefix, key), f"must be >= {min_value}, got {v}")
+    if max_value is not None and v > max_value:
+        raise ConfigError(_path(prefix, key), f"must be <= {max_value}, got {v}")
     return float(v)
 
 

@@ -36,6 +36,10 @@ add a 1.5x safety factor and the host copy made while the model is built):
   :func:`zeroinf.working_set.working_set` (the largest block with those prefetched or kept for
   reuse beside it, bounded by ``stage3_max_live_parameters``) with a model, and with a bare
   parameter count ``min(P, stage3_max_live_parameters)``, the most the engine gathers.
+  With ``offload_param.ratio`` r < 1 (:attr:`Placement.param_ratio`) only the offloaded part of
+  the partition goes there; the leading units' partitions stay on the accelerator
+  (:func:`zeroinf.model_sizes.resident_units`, about ``(1 - r) x ceil(P/N)`` elements), and
+  the NVMe staging buffers and ``max_in_cpu`` cache exist only for an offloaded part.
 * NVMe rows add the pinned host memory the swapping needs (buffers and the ``max_in_cpu`` parameter
   cache; defaults of :mod:`zeroinf.config` unless a config gives them; see :class:`SwapBuffers`).
   Buffer bytes come from :func:`zeroinf.io.pinned_pool_bytes`, the bytes the pool will lock. At
@@ -117,14 +121,19 @@ class Placement:
         stage: ZeRO stage 0 (plain data parallel), 1, 2 or 3.
         offload_param: ``zero_optimization.offload_param.device``: none|cpu|nvme (stage 3 only).
         offload_optimizer: ``zero_optimization.offload_optimizer.device``: none|cpu|nvme.
+        param_ratio: ``zero_optimization.offload_param.ratio`` (zeroinf extension), the fraction
+            of the parameters offloaded to ``offload_param``, 0 to 1 (default 1.0); the rest stay
+            on the device.
 
     Raises:
-        ValueError: unknown stage or device, or ``offload_param`` other than none below stage 3.
+        ValueError: unknown stage or device, ``offload_param`` other than none below stage 3, or a
+            ``param_ratio`` outside [0, 1] or below 1 with ``offload_param`` none.
     """
 
     stage: int
     offload_param: str = "none"
     offload_optimizer: str = "none"
+    param_ratio: float = 1.0
 
     def __post_init__(self):
         if self.stage not in (0, 1, 2, 3):
@@ -135,9 +144,16 @@ class Placement:
         if self.offload_param != "none" and self.stage != 3:
             raise ValueError(f"zero_optimization.offload_param.device: {self.offload_param!r} needs stage 3 "
                              f"(parameters are partitioned only at stage 3), got stage {self.stage}")
+        if not 0.0 <= self.param_ratio <= 1.0 or (self.param_ratio < 1.0 and self.offload_param == "none"):
+            raise ValueError(f"zero_optimization.offload_param.ratio: {self.param_ratio!r} must be in [0, 1], and "
+                             "below 1 only with offload_param cpu or nvme")
+
+    def param_label(self) -> str:
+        """``offload_param``, with ``r=<ratio>`` when only part of the parameters is offloaded."""
+        return self.offload_param + (f" r={self.param_ratio:g}" if self.param_ratio < 1.0 else "")
 
     def label(self) -> str:
-        return f"stage {self.stage}, offload_param={self.offload_param}, offload_optimizer={self.offload_optimizer}"
+        return f"stage {self.stage}, offload_param={self.param_label()}, offload_optimizer={self.offload_optimizer}"
 
 
 #: Every placement the table shows: stages 0-2 with the optimizer on each tier, and stage 3 with
@@ -279,6 +295,7 @@ class Estimate:
         """The JSON row of ``zeroinf estimate --json``; ``pinned_bytes_per_rank`` is
         :meth:`pinned_bytes` without CUDA, ``pinned_bytes_per_rank_cuda`` with."""
         return {"stage": self.placement.stage, "offload_param": self.placement.offload_param,
+                "offload_param_ratio": self.placement.param_ratio,
                 "offload_optimizer": self.placement.offload_optimizer,
                 "per_device_bytes": self.per_device_bytes, "per_host_bytes": self.per_host_bytes,
                 "nvme_bytes": self.nvme_bytes, "pinned_bytes_per_rank": self.pinned_bytes(cuda=False),
@@ -404,7 +421,14 @@ def estimate(params: int, placement: Placement, *, world_size: int = 1, gpus_per
     numel, what = count(st == 3)
     tier = {"none": "device", "cpu": "host", "nvme": "nvme"}[placement.offload_param]
     param_pin = "cuda" if param_pin_memory and tier == "host" else "never"
-    terms.append(Term(f"{prec.name} parameters", tier, prec.param_bytes * numel,
+    offloaded = numel
+    if placement.param_ratio < 1.0:
+        resident, resident_what = _resident(numel, placement.param_ratio, n, unit_sizes)
+        offloaded = numel - resident
+        terms.append(Term(f"{prec.name} parameters (resident)", "device", prec.param_bytes * resident,
+                          f"{prec.param_bytes} B x {resident_what}"))
+        what = f"{what} - resident {format_count(resident)} = {format_count(offloaded)}"
+    terms.append(Term(f"{prec.name} parameters", tier, prec.param_bytes * offloaded,
                       f"{prec.param_bytes} B x {what}", param_pin))
     if st == 3 and live_params:
         terms.append(Term("gathered units (params + grads)", "device",
@@ -461,7 +485,7 @@ def estimate(params: int, placement: Placement, *, world_size: int = 1, gpus_per
         terms.append(Term("optimizer swap buffers", "host", _pool_bytes(in_flight, k * elems, swap.alignment),
                           f"min(buffer_count {swap.optimizer_buffer_count}, {cap}) = {in_flight}"
                           f" x K {k} B x {elems_what} elements, rounded up to pages", "always"))
-    if placement.offload_param == "nvme":
+    if placement.offload_param == "nvme" and offloaded:  # no NVMe partition: no staging pool
         size = min(swap.param_buffer_size, part)
         need = 1 + swap.param_prefetch  # read on demand, and one unit read ahead
         count = max(swap.param_buffer_count, need)
@@ -471,14 +495,30 @@ def estimate(params: int, placement: Placement, *, world_size: int = 1, gpus_per
                           f"{'with' if swap.param_prefetch else 'without'} prefetch) x {prec.param_bytes} B x "
                           f"min(buffer_size {format_count(swap.param_buffer_size)}, {part_what}), rounded up to pages",
                           "always"))
-        cached = min(swap.param_max_in_cpu, shard)
+        cached = min(swap.param_max_in_cpu, offloaded)
         if cached:
             terms.append(Term("parameter cache (max_in_cpu)", "host", prec.param_bytes * cached,
-                              f"{prec.param_bytes} B x min(max_in_cpu, ceil(P/N)) = {format_count(cached)}",
+                              f"{prec.param_bytes} B x min(max_in_cpu, offloaded partition) = {format_count(cached)}",
                               "cuda" if param_pin_memory else "never"))
     if activations:
         terms.append(Term("activations", "device", int(activations), activations_formula))
     return Estimate(placement=placement, params=params, world_size=n, gpus_per_node=gpn, terms=tuple(terms))
+
+
+def _resident(shard: int, ratio: float, n: int, unit_sizes: Optional[Sequence[int]]) -> Tuple[int, str]:
+    """Partition elements a stage-3 rank keeps on the device under ``offload_param.ratio``, with
+    the formula: the engine's leading units (:func:`zeroinf.model_sizes.resident_units` over the
+    unit partitions ``ceil(u/N)``) when the units are known, else ``round((1 - ratio) x shard)``
+    (``shard`` = ``ceil(P/N)``), at most ``shard``."""
+    if unit_sizes:
+        from zeroinf.model_sizes import resident_units
+        parts = [-(-u // n) for u in unit_sizes]
+        k = resident_units(parts, ratio)
+        got = min(shard, sum(parts[:k]))
+        return got, (f"the first {k} of {len(parts)} unit partitions ceil(u/N) (offload_param.ratio {ratio:g}) "
+                     f"= {format_count(got)}")
+    got = min(shard, round((1.0 - ratio) * shard))
+    return got, f"(1 - offload_param.ratio {ratio:g}) x ceil(P/N) = {format_count(got)} (units unknown)"
 
 
 def estimate_all(params: int, **kwargs) -> List[Estimate]:
@@ -493,7 +533,8 @@ def estimate_all(params: int, **kwargs) -> List[Estimate]:
 def placement_from_config(cfg) -> Placement:
     """The :class:`Placement` of a parsed config (:func:`zeroinf.config.parse_config`)."""
     z = cfg.zero_optimization
-    return Placement(z.stage, z.offload_param.device, z.offload_optimizer.device)
+    ratio = z.offload_param.ratio if z.offload_param.device != "none" else 1.0
+    return Placement(z.stage, z.offload_param.device, z.offload_optimizer.device, ratio)
 
 
 def swap_buffers_from_config(cfg) -> SwapBuffers:
@@ -524,7 +565,7 @@ def format_table(rows: Sequence[Estimate], unit: str = "GB", terms: bool = False
     lines = [f"{head[0]:>5}  {head[1]:<13}  {head[2]:<17}  {head[3]:>12}  {head[4]:>12}  {head[5]:>12}"]
     for e in rows:
         p = e.placement
-        lines.append(f"{p.stage:>5}  {p.offload_param:<13}  {p.offload_optimizer:<17}  "
+        lines.append(f"{p.stage:>5}  {p.param_label():<13}  {p.offload_optimizer:<17}  "
                      f"{format_size(e.per_device_bytes, unit):>12}  {format_size(e.per_host_bytes, unit):>12}  "
                      f"{format_size(e.nvme_bytes, unit):>12}")
         if terms:

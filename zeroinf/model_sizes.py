@@ -7,11 +7,11 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Dict, List, Mapping, Optional, Tuple, Union
+from typing import Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 from zeroinf.working_set import GatherLimits, working_set
 
-__all__ = ["PRESETS", "ModelInfo", "load_model_config", "model_info", "count_params", "stage3_unit_sizes",
+__all__ = ["resident_units", "PRESETS", "ModelInfo", "load_model_config", "model_info", "count_params", "stage3_unit_sizes",
            "stage3_units", "PERSISTENCE_THRESHOLD"]
 
 def _llama(hidden: int, intermediate: int, layers: int, heads: int, positions: int, rms_norm_eps: float,
@@ -211,3 +211,24 @@ def count_params(model: Union[str, os.PathLike, Mapping]) -> int:
     """Unique parameters of a model built on the meta device; see :func:`model_info`."""
     return model_info(model).params
 
+
+def resident_units(sizes: Sequence[int], ratio: float) -> int:
+    """How many leading units keep their partitions on the compute device under
+    ``offload_param.ratio`` = ``ratio`` (the fraction of parameter elements offloaded, 0 to 1):
+    the shortest prefix of ``sizes`` (elements per unit, in unit order: persistent, root, then the
+    blocks in forward order) whose sum comes closest to ``(1 - ratio) x sum(sizes)``. 0 at ratio
+    1, ``len(sizes)`` at ratio 0. Both the engine (``zeroinf/runtime/stage3/swap_plan.py``,
+    ``unit_tiers``) and the estimator count resident parameters with it.
+
+    Raises:
+        ValueError: ``ratio`` outside [0, 1].
+    """
+    if not 0.0 <= ratio <= 1.0:
+        raise ValueError(f"zero_optimization.offload_param.ratio: must be in [0, 1], got {ratio!r}")
+    target = (1.0 - ratio) * sum(sizes)
+    best, best_gap, acc = 0, target, 0
+    for k, n in enumerate(sizes, start=1):
+        acc += n
+        if abs(acc - target) < best_gap:
+            best, best_gap = k, abs(acc - target)
+    return best

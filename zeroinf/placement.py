@@ -5,7 +5,10 @@ Placements are tried cheapest first (:data:`LADDER`): no offload (ZeRO stage 0, 
 communication, less memory), then the optimizer state on the CPU, then the parameters on the CPU as
 well, then NVMe (optimizer first, parameters last). The first whose accelerator, host and NVMe bytes
 (:mod:`zeroinf.estimate`) fit the usable memory wins; every rejected one keeps the tier that
-overflowed. :func:`make_config` writes a config that :func:`zeroinf.config.parse_config` accepts.
+overflowed. A winner that offloads parameters then keeps as many of them on the device as still
+fits: the smallest ``offload_param.ratio`` of :data:`PARAM_RATIOS` whose estimate fits (the
+parameters stay resident unit by unit, in forward order, and are neither read from nor written to
+their tier). :func:`make_config` writes a config that :func:`zeroinf.config.parse_config` accepts.
 
 With bandwidths, :func:`step_time_bounds` gives lower bounds on the step time, per node:
 
@@ -14,12 +17,14 @@ With bandwidths, :func:`step_time_bounds` gives lower bounds on the step time, p
 * NVMe: ``bytes read / read bandwidth + bytes written / write bandwidth`` of the node's swap traffic
   (reads and writes share the device): optimizer on NVMe reads and writes ``K x ceil(P/N)`` per rank;
   parameters on NVMe are read in forward and in backward and written after the step,
-  ``Ψp x ceil(P/N)`` each time.
+  ``Ψp x ceil(ratio x ceil(P/N))`` each time (``offload_param.ratio``).
 
 Units: bytes in the API; GB = 1e9 bytes and GB/s = 1e9 bytes/s.
 """
 from __future__ import annotations
 
+import dataclasses
+import math
 from dataclasses import dataclass
 from typing import Dict, Optional, Tuple
 
@@ -27,7 +32,7 @@ from zeroinf.config import ZeroConfig
 from zeroinf.estimate import (GB, OPTIMIZERS, PLAN_SWAP, PRECISIONS, Estimate, ModelInfo, Placement, SwapBuffers,
                               estimate, format_size, swap_for)
 
-__all__ = ["LADDER", "ADAM_BYTES_PER_PARAM", "MAX_LIVE_PARAMETERS", "MAX_UNITS", "Limits", "Attempt", "Plan",
+__all__ = ["LADDER", "PARAM_RATIOS", "ADAM_BYTES_PER_PARAM", "MAX_LIVE_PARAMETERS", "MAX_UNITS", "Limits", "Attempt", "Plan",
            "check_fit", "choose", "make_config", "swap_for", "step_time_bounds"]
 
 #: Placements from cheapest to most offloaded.
@@ -38,6 +43,10 @@ LADDER: Tuple[Placement, ...] = (
     Placement(2, "none", "nvme"), Placement(3, "none", "nvme"), Placement(3, "cpu", "nvme"),
     Placement(3, "nvme", "nvme"),
 )
+
+#: ``offload_param.ratio`` values the plan tries, most resident first, once a placement that
+#: offloads every parameter fits
+PARAM_RATIOS: Tuple[float, ...] = tuple(k / 10 for k in range(10))
 
 #: Bytes one Adam step reads and writes per parameter, as bench/cpu_adam.py counts its GB/s: fp32
 #: grads read p, g, m, v (16 B) and write p, m, v (12 B); the offload step reads fp32 master, m, v
@@ -138,24 +147,36 @@ def choose(info: ModelInfo, limits: Limits, *, world_size: int, gpus_per_node: i
     MAX_UNITS)`` (a device with less room does not fit); :attr:`Plan.live_params` then says what
     the config must cap. Counting none, parameters on the CPU "fit" in 1 byte of device memory;
     with no floor, in 72 bytes.
+
+    A fitting placement that offloads parameters is followed by one more attempt, the first of
+    :data:`PARAM_RATIOS` whose estimate fits with the same live parameters (when none does, the
+    placement with ratio 1.0 is chosen, and no attempt is added).
     """
     swap = swap or swap_for(info, world_size)
     attempts = []
+
+    def est_with(pl, live):
+        return estimate(info.params, pl, world_size=world_size, gpus_per_node=gpus_per_node, precision=precision,
+                        optimizer=optimizer, live_params=live, activations=activations,
+                        activations_formula=activations_formula, swap=swap, unit_sizes=info.unit_sizes,
+                        state_dtype=state_dtype)
     for pl in LADDER:
-        def est_with(live):
-            return estimate(info.params, pl, world_size=world_size, gpus_per_node=gpus_per_node, precision=precision,
-                            optimizer=optimizer, live_params=live, activations=activations,
-                            activations_formula=activations_formula, swap=swap, unit_sizes=info.unit_sizes,
-                            state_dtype=state_dtype)
         live = info.live_params
         if live is None and pl.stage == 3:
             prec = PRECISIONS[precision]
-            room = (limits.usable("device") - est_with(None).per_device_bytes) // (prec.param_bytes + prec.grad_bytes)
+            room = (limits.usable("device") - est_with(pl, None).per_device_bytes) // (prec.param_bytes + prec.grad_bytes)
             live = max(-(-info.params // MAX_UNITS), min(info.params, MAX_LIVE_PARAMETERS, room))
-        est = est_with(live)
+        est = est_with(pl, live)
         attempt = Attempt(est, check_fit(est, limits))
         attempts.append(attempt)
         if attempt.fits:
+            if pl.offload_param != "none":  # keep what still fits of the parameters on the device
+                for ratio in PARAM_RATIOS:
+                    partial = est_with(dataclasses.replace(pl, param_ratio=ratio), live)
+                    if not check_fit(partial, limits):
+                        attempts.append(Attempt(partial, ()))
+                        est = partial
+                        break
             return Plan(tuple(attempts), est, live if info.live_params is None and pl.stage == 3 else None)
     return Plan(tuple(attempts), None)
 
@@ -170,7 +191,8 @@ def make_config(placement: Placement, *, precision: str = "bf16", micro_batch: i
     (pinned; NVMe with ``nvme_path``, the swap buffers of ``swap``, and pipelined reads and writes)
     and ``sub_group_size``; at stage 3 with ``max_live_parameters``, ``stage3_max_live_parameters``
     (a model whose root and largest unit together need more runs at that sum: the engine raises
-    the limit with a warning); with
+    the limit with a warning); ``offload_param.ratio`` when the placement's ``param_ratio`` is
+    below 1; with
     ``state_dtype`` "bf16" and the optimizer offloaded, ``offload_optimizer.state_dtype``.
 
     Raises:
@@ -199,6 +221,8 @@ def make_config(placement: Placement, *, precision: str = "bf16", micro_batch: i
         if placement.offload_param == "nvme":
             block.update(nvme_path=nvme_path, buffer_count=swap.param_buffer_count,
                          buffer_size=swap.param_buffer_size, max_in_cpu=swap.param_max_in_cpu)
+        if placement.param_ratio < 1.0:
+            block["ratio"] = placement.param_ratio
         zero["offload_param"] = block
     cfg["zero_optimization"] = zero
     return cfg
@@ -236,8 +260,9 @@ def step_time_bounds(est: Estimate, *, adam_params_per_s: Optional[float] = None
         read += k * part
         write += k * part
     if pl.offload_param == "nvme":
-        read += 2 * psize * shard
-        write += psize * shard
+        offloaded = math.ceil(pl.param_ratio * shard)
+        read += 2 * psize * offloaded
+        write += psize * offloaded
     if (read or write) and nvme_read_gbps and nvme_write_gbps:
         read, write = read * gpn, write * gpn
         secs = read / (nvme_read_gbps * GB) + write / (nvme_write_gbps * GB)

@@ -122,6 +122,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                          "with N ranks): show only its placement, with its precision and "
                                          "pinned swap buffers")
     parser.add_argument("--stage", type=int, choices=[0, 1, 2, 3], help="show only this stage")
+    parser.add_argument("--param-ratio", type=float, default=None,
+                        help="offload_param.ratio for the rows that offload parameters: the fraction offloaded, "
+                             "0 to 1, the rest kept on the device (default 1.0, or the --config's)"),
     parser.add_argument("--unit", choices=["GB", "GiB"], default="GB",
                         help="GB = 1e9 bytes (default) or GiB = 2**30 bytes")
     parser.add_argument("--terms", action="store_true", help="print every term with its formula")
@@ -160,6 +163,9 @@ def main(args: argparse.Namespace) -> int:
             swap = swap_for(info, n)
         if args.stage is not None:
             placements = [p for p in placements if p.stage == args.stage]
+        if args.param_ratio is not None:
+            placements = [dataclasses.replace(p, param_ratio=args.param_ratio) if p.offload_param != "none" else p
+                          for p in placements]
         rows = [estimate(info.params, pl, world_size=n, gpus_per_node=args.gpus, precision=precision,
                          optimizer=args.optimizer, live_params=live, live_params_formula=live_formula,
                          activations=act, activations_formula=act_formula, swap=swap, unit_sizes=info.unit_sizes,

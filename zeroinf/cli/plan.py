@@ -269,7 +269,7 @@ def main(args: argparse.Namespace) -> int:
         return 1
     pl = plan.chosen.placement
     print(f"chosen: {pl.label()} (the first that fits, in order: no offload, optimizer -> CPU, "
-          f"params -> CPU, NVMe)")
+          f"params -> CPU, NVMe; with parameters offloaded, the smallest offload_param.ratio that fits)")
     for t in plan.chosen.terms:
         print(f"  {t.tier:<6} {format_size(t.bytes):>12} GB per rank  {t.name}: {t.formula}")
     if plan.live_params is not None:

@@ -273,14 +273,25 @@ class Stage3EngineParams(StageParamsBase):
         g, lo, hi, _ = self._subs[i]
         if self._grad_cache is not None and self._grad_cache[0] is g:
             self._grad_cache[2] = False  # the optimizer step consumes this gradient
-        local = g.store.local()
+        local = self._steppable(g)
         if local is not None:
             return local[lo:hi]
         if self._staged is not None and self._staged[0] is not g:
             self._flush()
         if self._staged is None:
-            self._staged = (g, self.manager.param_shard(g))
+            t = self.manager.param_shard(g)
+            self._staged = (g, t if g.store.local() is None else t.to("cpu", copy=True))
         return self._staged[1][lo:hi]
+
+    def _steppable(self, g: FlatGroup) -> Optional[torch.Tensor]:
+        """``g``'s partition itself when the optimizer may update it in place: a device or CPU
+        tier partition, except a device (CUDA) one when the partitions are the masters ([Note:
+        master in the partitions]), which the CPU Adam step needs in host memory; else None
+        (the step goes through a host copy stored back with ``write_param_shard``)."""
+        local = g.store.local()
+        if local is None or (self.master_in_partitions and local.device.type != "cpu"):
+            return None
+        return local
 
     def _flush(self) -> None:
         if self._staged is not None:
@@ -332,7 +343,7 @@ class Stage3EngineParams(StageParamsBase):
         the optimizer's master ([Note: master in the partitions]): then the tensor holds them,
         ``master`` when given (a copy of the partition from :meth:`read_master_ahead` or the
         hand-over), else read here."""
-        local = g.store.local()
+        local = self._steppable(g)
         if local is not None:
             # CUDA: no H2D copy from a CPU-tier partition still reads the old values (waited on
             # without clearing it: the compute thread owns _h2d_last)
@@ -342,7 +353,10 @@ class Stage3EngineParams(StageParamsBase):
             return master
         t = self.manager.scratch.take(g.shard_numel, g.dtype)
         if self.master_in_partitions:
-            self.manager.submit_io(self.manager.read_param_raw, g, t).result()
+            if g.store.local() is not None:  # a device partition: pending in the step gate, unchanged
+                t.copy_(g.store.local())
+            else:
+                self.manager.submit_io(self.manager.read_param_raw, g, t).result()
         return t
 
     def read_master_ahead(self, g: FlatGroup) -> Optional[Tuple[torch.Tensor, Any]]:
@@ -366,7 +380,7 @@ class Stage3EngineParams(StageParamsBase):
         """Store a background step's new partition of ``g`` from :meth:`step_target`'s tensor
         (NVMe: written, and kept staged when a buffer is spare, so the next gather reads no
         NVMe)."""
-        if g.store.local() is None:
+        if target is not self._steppable(g):
             self.manager.write_param_shard_and_stage(g, target)
             self.manager.scratch.give(target)  # written (synchronously) or copied: free again
 

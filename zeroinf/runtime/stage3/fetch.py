@@ -56,7 +56,7 @@ class FetchMixin:
         staged = self._staged.pop(unit.index, None)
         if staged is not None:
             self.stats.add("read_ahead_hits")
-        if self._io is not None:
+        if self._io is not None and self.unit_tier(unit) == "nvme":
             unit.future = self._io.submit(self._read_partitions, unit, staged, after, snapshot)
         else:
             ready = self._read_partitions(unit, None, after, snapshot)
@@ -70,7 +70,7 @@ class FetchMixin:
     def stage(self, unit: Unit) -> bool:
         """Start reading ``unit``'s NVMe partitions into staging buffers; False when not
         possible now (not NVMe, already staged or gathered, or too few free buffers)."""
-        if (self._io is None or unit.state is not UnitState.RELEASED or unit.index in self._staged
+        if (self.unit_tier(unit) != "nvme" or unit.state is not UnitState.RELEASED or unit.index in self._staged
                 or not unit.groups or self.step_gate.pending(g.key for g in unit.groups)):
             return False
         reserve = max(len(u.groups) for u in self.units)

@@ -4,7 +4,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import warnings
-from typing import Optional, Tuple
+from typing import List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -14,7 +14,8 @@ from zeroinf import progress
 from .options import Stage3ConfigError
 from .released import released_class
 from .tiers import DeviceStore, HostCache, HostStore, NvmeStore
-from .units import FlatGroup
+from .swap_plan import unit_tiers
+from .units import FlatGroup, Unit
 from .reads import _IOThread
 
 
@@ -24,6 +25,8 @@ class LayoutMixin:
     # ------------------------------------------------------------------------ set-up
     def _check_limits(self) -> None:
         opts = self.options
+        #: home tier of each unit's partitions, by unit index (``offload_param.ratio``)
+        self.unit_tiers = unit_tiers(self.units, opts)
         blocks = [u for u in self.units if u.index >= 2 and u.groups]
         root = self.units[1]
         biggest = max(blocks, key=lambda u: u.numel, default=None)
@@ -36,8 +39,8 @@ class LayoutMixin:
             warnings.warn(f"zero_optimization.stage3_max_live_parameters: {opts.max_live_parameters} elements cannot "
                           f"hold {who}; using the minimum, {need_live}", stacklevel=2)
             self.options = opts = dataclasses.replace(opts, max_live_parameters=need_live)
-        if opts.offload_param_device == "nvme":
-            part = max((g for u in self.units for g in u.groups), key=lambda g: g.shard_numel, default=None)
+        if "nvme" in self.unit_tiers:
+            part = max((g for u in self._nvme_units() for g in u.groups), key=lambda g: g.shard_numel, default=None)
             if part is not None and opts.buffer_size < part.shard_numel:
                 name = self.units[int(part.key.split("/")[0][4:])].name
                 raise Stage3ConfigError("zero_optimization.offload_param.buffer_size",
@@ -45,7 +48,7 @@ class LayoutMixin:
                                         f"({part.key}, {part.shard_numel} elements); the minimum is {part.shard_numel}")
             need = self.min_buffer_count()
             if self.param_buffer_count() < need:
-                widest = max(self.units, key=lambda u: len(u.groups))
+                widest = max(self._nvme_units(), key=lambda u: len(u.groups))
                 why = (f"one unit read ahead plus one read on demand, {len(widest.groups)} partition(s) each "
                        f"(unit '{widest.name}')" if opts.prefetch_bucket_size > 0 else
                        f"unit '{widest.name}' reads {len(widest.groups)} partition(s) at once")
@@ -55,22 +58,29 @@ class LayoutMixin:
                                         f"buffer_size of at least {size} elements, whose bytes hold {need} buffers "
                                         "of the largest partition")
 
+    def _nvme_units(self) -> List[Unit]:
+        """The units whose partitions live on NVMe (:attr:`unit_tiers`)."""
+        return [u for u, tier in zip(self.units, self.unit_tiers) if tier == "nvme"]
+
+    def unit_tier(self, unit: Unit) -> str:
+        """Home tier of ``unit``'s partitions: ``"none"`` (compute device), ``"cpu"`` or ``"nvme"``."""
+        return self.unit_tiers[unit.index]
+
     def min_buffer_count(self) -> int:
         """Pinned staging buffers needed for NVMe partitions: one per partition (dtype) of the
-        widest unit for reads on demand and write-backs, and with prefetch as many again for
+        widest NVMe unit for reads on demand and write-backs, and with prefetch as many again for
         one unit read ahead. More buffers let NVMe reads run further ahead (see
         [Note: read-ahead])."""
-        widest = max((len(u.groups) for u in self.units), default=1) or 1
+        widest = max((len(u.groups) for u in self._nvme_units()), default=1) or 1
         return widest * (2 if self.options.prefetch_bucket_size > 0 else 1)
 
     def _widest_element(self) -> int:
-        """Bytes per element of the widest parameter dtype (4 without partitions)."""
-        return max((torch.empty(0, dtype=g.dtype).element_size() for u in self.units for g in u.groups), default=4)
+        """Bytes per element of the widest parameter dtype on NVMe (4 without NVMe partitions)."""
+        return max((g.dtype.itemsize for u in self._nvme_units() for g in u.groups), default=4)
 
     def _largest_partition_bytes(self) -> int:
-        """Bytes of the largest unit partition, rounded up to 4096 (O_DIRECT)."""
-        largest = max((g.shard_numel * torch.empty(0, dtype=g.dtype).element_size()
-                       for u in self.units for g in u.groups), default=1) or 1
+        """Bytes of the largest NVMe unit partition, rounded up to 4096 (O_DIRECT)."""
+        largest = max((g.shard_numel * g.dtype.itemsize for u in self._nvme_units() for g in u.groups), default=1) or 1
         return -(-largest // 4096) * 4096
 
     def staging_buffer_bytes(self) -> int:
@@ -103,9 +113,13 @@ class LayoutMixin:
         return pool + self._pinned.nbytes
 
     def _make_stores(self, swapper) -> None:
+        """One store per flat group on its unit's tier (:attr:`unit_tiers`). With
+        ``offload_param.device: nvme`` the swapper and the I/O thread exist even when every unit
+        is resident (ratio 0): gradient partitions may still go to swap files (``grads_on_nvme``);
+        the staging pool and the ``max_in_cpu`` cache exist only for NVMe partitions."""
         opts = self.options
-        tier = opts.offload_param_device
-        if tier == "nvme":
+        self._cache = None
+        if opts.offload_param_device == "nvme":
             from zeroinf import io as zio  # contract B
             if swapper is None:
                 d = os.path.join(opts.nvme_path, f"zeroinf_params_rank{self.rank}")
@@ -118,9 +132,10 @@ class LayoutMixin:
                 handle = zio.AsyncIOHandle.from_config(opts.aio) if opts.aio else zio.AsyncIOHandle()
                 swapper = zio.TensorSwapper(d, handle)
             self._swapper = swapper
-            self._pool = zio.PinnedBufferPool(self.param_buffer_count(), self.staging_buffer_bytes())
-            self._cache = HostCache(opts.max_in_cpu, opts.pin_memory, self._pinned, on_hit=self._count_cache_hit) \
-                if opts.max_in_cpu > 0 else None
+            if "nvme" in self.unit_tiers:
+                self._pool = zio.PinnedBufferPool(self.param_buffer_count(), self.staging_buffer_bytes())
+                self._cache = HostCache(opts.max_in_cpu, opts.pin_memory, self._pinned,
+                                        on_hit=self._count_cache_hit) if opts.max_in_cpu > 0 else None
             self._io = _IOThread(1, thread_name_prefix="zeroinf-stage3-io")
         if opts.grads_on_nvme:
             # groups the optimizer does not step keep no gradient: no file (a LoRA
@@ -130,8 +145,9 @@ class LayoutMixin:
                 self._swapper.register(self._grad_key(g), g.shard_numel, torch.float32)
                 if g.dtype != torch.float32:
                     self._swapper.register(self._grad_key(g, g.dtype), g.shard_numel, g.dtype)
-        what = "parameter swap files" if tier == "nvme" else "parameter partitions"
+        what = "parameter swap files" if "nvme" in self.unit_tiers else "parameter partitions"
         for u in progress.counting(self.units, f"zeroinf: allocating {what}", unit="unit"):
+            tier = self.unit_tier(u)
             for g in u.groups:
                 if tier == "nvme":
                     g.store = NvmeStore(self._swapper, f"rank{self.rank}/param/{g.key}", g.shard_numel, g.dtype,

@@ -31,6 +31,11 @@ class Stage3Options:
         offload_param_device: home tier of each rank's parameter partitions: ``"none"`` (the
             compute device), ``"cpu"`` (pinned host memory when an accelerator exists) or
             ``"nvme"`` (swap files under ``nvme_path``).
+        offload_param_ratio: fraction of the parameter elements whose partitions live on
+            ``offload_param_device`` (``offload_param.ratio``, a zeroinf extension), in [0, 1]:
+            the units in forward order keep theirs on the compute device until about
+            ``1 - ratio`` of the elements are resident (:func:`~.swap_plan.unit_tiers`); 1.0
+            offloads every unit, 0.0 none. Ignored with device ``"none"``.
         nvme_path: directory for the parameter swap files (``offload_param.nvme_path``).
         buffer_count: pinned staging buffers for NVMe reads (``offload_param.buffer_count``).
         buffer_size: elements per staging buffer; must hold the largest unit partition.
@@ -54,6 +59,7 @@ class Stage3Options:
     """
 
     offload_param_device: str = "none"
+    offload_param_ratio: float = 1.0
     nvme_path: Optional[str] = None
     buffer_count: int = 5
     buffer_size: int = 100_000_000
@@ -71,6 +77,9 @@ class Stage3Options:
         if self.offload_param_device not in _TIERS:
             raise Stage3ConfigError("zero_optimization.offload_param.device",
                                     f"{self.offload_param_device!r} is not one of {list(_TIERS)}")
+        r = self.offload_param_ratio
+        if isinstance(r, bool) or not isinstance(r, (int, float)) or not 0.0 <= r <= 1.0:
+            raise Stage3ConfigError("zero_optimization.offload_param.ratio", f"must be a number in [0, 1], got {r!r}")
         if self.grads_on_nvme and self.offload_param_device != "nvme":
             raise Stage3ConfigError("zero_optimization.offload_param.device",
                                     "gradient partitions on NVMe need the parameters on NVMe")
@@ -116,6 +125,7 @@ class Stage3Options:
         d = cls()
         return cls(
             offload_param_device=dev,
+            offload_param_ratio=get(off, "ratio", d.offload_param_ratio),
             nvme_path=None if get(off, "nvme_path") is None else str(get(off, "nvme_path")),
             buffer_count=int(get(off, "buffer_count", d.buffer_count)),
             buffer_size=int(get(off, "buffer_size", d.buffer_size)),

@@ -130,7 +130,7 @@ class ReadsMixin:
             # the read-ahead failed: its buffers hold partial data; raise its error, never copy them
             self._free_staged(staged)
             raise failed
-        if self.transfers.side_streams and self.options.offload_param_device != "none":
+        if self.transfers.side_streams and self.unit_tier(unit) != "none":
             return self._h2d_partitions(unit, staged, after)
         t0 = self.tracer.now()
         nbytes = 0
@@ -160,13 +160,14 @@ class ReadsMixin:
 
     def _count_read(self, unit: Unit, nbytes: int, t0: float) -> None:
         t1 = self.tracer.now()
-        tier = self.options.offload_param_device
+        tier = self.unit_tier(unit)
         if tier == "nvme":
             self.stats.add("bytes_nvme_read", nbytes)
             self.stats.add("io_busy_s", t1 - t0)
         elif tier == "cpu":
             self.stats.add("bytes_host_read", nbytes)
-        self.tracer.span(f"read {unit.name}", "transfer", t0, t1, thread="io" if self._io is not None else "compute",
+        on_io = self._io is not None and tier == "nvme"  # issue() reads other tiers inline
+        self.tracer.span(f"read {unit.name}", "transfer", t0, t1, thread="io" if on_io else "compute",
                          args=self._read_args(unit.groups, nbytes, tier))
 
     @staticmethod
@@ -185,7 +186,7 @@ class ReadsMixin:
         trace left them out, so its read spans did not add up to the counters with the optimizer
         on NVMe). ``nbytes``: bytes read from the tier (0 when the host cache
         served a partition, which counts itself); ``t0``: when the read began (``tracer.now()``)."""
-        tier = self.options.offload_param_device if what == "param" else "nvme"
+        tier = g.store.tier if what == "param" else "nvme"
         if nbytes:
             self.stats.add("bytes_nvme_read" if tier == "nvme" else "bytes_host_read", nbytes)
         args = self._read_args([g], nbytes, tier) if what == "param" else {"bytes": nbytes, "tier": tier}
@@ -202,7 +203,7 @@ class ReadsMixin:
             self._free_staged(staged)
             self.tracer.span(f"copy {unit.name}", "transfer", t0, self.tracer.now(), thread="io")
             return ready
-        if self.options.offload_param_device == "cpu":  # the pinned partitions are the sources
+        if self.unit_tier(unit) == "cpu":  # the pinned partitions are the sources
             ready = self._h2d_copy(unit, [g.store.local() for g in unit.groups], after)
             self._h2d_last = ready
             self._count_read(unit, sum(g.store.tensor.numel() * g.store.tensor.element_size() for g in unit.groups), t0)

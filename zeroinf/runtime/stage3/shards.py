@@ -68,7 +68,7 @@ class ShardsMixin:
         # updates: stage() skips pending groups)
         self.drop_staged([self._unit_of_group(g)])
         n = self._run_io(g.store.write_from, src)
-        key = "bytes_nvme_written" if self.options.offload_param_device == "nvme" else "bytes_host_written"
+        key = "bytes_nvme_written" if g.store.tier == "nvme" else "bytes_host_written"
         self.stats.add(key, n)
         self.tracer.span(f"write {g.key}", "transfer", t0, self.tracer.now(), thread="io" if self._io else "compute")
 
@@ -79,7 +79,7 @@ class ShardsMixin:
         The background optimizer step stores its partitions through this."""
         unit = self._unit_of_group(g)
         reserve = max(len(u.groups) for u in self.units)
-        if (self._io is None or len(unit.groups) != 1 or unit.index in self._staged
+        if (self.unit_tier(unit) != "nvme" or len(unit.groups) != 1 or unit.index in self._staged
                 or unit.state is not UnitState.RELEASED or self._pool.free_count() < reserve + 2):
             self.write_param_shard(g, src)
             return

@@ -10,14 +10,33 @@ from typing import Dict, List, Sequence, Tuple
 
 import torch
 
+from zeroinf.model_sizes import resident_units
+
 from .options import Stage3Options
 
-__all__ = ["all_fp32", "grads_on_nvme", "group_index", "master_in_partitions", "swap_file_bytes"]
+__all__ = ["all_fp32", "grads_on_nvme", "group_index", "master_in_partitions", "swap_file_bytes", "unit_tiers"]
 
 
 def group_index(groups: Sequence[Sequence[torch.nn.Parameter]]) -> Dict[torch.nn.Parameter, int]:
     """Parameter -> index of its optimizer param group."""
     return {p: gi for gi, ps in enumerate(groups) for p in ps}
+
+
+def unit_tiers(units: Sequence, options: Stage3Options) -> List[str]:
+    """Home tier of each unit's partitions (``"none"``, ``"cpu"`` or ``"nvme"``), by unit index.
+
+    With ``offload_param.ratio`` r below 1, the units in index order (persistent, root, then the
+    blocks in forward order) stay on the compute device (``"none"``) for the shortest prefix
+    whose partition elements come closest to ``(1 - r)`` of all of them
+    (:func:`zeroinf.model_sizes.resident_units`); the rest go to ``offload_param.device``. A unit is the granularity: all its flat groups share one tier, so
+    a gather reads from one tier. Every rank gets the same answer (partition sizes are padded to
+    the same ``shard_numel`` on every rank). ``units``: ``Unit`` objects with ``groups``.
+    """
+    tier = options.offload_param_device
+    if tier == "none":
+        return [tier] * len(units)
+    k = resident_units([sum(g.shard_numel for g in u.groups) for u in units], options.offload_param_ratio)
+    return ["none"] * k + [tier] * (len(units) - k)
 
 
 def master_in_partitions(cfg) -> bool:
@@ -43,7 +62,8 @@ def swap_file_bytes(model: torch.nn.Module, cfg, groups: Sequence[Sequence[torch
     this rank, computed from the unit layout before anything is written.
 
     Returns ``(config key, nvme_path, swap folder, bytes, what)`` per kind of file: parameter
-    partitions in the training dtype (``offload_param.device: nvme``), trainable gradient
+    partitions in the training dtype of the units :func:`unit_tiers` puts on NVMe
+    (``offload_param.device: nvme``, ``offload_param.ratio``), trainable gradient
     partitions in fp32 and in the training dtype (both offloads on NVMe, ZeRO-Infinity, unless
     ``zeroinf.optimizer_in_backward``; [Note: gradients on NVMe]), optimizer state at 12 bytes per trainable partition
     element (fp32 master, exp_avg, exp_avg_sq; ``offload_optimizer.device: nvme``), 8 when the
@@ -63,8 +83,9 @@ def swap_file_bytes(model: torch.nn.Module, cfg, groups: Sequence[Sequence[torch
     if zc.offload_param.device == "nvme":
         key, path = "zero_optimization.offload_param.nvme_path", opts.nvme_path
         folder = os.path.join(path, f"zeroinf_params_rank{rank}")
-        out.append((key, path, folder, sum(g.shard_numel * torch.empty(0, dtype=g.dtype).element_size()
-                                           for g in parts), "parameter partitions"))
+        on_nvme = [g for u, tier in zip(units, unit_tiers(units, opts)) if tier == "nvme" for g in u.groups]
+        out.append((key, path, folder, sum(g.shard_numel * g.dtype.itemsize for g in on_nvme),
+                    "parameter partitions"))
         if grads_on_nvme(cfg):
             # fp32 (accumulated) and, for bf16/fp16 training, one micro-batch's in the training
             # dtype; none for groups the optimizer does not step (the manager makes no file for them)
