@@ -11,8 +11,8 @@ from typing import Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 from zeroinf.working_set import GatherLimits, working_set
 
-__all__ = ["resident_units", "PRESETS", "ModelInfo", "load_model_config", "model_info", "count_params", "stage3_unit_sizes",
-           "stage3_units", "PERSISTENCE_THRESHOLD"]
+__all__ = ["PRESETS", "ModelInfo", "load_model_config", "model_info", "count_params", "resident_units",
+           "stage3_unit_sizes", "stage3_units", "PERSISTENCE_THRESHOLD"]
 
 def _llama(hidden: int, intermediate: int, layers: int, heads: int, positions: int, rms_norm_eps: float,
            kv_heads: Optional[int] = None) -> dict:

@@ -28,8 +28,8 @@ def unit_tiers(units: Sequence, options: Stage3Options) -> List[str]:
     With ``offload_param.ratio`` r below 1, the units in index order (persistent, root, then the
     blocks in forward order) stay on the compute device (``"none"``) for the shortest prefix
     whose partition elements come closest to ``(1 - r)`` of all of them
-    (:func:`zeroinf.model_sizes.resident_units`); the rest go to ``offload_param.device``. A unit is the granularity: all its flat groups share one tier, so
-    a gather reads from one tier. Every rank gets the same answer (partition sizes are padded to
+    (:func:`zeroinf.model_sizes.resident_units`); the rest go to ``offload_param.device``. A unit
+    is the granularity: all its flat groups share one tier, so a gather reads from one tier. Every rank gets the same answer (partition sizes are padded to
     the same ``shard_numel`` on every rank). ``units``: ``Unit`` objects with ``groups``.
     """
     tier = options.offload_param_device
