@@ -50,9 +50,10 @@ Chrome/Perfetto trace (``engine.trace``).
                           [--micro-batch 1] [--disk-bytes 2GiB] [--trace FILE] [--optimizer-in-backward]
                           [--state-dtype bf16]
 
-Needs about 16 bytes per parameter of free disk under ``--nvme-path`` (bf16 partitions and
-gradients 4, fp32 masters and moments 12; Init's fp32 copy, 4, is removed before the optimizer's
-files are made), 12 with ``--state-dtype bf16``, plus ``--disk-bytes``.
+Needs about 20 bytes per parameter of free disk under ``--nvme-path`` (bf16 partitions 2,
+gradient partitions 6, fp32 masters and moments 12; Init's fp32 copy, 4, is removed before the
+optimizer's files are made), 4 fewer with ``--state-dtype bf16`` and 6 fewer with
+``--optimizer-in-backward`` (:func:`disk_bytes_per_param`), plus ``--disk-bytes``.
 """
 from __future__ import annotations
 
@@ -82,11 +83,16 @@ VOCAB = 256
 ADAMW = {"lr": 1e-4, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.01}
 AIO = {"block_size": 1 << 20, "queue_depth": 8, "intra_op_parallelism": 1, "single_submit": False,
        "overlap_events": True}
-#: bytes per parameter on disk at the run's peak, by ``--state-dtype``: the bf16 partition and
-#: gradient (4) stay; Init's fp32 copy (4) is there while initialize writes them and is gone
-#: before the optimizer's files are made (the fp32 master and two moments: 12, or 8 with bf16
-#: moments)
-DISK_BYTES_PER_PARAM = {"fp32": max(4 + 4, 4 + 12), "bf16": max(4 + 4, 4 + 8)}
+
+
+def disk_bytes_per_param(state_dtype: str, optimizer_in_backward: bool) -> int:
+    """Bytes per parameter on disk at the run's peak. The bf16 partition (2) stays; the gradient
+    partitions (fp32 accumulated 4 + bf16 2) exist unless the optimizer steps in the backward;
+    zeroinf.Init's fp32 copy (4) is there while initialize writes those and is gone before the
+    optimizer's files are made (fp32 master and two moments: 12, or 8 with bf16 moments)."""
+    grads = 0 if optimizer_in_backward else 4 + 2
+    optimizer = {"fp32": 12, "bf16": 8}[state_dtype]
+    return max(4 + 2 + grads, 2 + grads + optimizer)
 
 
 class Block(nn.Module):
@@ -319,7 +325,7 @@ def main() -> int:
     blocks, width = shape_for(args.params, args.seq)
     n = blocks * block_params(width) + other_params(width, args.seq)
     os.makedirs(args.nvme_path, exist_ok=True)
-    need = DISK_BYTES_PER_PARAM[args.state_dtype] * n + args.disk_bytes
+    need = disk_bytes_per_param(args.state_dtype, args.optimizer_in_backward) * n + args.disk_bytes
     free = shutil.disk_usage(args.nvme_path).free
     if free < need:
         p.error(f"--nvme-path {args.nvme_path}: {free / 1e9:.1f} GB free, the run needs about {need / 1e9:.1f} GB")
