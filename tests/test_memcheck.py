@@ -193,3 +193,21 @@ def test_train_3b_without_offload_is_refused_in_one_message_before_the_model_is_
     # what fits in 11.4 GB: stage 3 with everything on NVMe (the parameters alone are 13.3 GB)
     assert "  zero_optimization.stage = 3" in lines
     assert not (tmp_path / "o").exists()
+
+
+def test_optimizer_in_backward_needs_no_gradient_swap_files(tmp_path):
+    """Stage 3 with both offloads on NVMe keeps fp32 gradient partitions in swap files, unless the
+    optimizer steps each partition as it is reduced: then the disk need is the parameter and
+    optimizer files alone, equal to what initialize writes."""
+    needs = {}
+    for in_bwd in (False, True):
+        written = tmp_path / f"oib{int(in_bwd)}"
+        cfg = config(3, "nvme", "nvme", written) | {"zeroinf": {"optimizer_in_backward": in_bwd}}
+        report = assess(TinyLM(), parse_config(cfg), free={"host": BIG})
+        (disk,) = [t for t in report.tiers if t.tier == "disk" and t.where == str(written)]
+        engine, *_ = zeroinf.initialize(model=TinyLM(), config=cfg)
+        engine.close()
+        assert disk.need == sum(f.stat().st_size for f in written.rglob("*.swp")) > 0
+        needs[in_bwd] = disk.need
+    n = sum(p.numel() for p in TinyLM().parameters())
+    assert needs[False] - needs[True] >= 4 * n  # the fp32 gradient partitions (padded to the partition)

@@ -350,7 +350,8 @@ def estimate(params: int, placement: Placement, *, world_size: int = 1, gpus_per
              activations: int = 0, activations_formula: str = "Korthikanti et al. 2022, Sec. 4",
              swap: SwapBuffers = SwapBuffers(), optimizer_pin_memory: bool = False,
              param_pin_memory: bool = False, unit_sizes: Optional[Sequence[int]] = None,
-             live_params_formula: Optional[str] = None, state_dtype: str = "fp32") -> Estimate:
+             live_params_formula: Optional[str] = None, state_dtype: str = "fp32",
+             optimizer_in_backward: bool = False) -> Estimate:
     """Bytes per accelerator, per host and on NVMe for one placement (formulas: module docstring).
 
     Args:
@@ -379,6 +380,9 @@ def estimate(params: int, placement: Placement, *, world_size: int = 1, gpus_per
             per unit u, the largest ``min(sub_group_size, ceil(U/N))`` elements. None (units
             unknown): both terms are upper bounds, with ``ceil(P/N)`` for the largest partition
             and, with ``pipeline_read``, ``buffer_count`` for the number of sub-groups.
+        optimizer_in_backward: ``zeroinf.optimizer_in_backward`` (stage 3): each gradient
+            partition is stepped as it is reduced, so no accumulated partition is kept (no
+            gradient term in host memory or NVMe).
 
     Raises:
         ValueError: non-positive counts, ``gpus_per_node`` not dividing ``world_size``, unknown
@@ -447,7 +451,9 @@ def estimate(params: int, placement: Placement, *, world_size: int = 1, gpus_per
     name = "optimizer state (fp32)" if own == OPTIMIZERS[optimizer] else "optimizer state (fp32 master, bf16 moments)"
     terms.append(Term(name, tier, k * numel, f"K = {k} B ({parts}) x {what}",
                       "cuda" if optimizer_pin_memory and tier == "host" else "never"))
-    if st == 3 and placement.offload_param == "nvme" and placement.offload_optimizer == "nvme":
+    if st == 3 and optimizer_in_backward:
+        pass  # each unit's gradient partition is stepped as it is reduced: none is kept
+    elif st == 3 and placement.offload_param == "nvme" and placement.offload_optimizer == "nvme":
         # ZeRO-Infinity: the engine swaps the fp32 gradient partitions to NVMe as well
         # (zeroinf/runtime/stage3/engine_glue.py, grads_on_nvme), so host memory stays flat in P.
         terms.append(Term("gradient partition (fp32, swapped)", "nvme", 4 * numel, f"4 B x {what}"))

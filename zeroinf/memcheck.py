@@ -239,7 +239,8 @@ def assess(module, cfg, *, world_size: int = 1, rank: int = 0, gpus_per_node: Op
                   state_dtype=zero.offload_optimizer.state_dtype)
     est = estimate(info.params, placement, live_params=info.live_params, live_params_formula=info.live_formula,
                    swap=swap_buffers_from_config(cfg), optimizer_pin_memory=zero.offload_optimizer.pin_memory,
-                   param_pin_memory=zero.offload_param.pin_memory, unit_sizes=info.unit_sizes, **common)
+                   param_pin_memory=zero.offload_param.pin_memory, unit_sizes=info.unit_sizes,
+                   optimizer_in_backward=cfg.zeroinf.optimizer_in_backward, **common)
     disk = _disk_needs(est, zero, rank)
     # the suggestion's swap files go to the config's nvme_path, else under the working directory
     spare = zero.offload_param.nvme_path or zero.offload_optimizer.nvme_path or os.getcwd()

@@ -152,7 +152,8 @@ def main(args: argparse.Namespace) -> int:
             limits = GatherLimits.from_zero_config(cfg.zero_optimization)
             pins = dict(optimizer_pin_memory=cfg.zero_optimization.offload_optimizer.pin_memory,
                         param_pin_memory=cfg.zero_optimization.offload_param.pin_memory,
-                        state_dtype=args.state_dtype or cfg.zero_optimization.offload_optimizer.state_dtype)
+                        state_dtype=args.state_dtype or cfg.zero_optimization.offload_optimizer.state_dtype,
+                        optimizer_in_backward=cfg.zeroinf.optimizer_in_backward)
         info, act, act_formula = resolve_model(args, persistence_threshold=threshold, limits=limits)
         live, live_formula = info.live_params, info.live_formula
         if live is None:  # units unknown: the engine gathers at most stage3_max_live_parameters
