@@ -97,6 +97,7 @@ def _build_shim() -> Dict[str, types.ModuleType]:
     """The ``deepspeed`` module and its submodules the two libraries import, by name."""
     ds = types.ModuleType("deepspeed", "zeroinf standing in for DeepSpeed (zeroinf.integrations.hf)")
     ds.__version__ = "0.19.8"  # the DeepSpeed release whose API this follows
+    ds.__zeroinf_shim__ = True  # how hf_load tells the shim from the real package
     ds.__spec__ = importlib.util.spec_from_loader("deepspeed", loader=None)
     ds.initialize = _initialize
     ds.init_distributed = deepspeed_compat.init_distributed

@@ -37,8 +37,7 @@ SOURCE = "_zeroinf_source"
 def _active() -> bool:
     """zeroinf stands in for DeepSpeed right now and transformers' ZeRO-3 config is set."""
     from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
-    from zeroinf.integrations.hf import shim
-    return sys.modules.get("deepspeed") is shim and is_deepspeed_zero3_enabled()
+    return getattr(sys.modules.get("deepspeed"), "__zeroinf_shim__", False) and is_deepspeed_zero3_enabled()
 
 
 def lazy_state_dict(path: str) -> Dict[str, torch.Tensor]:

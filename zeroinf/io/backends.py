@@ -270,7 +270,7 @@ class PythonEngine:
 
 
 def _load_aio_op():
-    from ..ops import load_op
+    from ..ops.loader import load_op
 
     return load_op("aio")
 
@@ -281,7 +281,7 @@ def backend_reasons(name: str) -> List[str]:
         return []
     if name not in BACKENDS:
         return [f"unknown backend {name!r}; known: {', '.join(BACKENDS)}"]
-    from ..ops import OpBuildError, OpUnavailableError
+    from ..ops.loader import OpBuildError, OpUnavailableError
 
     try:
         op = _load_aio_op()
@@ -389,7 +389,7 @@ def backend_report(build: bool = True) -> List[dict]:
     was: ``zeroinf report`` compiled the aio op for 1.5 min while saying it had not):
     ``available`` None, ``why`` says so.
     """
-    from ..ops import op_status
+    from ..ops.loader import op_status
 
     out = []
     for name in BACKENDS:

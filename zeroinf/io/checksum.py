@@ -121,7 +121,7 @@ def _native():
     global _OP, _OP_TRIED
     if not _OP_TRIED:
         _OP_TRIED = True
-        from ..ops import OpBuildError, OpUnavailableError, load_op
+        from ..ops.loader import OpBuildError, OpUnavailableError, load_op
 
         try:
             _OP = load_op("aio")

@@ -24,7 +24,7 @@ from typing import NamedTuple, Optional, Sequence
 
 import torch
 
-from ..ops import try_load_op
+from ..ops.loader import try_load_op
 
 __all__ = ["AdamHyper", "adam_step", "adam_step_groups", "adam_step_list", "adam_step_reference", "isa_info",
            "limit_thread_parallelism", "load_adam_op", "round_bf16_stochastic", "round_bf16_stochastic_reference",
@@ -346,7 +346,7 @@ def stream_rmw(params: torch.Tensor, grads: torch.Tensor, exp_avg: torch.Tensor,
         ValueError: as :func:`adam_step`.
         zeroinf.ops.OpUnavailableError, zeroinf.ops.OpBuildError: the C++ op is unavailable.
     """
-    from ..ops import load_op
+    from ..ops.loader import load_op
 
     _check_all(params, grads, exp_avg, exp_avg_sq, params_out)
     load_op("adam").stream_rmw(params, grads, exp_avg, exp_avg_sq, params_out, _forced_isa())
