@@ -276,6 +276,41 @@ def test_bf16_masters_are_the_values_as_constructed(tmp_path, tier):
     engine.close()
 
 
+def test_bf16_masters_wait_on_nvme_not_in_host_memory(tmp_path, monkeypatch):
+    """With parameters on NVMe, the fp32 values of partitions cast to bf16 since Init wait for the
+    optimizer in swap files (4 bytes per partition element, counted by initialize's disk check),
+    not in host memory, and each file is gone once its master is taken."""
+    from zeroinf.config import parse_config
+    from zeroinf.runtime.stage3.layout import LayoutMixin
+    from zeroinf.runtime.stage3.swap_plan import swap_file_bytes
+
+    cfg = {**_cfg("nvme", tmp_path), "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}, "bf16": {"enabled": True}}
+    cfg["zero_optimization"].update(stage3_param_persistence_threshold=0, sub_group_size=300)
+    seen = []
+    take = LayoutMixin.take_init_master
+
+    def spy(self, g, lo, hi):
+        if not seen:  # the first master asked for: every partition is still waiting
+            seen.append({k: v for k, v in self._init_masters.items()})
+            seen.append({f: f.stat().st_size for f in self._swapper.files()
+                         if f.suffix == ".swp" and "init_master" in f.name})
+        return take(self, g, lo, hi)
+
+    monkeypatch.setattr(LayoutMixin, "take_init_master", spy)
+    with zeroinf.Init(config=cfg):
+        model = TinyLM(tied=True)
+    model.bfloat16()  # as initialize casts it: Init keeps the fp32 values
+    planned = {what: n for _k, _p, _f, n, what in swap_file_bytes(model, parse_config(cfg), [list(model.parameters())])}
+    engine, *_ = zeroinf.initialize(model=model, config=cfg)
+    waiting, files = seen
+    groups = {g.key: g for g in engine.params.manager.groups()}
+    assert waiting and all(isinstance(v, str) for v in waiting.values())  # swap keys, no tensors
+    assert sorted(files.values()) == sorted(4 * groups[k].shard_numel for k in waiting)
+    assert planned["fp32 initial values (until the optimizer takes them)"] == sum(files.values())
+    assert not any(f.exists() for f in files) and not engine.params.manager._init_masters
+    engine.close()
+
+
 def test_from_pretrained_under_init_with_a_model_built_on_the_meta_device(tmp_path):
     """transformers 5 builds from_pretrained's model on the meta device and loads the weights
     afterwards: under Init that failed in the constructor ("Cannot copy out of meta tensor; no

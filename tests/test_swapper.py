@@ -47,6 +47,26 @@ def test_round_trip_exact(swapper, async_op):
         assert swapper.path_for(k).read_bytes() == src[k].reshape(-1).view(torch.uint8).numpy().tobytes()
 
 
+def test_remove_frees_the_file_and_forgets_the_key(swapper):
+    key = "rank0/subgroup0/exp_avg"
+    t = _make(*KEYS[key])
+    swapper.swap_out([(key, t)])
+    with pytest.raises(RuntimeError, match="queued"):
+        swapper.remove(key)  # its write still in flight
+    swapper.wait()
+    files = [swapper.path_for(key), swapper._meta_path(key)]
+    assert all(f.exists() for f in files)
+    swapper.remove(key)
+    assert not any(f.exists() for f in files) and key not in swapper.manifest()
+    assert not set(files) & set(swapper.files())
+    with pytest.raises(KeyError, match="not registered"):
+        swapper.remove(key)
+    with pytest.raises(KeyError, match="not registered"):
+        swapper.swap_in([(key, torch.zeros_like(t))])
+    swapper.register(key, KEYS[key][0], KEYS[key][1])  # a new, empty file
+    assert swapper.path_for(key).stat().st_size == t.numel() * 4
+
+
 def test_a_ctrl_c_while_waiting_loses_no_outcome(swapper):
     """A Ctrl-C landing while the engine waits was raised as soon as wait_all() returned, before
     the handle recorded the outcomes: the writes stayed pending for good and every file of the

@@ -292,6 +292,29 @@ class TensorSwapper:
         self._entries[key] = want
         return path
 
+    def remove(self, key: str) -> None:
+        """Delete ``key``'s swap file and manifest entry and forget the key (its disk space is
+        free at once; registering it again makes a new file).
+
+        Raises:
+            KeyError: ``key`` is not registered.
+            RuntimeError: a swap of ``key`` is still queued (call :meth:`wait` first).
+            AIOError: the file cannot be removed (other than already gone).
+        """
+        if key not in self._entries:
+            raise KeyError(f"swap key {key!r} is not registered")
+        if any(k == key for _, k, _, _ in self._pending):
+            raise RuntimeError(f"swap key {key!r} has a swap queued; wait() before removing it")
+        del self._entries[key]
+        for path in (self.path_for(key), self._meta_path(key)):
+            try:
+                path.unlink()
+            except FileNotFoundError:
+                pass
+            except OSError as exc:
+                raise make_error(exc.errno or errno.EIO, f"cannot remove the swap file of key {key!r}",
+                                 str(path), 0, 0, 0) from exc
+
     @staticmethod
     def _preallocate(path: Path, nbytes: int) -> None:
         fd = None

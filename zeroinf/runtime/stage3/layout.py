@@ -172,8 +172,9 @@ class LayoutMixin:
         [Note: Init masters] ``zeroinf.Init`` holds values as constructed (fp32); a model cast to
         bf16/fp16 afterwards has partitions in that dtype. Rounding them would make the engine's
         fp32 master weights start rounded, so for such groups this rank's partition is also kept
-        in fp32 (host memory, 4 bytes per partition element) until :meth:`take_init_master`
-        hands it to the engine."""
+        in fp32 (4 bytes per partition element) until :meth:`take_init_master` hands it to the
+        engine: in a swap file beside the parameters' when they are on NVMe (host memory then
+        holds one partition at a time, whatever the model's size), else in host memory."""
         from .held import init_dtype, take_init_values
         for u in progress.counting(self.units, "zeroinf: partitioning parameters", unit="unit"):
             for g in u.groups:
@@ -188,7 +189,13 @@ class LayoutMixin:
                                    group=self.group)
                 lo, hi = self._shard_range(g)
                 if wide:
-                    self._init_masters[g.key] = flat[lo:hi].to("cpu", copy=True)
+                    if self._swapper is not None:
+                        key = f"rank{self.rank}/init_master/{g.key}"
+                        self._swapper.register(key, g.shard_numel, torch.float32)
+                        self._run_io(self._swapper.swap_out, [(key, flat[lo:hi].to("cpu"))], False)
+                        self._init_masters[g.key] = key
+                    else:
+                        self._init_masters[g.key] = flat[lo:hi].to("cpu", copy=True)
                     flat = flat.to(g.dtype)
                 self._run_io(g.store.write_from, flat[lo:hi])
                 for s in g.slots:
@@ -204,13 +211,26 @@ class LayoutMixin:
         t = self._init_masters.get(g.key)
         if t is None:
             return None
+        if isinstance(t, str):  # in a swap file: read whole, once; the file goes
+            key, t = t, torch.empty(g.shard_numel, dtype=torch.float32)
+            self._run_io(self._take_swapped, key, t)
+            self._init_masters[g.key] = t
         if hi >= g.shard_numel:
             del self._init_masters[g.key]
         return t[lo:hi].clone()
 
+    def _take_swapped(self, key: str, out: torch.Tensor) -> None:
+        """Read swap file ``key`` into ``out`` and remove it (I/O thread)."""
+        self._swapper.swap_in([(key, out)], async_op=False)
+        self._swapper.remove(key)
+
     def drop_init_masters(self) -> None:
-        """Forget the fp32 values kept by [Note: Init masters] (frozen groups' are never taken)."""
+        """Forget the fp32 values kept by [Note: Init masters] (frozen groups' are never taken),
+        removing their swap files."""
+        keys = [k for k in self._init_masters.values() if isinstance(k, str)]
         self._init_masters.clear()
+        for key in keys:
+            self._run_io(self._swapper.remove, key)
 
     # [Note: outside inference mode] A tensor made under torch.inference_mode is an inference
     # tensor, and torch refuses in-place updates to it outside that mode. The manager's tensors

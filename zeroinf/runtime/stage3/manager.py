@@ -37,7 +37,7 @@ import collections
 import contextlib
 import os
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable, Deque, Dict, List, Optional, Sequence, Set, Tuple
+from typing import Any, Callable, Deque, Dict, List, Optional, Sequence, Set, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -219,7 +219,8 @@ class Stage3ParameterManager(LayoutMixin, HooksMixin, ReadsMixin, FetchMixin, Sa
         #: names of parameters whose data (p.data = t, not keepable: [Note: changes in a forward]) a
         #: release dropped; the engine raises on them and clears it (ZeroEngine._check_dropped_data)
         self.dropped_data: List[str] = []
-        self._init_masters: Dict[str, torch.Tensor] = {}  # [Note: Init masters]
+        #: [Note: Init masters]: group key -> fp32 partition, or the key of its swap file
+        self._init_masters: Dict[str, Union[torch.Tensor, str]] = {}
         self._make_stores(swapper)
         self._partition_initial(shapes)
         opts = self.options  # as the limit check left it

@@ -68,9 +68,10 @@ def swap_file_bytes(model: torch.nn.Module, cfg, groups: Sequence[Sequence[torch
     ``zeroinf.optimizer_in_backward``; [Note: gradients on NVMe]), optimizer state at 12 bytes per trainable partition
     element (fp32 master, exp_avg, exp_avg_sq; ``offload_optimizer.device: nvme``), 8 when the
     partitions are the masters (:func:`master_in_partitions`), 4 bytes less with bf16 moments
-    (``offload_optimizer.state_dtype``).
+    (``offload_optimizer.state_dtype``); and the fp32 values that ``zeroinf.Init`` made of
+    partitions cast to bf16/fp16 since, until the optimizer takes them ([Note: Init masters]).
     """
-    from .held import init_shapes
+    from .held import init_dtype, init_shapes
     from .units import build_units, find_unit_modules
 
     opts = Stage3Options.from_zero_config(cfg.zero_optimization, cfg.aio.as_dict())
@@ -86,6 +87,13 @@ def swap_file_bytes(model: torch.nn.Module, cfg, groups: Sequence[Sequence[torch
         on_nvme = [g for u, tier in zip(units, unit_tiers(units, opts)) if tier == "nvme" for g in u.groups]
         out.append((key, path, folder, sum(g.shard_numel * g.dtype.itemsize for g in on_nvme),
                     "parameter partitions"))
+        # [Note: Init masters]: fp32 values of partitions cast since zeroinf.Init, kept in swap
+        # files until the optimizer's initial state takes them (each removed as it is taken)
+        wide = [g for g in parts if g.dtype != torch.float32 and g.dtype.is_floating_point
+                and any(init_dtype(s.param) == torch.float32 for s in g.slots)]
+        if wide:
+            out.append((key, path, folder, 4 * sum(g.shard_numel for g in wide),
+                        "fp32 initial values (until the optimizer takes them)"))
         if grads_on_nvme(cfg):
             # fp32 (accumulated) and, for bf16/fp16 training, one micro-batch's in the training
             # dtype; none for groups the optimizer does not step (the manager makes no file for them)
