@@ -14,7 +14,6 @@ from zeroinf.runtime.stage3.units import UnitState
 from stage3_models import TinyLM, batch, full_params, loss_fn
 
 LR, BETAS, EPS, WD = 1e-2, (0.9, 0.999), 1e-8, 0.01
-HYPER = [{"lr": LR, "betas": BETAS, "eps": EPS, "weight_decay": WD}]
 
 
 def _grads_of(mgr):
@@ -90,38 +89,6 @@ def test_persistent_small_parameters_form_one_unit():
     assert not any(s.param is model.blocks[0].ff[0].weight for g in mgr.units[0].groups for s in g.slots)
     assert mgr.units[0].state is UnitState.RELEASED and model.norm.weight.numel() == 0
     _assert_close(_grads_of(mgr), {n: p.grad for n, p in ref.named_parameters()}, what="persistent")
-
-
-def _train(model, steps, *, mgr=None, opt=None):
-    losses = []
-    for step in range(1, steps + 1):
-        x, y = batch(100 + step)
-        loss = loss_fn(model(x), y)
-        loss.backward()
-        losses.append(loss.item())
-        if mgr is None:
-            opt.step()
-            opt.zero_grad()
-        else:
-            opt.step(step=step, hyper=HYPER)
-            mgr.zero_grad()
-    return losses
-
-
-def test_three_steps_equal_adamw_without_engine(param_tier="cpu", opt_tier="cpu"):
-    """Stage3Optimizer (no engine); the engine's tier pairs are in test_stage3_engine.py."""
-    from zeroinf.runtime.stage3.step import Stage3Optimizer
-
-    ref = TinyLM(tied=True)
-    model = copy.deepcopy(ref)
-    mgr = Stage3ParameterManager(model, _opts(offload_param_device=param_tier))
-    opt = Stage3Optimizer(mgr, device=opt_tier, sub_group_size=1000)
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, foreach=False)
-    got = _train(model, 3, mgr=mgr, opt=opt)
-    want = _train(ref, 3, opt=ref_opt)
-    assert max(abs(a - b) for a, b in zip(got, want)) <= 1e-6
-    _assert_close(full_params(mgr), dict(ref.named_parameters()), what="parameters after 3 steps")
-    opt.close()
 
 
 class _EmbedsLM(TinyLM):
@@ -286,29 +253,39 @@ def test_block_called_twice_every_step_never_invalidates():
 
 
 def test_eval_under_no_grad_in_other_order_leaves_training_alone():
-    from zeroinf.runtime.stage3.step import Stage3Optimizer
+    """An eval forward under no_grad in another unit order after each engine step (which runs
+    behind it, ``overlap_step``) sees the updated weights, records its own trace once and
+    invalidates neither trace; training equals AdamW."""
+    import zeroinf
 
     ref = TinyLM()
     model = copy.deepcopy(ref)
-    mgr = Stage3ParameterManager(model, _opts())
-    opt = Stage3Optimizer(mgr, device="cpu")
+    config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
+              "optimizer": {"type": "AdamW", "params": {"lr": LR, "betas": list(BETAS), "eps": EPS,
+                                                        "weight_decay": WD}},
+              "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0,
+                                    "offload_param": {"device": "none"},
+                                    "offload_optimizer": {"device": "cpu"}}}
+    engine, *_ = zeroinf.initialize(model=model, config=config)
+    mgr = engine.params.manager
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, foreach=False)
     for step in range(1, 4):
         x, y = batch(step)
-        loss_fn(model(x), y).backward()
-        opt.step(step=step, hyper=HYPER)
-        mgr.zero_grad()
+        engine.backward(loss_fn(engine(x), y))
+        engine.step()
         loss_fn(ref(x), y).backward()
         ref_opt.step()
         ref_opt.zero_grad()
         model.order = [3, 1]  # an eval forward in another order
         ref.order = [3, 1]
         with torch.no_grad():
-            torch.testing.assert_close(model(x), ref(x), rtol=0, atol=1e-6)
+            torch.testing.assert_close(engine(x), ref(x), rtol=0, atol=1e-6)
         model.order = ref.order = [0, 1, 2, 3]
+    engine.synchronize()
     assert mgr.scheduler.traces_recorded == 2  # one training trace, one eval trace
     assert mgr.stats.totals.get("invalidations", 0) == 0
     _assert_close(full_params(mgr), dict(ref.named_parameters()), what="after evals")
+    engine.close()
 
 
 @pytest.mark.parametrize("limit", [7000, 9000])

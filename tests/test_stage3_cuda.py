@@ -2,9 +2,10 @@
 
 * On the CPU (always run): the manager takes the no-op path (no ``torch.cuda`` stream or event
   call), and the CUDA path's hand-off protocol runs with stand-in streams and events (plain
-  copies), so its order of waits, copies and buffer releases is checked without a GPU.
-* On a GPU (skipped without one; bench/gpu_check.sh runs them): 3 steps with parameters and
-  optimizer on NVMe equal torch.optim.AdamW on the GPU within fp32 1e-5; steps 2-3 under
+  copies), so its order of waits, copies and buffer releases is checked without a GPU. Without
+  a GPU the GPU tests' engine run (``_train_engine``) runs on the CPU against AdamW too.
+* On a GPU (skipped without one; bench/gpu_check.sh runs them): 3 engine steps with parameters
+  and optimizer on NVMe equal torch.optim.AdamW on the GPU within fp32 1e-5; steps 2-3 under
   ``torch.cuda.set_sync_debug_mode("error")``; the copies run on the manager's named streams.
 """
 from __future__ import annotations
@@ -27,7 +28,6 @@ needs_cuda = pytest.mark.skipif(
            f"torch.version.cuda={torch.version.cuda}, cuda available={torch.cuda.is_available()})")
 
 LR, BETAS, EPS, WD = 1e-2, (0.9, 0.999), 1e-8, 0.01
-HYPER = [{"lr": LR, "betas": BETAS, "eps": EPS, "weight_decay": WD}]
 
 
 def _opts(tier, tmp_path, **kw):
@@ -231,57 +231,74 @@ def test_cuda_path_hand_offs_with_stand_in_streams(tier, grads_on_nvme, tmp_path
 
 # ---- on a GPU -----------------------------------------------------------------------------------
 
-def _train_manager(tmp_path, steps, sync_check=False):
-    """TinyLM on cuda, parameters and optimizer state on NVMe (Stage3Optimizer); returns
-    (manager, losses, reference model, reference losses)."""
-    from zeroinf.runtime.stage3.step import Stage3Optimizer
+def _train_engine(tmp_path, steps, sync_check=False, device="cuda"):
+    """TinyLM through ``zeroinf.initialize`` on ``device`` (the manager's compute device: CUDA
+    when available), parameters and optimizer state on NVMe, beside torch.optim.AdamW on a plain
+    copy on ``device``; returns (engine, losses, reference model, reference losses). Under
+    ``sync_check`` steps 2.. run under sync debug mode "error" up to the end of their optimizer
+    step (``engine.synchronize()``: the step overlaps the next forward by default)."""
+    import zeroinf
 
-    ref = TinyLM().cuda()
-    model = copy.deepcopy(ref)
-    (tmp_path / "opt").mkdir(exist_ok=True)
-    mgr = Stage3ParameterManager(model, _opts("nvme", tmp_path), device=torch.device("cuda"))
-    opt = Stage3Optimizer(mgr, device="nvme", swap_dir=str(tmp_path / "opt"), sub_group_size=1000)
+    model = TinyLM()
+    ref = copy.deepcopy(model).to(device)
+    config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
+              "optimizer": {"type": "AdamW", "params": {"lr": LR, "betas": list(BETAS), "eps": EPS,
+                                                        "weight_decay": WD}},
+              "zero_optimization": {
+                  "stage": 3, "stage3_param_persistence_threshold": 0, "sub_group_size": 1000,
+                  "offload_param": {"device": "nvme", "nvme_path": str(tmp_path / "param"), "buffer_count": 4,
+                                    "buffer_size": 4096, "max_in_cpu": 0},
+                  "offload_optimizer": {"device": "nvme", "nvme_path": str(tmp_path / "opt")}}}
+    engine, *_ = zeroinf.initialize(model=model, config=config)
+    assert engine.params.manager.device.type == torch.device(device).type
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=WD)
+    on_cuda = torch.device(device).type == "cuda"
     losses, ref_losses = [], []
     for step in range(1, steps + 1):
-        x, y = (t.cuda() for t in batch(100 + step))
-        torch.cuda.synchronize()
+        x, y = (t.to(device) for t in batch(100 + step))
+        if on_cuda:
+            torch.cuda.synchronize()
         if sync_check and step > 1:  # step 1 records the trace, pins buffers, builds the Adam op
             torch.cuda.set_sync_debug_mode("error")
         try:
-            loss = loss_fn(model(x), y)
-            loss.backward()
-            opt.step(step=step, hyper=HYPER)
-            mgr.zero_grad()
+            loss = loss_fn(engine(x), y)
+            engine.backward(loss)
+            engine.step()
+            if sync_check:
+                engine.synchronize()
         finally:
-            torch.cuda.set_sync_debug_mode("default")
+            if on_cuda:
+                torch.cuda.set_sync_debug_mode("default")
         losses.append(loss.item())
         ref_loss = loss_fn(ref(x), y)
         ref_loss.backward()
         ref_opt.step()
         ref_opt.zero_grad()
         ref_losses.append(ref_loss.item())
-    return mgr, opt, losses, ref, ref_losses
+    engine.synchronize()
+    return engine, losses, ref, ref_losses
 
 
-@needs_cuda
-def test_three_steps_nvme_on_cuda_equal_adamw_on_cuda(tmp_path):
-    mgr, opt, losses, ref, ref_losses = _train_manager(tmp_path, 3)
+@pytest.mark.parametrize("device", [
+    pytest.param("cpu", marks=pytest.mark.skipif(torch.cuda.is_available(),
+                                                 reason="the engine computes on the GPU when there is one")),
+    pytest.param("cuda", marks=needs_cuda)])
+def test_three_steps_nvme_equal_adamw_on_the_same_device(tmp_path, device):
+    engine, losses, ref, ref_losses = _train_engine(tmp_path, 3, device=device)
     assert max(abs(a - b) for a, b in zip(losses, ref_losses)) <= 1e-5
-    assert _max_err(full_params(mgr), dict(ref.named_parameters())) <= 1e-5
-    opt.close()
-    mgr.close()
+    assert _max_err(full_params(engine.params.manager), dict(ref.named_parameters())) <= 1e-5
+    engine.close()
 
 
 @needs_cuda
 def test_steps_two_and_three_do_not_synchronise_the_device(tmp_path):
-    """Forward, backward, CPU Adam step and zero_grad under sync debug mode "error" (any
-    synchronising CUDA call raises, on any thread). The batch is 10 tokens: an embedding backward
-    over more than 3072 indices takes torch's sort-based kernel, which reads a count to the host."""
-    mgr, opt, losses, ref, ref_losses = _train_manager(tmp_path, 3, sync_check=True)
+    """Forward, backward and the engine's step (CPU Adam over the NVMe sub-groups) under sync
+    debug mode "error" (any synchronising CUDA call raises, on any thread). The batch is 10 tokens:
+    an embedding backward over more than 3072 indices takes torch's sort-based kernel, which reads
+    a count to the host."""
+    engine, losses, ref, ref_losses = _train_engine(tmp_path, 3, sync_check=True)
     assert max(abs(a - b) for a, b in zip(losses, ref_losses)) <= 1e-5
-    opt.close()
-    mgr.close()
+    engine.close()
 
 
 @needs_cuda
