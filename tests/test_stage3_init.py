@@ -282,7 +282,7 @@ def test_bf16_masters_wait_on_nvme_not_in_host_memory(tmp_path, monkeypatch):
     not in host memory, and each file is gone once its master is taken."""
     from zeroinf.config import parse_config
     from zeroinf.runtime.stage3.layout import LayoutMixin
-    from zeroinf.runtime.stage3.swap_plan import init_value_files, swap_file_bytes
+    from zeroinf.runtime.stage3.swap_plan import swap_file_bytes
 
     cfg = {**_cfg("nvme", tmp_path), "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}, "bf16": {"enabled": True}}
     cfg["zero_optimization"].update(stage3_param_persistence_threshold=0, sub_group_size=300)
@@ -300,9 +300,7 @@ def test_bf16_masters_wait_on_nvme_not_in_host_memory(tmp_path, monkeypatch):
     with zeroinf.Init(config=cfg):
         model = TinyLM(tied=True)
     model.bfloat16()  # as initialize casts it: Init keeps the fp32 values
-    params = [list(model.parameters())]
-    planned = {what: n for _k, _p, _f, n, what in init_value_files(model, parse_config(cfg), params)}
-    assert "parameter partitions" in {what for *_, what in swap_file_bytes(model, parse_config(cfg), params)}
+    planned = {what: n for _k, _p, _f, n, what in swap_file_bytes(model, parse_config(cfg), [list(model.parameters())])}
     engine, *_ = zeroinf.initialize(model=model, config=cfg)
     waiting, files = seen
     groups = {g.key: g for g in engine.params.manager.groups()}
@@ -311,44 +309,6 @@ def test_bf16_masters_wait_on_nvme_not_in_host_memory(tmp_path, monkeypatch):
     assert planned["fp32 initial values (until the optimizer takes them)"] == sum(files.values())
     assert not any(f.exists() for f in files) and not engine.params.manager._init_masters
     engine.close()
-
-
-def test_the_disk_check_counts_the_init_values_beside_the_partitions_only(tmp_path, monkeypatch):
-    """The fp32 values waiting for the optimizer are written with the parameter partitions, while
-    Init's own files are still there, and are gone before the optimizer's files are made: a disk
-    with room for partitions + those values, and for partitions + optimizer state once Init's
-    files go, is enough (one byte less is refused, before anything is written)."""
-    import collections
-
-    import zeroinf.runtime.engine as eng_mod
-    from zeroinf.config import parse_config
-    from zeroinf.runtime.stage3.init import swap_bytes_freed_by
-    from zeroinf.runtime.stage3.swap_plan import init_value_files, swap_file_bytes
-
-    Usage = collections.namedtuple("Usage", "total used free")
-    for extra, ok in ((0, True), (-1, False)):
-        d = tmp_path / f"d{extra}"
-        d.mkdir()
-        cfg = {**_cfg("nvme", d), "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}, "bf16": {"enabled": True},
-               "zeroinf": {"check_memory": False}}
-        cfg["zero_optimization"]["offload_optimizer"] = {"device": "nvme", "nvme_path": str(d)}
-        with zeroinf.Init(config=cfg):
-            model = TinyLM()
-        model.bfloat16()
-        params, parsed = [list(model.parameters())], parse_config(cfg)
-        rows, spill = swap_file_bytes(model, parsed, params), init_value_files(model, parsed, params)
-        first = sum(r[3] for r in rows if r[0].endswith("offload_param.nvme_path")) + sum(r[3] for r in spill)
-        need, freed = sum(r[3] for r in rows), sum(swap_bytes_freed_by(model.parameters()).values())
-        assert spill and need + spill[0][3] - freed > max(first, need - freed)  # counting it in the total refuses
-        free = max(first, need - freed) + extra
-        monkeypatch.setattr(eng_mod.shutil, "disk_usage", lambda p, free=free: Usage(10**12, 10**12 - free, free))
-        if ok:
-            zeroinf.initialize(model=model, config=cfg)[0].close()
-        else:
-            with pytest.raises(zeroinf.config.ConfigError, match="offload_param.nvme_path"):
-                zeroinf.initialize(model=model, config=cfg)
-            assert not list(d.rglob("*.swp")) or all("zeroinf_init" in str(f) for f in d.rglob("*.swp"))
-        monkeypatch.undo()
 
 
 def test_from_pretrained_under_init_with_a_model_built_on_the_meta_device(tmp_path):

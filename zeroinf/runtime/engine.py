@@ -84,7 +84,7 @@ def build_stage(model: torch.nn.Module, cfg: ZeroInfConfig, groups, *, rank: int
                 check_disk) -> StageParams:
     """The stage implementation for ``cfg.zero_optimization.stage``, built over ``groups`` (the
     trainable parameters of each optimizer param group; ``model`` already in the training dtype).
-    ``check_disk(files, freed=None, transient=())`` checks the swap files' room before they are written
+    ``check_disk(files, freed=None)`` checks the swap files' room before they are written
     (:meth:`ZeroEngine._check_disk`).
 
     Raises:
@@ -97,7 +97,7 @@ def build_stage(model: torch.nn.Module, cfg: ZeroInfConfig, groups, *, rank: int
         from zeroinf.runtime.stage3 import engine_manager
         from zeroinf.runtime.stage3.init import swap_bytes_freed_by
         from zeroinf.runtime.stage3.registry import partitioned_by
-        from zeroinf.runtime.stage3.swap_plan import init_value_files, swap_file_bytes
+        from zeroinf.runtime.stage3.swap_plan import swap_file_bytes
         owner = partitioned_by(model.parameters())
         if owner is not None:  # its parameters are placeholders: a second engine would hold nothing
             raise RuntimeError(
@@ -108,8 +108,7 @@ def build_stage(model: torch.nn.Module, cfg: ZeroInfConfig, groups, *, rank: int
         # before the manager writes its parameter partitions: every swap file stage 3 implies,
         # the optimizer's included
         check_disk(swap_file_bytes(model, cfg, groups, rank=rank, world_size=world_size),
-                   freed=swap_bytes_freed_by(model.parameters()),
-                   transient=init_value_files(model, cfg, groups, rank=rank, world_size=world_size))
+                   freed=swap_bytes_freed_by(model.parameters()))
         return engine_manager(model, cfg, groups, rank=rank, world_size=world_size)
     from .flat import FlatParamManager
     flat = FlatParamManager(groups, stage=zc.stage, sub_group_size=zc.sub_group_size,
@@ -259,7 +258,7 @@ class ZeroEngine(StepDriver, EngineState, EngineInfo):
     # ------------------------------------------------------------------------------------------
     # checks at start-up: fail now, not mid-step
 
-    def _check_disk(self, files, freed: Optional[Dict[str, int]] = None, transient=()) -> None:
+    def _check_disk(self, files, freed: Optional[Dict[str, int]] = None) -> None:
         """Raise :class:`ConfigError` unless each swap folder's file system has room for every swap
         file this rank will write there. ``files``: ``(config key, nvme_path, swap folder, bytes,
         what)``; bytes already in the swap folder this engine will take (a rerun overwrites them)
@@ -267,14 +266,11 @@ class ZeroEngine(StepDriver, EngineState, EngineInfo):
         (:func:`zeroinf.io.swapper.reusable_bytes`). ``freed``: bytes of ``zeroinf.Init`` swap
         files by folder, removed once the parameter partitions are written and before the
         optimizer's files are made: free for those, not for the parameter and gradient
-        partitions written beside them. ``transient``: rows as ``files`` for files written with
-        the parameter partitions and removed while the optimizer's are made
-        (:func:`zeroinf.runtime.stage3.swap_plan.init_value_files`): they need room beside the
-        partitions only. A missing ``nvme_path`` is created, and removed again (the empty
-        folders made) when a check fails."""
-        files, transient = list(files), list(transient)
+        partitions written beside them. A missing ``nvme_path`` is created, and removed again
+        (the empty folders made) when a check fails."""
+        files = list(files)
         made = []  # the topmost folder each missing nvme_path creates
-        for _key, path, *_ in files + transient:
+        for _key, path, *_ in files:
             top = None
             for p in (Path(path).absolute(), *Path(path).absolute().parents):
                 if os.path.lexists(p):
@@ -283,7 +279,7 @@ class ZeroEngine(StepDriver, EngineState, EngineInfo):
             if top is not None:
                 made.append(top)
         try:
-            self._check_disk_room(files, freed or {}, transient)
+            self._check_disk_room(files, freed or {})
         except ConfigError:  # a refused run leaves no folder behind
             for top in made:
                 for d, _dirs, _files in sorted(os.walk(top), key=lambda w: -len(w[0])):
@@ -293,21 +289,19 @@ class ZeroEngine(StepDriver, EngineState, EngineInfo):
                         pass
             raise
 
-    def _check_disk_room(self, files, freed: Dict[str, int], transient=()) -> None:
+    def _check_disk_room(self, files, freed: Dict[str, int]) -> None:
         from zeroinf.io.probe import dir_problem
         from zeroinf.io.swapper import reusable_bytes
 
         by_dev: Dict[int, Dict[str, Any]] = {}
-        rows = [(row, False) for row in files] + [(row, True) for row in transient]
-        for (key, path, folder, nbytes, what), passing in rows:
+        for key, path, folder, nbytes, what in files:
             problem = dir_problem(path, create=True)  # a real write: permission bits say nothing for root or a read-only mount
             if problem is not None:
                 raise ConfigError(key, f"{path!r} {problem}")
             e = by_dev.setdefault(os.stat(path).st_dev, {"key": key, "path": path, "need": 0, "first": 0,
                                                          "folders": set(), "first_folders": set(), "what": [],
                                                          "freed": 0})
-            if not passing:  # a transient file is gone before the optimizer's files are made
-                e["need"] += nbytes
+            e["need"] += nbytes
             # the partitions are written first: while Init's files are still there, and before an
             # earlier run's optimizer files are overwritten (counted free for them, initialize then
             # ran out of space half-way)

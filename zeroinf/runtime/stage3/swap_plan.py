@@ -14,8 +14,7 @@ from zeroinf.model_sizes import resident_units
 
 from .options import Stage3Options
 
-__all__ = ["all_fp32", "grads_on_nvme", "group_index", "init_value_files", "master_in_partitions", "swap_file_bytes",
-           "unit_tiers"]
+__all__ = ["all_fp32", "grads_on_nvme", "group_index", "master_in_partitions", "swap_file_bytes", "unit_tiers"]
 
 
 def group_index(groups: Sequence[Sequence[torch.nn.Parameter]]) -> Dict[torch.nn.Parameter, int]:
@@ -69,11 +68,16 @@ def swap_file_bytes(model: torch.nn.Module, cfg, groups: Sequence[Sequence[torch
     ``zeroinf.optimizer_in_backward``; [Note: gradients on NVMe]), optimizer state at 12 bytes per trainable partition
     element (fp32 master, exp_avg, exp_avg_sq; ``offload_optimizer.device: nvme``), 8 when the
     partitions are the masters (:func:`master_in_partitions`), 4 bytes less with bf16 moments
-    (``offload_optimizer.state_dtype``). :func:`init_value_files` gives the files that exist
-    only while initialize runs.
+    (``offload_optimizer.state_dtype``); and the fp32 values that ``zeroinf.Init`` made of
+    partitions cast to bf16/fp16 since, until the optimizer takes them ([Note: Init masters]).
     """
-    opts, units = _units(model, cfg, groups, world_size)
+    from .held import init_dtype, init_shapes
+    from .units import build_units, find_unit_modules
+
+    opts = Stage3Options.from_zero_config(cfg.zero_optimization, cfg.aio.as_dict())
     zc = cfg.zero_optimization
+    units = build_units(model, find_unit_modules(model, opts.unit_classes), opts.param_persistence_threshold,
+                        world_size, init_shapes(model), group_index(groups))
     parts = [g for u in units for g in u.groups]
     trainable = {p for ps in groups for p in ps}
     out = []
@@ -83,6 +87,13 @@ def swap_file_bytes(model: torch.nn.Module, cfg, groups: Sequence[Sequence[torch
         on_nvme = [g for u, tier in zip(units, unit_tiers(units, opts)) if tier == "nvme" for g in u.groups]
         out.append((key, path, folder, sum(g.shard_numel * g.dtype.itemsize for g in on_nvme),
                     "parameter partitions"))
+        # [Note: Init masters]: fp32 values of partitions cast since zeroinf.Init, kept in swap
+        # files until the optimizer's initial state takes them (each removed as it is taken)
+        wide = [g for g in parts if g.dtype != torch.float32 and g.dtype.is_floating_point
+                and any(init_dtype(s.param) == torch.float32 for s in g.slots)]
+        if wide:
+            out.append((key, path, folder, 4 * sum(g.shard_numel for g in wide),
+                        "fp32 initial values (until the optimizer takes them)"))
         if grads_on_nvme(cfg):
             # fp32 (accumulated) and, for bf16/fp16 training, one micro-batch's in the training
             # dtype; none for groups the optimizer does not step (the manager makes no file for them)
@@ -102,38 +113,6 @@ def swap_file_bytes(model: torch.nn.Module, cfg, groups: Sequence[Sequence[torch
                     per * sum(g.shard_numel for g in parts if any(s.param in trainable for s in g.slots)),
                     f"optimizer state ({per} bytes per element)"))
     return out
-
-
-def init_value_files(model: torch.nn.Module, cfg, groups: Sequence[Sequence[torch.nn.Parameter]], *,
-                     rank: int = 0, world_size: int = 1) -> List[Tuple[str, str, str, int, str]]:
-    """Swap files that exist only while initialize runs, as :func:`swap_file_bytes` rows: with
-    parameters on NVMe, the fp32 values ``zeroinf.Init`` made of partitions cast to bf16/fp16
-    since ([Note: Init masters]), 4 bytes per partition element. They are written beside the
-    parameter partitions and each is removed as the optimizer's initial state takes it, so they
-    need room next to the partitions but not next to the optimizer's files."""
-    from .held import init_dtype
-
-    opts, units = _units(model, cfg, groups, world_size)
-    if cfg.zero_optimization.offload_param.device != "nvme":
-        return []
-    wide = [g for u in units for g in u.groups if g.dtype != torch.float32 and g.dtype.is_floating_point
-            and any(init_dtype(s.param) == torch.float32 for s in g.slots)]
-    if not wide:
-        return []
-    return [("zero_optimization.offload_param.nvme_path", opts.nvme_path,
-             os.path.join(opts.nvme_path, f"zeroinf_params_rank{rank}"), 4 * sum(g.shard_numel for g in wide),
-             "fp32 initial values (until the optimizer takes them)")]
-
-
-def _units(model: torch.nn.Module, cfg, groups, world_size: int):
-    """The stage-3 options and unit layout initialize will build for ``model``."""
-    from .held import init_shapes
-    from .units import build_units, find_unit_modules
-
-    opts = Stage3Options.from_zero_config(cfg.zero_optimization, cfg.aio.as_dict())
-    units = build_units(model, find_unit_modules(model, opts.unit_classes), opts.param_persistence_threshold,
-                        world_size, init_shapes(model), group_index(groups))
-    return opts, units
 
 
 def all_fp32(groups) -> bool:
