@@ -2,12 +2,12 @@
 
 A GPT-style decoder (learned positions, pre-norm blocks of causal self-attention and a 4x GELU
 MLP, untied head, vocabulary 256) of about ``--params`` parameters is built under
-``zeroinf.Init`` straight onto NVMe (its fp32 values never sit in memory all at once), then
-trained by stage 3 in bf16 (bf16 parameters and gradients, fp32 master weights, Adam moments in
-fp32 or with ``--state-dtype bf16`` in bf16)
-with ``offload_param`` and ``offload_optimizer`` both on ``nvme``: ``--steps`` steps of one
-micro-batch of ``--micro-batch`` x ``--seq`` tokens, the first a warm-up (it records the
-prefetch trace and takes the masters from Init's files) that is not counted. Shape: width
+``zeroinf.Init`` in bf16 straight onto NVMe (its values never sit in memory all at once), then
+trained by stage 3 in bf16 (bf16 parameters and gradients, fp32 master weights from the bf16
+values, Adam moments in fp32 or with ``--state-dtype bf16`` in bf16) with ``offload_param`` and
+``offload_optimizer`` both on ``nvme``: ``--steps`` steps of one micro-batch of
+``--micro-batch`` x ``--seq`` tokens, the first a warm-up (it records the prefetch trace) that is
+not counted. Shape: width
 ``d`` = (16/3 N)^(1/3) rounded to a multiple of 64 (a depth of about d/64 blocks, as GPT-3's
 1.3B), heads of 64, then the number of blocks that brings the count nearest to N.
 
@@ -51,7 +51,7 @@ Chrome/Perfetto trace (``engine.trace``).
                           [--state-dtype bf16]
 
 Needs about 20 bytes per parameter of free disk under ``--nvme-path`` (bf16 partitions 2,
-gradient partitions 6, fp32 masters and moments 12; Init's fp32 copy, 4, is removed before the
+gradient partitions 6, fp32 masters and moments 12; Init's bf16 copy, 2, is removed before the
 optimizer's files are made), 4 fewer with ``--state-dtype bf16`` and 6 fewer with
 ``--optimizer-in-backward`` (:func:`disk_bytes_per_param`), plus ``--disk-bytes``.
 """
@@ -88,11 +88,11 @@ AIO = {"block_size": 1 << 20, "queue_depth": 8, "intra_op_parallelism": 1, "sing
 def disk_bytes_per_param(state_dtype: str, optimizer_in_backward: bool) -> int:
     """Bytes per parameter on disk at the run's peak. The bf16 partition (2) stays; the gradient
     partitions (fp32 accumulated 4 + bf16 2) exist unless the optimizer steps in the backward;
-    zeroinf.Init's fp32 copy (4) is there while initialize writes those and is gone before the
+    zeroinf.Init's bf16 copy (2) is there while initialize writes those and is gone before the
     optimizer's files are made (fp32 master and two moments: 12, or 8 with bf16 moments)."""
     grads = 0 if optimizer_in_backward else 4 + 2
     optimizer = {"fp32": 12, "bf16": 8}[state_dtype]
-    return max(4 + 2 + grads, 2 + grads + optimizer)
+    return max(2 + 2 + grads, 2 + grads + optimizer)
 
 
 class Block(nn.Module):
@@ -195,8 +195,13 @@ def train(args, blocks: int, width: int, nvme: str) -> dict:
     cfg = engine_config(args, width, nvme)
     torch.manual_seed(0)
     t0 = time.perf_counter()
-    with zeroinf.Init(config=cfg):
-        model = GPT(blocks, width, args.seq)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)  # built in bf16, as from_pretrained(torch_dtype=bf16)
+    try:
+        with zeroinf.Init(config=cfg):
+            model = GPT(blocks, width, args.seq)
+    finally:
+        torch.set_default_dtype(default)
     engine, *_ = zeroinf.initialize(model=model, config=cfg)
     build_s = time.perf_counter() - t0
     print(f"built under zeroinf.Init and initialized in {build_s:.1f} s", flush=True)
