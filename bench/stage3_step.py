@@ -254,7 +254,9 @@ def main() -> int:
     try:
         for k in range(max(1, args.rounds)):
             names = list(kinds)[k % len(kinds):] + list(kinds)[:k % len(kinds)]
-            got = {n: run(args, kinds[n][0], nvme, in_backward=kinds[n][1], checksums=kinds[n][2]) for n in names}
+            # a folder per row: rows with and without checksums would take each other's files as stale
+            got = {n: run(args, kinds[n][0], os.path.join(nvme, n), in_backward=kinds[n][1], checksums=kinds[n][2])
+                   for n in names}
             if not args.checksum_ratio:
                 got["bw"] = io_bandwidth(nvme, 1 << 30, {})  # the default aio block, as the runs above
             rounds.append(got)
