@@ -1,5 +1,5 @@
 """Peak resident memory of a stage-3 run with parameters and optimizer on NVMe (a subprocess of
-test_stage3_engine.py). Prints one JSON line: parameter count, resident growth in bytes."""
+test_stage3_engine_buffers.py). Prints one JSON line: parameter count, resident growth in bytes."""
 import json
 import math
 import resource

@@ -272,7 +272,7 @@ def test_stage3_infinity_with_bf16_moments_follows_plain_adamw(tmp_path):
     import copy
 
     from stage3_models import TinyLM, batch, loss_fn
-    from test_stage3_engine import _config, _reference
+    from stage3_engine_helpers import _config, _reference
 
     torch.manual_seed(0)
     model = TinyLM()

@@ -292,7 +292,7 @@ def test_a_save_from_an_atexit_hook_at_stage_3_on_nvme(tmp_path):
         import atexit, sys, torch, zeroinf
         sys.path.insert(0, {os.path.dirname(__file__)!r})
         from stage3_models import TinyLM, batch, loss_fn
-        from test_stage3_engine import _config
+        from stage3_engine_helpers import _config
         torch.manual_seed(0)
         engine, *_ = zeroinf.initialize(model=TinyLM(), config=_config("nvme", "nvme", {str(tmp_path)!r}))
         atexit.register(lambda: (engine.save_checkpoint({str(tmp_path / 'ck')!r}, "final"), engine.close()))
@@ -305,7 +305,7 @@ def test_a_save_from_an_atexit_hook_at_stage_3_on_nvme(tmp_path):
     assert out.returncode == 0 and "Traceback" not in out.stderr, out.stderr[-3000:]
     sys.path.insert(0, os.path.dirname(__file__))
     from stage3_models import TinyLM, batch, loss_fn
-    from test_stage3_engine import _config
+    from stage3_engine_helpers import _config
     (tmp_path / "here").mkdir()
     torch.manual_seed(0)
     engine, *_ = zeroinf.initialize(model=TinyLM(), config=_config("nvme", "nvme", tmp_path / "here"))
@@ -489,7 +489,7 @@ def _stage3_nvme_engine(nvme):
     import copy
 
     from stage3_models import TinyLM
-    from test_stage3_engine import _config
+    from stage3_engine_helpers import _config
     engine, *_ = zeroinf.initialize(model=copy.deepcopy(TinyLM()), config=_config("nvme", "nvme", nvme))
     return engine
 
@@ -1117,7 +1117,7 @@ def test_a_checkpoint_without_its_frozen_parameters(tmp_path, stage):
     import copy
 
     from stage3_models import TinyLM
-    from test_stage3_engine import _config
+    from stage3_engine_helpers import _config
 
     def build(frozen=3):
         torch.manual_seed(0)

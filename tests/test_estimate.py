@@ -405,7 +405,7 @@ def test_cli_errors_name_the_input(tmp_path, capsys):
 def test_optimizer_state_bytes_agree_with_the_engines_swap_files(tmp_path, precision, param_tier, want):
     """fp32 stage 3 with the optimizer on NVMe and the parameters off the device keeps no master
     copy of its own (the partitions are the masters): K = 8 there, as the engine's swap-file
-    count (``swap_file_bytes``, checked against the files on disk in test_stage3_engine) says."""
+    count (``swap_file_bytes``, checked against the files on disk in test_stage3_engine_buffers) says."""
     torch = pytest.importorskip("torch")
     from zeroinf.runtime.stage3.engine_glue import swap_file_bytes
 

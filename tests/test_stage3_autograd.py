@@ -14,7 +14,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 import zeroinf
-from test_stage3_engine import BETAS, EPS, LR, WD, _config, _state
+from stage3_engine_helpers import BETAS, EPS, LR, WD, _config, _state
 
 D = 8
 

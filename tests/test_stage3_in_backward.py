@@ -15,7 +15,7 @@ import torch
 
 import zeroinf
 from stage3_models import TinyLM, batch, loss_fn
-from test_stage3_engine import _assert_like_reference, _config, _reference, _run, _state
+from stage3_engine_helpers import _assert_like_reference, _config, _reference, _run, _state
 from zeroinf.config import ConfigError, parse_config
 from zeroinf.runtime.stage3.in_backward import OptimizerInBackwardError
 from zeroinf.runtime.stage3.overlap import StepFailedError
@@ -489,7 +489,7 @@ def _script(tmp_path, body: str, timeout: int = 240) -> str:
         sys.path.insert(0, {str(__import__("pathlib").Path(__file__).parent)!r})
         import zeroinf
         from stage3_models import TinyLM, batch, loss_fn
-        from test_stage3_engine import _config, _run, _state
+        from stage3_engine_helpers import _config, _run, _state
         from zeroinf.runtime.stage3.overlap import StepFailedError
         def engine(path, model, in_backward=True):
             import os

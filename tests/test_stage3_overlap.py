@@ -11,7 +11,7 @@ import torch
 
 import zeroinf
 from stage3_models import TinyLM, batch, loss_fn
-from test_stage3_engine import _config, _run, _state
+from stage3_engine_helpers import _config, _run, _state
 from zeroinf.runtime.stage3.overlap import StepFailedError
 
 

@@ -15,7 +15,7 @@ from zeroinf.placement import PARAM_RATIOS, Limits, choose, make_config
 from zeroinf.runtime.stage3.options import Stage3ConfigError, Stage3Options
 from zeroinf.runtime.stage3.tiers import DeviceStore, HostStore, NvmeStore
 from stage3_models import TinyLM
-from test_stage3_engine import _assert_like_reference, _config, _reference, _run, _state
+from stage3_engine_helpers import _assert_like_reference, _config, _reference, _run, _state
 
 OFFLOADED = {"cpu": HostStore, "nvme": NvmeStore}
 

@@ -11,7 +11,7 @@ from torch import nn
 
 import zeroinf
 from stage3_models import D, V, TinyLM, batch, loss_fn
-from test_stage3_engine import BETAS, EPS, LR, WD, _config, _reference, _run, _train_beside_adamw
+from stage3_engine_helpers import BETAS, EPS, LR, WD, _config, _reference, _run, _train_beside_adamw
 
 
 @pytest.mark.parametrize("tier", ["cpu", "nvme"])

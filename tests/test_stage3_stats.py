@@ -6,7 +6,7 @@ import pytest
 
 import zeroinf
 from stage3_models import TinyLM, batch, loss_fn
-from test_stage3_engine import _config
+from stage3_engine_helpers import _config
 
 
 def _steps(engine, steps, gas):
