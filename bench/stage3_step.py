@@ -201,7 +201,8 @@ def ratio_sweep(args, nvme: str) -> int:
     rounds = []
     for k in range(max(1, args.rounds)):
         order = ratios[k % len(ratios):] + ratios[:k % len(ratios)]
-        rounds.append({r: run(args, "nvme", nvme, param_ratio=r) for r in order})
+        # a folder per ratio, as per row in main(): each ratio's rounds reuse their own swap files
+        rounds.append({r: run(args, "nvme", os.path.join(nvme, f"ratio{r:g}"), param_ratio=r) for r in order})
     params = sum(p.numel() for p in LM(args.blocks, args.width).parameters())
     print(f"model {params / 1e6:.1f}M params, fp32, 2x{args.seq} tokens; parameters and optimizer on NVMe; "
           f"median seconds per step over {len(rounds)} rounds ({args.steps} steps each after the first)")

@@ -1,7 +1,10 @@
 """Shared by the stage-3 engine tests: configs per tier, a plain-PyTorch AdamW reference, a few
-steps and the comparison."""
+steps and the comparison, a resume beside a straight run."""
+import copy
+
 import torch
 
+import zeroinf
 from stage3_models import batch, loss_fn
 
 LR, BETAS, EPS, WD = 1e-2, (0.9, 0.999), 1e-8, 0.01
@@ -92,3 +95,27 @@ def _train_beside_adamw(engine, ref, loss_of, steps=3):
     sd = _state(engine)
     for name, p in ref.named_parameters():
         assert (sd[name] - p.detach()).abs().max().item() <= 1e-6, name
+
+
+def _resume_beside_straight(base, cfg, cfg_resumed, ckpt):
+    """Train a copy of ``base`` 5 steps under ``cfg``; train another 3, save to ``ckpt`` (tag
+    "s3"), load that into a fresh engine under ``cfg_resumed`` and train it 2 more: assert it
+    resumed at step 3 and ends bit for bit where the straight run did. Returns the resumed
+    engine (open) and the straight run's final state."""
+    straight, *_ = zeroinf.initialize(model=copy.deepcopy(base), config=cfg)
+    _run(straight, 5)
+    want = _state(straight)
+    straight.close()
+    first, *_ = zeroinf.initialize(model=copy.deepcopy(base), config=cfg)
+    _run(first, 3)
+    first.save_checkpoint(str(ckpt), tag="s3")
+    first.close()
+    torch.manual_seed(123)
+    resumed, *_ = zeroinf.initialize(model=type(base)(), config=cfg_resumed)
+    resumed.load_checkpoint(str(ckpt), tag="s3")
+    assert resumed.optimizer_steps == 3
+    _run(resumed, 2, start=4)
+    got = _state(resumed)
+    for k in want:
+        assert torch.equal(got[k], want[k]), k
+    return resumed, want

@@ -221,6 +221,20 @@ def test_step_time_bounds_exact():
                             nvme_write_gbps=2) == {}
 
 
+def test_step_time_bounds_move_only_the_units_the_ratio_offloads():
+    """With offload_param.ratio the NVMe bound counts the partitions the estimate offloads, unit by
+    unit as the engine keeps them (units of 100, 300, 600 elements at ratio 0.5: the first two
+    stay, 600 of 1,000 go to NVMe, not ceil(0.5 x 1,000) = 500)."""
+    from zeroinf.estimate import estimate
+
+    e = estimate(1000, Placement(3, "nvme", "none", 0.5), unit_sizes=[100, 300, 600], precision="bf16")
+    assert e.offloaded_params == 600
+    (term,) = [t for t in e.terms if t.tier == "nvme" and t.name == "bf16 parameters"]
+    assert term.bytes == 2 * 600
+    b = step_time_bounds(e, nvme_read_gbps=1.0, nvme_write_gbps=1.0)
+    assert b["nvme"][0] == pytest.approx((2 * 2 * 600 + 2 * 600) / 1e9)
+
+
 def _bench_json(path, rows, **head):
     path.write_text(json.dumps({**head, "rows": rows}))
     return str(path)

@@ -11,8 +11,8 @@ import torch
 import zeroinf
 import zeroinf.checkpoint
 from stage3_models import TinyLM, batch, loss_fn
-from stage3_engine_helpers import (BETAS, EPS, LR, TIERS, WD, _assert_like_reference, _config,  # noqa: F401
-                                   _config_at, _reference, _run, _state)
+from stage3_engine_helpers import (BETAS, EPS, LR, TIERS, WD, _assert_like_reference, _config, _reference,
+                                   _resume_beside_straight, _run, _state)
 
 
 @pytest.mark.parametrize("opt_tier", TIERS)
@@ -341,26 +341,10 @@ def test_save_load_resume_bit_exact_with_params_on_nvme(tmp_path, in_backward):
     cfg = _config("nvme", "nvme", tmp_path / "swap_a")
     cfg["zeroinf"] = {"optimizer_in_backward": in_backward}
     (tmp_path / "swap_a").mkdir()
-    straight, *_ = zeroinf.initialize(model=copy.deepcopy(base), config=cfg)
-    _run(straight, 5)
-    want = _state(straight)
-    straight.close()
-
-    first, *_ = zeroinf.initialize(model=copy.deepcopy(base), config=cfg)
-    _run(first, 3)
-    first.save_checkpoint(str(tmp_path / "ckpt"), tag="s3")
-    first.close()
     (tmp_path / "swap_b").mkdir()
-    torch.manual_seed(123)
     cfg_b = _config("nvme", "nvme", tmp_path / "swap_b")
     cfg_b["zeroinf"] = {"optimizer_in_backward": in_backward}
-    resumed, *_ = zeroinf.initialize(model=TinyLM(), config=cfg_b)
-    resumed.load_checkpoint(str(tmp_path / "ckpt"), tag="s3")
-    assert resumed.optimizer_steps == 3
-    _run(resumed, 2, start=4)
-    got = _state(resumed)
-    for k in want:
-        assert torch.equal(got[k], want[k]), k
+    resumed, want = _resume_beside_straight(base, cfg, cfg_b, tmp_path / "ckpt")
     # one plain fp32 state dict from the fp32 masters of the stage-3 checkpoint
     resumed.save_checkpoint(str(tmp_path / "ckpt"), tag="s5")
     sd = zeroinf.checkpoint.consolidate(str(tmp_path / "ckpt"), "s5", str(tmp_path / "fp32.pt"))

@@ -11,8 +11,7 @@ import torch
 import zeroinf
 from zeroinf.config import ConfigError
 from stage3_models import TinyLM, batch, loss_fn
-from stage3_engine_helpers import (BETAS, EPS, LR, TIERS, WD, _assert_like_reference, _config,  # noqa: F401
-                                   _config_at, _reference, _run, _state)
+from stage3_engine_helpers import _assert_like_reference, _config, _reference, _run, _state
 
 
 def test_host_memory_does_not_grow_with_model_size_on_nvme(tmp_path):

@@ -8,8 +8,7 @@ import torch
 
 import zeroinf
 from stage3_models import TinyLM, batch, loss_fn
-from stage3_engine_helpers import (BETAS, EPS, LR, TIERS, WD, _assert_like_reference, _config,  # noqa: F401
-                                   _config_at, _reference, _run, _state)
+from stage3_engine_helpers import BETAS, EPS, LR, TIERS, WD, _assert_like_reference, _config, _reference, _run, _state
 
 
 @pytest.mark.parametrize("tiers", [("nvme", "cpu"), ("nvme", "nvme"), ("cpu", "nvme")])

@@ -8,8 +8,8 @@ import torch
 
 import zeroinf
 from stage3_models import TinyLM, batch, loss_fn
-from stage3_engine_helpers import (BETAS, EPS, LR, TIERS, WD, _assert_like_reference, _config,  # noqa: F401
-                                   _config_at, _reference, _run, _state)
+from stage3_engine_helpers import (BETAS, EPS, LR, WD, _assert_like_reference, _config, _config_at, _reference, _run,
+                                   _state)
 
 
 def test_a_stage3_model_refuses_deepcopy_and_pickle_saying_how_to_copy_it(tmp_path):

@@ -15,7 +15,7 @@ from zeroinf.placement import PARAM_RATIOS, Limits, choose, make_config
 from zeroinf.runtime.stage3.options import Stage3ConfigError, Stage3Options
 from zeroinf.runtime.stage3.tiers import DeviceStore, HostStore, NvmeStore
 from stage3_models import TinyLM
-from stage3_engine_helpers import _assert_like_reference, _config, _reference, _run, _state
+from stage3_engine_helpers import _assert_like_reference, _config, _reference, _resume_beside_straight, _run
 
 OFFLOADED = {"cpu": HostStore, "nvme": NvmeStore}
 
@@ -115,23 +115,9 @@ def test_checkpoint_resumes_bit_exact_at_any_ratio(tmp_path, load_ratio):
     base = TinyLM()
     for name in ("a", "b"):
         (tmp_path / name).mkdir()
-    cfg = _ratio_config("nvme", "nvme", tmp_path / "a", 0.5)
-    straight, *_ = zeroinf.initialize(model=copy.deepcopy(base), config=cfg)
-    _run(straight, 5)
-    want = _state(straight)
-    straight.close()
-    first, *_ = zeroinf.initialize(model=copy.deepcopy(base), config=cfg)
-    _run(first, 3)
-    first.save_checkpoint(str(tmp_path / "ckpt"), tag="s3")
-    first.close()
-    torch.manual_seed(123)
-    resumed, *_ = zeroinf.initialize(model=TinyLM(), config=_ratio_config("nvme", "nvme", tmp_path / "b", load_ratio))
-    resumed.load_checkpoint(str(tmp_path / "ckpt"), tag="s3")
-    assert resumed.optimizer_steps == 3
-    _run(resumed, 2, start=4)
-    got = _state(resumed)
-    for k in want:
-        assert torch.equal(got[k], want[k]), k
+    resumed, _want = _resume_beside_straight(base, _ratio_config("nvme", "nvme", tmp_path / "a", 0.5),
+                                             _ratio_config("nvme", "nvme", tmp_path / "b", load_ratio),
+                                             tmp_path / "ckpt")
     resumed.close()
 
 

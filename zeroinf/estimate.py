@@ -260,6 +260,9 @@ class Estimate:
         world_size: N, data-parallel ranks.
         gpus_per_node: ranks per host; host and NVMe totals are per node.
         terms: the addends, bytes per rank.
+        offloaded_params: elements of a rank's stage-3 parameter partition on
+            ``offload_param``'s tier: ``ceil(P/N)`` less those ``offload_param.ratio`` keeps on
+            the device (0 when ``offload_param`` is none).
     """
 
     placement: Placement
@@ -267,6 +270,7 @@ class Estimate:
     world_size: int
     gpus_per_node: int
     terms: Tuple[Term, ...]
+    offloaded_params: int = 0
 
     def _tier(self, tier: str) -> int:
         return sum(t.bytes for t in self.terms if t.tier == tier)
@@ -508,7 +512,8 @@ def estimate(params: int, placement: Placement, *, world_size: int = 1, gpus_per
                               "cuda" if param_pin_memory else "never"))
     if activations:
         terms.append(Term("activations", "device", int(activations), activations_formula))
-    return Estimate(placement=placement, params=params, world_size=n, gpus_per_node=gpn, terms=tuple(terms))
+    return Estimate(placement=placement, params=params, world_size=n, gpus_per_node=gpn, terms=tuple(terms),
+                    offloaded_params=offloaded if placement.offload_param != "none" else 0)
 
 
 def _resident(shard: int, ratio: float, n: int, unit_sizes: Optional[Sequence[int]]) -> Tuple[int, str]:

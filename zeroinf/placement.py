@@ -17,14 +17,14 @@ With bandwidths, :func:`step_time_bounds` gives lower bounds on the step time, p
 * NVMe: ``bytes read / read bandwidth + bytes written / write bandwidth`` of the node's swap traffic
   (reads and writes share the device): optimizer on NVMe reads and writes ``K x ceil(P/N)`` per rank;
   parameters on NVMe are read in forward and in backward and written after the step,
-  ``Ψp x ceil(ratio x ceil(P/N))`` each time (``offload_param.ratio``).
+  ``Ψp x`` the offloaded part of ``ceil(P/N)`` each time (:attr:`Estimate.offloaded_params`:
+  all of it, less the units ``offload_param.ratio`` keeps on the device).
 
 Units: bytes in the API; GB = 1e9 bytes and GB/s = 1e9 bytes/s.
 """
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass
 from typing import Dict, Optional, Tuple
 
@@ -259,10 +259,9 @@ def step_time_bounds(est: Estimate, *, adam_params_per_s: Optional[float] = None
     if pl.offload_optimizer == "nvme":
         read += k * part
         write += k * part
-    if pl.offload_param == "nvme":
-        offloaded = math.ceil(pl.param_ratio * shard)
-        read += 2 * psize * offloaded
-        write += psize * offloaded
+    if pl.offload_param == "nvme":  # the partition less the units offload_param.ratio keeps resident
+        read += 2 * psize * est.offloaded_params
+        write += psize * est.offloaded_params
     if (read or write) and nvme_read_gbps and nvme_write_gbps:
         read, write = read * gpn, write * gpn
         secs = read / (nvme_read_gbps * GB) + write / (nvme_write_gbps * GB)
