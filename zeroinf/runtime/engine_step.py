@@ -16,6 +16,8 @@ from typing import Any, Dict, Iterator, Optional
 import torch
 import torch.distributed as dist
 
+from . import grad_norm
+
 __all__ = ["StepDriver"]
 
 
@@ -406,9 +408,9 @@ class StepDriver:
         if self.world_size > 1 and partitioned:
             # on the compute device: NCCL reduces only CUDA tensors (gloo takes either)
             t = torch.tensor([value], dtype=torch.float64, device=self.params.device)
-            dist.all_reduce(t, op=dist.ReduceOp.MAX if norm_type == math.inf else dist.ReduceOp.SUM)
+            dist.all_reduce(t, op=grad_norm.reduce_op(norm_type))
             value = float(t[0])
-        norm = value if norm_type == math.inf else value ** (1.0 / norm_type)
+        norm = grad_norm.finish(value, norm_type)
         if self.loss_scaler is not None:
             norm = norm / self.loss_scaler.scale
         return norm

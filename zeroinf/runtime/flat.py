@@ -50,6 +50,7 @@ import torch
 import torch.distributed as dist
 
 from . import collectives
+from .grad_norm import combine, norm_part
 from .optimizer import SubGroupSpec
 from .pinned import PinnedHost
 from .stage_api import StageParamsBase
@@ -401,13 +402,4 @@ class FlatParamManager(StageParamsBase):
         """(sum of |g|^p, or max |g| for inf) over this rank's slice, and whether it is the
         rank's share of a partitioned sum (True) or a replicated value (stage 0: False)."""
         self._materialize()
-        vals = []
-        for g in self.groups:
-            t = g.grad_acc
-            if norm_type == float("inf"):
-                vals.append(float(t.abs().max()) if t.numel() else 0.0)
-            else:
-                vals.append(float(torch.linalg.vector_norm(t, norm_type, dtype=torch.float32).double() ** norm_type))
-        if norm_type == float("inf"):
-            return (max(vals) if vals else 0.0), self.stage != 0
-        return sum(vals), self.stage != 0
+        return combine((norm_part(g.grad_acc, norm_type) for g in self.groups), norm_type), self.stage != 0

@@ -1,20 +1,12 @@
 """Small tensor and future helpers shared by the stage-3 modules."""
 from __future__ import annotations
 
-import math
 from concurrent.futures import Future
 from typing import Any, Optional, Sequence, Tuple
 
 import torch
 
 from .units import ParamSlot
-
-
-def _norm_part(t: torch.Tensor, norm_type: float) -> float:
-    """``max |t|`` for the inf norm, else ``sum |t|^p`` (fp32 norm, then the power in float64)."""
-    if math.isinf(norm_type):
-        return float(t.abs().max()) if t.numel() else 0.0
-    return float(torch.linalg.vector_norm(t, norm_type, dtype=torch.float32).double() ** norm_type)
 
 
 def _finished(value: Any) -> Future:

@@ -9,12 +9,12 @@ only reports what moved.
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from ..grad_norm import combine, norm_part
 from ..stage_api import StageParamsBase
 from .manager import Stage3ParameterManager, refreshed_master
 from .options import Stage3Options
@@ -450,8 +450,7 @@ class Stage3EngineParams(StageParamsBase):
             StepFailedError: the background step failed before every norm was known.
             RuntimeError: called inside the backward that feeds the step.
         """
-        parts = self._bwd_step.norm_parts()  # manager.groups() order: the synchronous step's sums
-        return max(parts, default=0.0) if norm_type == math.inf else sum(parts)
+        return combine(self._bwd_step.norm_parts(), norm_type)  # manager.groups() order: the synchronous step's sums
 
     def backward_step_done(self) -> None:
         """At engine.step(): close the stage-3 counters of the step (its write-backs that run
@@ -495,12 +494,8 @@ class Stage3EngineParams(StageParamsBase):
         if self.manager.grad_norm_type == norm_type and (self._grad_cache is None or not self._grad_cache[2]):
             parts = self.manager.grad_norm_parts()
             if parts is not None:
-                return (max(parts, default=0.0) if norm_type == math.inf else sum(parts)), True
-        vals = self._grad_tensors()
-        if norm_type == math.inf:
-            return max((float(v.abs().max()) for v in vals if v.numel()), default=0.0), True
-        return sum(float(torch.linalg.vector_norm(v, norm_type, dtype=torch.float32).double() ** norm_type)
-                   for v in vals), True
+                return combine(parts, norm_type), True
+        return combine((norm_part(v, norm_type) for v in self._grad_tensors()), norm_type), True
 
     def attach_optimizer(self, sub_optimizer) -> None:
         """Keep ``sub_optimizer``'s fp32 master weights in step with partitions written outside

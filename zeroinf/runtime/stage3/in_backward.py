@@ -64,7 +64,7 @@ from typing import Any, Dict, List, Optional, Set, Tuple
 import torch
 
 from ...optim import limit_thread_parallelism
-from .common import _norm_part
+from ..grad_norm import norm_part
 from .step_cursor import SubGroupCursor
 
 __all__ = ["BackwardStep", "OptimizerInBackwardError", "sub_group_indices", "worker_threads"]
@@ -191,7 +191,7 @@ class BackwardStep:
                 "activation checkpointing); its update had already started. Turn zeroinf.optimizer_in_backward off.")
         norm = None
         if ready is None:  # on the host already: its norm part now, so engine.step() need not wait
-            norm = 0.0 if part is None else _norm_part(part, self.norm_type)
+            norm = 0.0 if part is None else norm_part(part, self.norm_type)
         master = self.glue.master_copy(g)  # [Note: master in the partitions]: no NVMe read in the step
         self.handed.add(g.key)
         self.arrival.append(g.key)
@@ -280,7 +280,7 @@ class BackwardStep:
             elif ready is not None:
                 m.transfers.host_wait(ready)
             if g.key not in self.norms:  # CUDA: landed on the host just now
-                norm = _norm_part(part, self.norm_type)
+                norm = norm_part(part, self.norm_type)
                 with self._cv:
                     self.norms[g.key] = norm
                     self._cv.notify_all()

@@ -7,7 +7,8 @@ import torch
 import torch.distributed as dist
 
 from .units import FlatGroup, ParamSlot, UnitState
-from .common import _finished, _norm_part
+from ..grad_norm import norm_part
+from .common import _finished
 from .reads import _Staged
 
 
@@ -150,7 +151,7 @@ class ShardsMixin:
     # [Note: norm while reducing] With gradients on NVMe, the global gradient norm at the step
     # would re-read every gradient partition. Each accumulation into a swap file has the new
     # accumulated value in memory anyway, so it also records that value's norm part
-    # (``sum |g|^p``, or ``max |g|`` for inf; the formula of ``local_grad_norm_parts``) in
+    # (``grad_norm.norm_part``: ``sum |g|^p``, or ``max |g|`` for inf) in
     # ``group.grad_norm_part``; a write from outside (``write_grad_shard``) or ``zero_grad``
     # clears it. The engine sets ``grad_norm_type`` to its configured norm.
     def grad_norm_parts(self) -> Optional[List[float]]:
@@ -189,7 +190,7 @@ class ShardsMixin:
             acc.add_(part)
             part = acc
         if self.grad_norm_type is not None:
-            g.grad_norm_part = _norm_part(part, self.grad_norm_type)
+            g.grad_norm_part = norm_part(part, self.grad_norm_type)
         self._swapper.swap_out([(self._grad_key(g, part.dtype), part)], async_op=False)
         g.grad_on_nvme, g.grad_nvme_dtype = True, part.dtype
         self.stats.add("bytes_nvme_written", part.numel() * part.element_size())
