@@ -48,6 +48,7 @@ from .engine_step import StepDriver
 from .loss_scaler import LossScaler
 from .optimizer import SubGroupOptimizer, state_bytes_per_element
 from .stage_api import StageParams
+from .step_state import StepState
 from .zero_optimizer import ZeroOptimizer, hand_over, hyper_from_client
 
 __all__ = ["StateGuard", "ZeroEngine", "ZeroOptimizer", "build_stage", "destroy_process_group", "initialize"]
@@ -146,7 +147,7 @@ class ZeroEngine(StepDriver, EngineState, EngineInfo):
         self._grad_norm: Optional[float] = None
         self._stats: Dict[str, Any] = {}
         self._step_stats = self._new_step_stats()
-        self._step_running = False  # a background optimizer step is in flight (stage 3)
+        self._step = StepState()  # the optimizer update in flight or uncounted, if any (step_state.py)
         self._global_samples = 0  # global_samples
         self._backwards = 0  # engine.backward calls since the last engine.step (_check_backward_ran)
         self._window_backwards = 0  # engine.backward calls since the last optimizer step (a save warns)
@@ -229,7 +230,6 @@ class ZeroEngine(StepDriver, EngineState, EngineInfo):
         self._overlap = cfg.zeroinf.overlap_step and self.params.overlaps_step
         # [Note: optimizer in backward] (stage3/in_backward.py): the config allows it with stage 3 only
         self._in_bwd = cfg.zeroinf.optimizer_in_backward
-        self._bwd_pending = False  # a backward started the update; engine.step() closes it
         self.params.attach_optimizer(self.sub_optimizer)  # stage 3: masters follow gathered_parameters writes
         self._names = {p: n for n, p, _f in self._requires_grad}  # for errors that name a parameter
         # [Note: weights changed between steps] (weight_changes.py): stages 0-2 note them from here on

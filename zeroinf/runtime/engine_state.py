@@ -167,7 +167,7 @@ class EngineState:
         """Raise RuntimeError between engine.backward and engine.step with
         ``zeroinf.optimizer_in_backward``: the weights and Adam moments are already those of the
         next step while the step counter is not, so a checkpoint would be neither step."""
-        if self._bwd_pending:
+        if self._step.uncounted:
             raise RuntimeError(f"zeroinf.optimizer_in_backward: {what} between engine.backward() and engine.step(): "
                                "the backward already applied the update but the step is not counted yet; call "
                                "engine.step() first")

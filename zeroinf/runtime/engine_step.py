@@ -170,8 +170,8 @@ class StepDriver:
             # optimizer in backward: with no gradient handed over yet nothing was updated and the
             # engine goes on (an OOM skipped by the caller); else some groups may be stepped
             # already and the step fails (StepFailedError from every later wait)
-            if self._bwd_pending:
-                self._bwd_pending = False
+            if self._step.uncounted:
+                self._step.abandoned()
                 self.params.abort_backward_step(exc)
             elif not self._in_bwd:
                 self._drop_partial_gradients(exc)
@@ -225,7 +225,7 @@ class StepDriver:
         """``zeroinf.optimizer_in_backward``: raise RuntimeError if the previous backward's
         update was never closed by :meth:`step`. (``requires_grad`` flips were checked by the
         grad-enabled forward that made the loss.)"""
-        if self._bwd_pending:
+        if self._step.uncounted:
             raise RuntimeError("zeroinf.optimizer_in_backward: engine.backward() was called twice without "
                                "engine.step() between; the first backward already updated the weights, so call "
                                "engine.step() after every engine.backward()")
@@ -236,7 +236,7 @@ class StepDriver:
         # the step number and hyper-parameters engine.step() would use (the LR schedule moves in step())
         hyper = [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
         # set first: an interrupt anywhere below reaches backward()'s abort, which stops the worker
-        self._step_running = self._bwd_pending = True
+        self._step.start_in_backward()
         self.params.start_backward_step(self.sub_optimizer, step=self.optimizer_steps + 1, hyper=hyper,
                                         norm_type=self.config.zeroinf.grad_norm_type)
 
@@ -427,13 +427,13 @@ class StepDriver:
             RuntimeError: called inside the backward that feeds a step run in the backward
                 (``zeroinf.optimizer_in_backward``: a hook or signal handler).
         """
-        if not self._step_running:
+        if not self._step.in_flight:
             return
         t0 = time.perf_counter()
         # raises a failed step's error, again at every later call; and RuntimeError inside the
         # backward that feeds a step run in the backward (waiting there would never end)
         self.params.finish_step()
-        self._step_running = False
+        self._step.joined()
         st = self.sub_optimizer.stats
         s = self._step_stats
         s["io_wait_s"] += time.perf_counter() - t0
@@ -482,7 +482,7 @@ class StepDriver:
         s = self._step_stats
         if self._overlap:
             self.params.start_step(self.sub_optimizer, step=self.optimizer_steps, hyper=hyper, grad_scale=grad_scale)
-            self._step_running = True
+            self._step.start_in_background()
             s["io_wait_s"] += self.params.take_step_wait_s()  # forward waits on the last update
         else:
             self.sub_optimizer.step(step=self.optimizer_steps, hyper=hyper, grad=self.params.grad,
@@ -513,7 +513,7 @@ class StepDriver:
                 (a hook or signal handler).
             StepFailedError: the background update failed.
         """
-        if not self._bwd_pending:
+        if not self._step.uncounted:
             self.synchronize()  # a failed update: its StepFailedError says more than the line below
             raise RuntimeError("zeroinf.optimizer_in_backward: engine.step() needs an engine.backward() first "
                                "(the update runs inside the backward)")
@@ -521,7 +521,7 @@ class StepDriver:
         norm_type = self.config.zeroinf.grad_norm_type
         # may raise (inside the backward, or the update failed): the step stays open until then
         self._grad_norm = norm = self._global_norm(norm_type, self.params.backward_step_norm(norm_type))
-        self._bwd_pending = False
+        self._step.counted()
         if not math.isfinite(norm):
             warnings.warn(f"zeroinf.optimizer_in_backward: step {self.optimizer_steps + 1} applied gradients whose "
                           f"global norm is {norm} (the update runs during the backward, before the norm is known, "
