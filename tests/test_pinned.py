@@ -1,5 +1,5 @@
-"""Pinned host memory accounting: ``zeroinf.runtime.pinned.PinnedHost``, the stage 1/2 manager's
-pinned buffers and ``engine.stats()["pinned_bytes"]``.
+"""Pinned host memory accounting: ``zeroinf.runtime.host_memory.HostMemory``, the stage 1/2
+manager's pinned buffers and ``engine.stats()["pinned_bytes"]``.
 
 torch pins only with CUDA, and this suite runs on CPU-only hosts, so the CUDA paths run here with
 a stand-in for the pinned allocator (``fake_pinning``): ``torch.cuda.is_available()`` says True,
@@ -16,7 +16,7 @@ from torch import nn
 
 import zeroinf
 from zeroinf.runtime.flat import STAGING_NUMEL, FlatParamManager
-from zeroinf.runtime.pinned import PinnedHost
+from zeroinf.runtime.host_memory import HostMemory
 from zeroinf.runtime.streams import HostTransfers
 
 
@@ -48,16 +48,16 @@ def fake_pinning(monkeypatch):
     return allocated
 
 
-def test_pinned_host_allocates_ordinary_memory_without_cuda():
+def test_host_memory_allocates_ordinary_memory_without_cuda():
     if torch.cuda.is_available():
         pytest.skip("a CUDA host pins")
-    h = PinnedHost()
+    h = HostMemory()
     t = h.zeros(1000, torch.float32)
     assert not t.is_pinned() and h.nbytes == 0 and bool((t == 0).all())
 
 
-def test_pinned_host_counts_the_pinned_storages_alive(fake_pinning):
-    h = PinnedHost()
+def test_host_memory_counts_the_pinned_storages_alive(fake_pinning):
+    h = HostMemory()
     a = h.empty(4097, torch.bfloat16)
     b = h.zeros(17, torch.float32)
     c = h.empty(1000, torch.float32, pin=False)  # asked unpinned: ordinary memory, not counted
@@ -92,7 +92,7 @@ def test_flat_manager_counts_grad_acc_host_part_and_staging(fake_pinning, dtype)
         m.param_target(i)  # allocates the pinned host copy of the slice
     n = 174
     want = 4 * n + dtype.itemsize * n + 2 * 4 * min(STAGING_NUMEL, n)  # grad_acc, host_part, staging
-    assert m.pinned_bytes() == fake_pinning() - before == want
+    assert m.host.nbytes == fake_pinning() - before == want
 
 
 def test_engine_pinned_bytes_are_what_the_allocator_holds(fake_pinning):
@@ -126,5 +126,5 @@ def test_stage3_manager_counts_pinned_host_partitions(fake_pinning):
     m = Stage3ParameterManager(model, Stage3Options(offload_param_device="cpu", pin_memory=True,
                                                     param_persistence_threshold=0), device="cpu")
     # every partition lives in pinned host memory; old counts saw the NVMe pool only (0 here)
-    assert m.pinned_bytes() == fake_pinning() - before == 4 * 174
+    assert m.host.nbytes == fake_pinning() - before == 4 * 174
     m.close()
