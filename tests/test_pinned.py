@@ -128,3 +128,48 @@ def test_stage3_manager_counts_pinned_host_partitions(fake_pinning):
     # every partition lives in pinned host memory; old counts saw the NVMe pool only (0 here)
     assert m.host.nbytes == fake_pinning() - before == 4 * 174
     m.close()
+
+
+def test_host_memory_counts_its_pools_until_they_close():
+    from zeroinf.io import pinned_pool_bytes
+
+    h = HostMemory()
+    a, b = h.pool(2, 5000), h.pool(1, 4096)
+    tensors = h.nbytes - pinned_pool_bytes(2, 5000) - pinned_pool_bytes(1, 4096)
+    assert a.pinned and b.pinned and tensors == 0
+    a.close()
+    assert h.nbytes == pinned_pool_bytes(1, 4096)
+    b.close()
+    assert h.nbytes == 0
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_one_engine_s_parts_share_one_allocator_that_stats_read(tmp_path, stage):
+    """The engine's stage (its parameter manager) and its optimizer take their host buffers from
+    the engine's one HostMemory, and stats()["pinned_bytes"] is that allocator's count: here the
+    NVMe swap pools, locked on any host (torch pins no tensor without CUDA)."""
+    from zeroinf.io import pinned_pool_bytes
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(7, 13), nn.Tanh(), nn.Linear(13, 5))
+    nvme = {"device": "nvme", "nvme_path": str(tmp_path)}
+    zero = {"stage": stage, "sub_group_size": 100, "offload_optimizer": dict(nvme, buffer_count=4)}
+    if stage == 3:
+        zero.update(stage3_param_persistence_threshold=0,
+                    offload_param=dict(nvme, buffer_count=2, buffer_size=4096, max_in_cpu=0))
+    cfg = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1,
+           "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}, "zero_optimization": zero}
+    engine, *_ = zeroinf.initialize(model, config=cfg)
+    parts = [engine.params.manager if stage == 3 else engine.params, engine.sub_optimizer]
+    assert all(p.host is engine.host for p in parts)
+    pools = [engine.sub_optimizer._pool] + ([engine.params.manager._pool] if stage == 3 else [])
+    locked = sum(pinned_pool_bytes(p.buffer_count, p.buffer_size) for p in pools)
+    x, y = torch.randn(4, 7), torch.randn(4, 5)
+    engine.backward(F.mse_loss(engine(x), y))
+    engine.step()
+    assert engine.stats()["pinned_bytes"] == engine.host.nbytes
+    if not torch.cuda.is_available():
+        assert engine.host.nbytes == locked > 0
+    engine.close()
+    if not torch.cuda.is_available():  # the pools are closed; the parts' tensors pin nothing
+        assert engine.host.nbytes == 0
