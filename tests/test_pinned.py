@@ -1,5 +1,5 @@
-"""Pinned host memory accounting: ``zeroinf.runtime.pinned.PinnedHost``, the stage 1/2 manager's
-pinned buffers and ``engine.stats()["pinned_bytes"]``.
+"""Pinned host memory accounting: ``zeroinf.runtime.host_memory.HostMemory``, the stage 1/2
+manager's pinned buffers and ``engine.stats()["pinned_bytes"]``.
 
 torch pins only with CUDA, and this suite runs on CPU-only hosts, so the CUDA paths run here with
 a stand-in for the pinned allocator (``fake_pinning``): ``torch.cuda.is_available()`` says True,
@@ -16,7 +16,7 @@ from torch import nn
 
 import zeroinf
 from zeroinf.runtime.flat import STAGING_NUMEL, FlatParamManager
-from zeroinf.runtime.pinned import PinnedHost
+from zeroinf.runtime.host_memory import HostMemory
 from zeroinf.runtime.streams import HostTransfers
 
 
@@ -48,16 +48,16 @@ def fake_pinning(monkeypatch):
     return allocated
 
 
-def test_pinned_host_allocates_ordinary_memory_without_cuda():
+def test_host_memory_allocates_ordinary_memory_without_cuda():
     if torch.cuda.is_available():
         pytest.skip("a CUDA host pins")
-    h = PinnedHost()
+    h = HostMemory()
     t = h.zeros(1000, torch.float32)
     assert not t.is_pinned() and h.nbytes == 0 and bool((t == 0).all())
 
 
-def test_pinned_host_counts_the_pinned_storages_alive(fake_pinning):
-    h = PinnedHost()
+def test_host_memory_counts_the_pinned_storages_alive(fake_pinning):
+    h = HostMemory()
     a = h.empty(4097, torch.bfloat16)
     b = h.zeros(17, torch.float32)
     c = h.empty(1000, torch.float32, pin=False)  # asked unpinned: ordinary memory, not counted
@@ -92,7 +92,7 @@ def test_flat_manager_counts_grad_acc_host_part_and_staging(fake_pinning, dtype)
         m.param_target(i)  # allocates the pinned host copy of the slice
     n = 174
     want = 4 * n + dtype.itemsize * n + 2 * 4 * min(STAGING_NUMEL, n)  # grad_acc, host_part, staging
-    assert m.pinned_bytes() == fake_pinning() - before == want
+    assert m.host.nbytes == fake_pinning() - before == want
 
 
 def test_engine_pinned_bytes_are_what_the_allocator_holds(fake_pinning):
@@ -126,5 +126,50 @@ def test_stage3_manager_counts_pinned_host_partitions(fake_pinning):
     m = Stage3ParameterManager(model, Stage3Options(offload_param_device="cpu", pin_memory=True,
                                                     param_persistence_threshold=0), device="cpu")
     # every partition lives in pinned host memory; old counts saw the NVMe pool only (0 here)
-    assert m.pinned_bytes() == fake_pinning() - before == 4 * 174
+    assert m.host.nbytes == fake_pinning() - before == 4 * 174
     m.close()
+
+
+def test_host_memory_counts_its_pools_until_they_close():
+    from zeroinf.io import pinned_pool_bytes
+
+    h = HostMemory()
+    a, b = h.pool(2, 5000), h.pool(1, 4096)
+    tensors = h.nbytes - pinned_pool_bytes(2, 5000) - pinned_pool_bytes(1, 4096)
+    assert a.pinned and b.pinned and tensors == 0
+    a.close()
+    assert h.nbytes == pinned_pool_bytes(1, 4096)
+    b.close()
+    assert h.nbytes == 0
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_one_engine_s_parts_share_one_allocator_that_stats_read(tmp_path, stage):
+    """The engine's stage (its parameter manager) and its optimizer take their host buffers from
+    the engine's one HostMemory, and stats()["pinned_bytes"] is that allocator's count: here the
+    NVMe swap pools, locked on any host (torch pins no tensor without CUDA)."""
+    from zeroinf.io import pinned_pool_bytes
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(7, 13), nn.Tanh(), nn.Linear(13, 5))
+    nvme = {"device": "nvme", "nvme_path": str(tmp_path)}
+    zero = {"stage": stage, "sub_group_size": 100, "offload_optimizer": dict(nvme, buffer_count=4)}
+    if stage == 3:
+        zero.update(stage3_param_persistence_threshold=0,
+                    offload_param=dict(nvme, buffer_count=2, buffer_size=4096, max_in_cpu=0))
+    cfg = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1,
+           "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}, "zero_optimization": zero}
+    engine, *_ = zeroinf.initialize(model, config=cfg)
+    parts = [engine.params.manager if stage == 3 else engine.params, engine.sub_optimizer]
+    assert all(p.host is engine.host for p in parts)
+    pools = [engine.sub_optimizer._pool] + ([engine.params.manager._pool] if stage == 3 else [])
+    locked = sum(pinned_pool_bytes(p.buffer_count, p.buffer_size) for p in pools)
+    x, y = torch.randn(4, 7), torch.randn(4, 5)
+    engine.backward(F.mse_loss(engine(x), y))
+    engine.step()
+    assert engine.stats()["pinned_bytes"] == engine.host.nbytes
+    if not torch.cuda.is_available():
+        assert engine.host.nbytes == locked > 0
+    engine.close()
+    if not torch.cuda.is_available():  # the pools are closed; the parts' tensors pin nothing
+        assert engine.host.nbytes == 0

@@ -390,7 +390,7 @@ def test_nvme_partitions_read_ahead_into_staging_buffers(tmp_path):
     mgr.drop_staged()  # what close() does before it unlocks the pool
     assert mgr._pool.free_count() == 4  # every staging buffer returned
     mgr.close()
-    assert mgr._pool is None and mgr.pinned_bytes() == 0
+    assert mgr._pool is None and mgr.host.nbytes == 0
 
 
 def test_units_by_size_when_no_block_class_is_found():
@@ -432,13 +432,13 @@ def test_a_view_kept_past_release_keeps_its_values(tmp_path, tier):
     assert mgr.units[3].state is UnitState.RELEASED  # blocks[1] is unit 3 (persistent, root, block 0, ...)
     assert torch.equal(kept["w"], kept["values"])
     # and without a surviving view the buffers are reused: later gathers take them back
-    assert mgr.scratch.free_bytes > 0
+    assert mgr.host.free_bytes > 0
     mgr.remove_hooks()
 
 
-def test_buffer_recycler_reuses_aligned_buffers_within_its_byte_budget():
-    from zeroinf.runtime.stage3.tiers import BufferRecycler
-    r = BufferRecycler(keep=2, max_free_bytes=3 * 4096)
+def test_host_memory_scratch_reuses_aligned_buffers_within_its_byte_budget():
+    from zeroinf.runtime.host_memory import HostMemory
+    r = HostMemory(keep=2, max_free_bytes=3 * 4096)
     a = r.take(1024, torch.float32)  # 4096 bytes
     assert a.data_ptr() % 4096 == 0 and a.numel() == 1024 and a.dtype == torch.float32
     b, c = r.take(1024, torch.float32), r.take(1024, torch.float32)
@@ -467,7 +467,7 @@ def test_the_max_in_cpu_host_cache_keeps_its_first_partitions_through_a_cycle():
             return torch.empty(n, dtype=dtype)
 
     hits = []
-    cache = HostCache(max_elements=8, pin=False, pinned=Counting(), on_hit=hits.append)
+    cache = HostCache(max_elements=8, pin=False, host=Counting(), on_hit=hits.append)
     parts = {k: torch.full((4,), float(i)) for i, k in enumerate("abc")}
     for cycle in range(3):  # read each partition (a miss puts it), then write its new values
         for k in "abc":

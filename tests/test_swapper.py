@@ -336,9 +336,10 @@ def test_pool_buffers_aligned_locked_and_recycled():
         with pytest.raises(ValueError, match="does not start"):
             pool.release(torch.zeros(4))
         assert pool.acquire().data_ptr() == bufs[1].data_ptr()
+        assert not pool.closed
     finally:
         pool.close()
-    assert _vm_locked() == before
+    assert _vm_locked() == before and pool.closed and pool.buffers() == []
 
 
 def test_pool_budget_checked_before_allocating(monkeypatch):

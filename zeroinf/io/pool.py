@@ -193,6 +193,13 @@ class PinnedBufferPool:
             self._buffers = [whole[skip + i * slot: skip + i * slot + buffer_size] for i in range(buffer_count)]
         self._free: List[int] = list(range(buffer_count - 1, -1, -1))
         self._ptrs = {b.data_ptr(): i for i, b in enumerate(self._buffers)}
+        self._closed = False
+
+    @property
+    def closed(self) -> bool:
+        """True once :meth:`close` ran: the buffers are dropped and no longer locked
+        (:attr:`pinned_bytes` still gives the size the pool had)."""
+        return self._closed
 
     @property
     def pinned(self) -> bool:
@@ -265,6 +272,7 @@ class PinnedBufferPool:
         self._buffers = []
         self._free = []
         self._ptrs = {}
+        self._closed = True
         self._release_mapping()
 
     def __enter__(self) -> "PinnedBufferPool":

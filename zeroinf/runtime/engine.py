@@ -45,6 +45,7 @@ from .engine_guards import StateGuard, note_gloo_used, take_over_guard_hooks, wa
 from .engine_info import EngineInfo
 from .engine_state import EngineState
 from .engine_step import StepDriver
+from .host_memory import HostMemory
 from .loss_scaler import LossScaler
 from .optimizer import SubGroupOptimizer, state_bytes_per_element
 from .stage_api import StageParams
@@ -82,11 +83,12 @@ def _compute_device() -> torch.device:
 
 
 def build_stage(model: torch.nn.Module, cfg: ZeroInfConfig, groups, *, rank: int, world_size: int,
-                check_disk) -> StageParams:
+                check_disk, host: Optional[HostMemory] = None) -> StageParams:
     """The stage implementation for ``cfg.zero_optimization.stage``, built over ``groups`` (the
     trainable parameters of each optimizer param group; ``model`` already in the training dtype).
     ``check_disk(files, freed=None)`` checks the swap files' room before they are written
-    (:meth:`ZeroEngine._check_disk`).
+    (:meth:`ZeroEngine._check_disk`). ``host``: the engine's :class:`HostMemory`, which the stage's
+    host buffers come from (None: a new one).
 
     Raises:
         RuntimeError: at stage 3, the model's parameters are partitioned by another engine.
@@ -110,11 +112,11 @@ def build_stage(model: torch.nn.Module, cfg: ZeroInfConfig, groups, *, rank: int
         # the optimizer's included
         check_disk(swap_file_bytes(model, cfg, groups, rank=rank, world_size=world_size),
                    freed=swap_bytes_freed_by(model.parameters()))
-        return engine_manager(model, cfg, groups, rank=rank, world_size=world_size)
+        return engine_manager(model, cfg, groups, rank=rank, world_size=world_size, host=host)
     from .flat import FlatParamManager
     flat = FlatParamManager(groups, stage=zc.stage, sub_group_size=zc.sub_group_size,
                             reduce_bucket_size=zc.reduce_bucket_size, allgather_bucket_size=zc.allgather_bucket_size,
-                            reduce_scatter=zc.reduce_scatter, rank=rank, world_size=world_size)
+                            reduce_scatter=zc.reduce_scatter, rank=rank, world_size=world_size, host=host)
     if off.device == "nvme":
         per = state_bytes_per_element(_STATE_DTYPES[off.state_dtype], master=True)
         check_disk([("zero_optimization.offload_optimizer.nvme_path", off.nvme_path,
@@ -191,7 +193,10 @@ class ZeroEngine(StepDriver, EngineState, EngineInfo):
             model.to(dtype)
         self.dtype = dtype
 
-        self.params: StageParams = build_stage(model, cfg, groups, rank=rank, world_size=world_size,
+        #: the one allocator of the engine's host buffers: the stage's and the optimizer's
+        #: (stats()["pinned_bytes"] is its count)
+        self.host = HostMemory()
+        self.params: StageParams = build_stage(model, cfg, groups, rank=rank, world_size=world_size, host=self.host,
                                                check_disk=self._check_disk)
         specs = self.params.sub_group_specs()
         # [Note: master in the partitions] (stage3/engine_glue.py): fp32 stage 3 with the optimizer
@@ -207,7 +212,7 @@ class ZeroEngine(StepDriver, EngineState, EngineInfo):
             self.sub_optimizer = SubGroupOptimizer(
                 specs, device=off.device, swap_dir=swap_dir, buffer_count=off.buffer_count,
                 pipeline_read=off.pipeline_read, pipeline_write=off.pipeline_write, pin_memory=off.pin_memory,
-                aio=cfg.aio, master_io=master_io, state_dtype=state_dtype)
+                aio=cfg.aio, master_io=master_io, state_dtype=state_dtype, host=self.host)
         except MemoryError as e:  # zeroinf.io.PinnedMemoryError: over RAM or ulimit -l
             raise ConfigError("zero_optimization.offload_optimizer.buffer_count",
                               f"{e}; lower sub_group_size or buffer_count") from e

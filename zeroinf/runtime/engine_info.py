@@ -222,8 +222,8 @@ class EngineInfo:
         NVMe bytes read/written; ``pinned_bytes``, the page-locked host memory held now (the
         optimizer's swap buffers and stage 3's parameter staging pool, locked on any host; with
         CUDA also the gradient accumulation, parameter copies, staging buffers and CPU-resident
-        optimizer state torch pins: :mod:`zeroinf.runtime.pinned`); plus step counters and the
-        loss scale.
+        optimizer state torch pins), as the engine's :class:`~zeroinf.runtime.host_memory.HostMemory`
+        counts it; plus step counters and the loss scale.
 
         With a background step (stage 3, ``zeroinf.overlap_step`` or
         ``zeroinf.optimizer_in_backward``) a step's Adam time and optimizer NVMe bytes land in the
@@ -231,7 +231,7 @@ class EngineInfo:
         ``io_wait_s`` counts the time the forward waited for its updates."""
         out = dict(self._stats)
         out.update(global_steps=self.global_steps, skipped_steps=self.skipped_steps, loss_scale=self.loss_scale,
-                   pinned_bytes=self.sub_optimizer.pinned_bytes() + self.params.pinned_bytes(),
+                   pinned_bytes=self.host.nbytes,
                    grad_norm=self._grad_norm)
         stage = self.params.stats()  # stage 3: transfer counters of the last optimizer step
         if stage is not None:

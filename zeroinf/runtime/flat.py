@@ -52,7 +52,7 @@ import torch.distributed as dist
 from . import collectives
 from .grad_norm import combine, norm_part
 from .optimizer import SubGroupSpec
-from .pinned import PinnedHost
+from .host_memory import HostMemory
 from .stage_api import StageParamsBase
 from .streams import transfers_for
 from .weight_changes import WeightWatch
@@ -92,6 +92,8 @@ class FlatParamManager(StageParamsBase):
         group: the torch.distributed process group (None: default).
         transfers: device<->host copies (default ``transfers_for(device)``: CUDA side streams, or
             plain copies on the CPU); see [Note: stage 1/2 transfers].
+        host: the :class:`~zeroinf.runtime.host_memory.HostMemory` the host buffers come from (the
+            engine's, shared with its optimizer); None: a new one.
 
     The engine's interface to it is :class:`zeroinf.runtime.stage_api.StageParams`; what a stage
     without partitioned parameters does not do comes from :class:`StageParamsBase`.
@@ -102,7 +104,8 @@ class FlatParamManager(StageParamsBase):
 
     def __init__(self, param_groups: Sequence[Sequence[torch.nn.Parameter]], *, stage: int, sub_group_size: int,
                  reduce_bucket_size: int, allgather_bucket_size: int = 500_000_000, reduce_scatter: bool = True,
-                 rank: int = 0, world_size: int = 1, group=None, transfers=None):
+                 rank: int = 0, world_size: int = 1, group=None, transfers=None,
+                 host: Optional[HostMemory] = None):
         if stage not in (0, 1, 2):
             raise ValueError(f"FlatParamManager handles stages 0-2, got {stage}")
         self.stage, self.rank, self.world_size, self.pg = stage, rank, world_size, group
@@ -129,7 +132,9 @@ class FlatParamManager(StageParamsBase):
         self._staging: List[torch.Tensor] = []  # two pinned fp32 buffers, used in turn
         self._staged = 0  # staging buffers handed out so far (the next is _staging[_staged % 2])
         self._param_ready: Any = None  # event of the last H2D copy out of the host_part buffers
-        self._pinned = PinnedHost()  # grad_acc, host_part and the staging buffers: pinned with CUDA
+        # grad_acc (fp32, part_numel), host_part (model dtype) and the two staging buffers (fp32,
+        # STAGING_NUMEL at most) come from it: pinned only with CUDA
+        self.host = host if host is not None else HostMemory()
         self.groups: List[FlatGroup] = []
         self._fresh = False  # True: grad_acc holds stale values that count as zero
         self.weights: Optional[WeightWatch] = None  # [Note: weights changed between steps], from watch_weights
@@ -149,7 +154,7 @@ class FlatParamManager(StageParamsBase):
             part_start = 0 if stage == 0 else rank * part_numel
             subs = [(s, min(sub_group_size, part_numel - s)) for s in range(0, part_numel, sub_group_size)]
             self.groups.append(FlatGroup(ps, offsets, n, padded, flat, part_start, part_numel,
-                                         self._pinned.zeros(part_numel, torch.float32), subs))
+                                         self.host.zeros(part_numel, torch.float32), subs))
 
     # ------------------------------------------------------------------------------------------
 
@@ -174,13 +179,6 @@ class FlatParamManager(StageParamsBase):
     def mark_weights_current(self) -> None:
         """Take the weights as they are now for the masters' values (after a checkpoint load)."""
         self.weights.mark_current()
-
-    def pinned_bytes(self) -> int:
-        """Bytes of page-locked host memory held: the ``grad_acc`` buffers (fp32, ``part_numel``
-        each), the ``host_part`` copies (model dtype) and the two staging buffers (fp32,
-        ``STAGING_NUMEL`` at most), those allocated so far; all pinned only with CUDA, so 0 on a
-        CPU-only host."""
-        return self._pinned.nbytes
 
     def sub_group_specs(self) -> List[SubGroupSpec]:
         """One :class:`SubGroupSpec` per sub-group, keys ``g{group}/s{index}``."""
@@ -220,7 +218,7 @@ class FlatParamManager(StageParamsBase):
         if not self.transfers.side_streams:
             return g.flat[a:a + n]
         if g.host_part is None:
-            g.host_part = self._pinned.empty(g.part_numel, g.flat.dtype)
+            g.host_part = self.host.empty(g.part_numel, g.flat.dtype)
             g.host_part.copy_(g.flat[g.part_start:g.part_start + g.part_numel])  # once; the sub-group's padding too
         self.transfers.host_wait(self._param_ready)  # the last H2D copy out of it is done
         return g.host_part[s:s + n]
@@ -331,7 +329,7 @@ class FlatParamManager(StageParamsBase):
         after the bucket piece that used it last has been added into ``grad_acc``."""
         if len(self._staging) < 2:
             n = min(STAGING_NUMEL, max(g.part_numel for g in self.groups))
-            self._staging.append(self._pinned.empty(n, torch.float32))
+            self._staging.append(self.host.empty(n, torch.float32))
             buf = self._staging[-1]
         else:
             buf = self._staging[self._staged % 2]

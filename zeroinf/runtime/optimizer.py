@@ -62,7 +62,7 @@ from typing import Callable, Iterator, List, Mapping, Optional, Protocol, Sequen
 
 import torch
 
-from .pinned import PinnedHost
+from .host_memory import HostMemory
 
 __all__ = ["MasterIO", "SubGroupSpec", "SubGroupOptimizer", "optimizer_buffer_count", "state_bytes_per_element"]
 
@@ -153,6 +153,8 @@ class SubGroupOptimizer:
             must return the master (fp32, contiguous, CPU), holding its current values.
         state_dtype: element type of ``exp_avg`` and ``exp_avg_sq``, torch.float32 (default) or
             torch.bfloat16 (stochastic rounding; see the module docstring).
+        host: the :class:`~zeroinf.runtime.host_memory.HostMemory` the CPU-resident state and the
+            swap buffer pool come from (the engine's, shared with its stage); None: a new one.
 
     Raises:
         ValueError: duplicate keys, a non-positive numel, an unknown device, too few buffers,
@@ -162,7 +164,7 @@ class SubGroupOptimizer:
     def __init__(self, specs: Sequence[SubGroupSpec], *, device: str = "cpu", swap_dir: Optional[str] = None,
                  buffer_count: int = 4, pipeline_read: bool = False, pipeline_write: bool = False,
                  pin_memory: bool = False, aio=None, master_io: Optional[MasterIO] = None,
-                 state_dtype: torch.dtype = torch.float32):
+                 state_dtype: torch.dtype = torch.float32, host: Optional[HostMemory] = None):
         keys = [s.key for s in specs]
         if len(set(keys)) != len(keys):
             raise ValueError(f"SubGroupOptimizer: duplicate sub-group keys in {keys}")
@@ -192,7 +194,7 @@ class SubGroupOptimizer:
         self.on_torn: Optional[Callable[[BaseException], None]] = None
         self._records = [_Record(s) for s in self.specs]
         self._pin = bool(pin_memory)
-        self._pinned = PinnedHost()  # CPU-resident state: pinned with pin_memory and CUDA
+        self.host = host if host is not None else HostMemory()  # CPU-resident state: pinned with pin_memory and CUDA
         self._swapper = None
         self._buffers: List[torch.Tensor] = []
         self._pool = None
@@ -214,7 +216,7 @@ class SubGroupOptimizer:
     # set-up
 
     def _open_swap(self, swap_dir: str, buffer_count: int, aio) -> None:
-        from zeroinf.io import AsyncIOHandle, PinnedBufferPool, TensorSwapper
+        from zeroinf.io import AsyncIOHandle, TensorSwapper
 
         if aio is not None and not isinstance(aio, Mapping):
             aio = aio.as_dict()
@@ -227,7 +229,7 @@ class SubGroupOptimizer:
             self._swapper.register(self._file_key(s), self._elem_bytes // 4 * s.numel, torch.float32)
         max_numel = max((s.numel for s in self.specs), default=1)
         count = optimizer_buffer_count(buffer_count, self.pipeline_read, self.pipeline_write, len(self.specs))
-        self._pool = PinnedBufferPool(count, self._elem_bytes * max_numel)
+        self._pool = self.host.pool(count, self._elem_bytes * max_numel)
         self._buffers = [self._pool.acquire() for _ in range(count)]
         self._free = list(range(count))
 
@@ -251,8 +253,8 @@ class SubGroupOptimizer:
         return [(self._file_key(rec.spec), raw[:self._elem_bytes * rec.spec.numel].view(torch.float32))]
 
     def _new_cpu_state(self, numel: int) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        return (self._pinned.zeros(numel, torch.float32, pin=self._pin),
-                *(self._pinned.zeros(numel, self.state_dtype, pin=self._pin) for _ in range(2)))
+        return (self.host.zeros(numel, torch.float32, pin=self._pin),
+                *(self.host.zeros(numel, self.state_dtype, pin=self._pin) for _ in range(2)))
 
     def init_master(self, index: int, values: Optional[torch.Tensor], storage: Optional[torch.Tensor] = None) -> None:
         """Set sub-group ``index``'s master weights to ``values`` (any float dtype, numel as the
@@ -561,13 +563,6 @@ class SubGroupOptimizer:
             raise
 
     # ------------------------------------------------------------------------------------------
-
-    def pinned_bytes(self) -> int:
-        """Bytes of page-locked host memory held: the swap buffer pool (device "nvme", locked on any
-        host; each buffer rounded up to whole pages, :func:`zeroinf.io.pinned_pool_bytes`) and the
-        CPU-resident state (pinned only with ``pin_memory`` and CUDA)."""
-        pool = self._pool.pinned_bytes if self._buffers else 0
-        return pool + self._pinned.nbytes
 
     def close(self) -> None:
         """Release the swap buffers (their pinned, locked memory too) and close the swapper

@@ -39,13 +39,14 @@ class _LayoutGroup:
 
 
 def engine_manager(model: torch.nn.Module, cfg, groups: Sequence[Sequence[torch.nn.Parameter]], *,
-                   rank: int = 0, world_size: int = 1) -> "Stage3EngineParams":
+                   rank: int = 0, world_size: int = 1, host=None) -> "Stage3EngineParams":
     """Build the stage-3 parameter manager for ``ZeroEngine`` (``zero_optimization.stage == 3``).
 
     Args:
         model: the module (already cast to the training dtype).
         cfg: the parsed :class:`zeroinf.config.ZeroInfConfig`.
         groups: trainable parameters of each optimizer param group.
+        host: the engine's :class:`~zeroinf.runtime.host_memory.HostMemory` (None: a new one).
     """
     _refuse_compiled(model)
     from .held import check_placeholders
@@ -54,7 +55,7 @@ def engine_manager(model: torch.nn.Module, cfg, groups: Sequence[Sequence[torch.
     if grads_on_nvme(cfg):
         opts = dataclasses.replace(opts, grads_on_nvme=True)  # ZeRO-Infinity: host memory flat in model size
     glue = Stage3EngineParams(model, opts, groups, sub_group_size=cfg.zero_optimization.sub_group_size,
-                              master_in_partitions=master_in_partitions(cfg))
+                              master_in_partitions=master_in_partitions(cfg), host=host)
     glue.saves_16bit_model = cfg.zero_optimization.stage3_gather_16bit_weights_on_model_save
     # the optimizer in backward takes NVMe masters from copies made as the backward's reads land
     glue.manager.snapshot_partitions = (glue.master_in_partitions and cfg.zeroinf.optimizer_in_backward
@@ -137,7 +138,8 @@ class Stage3EngineParams(StageParamsBase):
     (``build_units``' ``param_group_of``), so each sub-group is stepped with one param group's
     hyperparameters. ``master_in_partitions`` (:func:`master_in_partitions` of the config):
     the partitions are the optimizer's fp32 masters when, besides, every trainable flat group is
-    fp32 (attribute ``master_in_partitions``; [Note: master in the partitions]).
+    fp32 (attribute ``master_in_partitions``; [Note: master in the partitions]). ``host``: the
+    manager's :class:`~zeroinf.runtime.host_memory.HostMemory` (None: a new one).
 
     Raises:
         RuntimeError: a flat group mixes param groups or frozen and trainable parameters after
@@ -151,9 +153,9 @@ class Stage3EngineParams(StageParamsBase):
 
     def __init__(self, model: torch.nn.Module, options: Stage3Options,
                  groups: Sequence[Sequence[torch.nn.Parameter]], *, sub_group_size: int,
-                 master_in_partitions: bool = False):
+                 master_in_partitions: bool = False, host=None):
         group_of = group_index(groups)
-        self.manager = m = Stage3ParameterManager(model, options, param_group_of=group_of)
+        self.manager = m = Stage3ParameterManager(model, options, param_group_of=group_of, host=host)
         #: the compute device (the manager's: CUDA when available): ``engine.device``, and where the
         #: gradient-norm all-reduce runs (NCCL reduces CUDA tensors only)
         self.device = m.device
@@ -210,11 +212,6 @@ class Stage3EngineParams(StageParamsBase):
         return _PartitionMaster(self) if self.master_in_partitions else None
 
     # --- the seam -------------------------------------------------------------------------
-    def pinned_bytes(self) -> int:
-        """Bytes of page-locked host memory the parameter manager holds
-        (:meth:`Stage3ParameterManager.pinned_bytes`)."""
-        return self.manager.pinned_bytes()
-
     def sub_group_specs(self):
         from zeroinf.runtime.optimizer import SubGroupSpec
         return [SubGroupSpec(k, hi - lo, gi) for k, (g, lo, hi, gi) in zip(self._keys, self._subs)]
@@ -351,7 +348,7 @@ class Stage3EngineParams(StageParamsBase):
             return local
         if master is not None:
             return master
-        t = self.manager.scratch.take(g.shard_numel, g.dtype)
+        t = self.manager.host.take(g.shard_numel, g.dtype)
         if self.master_in_partitions:
             if g.store.local() is not None:  # a device partition: pending in the step gate, unchanged
                 t.copy_(g.store.local())
@@ -365,7 +362,7 @@ class Stage3EngineParams(StageParamsBase):
         if not self.master_in_partitions or g.store.local() is not None:
             return None
         m = self.manager
-        t = m.scratch.take(g.shard_numel, g.dtype)
+        t = m.host.take(g.shard_numel, g.dtype)
         return t, m.submit_io(m.read_param_raw, g, t)
 
     def master_copy(self, g: FlatGroup) -> Optional[torch.Tensor]:
@@ -382,7 +379,7 @@ class Stage3EngineParams(StageParamsBase):
         NVMe)."""
         if target is not self._steppable(g):
             self.manager.write_param_shard_and_stage(g, target)
-            self.manager.scratch.give(target)  # written (synchronously) or copied: free again
+            self.manager.host.give(target)  # written (synchronously) or copied: free again
 
     # --- the optimizer in backward ([Note: optimizer in backward] in in_backward.py) -------
     def start_backward_step(self, sub_optimizer, *, step: int, hyper, norm_type: float) -> None:

@@ -42,7 +42,7 @@ class FetchMixin:
             self._live += unit.numel
             self.stats.live(self._live)
         for g in unit.groups:
-            g.full = self.scratch.take(g.padded_numel, g.dtype, self.device)
+            g.full = self.host.take(g.padded_numel, g.dtype, self.device)
         after = self.transfers.mark()  # [Note: CUDA streams]: earlier kernels may still use g.full's block
         unit.state = UnitState.FETCHING
         # [Note: snapshots of held units] a unit the forward gathers and the backward finds still
@@ -130,7 +130,7 @@ class FetchMixin:
             raise RuntimeError("empty_partition_cache: called during a forward or backward, or with a forward's "
                                "graph alive (run its backward, or drop its output, first)")
         self.drop_staged()
-        return self.scratch.clear()
+        return self.host.clear()
 
     def _complete(self, unit: Unit) -> None:
         """Finish gathering ``unit`` (issuing it first if released): wait for its tier read and
@@ -270,7 +270,7 @@ class FetchMixin:
                 s.data_read, s.data_seen = False, None
             full, g.full = g.full, None
             if full is not None and _sole_owner(full):
-                self.scratch.give(full)  # no view of it is left (a user's or autograd's keeps it alive)
+                self.host.give(full)  # no view of it is left (a user's or autograd's keeps it alive)
         if unit.persistent:
             self._persistent_stale = True
         else:

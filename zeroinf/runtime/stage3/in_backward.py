@@ -182,7 +182,7 @@ class BackwardStep:
         """
         if g.key not in self._keys:  # frozen: no optimizer state
             if recycle is not None:
-                self.m.scratch.give(recycle)
+                self.m.host.give(recycle)
             return
         if g.key in self.handed:
             raise OptimizerInBackwardError(
@@ -274,7 +274,7 @@ class BackwardStep:
                 self._waiting -= part is not None
                 self._cv.notify_all()
             if part is None:
-                part = m.scratch.take(g.shard_numel, torch.float32)
+                part = m.host.take(g.shard_numel, torch.float32)
                 part.zero_()
                 recycle = part
             elif ready is not None:

@@ -104,14 +104,6 @@ class LayoutMixin:
         budget = opts.buffer_count * opts.buffer_size * self._widest_element()
         return need if need * self.staging_buffer_bytes() <= budget else opts.buffer_count
 
-    def pinned_bytes(self) -> int:
-        """Bytes of page-locked host memory held: the NVMe staging buffer pool (pinned on any host;
-        0 without NVMe parameters) plus, only with CUDA, the host partitions
-        (``offload_param.device: cpu`` with ``pin_memory``), the ``max_in_cpu`` cache's copies
-        and the fp32 gradient shards still landing from the device."""
-        pool = int(self._pool.pinned_bytes) if self._pool is not None else 0
-        return pool + self._pinned.nbytes
-
     def _make_stores(self, swapper) -> None:
         """One store per flat group on its unit's tier (:attr:`unit_tiers`). With
         ``offload_param.device: nvme`` the swapper and the I/O thread exist even when every unit
@@ -133,8 +125,8 @@ class LayoutMixin:
                 swapper = zio.TensorSwapper(d, handle)
             self._swapper = swapper
             if "nvme" in self.unit_tiers:
-                self._pool = zio.PinnedBufferPool(self.param_buffer_count(), self.staging_buffer_bytes())
-                self._cache = HostCache(opts.max_in_cpu, opts.pin_memory, self._pinned,
+                self._pool = self.host.pool(self.param_buffer_count(), self.staging_buffer_bytes())
+                self._cache = HostCache(opts.max_in_cpu, opts.pin_memory, self.host,
                                         on_hit=self._count_cache_hit) if opts.max_in_cpu > 0 else None
             self._io = _IOThread(1, thread_name_prefix="zeroinf-stage3-io")
         if opts.grads_on_nvme:
@@ -153,7 +145,7 @@ class LayoutMixin:
                     g.store = NvmeStore(self._swapper, f"rank{self.rank}/param/{g.key}", g.shard_numel, g.dtype,
                                         self._pool, self._cache)
                 elif tier == "cpu":
-                    g.store = HostStore(g.shard_numel, g.dtype, opts.pin_memory, self._pinned)
+                    g.store = HostStore(g.shard_numel, g.dtype, opts.pin_memory, self.host)
                 else:
                     g.store = DeviceStore(g.shard_numel, g.dtype, self.device)
 

@@ -48,9 +48,8 @@ from .passes import BackwardPass, IterationPhase, UnitCall
 from .overlap import StepGate
 from .prefetch import PrefetchScheduler
 from .stats import Stage3Stats, TraceRecorder
-from .tiers import BufferRecycler
 from .units import FlatGroup, ParamSlot, Unit, build_units, find_unit_modules
-from ..pinned import PinnedHost
+from ..host_memory import HostMemory
 from ..streams import transfers_for
 from .layout import LayoutMixin
 from .hooks import HooksMixin
@@ -103,6 +102,9 @@ class Stage3ParameterManager(LayoutMixin, HooksMixin, ReadsMixin, FetchMixin, Sa
             split only frozen from trainable). A parameter that requires grad but is in none
             (``model_parameters`` a subset) is not stepped, so its gradient is not reduced,
             kept, or counted in the norm, as at stages 0-2.
+        host: the :class:`~zeroinf.runtime.host_memory.HostMemory` the host partitions, the
+            ``max_in_cpu`` cache, the gradient shards, the NVMe staging pool and the recycled
+            scratch come from (the engine's, shared with its optimizer); None: a new one.
 
     Raises:
         Stage3ConfigError: ``offload_param.nvme_path`` cannot hold swap files (NVMe tier, no
@@ -129,7 +131,7 @@ class Stage3ParameterManager(LayoutMixin, HooksMixin, ReadsMixin, FetchMixin, Sa
     def __init__(self, module: nn.Module, options: Optional[Stage3Options] = None, *,
                  device: Optional[torch.device] = None, process_group=None, swapper=None,
                  unit_modules: Optional[Sequence[Tuple[str, nn.Module]]] = None,
-                 param_group_of: Optional[Dict[nn.Parameter, int]] = None):
+                 param_group_of: Optional[Dict[nn.Parameter, int]] = None, host: Optional[HostMemory] = None):
         self.options = opts = options or Stage3Options()
         self.module = module
         self.device = torch.device(device) if device is not None else (
@@ -193,7 +195,9 @@ class Stage3ParameterManager(LayoutMixin, HooksMixin, ReadsMixin, FetchMixin, Sa
         #: units still gathered when the last backward began (read in the forward and kept for the
         #: backward): with snapshot_partitions their forward reads keep the copy too
         self._held_into_backward: Set[int] = set()
-        self.scratch = BufferRecycler()  # unit-sized CPU scratch tensors, reused (no page faults)
+        # unit-sized CPU scratch tensors, reused (take/give: no page faults); host partitions,
+        # max_in_cpu cache, gradient shards (pinned with CUDA); the NVMe staging pool
+        self.host = host if host is not None else HostMemory()
 
         from .held import init_shapes  # parameters partitioned at construction (zeroinf.Init)
         shapes = init_shapes(module)
@@ -212,7 +216,6 @@ class Stage3ParameterManager(LayoutMixin, HooksMixin, ReadsMixin, FetchMixin, Sa
         self._io: Optional[ThreadPoolExecutor] = None
         self._swapper = None
         self._pool = None
-        self._pinned = PinnedHost()  # host partitions, max_in_cpu cache, gradient shards: pinned with CUDA
         self._closed = False  #: see :attr:`closed`
         #: the engine's zeroinf.runtime.engine.StateGuard (gathered_parameters refuses a half-loaded state)
         self.state_guard = None
@@ -349,7 +352,7 @@ class Stage3ParameterManager(LayoutMixin, HooksMixin, ReadsMixin, FetchMixin, Sa
             return
         if self._busy and self._io is not None and any(
                 getattr(getattr(obj, "_lock", None), "_is_owned", lambda: False)()
-                for obj in (self.stats, self.tracer, self.scratch, self._cache, self._pool)):
+                for obj in (self.stats, self.tracer, self.host, self._cache, self._pool)):
             raise RuntimeError("zeroinf stage 3: engine.close() was called from inside the engine's own call on this "
                                "thread (a signal handler that interrupted it), which holds a lock the I/O thread may "
                                "need: closing here could wait for ever. Nothing was closed. Set a flag in the handler "

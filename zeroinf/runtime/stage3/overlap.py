@@ -189,7 +189,7 @@ def run_overlapped_step(m, sub_optimizer, subs: Sequence[Tuple[Any, int, int, in
         if not on_nvme:
             return None
         # in the dtype the file holds (bf16 after one micro-batch of bf16 training): fewest bytes
-        t = m.scratch.take(g.shard_numel, m.grad_file_dtype(g))
+        t = m.host.take(g.shard_numel, m.grad_file_dtype(g))
         return t, m.submit_io(m.read_grad_raw, g, t)
 
     def read(g: FlatGroup):  # the gradient and (partition = master) the partition, on the I/O thread

@@ -148,7 +148,7 @@ class ReadsMixin:
         if snapshot and unit.groups and unit.groups[0].full.device.type == "cpu":
             for g in unit.groups:
                 lo, hi = self._shard_range(g)
-                t = self.scratch.take(g.shard_numel, g.dtype)
+                t = self.host.take(g.shard_numel, g.dtype)
                 t.copy_(g.full[lo:hi])
                 self._drop_snapshot(g)
                 g.partition_snapshot = t
@@ -156,7 +156,7 @@ class ReadsMixin:
     def _drop_snapshot(self, g: FlatGroup) -> None:
         t, g.partition_snapshot = g.partition_snapshot, None
         if t is not None:
-            self.scratch.give(t)
+            self.host.give(t)
 
     def _count_read(self, unit: Unit, nbytes: int, t0: float) -> None:
         t1 = self.tracer.now()

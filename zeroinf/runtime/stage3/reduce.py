@@ -86,7 +86,7 @@ class ReduceMixin:
             return
         self._enter_pass().accumulated = True
         if g.grad_full is None:  # [Note: first gradient copied] no zero fill, no add
-            g.grad_full = self.scratch.take(g.padded_numel, g.dtype, self.device)
+            g.grad_full = self.host.take(g.padded_numel, g.dtype, self.device)
             g.grad_written = set()
         dst = g.grad_full[s.offset:s.offset + s.numel]
         if s.index in g.grad_written:
@@ -180,7 +180,7 @@ class ReduceMixin:
             if g.grad_full is None:
                 continue
             if not g.optimized:  # requires grad, in no optimizer param group: nothing steps it
-                self.scratch.give(g.grad_full)
+                self.host.give(g.grad_full)
                 g.grad_full, g.grad_written = None, None
                 continue
             t0 = self.tracer.now()
@@ -218,7 +218,7 @@ class ReduceMixin:
     def _finish_reduce(self, red: _Reduction) -> None:
         """CPU: wait for ``red``'s collective, average, and add the shard into ``grad_shard``
         (or hand it to the I/O thread for the swap file); the flat gradient goes back to
-        ``self.scratch`` once nothing reads it."""
+        ``self.host`` once nothing reads it."""
         g = red.group
         if red.work is not None:
             t0 = self.tracer.now()
@@ -235,7 +235,7 @@ class ReduceMixin:
             self._grad_io.append(self._io.submit(self._accumulate_grad_on_nvme, g, part, red.full))
         else:
             self._add_to_grad_shard(g, part)
-            self.scratch.give(red.full)
+            self.host.give(red.full)
 
     def _finish_reductions(self) -> None:
         """CPU: complete every reduction in flight, in launch order."""
@@ -279,7 +279,7 @@ class ReduceMixin:
         which the per-micro-batch statistics of the fused pass do not give, and reading those
         device tensors would need another hand-off."""
         g = red.group
-        part = self._pinned.empty(g.shard_numel, torch.float32)
+        part = self.host.empty(g.shard_numel, torch.float32)
         keep = (red.full,) if self._nccl else ()  # else the shard is a view of it
         ready = self.transfers.d2h(part, red.shard, work=red.work, divisor=self.world_size, keep=keep)
         if self.grad_sink is not None:  # [Note: optimizer in backward]: stepped once it lands
@@ -357,7 +357,7 @@ class ReduceMixin:
             for g in self.groups():
                 if g.grad_full is not None:
                     full, g.grad_full, g.grad_written = g.grad_full, None, None
-                    self.scratch.give(full)
+                    self.host.give(full)
             self._reset_pass_state()
             for u in self.units:
                 if u.state is not UnitState.RELEASED and not self.is_pinned(u):
@@ -367,7 +367,7 @@ class ReduceMixin:
         for g in self.groups():  # a backward that raised midway: its unreduced gradients must not
             if g.grad_full is not None:  # be added into the next backward's
                 full, g.grad_full, g.grad_written = g.grad_full, None, None
-                self.scratch.give(full)
+                self.host.give(full)
         if self._phase is IterationPhase.IDLE:
             pass  # a pass through a graph kept from an iteration that ended: nothing to record
         elif self._forwards_in_iteration == 0 and self._phase is not IterationPhase.AWAITING_BACKWARD:

@@ -43,7 +43,7 @@ class ShardsMixin:
 
     def read_param_raw(self, g: FlatGroup, dst: torch.Tensor) -> None:
         """Read this rank's NVMe partition of ``g`` straight into ``dst`` (a 4096-aligned host
-        tensor of ``shard_numel`` elements, e.g. from ``self.scratch``), counted as a parameter
+        tensor of ``shard_numel`` elements, e.g. from ``self.host``), counted as a parameter
         read; no waits, for the I/O thread (see :meth:`submit_io`) on behalf of a background
         optimizer step, whose group is pending in the step gate."""
         t0 = self.tracer.now()
@@ -51,7 +51,7 @@ class ShardsMixin:
 
     def partition_copy(self, g: FlatGroup) -> Optional[torch.Tensor]:
         """This rank's partition of ``g`` as its tier read it when the unit was gathered for the
-        backward (``shard_numel`` elements of ``g.dtype``, from ``self.scratch``; the caller
+        backward (``shard_numel`` elements of ``g.dtype``, from ``self.host``; the caller
         owns it now), or None when no such copy was kept (:attr:`snapshot_partitions` off, a
         unit gathered since the forward, a CUDA device). Not a copy of ``g.full``: forward code
         and backward hooks may edit gathered weights in place, and stage 3 discards such edits,
@@ -179,12 +179,12 @@ class ShardsMixin:
                                  recycle: Optional[torch.Tensor] = None) -> None:
         """Add ``part`` (this rank's reduced partition, ``shard_numel`` CPU elements in the
         training dtype or fp32) into the group's gradient swap file; see [Note: gradients on NVMe].
-        ``recycle``: the scratch tensor ``part`` lies in, given back to ``self.scratch`` once done."""
+        ``recycle``: the scratch tensor ``part`` lies in, given back to ``self.host`` once done."""
         t0 = self.tracer.now()
         part = part.contiguous()
         acc = None
         if g.grad_on_nvme:
-            acc = self.scratch.take(part.numel(), torch.float32)
+            acc = self.host.take(part.numel(), torch.float32)
             t1 = self.tracer.now()
             self._optimizer_read("grad", g, self._read_grad_file(g, acc), t1)
             acc.add_(part)
@@ -197,7 +197,7 @@ class ShardsMixin:
         self.tracer.span(f"grad {g.key}", "transfer", t0, self.tracer.now(), thread="io")
         for t in (acc, recycle):
             if t is not None:
-                self.scratch.give(t)
+                self.host.give(t)
 
     def _read_grad_file(self, g: FlatGroup, dst: torch.Tensor) -> int:
         """Read the group's accumulated gradient (``grad_on_nvme``) into ``dst``, converting

@@ -37,7 +37,7 @@ class SubGroupCursor:
     ``subs``; each group's sub-groups consecutive, see the module note).
 
     ``enter(g)`` is called at a group's first sub-group; at its last, ``done`` stores the target
-    (``store(g, target)``), gives the scratch buffer back to ``m.scratch``, runs ``finished(g)``
+    (``store(g, target)``), gives the scratch buffer back to ``m.host``, runs ``finished(g)``
     (the driver's gradient clean-up, if any), forgets the group and marks it done in
     ``m.step_gate``. Not thread-safe: used by the one step thread.
     """
@@ -51,7 +51,7 @@ class SubGroupCursor:
         self.group: Optional["FlatGroup"] = None  # the group being stepped, None between groups
         self.grad: Optional[torch.Tensor] = None  # its gradient partition (1-D, shard_numel)
         self.target: Optional[torch.Tensor] = None  # where its new partition goes
-        self.scratch: Optional[torch.Tensor] = None  # a buffer of m.scratch to give back once stored
+        self.scratch: Optional[torch.Tensor] = None  # a buffer of m.host to give back once stored
 
     def grad_of(self, i: int) -> torch.Tensor:
         """Sub-group ``i``'s gradient slice, entering its group first if it is not the current one.
@@ -77,7 +77,7 @@ class SubGroupCursor:
             return
         self._store(g, self.target)
         if self.scratch is not None:
-            self._m.scratch.give(self.scratch)
+            self._m.host.give(self.scratch)
         if self._finished is not None:
             self._finished(g)
         self.group = self.grad = self.target = self.scratch = None

@@ -12,82 +12,9 @@ from typing import Callable, Dict, Optional, Set
 
 import torch
 
-from ..pinned import PinnedHost
+from ..host_memory import HostMemory
 
-__all__ = ["BufferRecycler", "DeviceStore", "HostStore", "NvmeStore", "HostCache"]
-
-
-class BufferRecycler:
-    """Flat CPU scratch tensors kept for reuse, by (numel, dtype).
-
-    Stage 3 needs several unit-sized scratch tensors per step (a unit's flat gradient, the
-    optimizer step's gradient read and new partition). A fresh allocation of that size is an
-    ``mmap`` that the kernel page-faults and zeroes on first touch, every time: on the
-    yardstick model's backward that was ~0.1 s per step on 2 cores, more than the copies
-    themselves. Buffers start on a 4096-byte boundary, so O_DIRECT reads and writes from them
-    need no bounce copy. Thread-safe (the I/O and optimizer threads give buffers back).
-
-    Args:
-        keep: how many free buffers of one (numel, dtype) to keep; more are dropped.
-        max_free_bytes: the most memory the free buffers may hold together (bytes, default
-            512 MiB); a buffer that would exceed it is dropped, so models with very large units
-            (a 1B-parameter block in fp32 is 4 GB) fall back to plain allocations instead of
-            pinning several spare copies in host memory.
-    """
-
-    ALIGN = 4096  # bytes
-
-    def __init__(self, keep: int = 6, max_free_bytes: int = 512 << 20):
-        self.keep = int(keep)
-        self.max_free_bytes = int(max_free_bytes)
-        self._free: dict = {}
-        self._free_bytes = 0
-        self._lock = threading.RLock()  # re-entered by close() from a signal handler
-
-    def take(self, numel: int, dtype: torch.dtype, device: Optional[torch.device] = None) -> torch.Tensor:
-        """A contiguous tensor of ``numel`` elements of ``dtype``, contents undefined: a reused
-        or new 4096-aligned CPU buffer, or a plain ``torch.empty`` on another ``device`` (the
-        accelerator's caching allocator already reuses memory; :meth:`give` ignores those).
-        Never an inference tensor: one taken inside ``torch.inference_mode`` (an eval forward
-        first) is written and reused outside it, where torch refuses in-place updates to them."""
-        if device is not None and torch.device(device).type != "cpu":
-            with torch.inference_mode(False):
-                return torch.empty(numel, dtype=dtype, device=device)
-        with self._lock:
-            free = self._free.get((numel, dtype))
-            if free:
-                t = free.pop()
-                self._free_bytes -= t.numel() * t.element_size()
-                return t
-        nbytes = numel * dtype.itemsize
-        with torch.inference_mode(False):
-            raw = torch.empty(nbytes + self.ALIGN, dtype=torch.uint8)
-            off = (-raw.data_ptr()) % self.ALIGN
-            return raw[off:off + nbytes].view(dtype)
-
-    def give(self, t: torch.Tensor) -> None:
-        """Return a tensor from :meth:`take`; the caller must hold no view of it any more.
-        Non-CPU tensors and buffers beyond ``keep`` or ``max_free_bytes`` are simply dropped."""
-        if t.device.type != "cpu":
-            return
-        nbytes = t.numel() * t.element_size()
-        with self._lock:
-            free = self._free.setdefault((t.numel(), t.dtype), [])
-            if len(free) < self.keep and self._free_bytes + nbytes <= self.max_free_bytes:
-                free.append(t)
-                self._free_bytes += nbytes
-
-    @property
-    def free_bytes(self) -> int:
-        """Bytes held by the free buffers now."""
-        return self._free_bytes
-
-    def clear(self) -> int:
-        """Drop every free buffer (memory goes back to the allocator); returns the bytes dropped.
-        Buffers taken and not given back are untouched."""
-        with self._lock:
-            freed, self._free, self._free_bytes = self._free_bytes, {}, 0
-        return freed
+__all__ = ["DeviceStore", "HostStore", "NvmeStore", "HostCache"]
 
 
 class DeviceStore:
@@ -116,14 +43,14 @@ class DeviceStore:
 
 
 class HostStore(DeviceStore):
-    """Partition in host memory (``offload_param.device: cpu``), allocated by ``pinned``: page-locked
+    """Partition in host memory (``offload_param.device: cpu``), allocated by ``host``: page-locked
     with ``pin`` and CUDA."""
 
     tier = "cpu"
 
-    def __init__(self, numel: int, dtype: torch.dtype, pin: bool, pinned: PinnedHost):
+    def __init__(self, numel: int, dtype: torch.dtype, pin: bool, host: HostMemory):
         self.numel, self.dtype = numel, dtype
-        self.tensor = pinned.empty(numel, dtype, pin=pin)
+        self.tensor = host.empty(numel, dtype, pin=pin)
         self.tensor.zero_()
 
     def read_into(self, dst: torch.Tensor) -> int:
@@ -146,13 +73,13 @@ class HostCache:
     and every write allocated (and pinned) a new copy. On the bench's 101M-parameter model with a
     quarter of it allowed, the step went from 1.32 to 2.08 s with the optimizer in backward.
 
-    The copies are allocated by ``pinned`` (page-locked with ``pin`` and CUDA). ``on_hit(nbytes)``,
+    The copies are allocated by ``host`` (page-locked with ``pin`` and CUDA). ``on_hit(nbytes)``,
     if given, is called for every :meth:`get` that finds its key (a read served from host memory
     instead of NVMe), so the caller can count those bytes."""
 
-    def __init__(self, max_elements: int, pin: bool, pinned: PinnedHost,
+    def __init__(self, max_elements: int, pin: bool, host: HostMemory,
                  on_hit: Optional[Callable[[int], None]] = None):
-        self.max_elements, self.pin, self.pinned, self.on_hit = max_elements, pin, pinned, on_hit
+        self.max_elements, self.pin, self.host, self.on_hit = max_elements, pin, host, on_hit
         self._lock = threading.RLock()  # re-entered by close() from a signal handler
         self._entries: Dict[str, torch.Tensor] = {}  # the partitions with a place, valid or not
         self._valid: Set[str] = set()  # those whose copy holds the partition's current values
@@ -179,7 +106,7 @@ class HostCache:
             if t is None:
                 if self._used + n > self.max_elements:
                     return
-                t = self.pinned.empty(n, src.dtype, pin=self.pin)
+                t = self.host.empty(n, src.dtype, pin=self.pin)
                 self._entries[key] = t
                 self._used += n
             t.copy_(src.reshape(-1))
