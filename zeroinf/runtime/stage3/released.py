@@ -82,9 +82,9 @@ def _describe(p: torch.Tensor) -> Tuple[str, Optional[torch.Size]]:
         if p is None:
             return "a freed parameter", None
     for m in managers(include_closed=True):
-        rec = m._slot_of.get(p)
-        if rec is not None:
-            return rec[2].name, rec[2].shape
+        s = m.slot_of(p)
+        if s is not None:
+            return s.name, s.shape
     held = _held_hooks[0]([p])
     if held:
         return "a parameter", held[p]

@@ -73,9 +73,9 @@ class SavedMixin:
         """The slot of the parameter that ``t`` (saved, lying at element ``off`` of ``g.full``)
         lies in: by dictionary for the parameter itself or a view of it (every forward saves
         these), by scanning ``g.slots`` otherwise (``weight.detach()``); None in the padding."""
-        rec = self._slot_of.get(t if isinstance(t, nn.Parameter) else t._base)
-        if rec is not None and rec[1] is g:
-            return rec[2]
+        s = self.slot_of(t if isinstance(t, nn.Parameter) else t._base)
+        if s is not None and s.group is g:
+            return s
         return next((s for s in g.slots if s.offset <= off < s.offset + s.numel), None)
 
     def _unpack(self, x):
