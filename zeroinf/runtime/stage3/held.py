@@ -16,7 +16,7 @@ import torch
 from torch import nn
 from torch.utils.weak import WeakIdKeyDictionary
 
-from .released import gathered_class, set_held_hooks
+from .released import mark_gathered, set_held_hooks
 
 if TYPE_CHECKING:  # annotations only: init.py imports this module
     from .init import Init
@@ -58,7 +58,7 @@ def pop_held(p: nn.Parameter) -> Held:
     back ([Note: held placeholders refuse compute])."""
     held = HELD.pop(p)
     held.finalizer.detach()
-    p.__class__ = gathered_class(type(p))
+    mark_gathered(p)
     for name in ("ds_shape", "ds_numel"):  # whole again (a stage-3 manager sets its own)
         p.__dict__.pop(name, None)
     return held

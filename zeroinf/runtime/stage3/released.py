@@ -5,10 +5,11 @@
 in compute outside the model's forward (where the foreign-access mode in ``foreign.py`` gathers
 it first) such a placeholder would silently give wrong answers: ``model.head.weight.sum()`` is
 0. So while a parameter is released its Python class is switched to a subclass of its own class
-(``released_class``) whose ``__torch_function__`` lets metadata and bookkeeping through (shape,
+(``released_class``; :func:`mark_released`, the one place that switches it) whose ``__torch_function__`` lets metadata and bookkeeping through (shape,
 dtype, ``.grad``, ``.data``, hooks, ``detach``, ``numel``) and raises a ``RuntimeError`` naming
-the parameter for anything else. When the unit is gathered the original class comes back, so
-the forward and backward compute on plain parameters and pay nothing for this. ``isinstance(p,
+the parameter for anything else. When the unit is gathered the original class comes back
+(:func:`mark_gathered`), so the forward and backward compute on plain parameters and pay nothing
+for this. ``isinstance(p,
 nn.Parameter)`` holds in both states.
 
 ``p.data`` and ``p.detach()`` of such a parameter are its empty placeholder too, and plain
@@ -34,7 +35,7 @@ from torch import nn
 
 from .registry import managers
 
-__all__ = ["released_class", "gathered_class", "is_released", "PASS_THROUGH"]
+__all__ = ["mark_released", "mark_gathered", "released_class", "gathered_class", "is_released", "PASS_THROUGH"]
 
 #: torch functions allowed on a released parameter: attribute access (``__get__``/``__set__``:
 #: ``.shape``, ``.grad``, ``.data``, ...), metadata, hooks, ``detach`` (``state_dict``
@@ -222,6 +223,24 @@ def released_class(cls: type, held: bool = False) -> type:
 def gathered_class(cls: type) -> type:
     """The original class of a (possibly released) parameter class."""
     return cls._zeroinf_gathered_class if issubclass(cls, _ReleasedMixin) else cls
+
+
+def mark_released(p: nn.Parameter, held: bool = False) -> None:
+    """Switch ``p`` to the released twin of its class: from now on it refuses compute, naming
+    itself ([Note: released parameters]). The class is what enforces the state (the manager's
+    record, ``ParamSlot.status``, says it): a record cannot make ``p.sum()`` raise, a class can. Set ``p.data`` to its empty placeholder before:
+    the twin of an engine's parameter refuses a ``.data`` with values, and ``.data =`` on the
+    plain class skips ``__torch_function__``. ``held``: ``p`` is held by
+    ``zeroinf.Init`` ([Note: held placeholders refuse compute]), whose twin also lets
+    ``HELD_PASS_THROUGH`` through. ``p``'s identity, hooks and ``.grad`` stay."""
+    p.__class__ = released_class(type(p), held)
+
+
+def mark_gathered(p: nn.Parameter) -> None:
+    """Give ``p`` its own class back: it computes as a plain parameter, at no cost per op.
+    A gather calls it before pointing ``p.data`` at the gathered values: ``.data =`` on the
+    plain class skips ``__torch_function__``. A no-op on a parameter that is not released."""
+    p.__class__ = gathered_class(type(p))
 
 
 def is_released(p: torch.Tensor) -> bool:
