@@ -39,7 +39,7 @@ from zeroinf import progress
 # init_shapes, init_shapes_of, init_dtype, take_init_values and check_placeholders are answered by
 # the held registry and exported here too
 from .held import (HELD, LOCK, Held, allow_copies, check_placeholders, held_forward_pre_hook, held_load_pre_hook,
-                   held_state_dict_hook, init_dtype, init_shapes, init_shapes_of, pop_held, refuse_copy, rounded,
+                   held_state_dict_hook, init_dtype, init_shapes, init_shapes_of, pop_held, refuse_copies, rounded,
                    take_init_values)
 from .released import attribute_of, mark_gathered, mark_released
 
@@ -325,8 +325,7 @@ class Init:
         # brings the values back first; pop_held gives the class back.
         mark_released(p, held=True)
         p.ds_shape, p.ds_numel = held.shape, held.shape.numel()  # DeepSpeed's names, as for a managed parameter
-        for name in ("__deepcopy__", "__reduce_ex__"):  # copy and pickle look both up on the instance
-            setattr(p, name, refuse_copy)
+        refuse_copies(p)
         held.finalizer = weakref.finalize(p, self._forget, held)
         with LOCK:
             HELD[p] = held
