@@ -247,9 +247,6 @@ class Stage3ParameterManager(LayoutMixin, HooksMixin, ReadsMixin, FetchMixin, Sa
         (any other tensor, or None). Matched by identity, never by value."""
         return self._slots.get(param)
 
-    def _unit_of_group(self, g: FlatGroup) -> Unit:
-        return self.units[int(g.key.split("/")[0][4:])]
-
     # ------------------------------------------------------------------------ forward hooks
     def busy(self) -> _BusyGuard:
         """``with manager.busy():`` marks the manager's own work (hooks, gathers, releases, the end

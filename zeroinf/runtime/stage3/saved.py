@@ -101,7 +101,7 @@ class SavedMixin:
                     "was updated by an optimizer step (engine.step) after the forward that saved it (zeroinf stage "
                     "3; plain PyTorch raises the same). Run each forward's backward before the step")
             g = x.group
-            unit = self._unit_of_group(g)
+            unit = g.unit
             # g.full exists from issue() on, but holds the values only once GATHERED: a unit
             # prefetched for its backward may still be FETCHING (read in flight) here
             if unit.state is not UnitState.GATHERED:

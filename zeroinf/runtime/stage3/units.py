@@ -93,6 +93,7 @@ class FlatGroup:
         numel: elements of all parameters; ``padded_numel`` is a multiple of the world size;
             ``shard_numel = padded_numel // world_size`` is this rank's partition size.
         store: the rank's partition on its home tier (see ``tiers.py``).
+        unit: the :class:`Unit` that owns it (set by the unit).
         full: the gathered flat buffer (``padded_numel`` elements) or ``None`` when released.
         grad_full: the unit's flat gradient during backward, ``None`` otherwise.
         grad_shard: fp32 CPU gradient of this rank's partition, accumulated over micro-batches;
@@ -118,6 +119,7 @@ class FlatGroup:
     #: the optimizer steps it (its parameters are in an optimizer param group, or, without one
     #: given, require grad): only then are its gradients reduced, kept and counted in the norm
     optimized: bool = True
+    unit: Optional["Unit"] = field(default=None, repr=False)  # back-reference, set once by the unit
 
     def __post_init__(self) -> None:
         for s in self.slots:
@@ -163,6 +165,7 @@ class Unit:
         # the groups are fixed at construction; the scheduler reads this per trace entry
         self._numel = sum(g.padded_numel for g in self.groups)
         for g in self.groups:
+            g.unit = self
             for s in g.slots:
                 s.unit = self
 
