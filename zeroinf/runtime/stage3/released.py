@@ -5,12 +5,13 @@
 in compute outside the model's forward (where the foreign-access mode in ``foreign.py`` gathers
 it first) such a placeholder would silently give wrong answers: ``model.head.weight.sum()`` is
 0. So while a parameter is released its Python class is switched to a subclass of its own class
-(``released_class``; :func:`mark_released`, the one place that switches it) whose ``__torch_function__`` lets metadata and bookkeeping through (shape,
+(``released_class``) whose ``__torch_function__`` lets metadata and bookkeeping through (shape,
 dtype, ``.grad``, ``.data``, hooks, ``detach``, ``numel``) and raises a ``RuntimeError`` naming
-the parameter for anything else. When the unit is gathered the original class comes back
-(:func:`mark_gathered`), so the forward and backward compute on plain parameters and pay nothing
-for this. ``isinstance(p,
-nn.Parameter)`` holds in both states.
+the parameter for anything else. When the unit is gathered the original class comes back, so
+the forward and backward compute on plain parameters and pay nothing for this. ``isinstance(p,
+nn.Parameter)`` holds in both states. :func:`mark_released` and :func:`mark_gathered` are the
+one place that switches the class; the manager's record of the parameter (``ParamSlot.status``)
+says which state it is in.
 
 ``p.data`` and ``p.detach()`` of such a parameter are its empty placeholder too, and plain
 tensors would compute on nothing again (``model.head.weight.detach().norm()`` gave 0, and
@@ -228,11 +229,12 @@ def gathered_class(cls: type) -> type:
 def mark_released(p: nn.Parameter, held: bool = False) -> None:
     """Switch ``p`` to the released twin of its class: from now on it refuses compute, naming
     itself ([Note: released parameters]). The class is what enforces the state (the manager's
-    record, ``ParamSlot.status``, says it): a record cannot make ``p.sum()`` raise, a class can. Set ``p.data`` to its empty placeholder before:
-    the twin of an engine's parameter refuses a ``.data`` with values, and ``.data =`` on the
-    plain class skips ``__torch_function__``. ``held``: ``p`` is held by
-    ``zeroinf.Init`` ([Note: held placeholders refuse compute]), whose twin also lets
-    ``HELD_PASS_THROUGH`` through. ``p``'s identity, hooks and ``.grad`` stay."""
+    record, ``ParamSlot.status``, says it): a record cannot make ``p.sum()`` raise, a class
+    can. Set ``p.data`` to its empty placeholder before: the twin of an engine's parameter
+    refuses a ``.data`` with values, and ``.data =`` on the plain class skips
+    ``__torch_function__``. ``held``: ``p`` is held by ``zeroinf.Init`` ([Note: held
+    placeholders refuse compute]), whose twin also lets ``HELD_PASS_THROUGH`` through.
+    ``p``'s identity, hooks and ``.grad`` stay."""
     p.__class__ = released_class(type(p), held)
 
 
