@@ -36,7 +36,7 @@ from torch import nn
 
 from .registry import managers
 
-__all__ = ["mark_released", "mark_gathered", "released_class", "gathered_class", "is_released", "PASS_THROUGH"]
+__all__ = ["mark_released", "mark_gathered", "hide_from_dynamo", "released_class", "gathered_class", "is_released", "PASS_THROUGH"]
 
 #: torch functions allowed on a released parameter: attribute access (``__get__``/``__set__``:
 #: ``.shape``, ``.grad``, ``.data``, ...), metadata, hooks, ``detach`` (``state_dict``
@@ -243,6 +243,29 @@ def mark_gathered(p: nn.Parameter) -> None:
     A gather calls it before pointing ``p.data`` at the gathered values: ``.data =`` on the
     plain class skips ``__torch_function__``. A no-op on a parameter that is not released."""
     p.__class__ = gathered_class(type(p))
+
+
+_hidden_from_dynamo = False
+
+
+def hide_from_dynamo() -> None:
+    """Have ``torch.compile`` (dynamo) run :func:`mark_released` and :func:`mark_gathered` as
+    plain Python, never tracing their frames. Traced, they read their argument, a released
+    parameter, as a tensor, and it refuses inside the hooks' gather; skipped, ``torch.compile``
+    of a module with partitioned parameters is refused where the compiled forward first reads
+    one, naming it. The manager calls this when it installs its hooks; the first call imports
+    ``torch._dynamo`` (about a second). A torch without ``skip_code`` leaves them traced: the
+    compile is refused either way."""
+    global _hidden_from_dynamo
+    if _hidden_from_dynamo:
+        return
+    try:
+        from torch._dynamo.eval_frame import skip_code
+    except ImportError:
+        return
+    for fn in (mark_released, mark_gathered):
+        skip_code(fn.__code__)
+    _hidden_from_dynamo = True
 
 
 def is_released(p: torch.Tensor) -> bool:
