@@ -56,9 +56,9 @@ def _gathered(params, modifier_rank: Optional[int], loading: bool = False) -> It
     for m in managers(include_closed=True):
         units = []
         for p in wanted:
-            rec = m._slot_of.get(p)
-            if rec is not None and rec[0] not in units:
-                units.append(rec[0])
+            s = m.slot_of(p)
+            if s is not None and s.unit not in units:
+                units.append(s.unit)
         if units:
             m._check_open()  # its engine was closed: the partitions are gone
             if m.state_guard is not None and not loading:

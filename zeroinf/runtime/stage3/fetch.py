@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 
 from .passes import GradState
-from .released import gathered_class, released_class
+from .released import mark_gathered, mark_released
 from .units import FlatGroup, ParamSlot, Unit, UnitState
 from .common import _finished, _sole_owner, views_its_slot
 from .reads import _Staged, _io_delay
@@ -152,7 +152,7 @@ class FetchMixin:
         for g in unit.groups:
             self._storage_of[g.full.untyped_storage().data_ptr()] = g
             for s in g.slots:
-                s.param.__class__ = gathered_class(type(s.param))  # first: .data = on the plain class is faster
+                mark_gathered(s.param)  # first: .data = on the plain class is faster
                 s.param.data = g.full[s.offset:s.offset + s.numel].view(s.shape)
                 s.version, s.data_read, s.data_seen = s.param._version, False, None
         unit.state = UnitState.GATHERED
@@ -266,7 +266,7 @@ class FetchMixin:
                 if base is not None and s.numel and not views_its_slot(s.param, s, base, g.full.element_size()):
                     self.dropped_data.append(s.name)  # data of another shape in a forward, or outside one
                 s.param.data = self._placeholder(g.dtype)
-                s.param.__class__ = released_class(type(s.param))
+                mark_released(s.param)
                 s.data_read, s.data_seen = False, None
             full, g.full = g.full, None
             if full is not None and _sole_owner(full):

@@ -35,9 +35,9 @@ class _ManagerMode(TorchFunctionMode):
         forward])."""
         if (args and getattr(func, "__name__", "") == "__get__" and isinstance(args[0], nn.Parameter)
                 and attribute_of(func) == "data"):
-            rec = self.m._slot_of.get(args[0])
-            if rec is not None and not rec[2].data_read:
-                self.m._note_data_read(rec[1], rec[2])
+            s = self.m.slot_of(args[0])
+            if s is not None and not s.data_read:
+                self.m._note_data_read(s.group, s)
 
 
 class _ForeignAccessMode(_ManagerMode):
@@ -49,10 +49,10 @@ class _ForeignAccessMode(_ManagerMode):
         if not m._busy:
             for a in _shallow_args(args, kwargs):
                 if isinstance(a, nn.Parameter):
-                    rec = m._slot_of.get(a)
-                    if rec is not None and not rec[0].persistent and rec[0] not in m._active \
-                            and rec[0] not in m._foreign:
-                        m._gather_foreign(rec[0])
+                    s = m.slot_of(a)
+                    if s is not None and not s.unit.persistent and s.unit not in m._active \
+                            and s.unit not in m._foreign:
+                        m._gather_foreign(s.unit)
             self._note_data_get(func, args)  # after its gather
         return func(*args, **kwargs)
 
@@ -91,7 +91,7 @@ class _RecomputeMode(_ManagerMode):
 
     def _swap(self, a):
         if isinstance(a, nn.Parameter):
-            return a.detach() if not a.requires_grad and a in self.m._slot_of else a
+            return a.detach() if not a.requires_grad and self.m.slot_of(a) is not None else a
         if isinstance(a, (list, tuple)) and any(isinstance(x, nn.Parameter) for x in a):
             return type(a)(self._swap(x) for x in a)
         return a

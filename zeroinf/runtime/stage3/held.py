@@ -16,13 +16,13 @@ import torch
 from torch import nn
 from torch.utils.weak import WeakIdKeyDictionary
 
-from .released import gathered_class, set_held_hooks
+from .released import mark_gathered, set_held_hooks
 
 if TYPE_CHECKING:  # annotations only: init.py imports this module
     from .init import Init
 
 __all__ = ["Held", "HELD", "LOCK", "pop_held", "init_shapes", "init_shapes_of", "note_cast", "init_dtype",
-           "take_init_values", "check_placeholders", "rounded", "refuse_copy", "allow_copies",
+           "take_init_values", "check_placeholders", "rounded", "refuse_copy", "refuse_copies", "allow_copies",
            "held_state_dict_hook", "held_load_pre_hook", "held_forward_pre_hook"]
 
 
@@ -58,7 +58,7 @@ def pop_held(p: nn.Parameter) -> Held:
     back ([Note: held placeholders refuse compute])."""
     held = HELD.pop(p)
     held.finalizer.detach()
-    p.__class__ = gathered_class(type(p))
+    mark_gathered(p)
     for name in ("ds_shape", "ds_numel"):  # whole again (a stage-3 manager sets its own)
         p.__dict__.pop(name, None)
     return held
@@ -148,8 +148,17 @@ def refuse_copy(*_args):
                     "state_dict() into a new one")
 
 
+def refuse_copies(p: nn.Parameter) -> None:
+    """Make ``copy.deepcopy(p)`` and pickling ``p`` raise :func:`refuse_copy`'s ``TypeError``
+    while ``Init`` holds ``p``'s values. Instance attributes, not the held class: inside
+    ``gathered_parameters`` a held parameter computes on its plain class and still refuses
+    copies (copy and pickle look both up on the instance first)."""
+    for name in ("__deepcopy__", "__reduce_ex__"):
+        setattr(p, name, refuse_copy)
+
+
 def allow_copies(p: nn.Parameter) -> None:
-    """Undo :func:`refuse_copy` once ``p``'s values are no longer held."""
+    """Undo :func:`refuse_copies` once ``p``'s values are no longer held."""
     for name in ("__deepcopy__", "__reduce_ex__"):
         p.__dict__.pop(name, None)
 

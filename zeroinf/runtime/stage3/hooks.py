@@ -12,6 +12,7 @@ from torch.utils._pytree import tree_flatten
 from .passes import IterationPhase, UnitCall
 from .units import Unit, UnitState
 from .foreign import _ForeignAccessMode, _RecomputeMode, _shallow_args
+from .released import hide_from_dynamo
 
 
 def _pre_accumulate(manager_ref, unit_index: int, grad: torch.Tensor) -> None:
@@ -56,6 +57,7 @@ class HooksMixin:
     """Module and parameter hooks, and the forward side of an iteration."""
 
     def _install_hooks(self) -> None:
+        hide_from_dynamo()  # the hooks mark parameters gathered and released
         root = self.module
         for u in self.units[2:]:
             self._handles.append(u.module.register_forward_pre_hook(

@@ -39,9 +39,9 @@ from zeroinf import progress
 # init_shapes, init_shapes_of, init_dtype, take_init_values and check_placeholders are answered by
 # the held registry and exported here too
 from .held import (HELD, LOCK, Held, allow_copies, check_placeholders, held_forward_pre_hook, held_load_pre_hook,
-                   held_state_dict_hook, init_dtype, init_shapes, init_shapes_of, pop_held, refuse_copy, rounded,
+                   held_state_dict_hook, init_dtype, init_shapes, init_shapes_of, pop_held, refuse_copies, rounded,
                    take_init_values)
-from .released import attribute_of, gathered_class, released_class
+from .released import attribute_of, mark_gathered, mark_released
 
 __all__ = ["Init", "init_shapes", "init_shapes_of", "init_dtype", "take_init_values", "held_values",
            "check_placeholders", "swap_bytes_freed_by"]
@@ -88,7 +88,7 @@ def held_values(params: Sequence[nn.Parameter], modifier_rank: Optional[int]) ->
             ph = p.data
             given = held.owner._peek(held).to(device=ph.device, dtype=ph.dtype)
             p.data = given.clone()
-            p.__class__ = gathered_class(type(p))  # computes on its values in the block
+            mark_gathered(p)  # computes on its values in the block
             entered.append([p, held, ph, given])
         yield
         if modifier_rank is not None:
@@ -111,7 +111,7 @@ def held_values(params: Sequence[nn.Parameter], modifier_rank: Optional[int]) ->
         for p, _held, ph, _given in entered:
             if ph is not None:
                 p.data = ph
-                p.__class__ = released_class(type(p), held=True)
+                mark_released(p, held=True)
 
 
 def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -323,10 +323,9 @@ class Init:
         # released.py), a held one refuses compute outside the Init block: p.sum() gave 0 and
         # torch.nn.init.normal_(p) changed nothing, silently. Inside the block _GuardMode
         # brings the values back first; pop_held gives the class back.
-        p.__class__ = released_class(type(p), held=True)
+        mark_released(p, held=True)
         p.ds_shape, p.ds_numel = held.shape, held.shape.numel()  # DeepSpeed's names, as for a managed parameter
-        for name in ("__deepcopy__", "__reduce_ex__"):  # copy and pickle look both up on the instance
-            setattr(p, name, refuse_copy)
+        refuse_copies(p)
         held.finalizer = weakref.finalize(p, self._forget, held)
         with LOCK:
             HELD[p] = held

@@ -12,7 +12,7 @@ import torch.distributed as dist
 from zeroinf import progress
 
 from .options import Stage3ConfigError
-from .released import released_class
+from .released import mark_released
 from .tiers import DeviceStore, HostCache, HostStore, NvmeStore
 from .swap_plan import unit_tiers
 from .units import FlatGroup, Unit
@@ -193,7 +193,7 @@ class LayoutMixin:
                 for s in g.slots:
                     s.param.ds_shape, s.param.ds_numel = s.shape, s.numel  # DeepSpeed's names
                     s.param.data = self._placeholder(g.dtype)
-                    s.param.__class__ = released_class(type(s.param))  # [Note: released parameters]
+                    mark_released(s.param)  # [Note: released parameters]
                 del flat
 
     def take_init_master(self, g: FlatGroup, lo: int, hi: int) -> Optional[torch.Tensor]:

@@ -205,13 +205,13 @@ class Stage3ParameterManager(LayoutMixin, HooksMixin, ReadsMixin, FetchMixin, Sa
             unit_modules = find_unit_modules(module, opts.unit_classes)
         self.units: List[Unit] = build_units(module, list(unit_modules), opts.param_persistence_threshold,
                                              self.world_size, shapes, param_group_of)
-        self._slot_of: Dict[nn.Parameter, Tuple[Unit, FlatGroup, ParamSlot]] = {}
+        self._slots: Dict[nn.Parameter, ParamSlot] = {}  # see slot_of
         for u in self.units:
             for g in u.groups:
                 g.optimized = any(s.param.requires_grad and (param_group_of is None or s.param in param_group_of)
                                   for s in g.slots)
                 for s in g.slots:
-                    self._slot_of[s.param] = (u, g, s)
+                    self._slots[s.param] = s
         self._check_limits()
         self._io: Optional[ThreadPoolExecutor] = None
         self._swapper = None
@@ -244,8 +244,11 @@ class Stage3ParameterManager(LayoutMixin, HooksMixin, ReadsMixin, FetchMixin, Sa
         the CPU. See [Note: CUDA streams]."""
         return self.transfers.d2h_stream
 
-    def _unit_of_group(self, g: FlatGroup) -> Unit:
-        return self.units[int(g.key.split("/")[0][4:])]
+    def slot_of(self, param: Optional[torch.Tensor]) -> Optional[ParamSlot]:
+        """The record of ``param`` (its :class:`ParamSlot`: name, full shape, place in its flat
+        group, ``.group``, ``.unit``, ``.status``) when this manager partitions it; else None
+        (any other tensor, or None). Matched by identity, never by value."""
+        return self._slots.get(param)
 
     # ------------------------------------------------------------------------ forward hooks
     def busy(self) -> _BusyGuard:

@@ -80,7 +80,8 @@ class ReduceMixin:
                 self._request(unit, "bwd", record=False)
 
     def _post_accumulate(self, param: nn.Parameter) -> None:
-        unit, g, s = self._slot_of[param]
+        s = self._slots[param]
+        unit, g = s.unit, s.group
         grad = param.grad
         if grad is None:
             return

@@ -24,4 +24,4 @@ def partitioned_by(params) -> Optional["Stage3ParameterManager"]:
     iterable of parameters), or None. Such parameters are placeholders: ``zeroinf.initialize``
     refuses a model holding them."""
     params = list(params)
-    return next((m for m in managers(include_closed=True) if any(p in m._slot_of for p in params)), None)
+    return next((m for m in managers(include_closed=True) if any(m.slot_of(p) is not None for p in params)), None)

@@ -9,7 +9,9 @@ it first) such a placeholder would silently give wrong answers: ``model.head.wei
 dtype, ``.grad``, ``.data``, hooks, ``detach``, ``numel``) and raises a ``RuntimeError`` naming
 the parameter for anything else. When the unit is gathered the original class comes back, so
 the forward and backward compute on plain parameters and pay nothing for this. ``isinstance(p,
-nn.Parameter)`` holds in both states.
+nn.Parameter)`` holds in both states. :func:`mark_released` and :func:`mark_gathered` are the
+one place that switches the class; the manager's record of the parameter (``ParamSlot.status``)
+says which state it is in.
 
 ``p.data`` and ``p.detach()`` of such a parameter are its empty placeholder too, and plain
 tensors would compute on nothing again (``model.head.weight.detach().norm()`` gave 0, and
@@ -34,7 +36,7 @@ from torch import nn
 
 from .registry import managers
 
-__all__ = ["released_class", "gathered_class", "is_released", "PASS_THROUGH"]
+__all__ = ["mark_released", "mark_gathered", "hide_from_dynamo", "released_class", "gathered_class", "is_released", "PASS_THROUGH"]
 
 #: torch functions allowed on a released parameter: attribute access (``__get__``/``__set__``:
 #: ``.shape``, ``.grad``, ``.data``, ...), metadata, hooks, ``detach`` (``state_dict``
@@ -82,9 +84,9 @@ def _describe(p: torch.Tensor) -> Tuple[str, Optional[torch.Size]]:
         if p is None:
             return "a freed parameter", None
     for m in managers(include_closed=True):
-        rec = m._slot_of.get(p)
-        if rec is not None:
-            return rec[2].name, rec[2].shape
+        s = m.slot_of(p)
+        if s is not None:
+            return s.name, s.shape
     held = _held_hooks[0]([p])
     if held:
         return "a parameter", held[p]
@@ -222,6 +224,48 @@ def released_class(cls: type, held: bool = False) -> type:
 def gathered_class(cls: type) -> type:
     """The original class of a (possibly released) parameter class."""
     return cls._zeroinf_gathered_class if issubclass(cls, _ReleasedMixin) else cls
+
+
+def mark_released(p: nn.Parameter, held: bool = False) -> None:
+    """Switch ``p`` to the released twin of its class: from now on it refuses compute, naming
+    itself ([Note: released parameters]). The class is what enforces the state (the manager's
+    record, ``ParamSlot.status``, says it): a record cannot make ``p.sum()`` raise, a class
+    can. Set ``p.data`` to its empty placeholder before: the twin of an engine's parameter
+    refuses a ``.data`` with values, and ``.data =`` on the plain class skips
+    ``__torch_function__``. ``held``: ``p`` is held by ``zeroinf.Init`` ([Note: held
+    placeholders refuse compute]), whose twin also lets ``HELD_PASS_THROUGH`` through.
+    ``p``'s identity, hooks and ``.grad`` stay."""
+    p.__class__ = released_class(type(p), held)
+
+
+def mark_gathered(p: nn.Parameter) -> None:
+    """Give ``p`` its own class back: it computes as a plain parameter, at no cost per op.
+    A gather calls it before pointing ``p.data`` at the gathered values: ``.data =`` on the
+    plain class skips ``__torch_function__``. A no-op on a parameter that is not released."""
+    p.__class__ = gathered_class(type(p))
+
+
+_hidden_from_dynamo = False
+
+
+def hide_from_dynamo() -> None:
+    """Have ``torch.compile`` (dynamo) run :func:`mark_released` and :func:`mark_gathered` as
+    plain Python, never tracing their frames. Traced, they read their argument, a released
+    parameter, as a tensor, and it refuses inside the hooks' gather; skipped, ``torch.compile``
+    of a module with partitioned parameters is refused where the compiled forward first reads
+    one, naming it. The manager calls this when it installs its hooks; the first call imports
+    ``torch._dynamo`` (about a second). A torch without ``skip_code`` leaves them traced: the
+    compile is refused either way."""
+    global _hidden_from_dynamo
+    if _hidden_from_dynamo:
+        return
+    try:
+        from torch._dynamo.eval_frame import skip_code
+    except ImportError:
+        return
+    for fn in (mark_released, mark_gathered):
+        skip_code(fn.__code__)
+    _hidden_from_dynamo = True
 
 
 def is_released(p: torch.Tensor) -> bool:

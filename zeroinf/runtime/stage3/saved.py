@@ -73,9 +73,9 @@ class SavedMixin:
         """The slot of the parameter that ``t`` (saved, lying at element ``off`` of ``g.full``)
         lies in: by dictionary for the parameter itself or a view of it (every forward saves
         these), by scanning ``g.slots`` otherwise (``weight.detach()``); None in the padding."""
-        rec = self._slot_of.get(t if isinstance(t, nn.Parameter) else t._base)
-        if rec is not None and rec[1] is g:
-            return rec[2]
+        s = self.slot_of(t if isinstance(t, nn.Parameter) else t._base)
+        if s is not None and s.group is g:
+            return s
         return next((s for s in g.slots if s.offset <= off < s.offset + s.numel), None)
 
     def _unpack(self, x):
@@ -101,7 +101,7 @@ class SavedMixin:
                     "was updated by an optimizer step (engine.step) after the forward that saved it (zeroinf stage "
                     "3; plain PyTorch raises the same). Run each forward's backward before the step")
             g = x.group
-            unit = self._unit_of_group(g)
+            unit = g.unit
             # g.full exists from issue() on, but holds the values only once GATHERED: a unit
             # prefetched for its backward may still be FETCHING (read in flight) here
             if unit.state is not UnitState.GATHERED:

@@ -67,7 +67,7 @@ class ShardsMixin:
         self._host_reads_done()
         # a staged read of the old values is stale now (none exist for a group a background step
         # updates: stage() skips pending groups)
-        self.drop_staged([self._unit_of_group(g)])
+        self.drop_staged([g.unit])
         n = self._run_io(g.store.write_from, src)
         key = "bytes_nvme_written" if g.store.tier == "nvme" else "bytes_host_written"
         self.stats.add(key, n)
@@ -78,7 +78,7 @@ class ShardsMixin:
         read of ``g``'s unit when one is spare (NVMe, a one-group unit, two buffers beyond the
         on-demand reserve): the next gather then copies them instead of reading them back.
         The background optimizer step stores its partitions through this."""
-        unit = self._unit_of_group(g)
+        unit = g.unit
         reserve = max(len(u.groups) for u in self.units)
         if (self.unit_tier(unit) != "nvme" or len(unit.groups) != 1 or unit.index in self._staged
                 or unit.state is not UnitState.RELEASED or self._pool.free_count() < reserve + 2):
@@ -258,7 +258,7 @@ class ShardsMixin:
         ``g`` read from every rank's partition; the module's parameters are not touched.
         Collective when ``world_size > 1``."""
         self.step_gate.wait()
-        if self._unit_of_group(g).state is UnitState.GATHERED:  # FETCHING: g.full not filled yet
+        if g.unit.state is UnitState.GATHERED:  # FETCHING: g.full not filled yet
             return g.full.clone()
         full = torch.empty(g.padded_numel, dtype=g.dtype, device=self.device)
         lo, hi = self._shard_range(g)
@@ -323,7 +323,7 @@ class ShardsMixin:
         shard = local if local is not None else torch.empty(g.shard_numel, dtype=g.dtype, device=self.device)
         if local is None:
             self._run_io(g.store.read_into, shard)
-        unit = self._unit_of_group(g)
+        unit = g.unit
         if unit.future is not None:  # a read of the old partition into g.full must not land after the new values
             self.transfers.stream_wait(unit.future.result())
             unit.future = None

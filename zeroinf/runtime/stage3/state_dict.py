@@ -55,7 +55,7 @@ def _on_parameter_registered(module, name, param):
     (they gave the placeholder and failed on its shape)."""
     for hooks in list(_LIVE):
         m = hooks._manager()
-        if m is not None and param in m._slot_of and module not in hooks._hooked:
+        if m is not None and m.slot_of(param) is not None and module not in hooks._hooked:
             hooks._hook(module)
     return None
 
@@ -108,9 +108,8 @@ class ModuleStateHooks:
         self._hooked: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()
         self._load_key: "weakref.WeakKeyDictionary[torch.nn.Module, int]" = weakref.WeakKeyDictionary()
         self._placed: "weakref.WeakValueDictionary[int, torch.Tensor]" = weakref.WeakValueDictionary()
-        owned = set(manager._slot_of)
         for sub in model.modules():
-            if any(p in owned for p in sub.parameters()):
+            if any(manager.slot_of(p) is not None for p in sub.parameters()):
                 self._hook(sub)
         global _REGISTRATION
         _LIVE.add(self)
@@ -147,7 +146,7 @@ class ModuleStateHooks:
         def call(destination, prefix, *args, **kwargs):
             from .api import _gathered
             mod, m = ref(), self._manager()
-            own = [p for p in mod._parameters.values() if p is not None and m is not None and p in m._slot_of]
+            own = [p for p in mod._parameters.values() if p is not None and m is not None and m.slot_of(p) is not None]
             if not own:
                 return orig(mod, destination, prefix, *args, **kwargs)
             with _gathered(own, modifier_rank=None if saving else 0, loading=not saving):
@@ -219,9 +218,9 @@ class ModuleStateHooks:
         gathers are collective)."""
         by_group: Dict[FlatGroup, list] = {}
         for p, ns in names.items():
-            rec = m._slot_of.get(p)
-            if rec is not None:
-                by_group.setdefault(rec[1], []).append((rec[2], ns))
+            s = m.slot_of(p)
+            if s is not None:
+                by_group.setdefault(s.group, []).append((s, ns))
         return [(g, by_group[g]) for g in m.groups() if g in by_group]
 
     # --- state_dict ------------------------------------------------------------------------------

@@ -16,7 +16,7 @@ from __future__ import annotations
 import collections
 import enum
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Dict, Hashable, List, Optional, Sequence, Set, Tuple
 
 import torch
@@ -38,7 +38,19 @@ class UnitState(enum.Enum):
 
 @dataclass(eq=False)
 class ParamSlot:
-    """One parameter's place in its group's flat buffer (elements)."""
+    """The record of one managed parameter: its place in its group's flat buffer, and the
+    group and unit it belongs to. ``Stage3ParameterManager.slot_of(param)`` finds it.
+
+    Attributes:
+        name: qualified name in the model (the first one, for a tied parameter).
+        param: the parameter itself; while released its ``.data`` is an empty placeholder and
+            its class the refusing twin of its own ([Note: released parameters]).
+        offset, numel: where it lies in ``group``'s flat buffer, in elements.
+        shape: its full shape (``numel`` elements), gathered or not.
+        group: the :class:`FlatGroup` whose flat buffer holds it (set by the group).
+        unit: the :class:`Unit` gathered and released with it (set by the unit).
+        status: the unit's :class:`UnitState` (a property).
+    """
 
     name: str
     param: nn.Parameter
@@ -58,6 +70,18 @@ class ParamSlot:
     #: buffer's device (None where the gathered buffer is the partition itself): what the
     #: release compares with, instead of reading the partition back from its tier
     data_seen: Optional[torch.Tensor] = None
+    # back-references, set once when the group and the unit are built; out of repr (they hold the slot)
+    group: Optional["FlatGroup"] = field(default=None, repr=False)
+    unit: Optional["Unit"] = field(default=None, repr=False)
+
+    @property
+    def status(self) -> UnitState:
+        """Where the parameter's full values are: its unit's state. ``RELEASED``: only the
+        partitions hold them and the parameter refuses compute; ``FETCHING``: a gather is in
+        flight, the parameter is still released; ``GATHERED``: the parameter is a view into its
+        group's gathered flat buffer and computes on its plain class. The manager's
+        ``gather``/``release`` move it; it is never set here."""
+        return self.unit.state
 
 
 @dataclass(eq=False)
@@ -69,6 +93,7 @@ class FlatGroup:
         numel: elements of all parameters; ``padded_numel`` is a multiple of the world size;
             ``shard_numel = padded_numel // world_size`` is this rank's partition size.
         store: the rank's partition on its home tier (see ``tiers.py``).
+        unit: the :class:`Unit` that owns it (set by the unit).
         full: the gathered flat buffer (``padded_numel`` elements) or ``None`` when released.
         grad_full: the unit's flat gradient during backward, ``None`` otherwise.
         grad_shard: fp32 CPU gradient of this rank's partition, accumulated over micro-batches;
@@ -94,6 +119,11 @@ class FlatGroup:
     #: the optimizer steps it (its parameters are in an optimizer param group, or, without one
     #: given, require grad): only then are its gradients reduced, kept and counted in the norm
     optimized: bool = True
+    unit: Optional["Unit"] = field(default=None, repr=False)  # back-reference, set once by the unit
+
+    def __post_init__(self) -> None:
+        for s in self.slots:
+            s.group = self
 
     def drop_grad_shard(self) -> None:
         """Zero the accumulated gradient: ``grad_shard`` becomes None, its buffer is kept for
@@ -134,6 +164,10 @@ class Unit:
     def __post_init__(self) -> None:
         # the groups are fixed at construction; the scheduler reads this per trace entry
         self._numel = sum(g.padded_numel for g in self.groups)
+        for g in self.groups:
+            g.unit = self
+            for s in g.slots:
+                s.unit = self
 
     @property
     def numel(self) -> int:
