@@ -228,7 +228,7 @@ def _worker(rank, tmp):
         plain.close()
 
         # 4. stages 1/2: the CUDA branch with stand-in streams against the CPU branch
-        from test_engine import batches, make_mlp
+        from engine_helpers import batches, make_mlp
         from zeroinf.runtime.flat import FlatParamManager
 
         X, Y = batches(3)

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from zeroinf.checkpoint import CheckpointError
-from test_checkpoint import _engine_state, _stage3_nvme_engine, _train
+from checkpoint_helpers import _engine_state, _stage3_nvme_engine, _train
 
 
 def _flip_middle(path: str) -> None:

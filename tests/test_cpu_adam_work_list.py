@@ -4,9 +4,9 @@ import pytest
 import torch
 
 import zeroinf.optim as zo
-from test_cpu_adam import step_with_torch
+from cpu_adam_helpers import step_with_torch
 
-TOL = 1e-6  # fp32 max abs difference to torch after a few steps (as tests/test_cpu_adam.py)
+TOL = 1e-6  # fp32 max abs difference to torch after a few steps (as tests/cpu_adam_helpers.py)
 # odd sizes around the op's 16 Ki-element chunk and SIMD widths; empty and tiny tensors are packed
 # with others into one work item
 SIZES = [0, 1, 7, 16, 17, 3, 0, 16383, 16384, 16385, 5, 40_001, 2, 33, 1023]

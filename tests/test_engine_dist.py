@@ -16,7 +16,7 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 import zeroinf
-from test_engine import batches, config, make_mlp, max_diff, reference
+from engine_helpers import batches, config, make_mlp, max_diff, reference
 from zeroinf.runtime.engine import destroy_process_group
 
 WORLD = 2

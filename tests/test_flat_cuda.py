@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 import zeroinf
-from test_engine import batches, config, make_mlp, train
+from engine_helpers import batches, config, make_mlp, train
 from test_stage3_cuda import _RecordingTransfers, needs_cuda
 from zeroinf.runtime import flat
 from zeroinf.runtime.flat import FlatParamManager

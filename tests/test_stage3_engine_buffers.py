@@ -338,7 +338,7 @@ def test_a_frozen_model_runs_at_stage_3_with_or_without_an_optimizer(tmp_path, w
     """A model with no trainable parameter (an RLHF reference, a distillation teacher) runs
     partitioned on NVMe: with the optimizer on NVMe too, initialize raised "max() arg is an
     empty sequence", and a config without an optimizer was refused, where DeepSpeed takes both
-    (tester-40 F4). Stages 0-2 run it too (tester-46 F4a; test_engine.py's
+    (tester-40 F4). Stages 0-2 run it too (tester-46 F4a; test_engine_setup.py's
     test_a_frozen_model_runs_at_stages_0_to_2)."""
     torch.manual_seed(0)
     ref = TinyLM().requires_grad_(False)

@@ -16,7 +16,7 @@ from zeroinf.io import AsyncIOHandle, TensorSwapper
 from zeroinf.io.checksum import CHUNK_BYTES
 from zeroinf.io.errors import (AIOError, ChecksumMismatchError, DeviceIOError, DiskFullError, StaleSwapFileError)
 from stage3_models import TinyLM, batch, loss_fn
-from test_engine import batches, config as config_012, train
+from engine_helpers import batches, config as config_012, train
 
 
 def _stage3_config(nvme: Path, **aio) -> dict:
