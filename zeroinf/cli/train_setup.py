@@ -8,6 +8,7 @@ import json
 import math
 import os
 import shutil
+import signal
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -46,6 +47,34 @@ def _one_line(exc: BaseException) -> str:
     return " ".join(str(exc).split())
 
 
+def stop_with_launcher() -> bool:
+    """Ask Linux to send this process SIGTERM when its parent (torchrun's agent) dies.
+
+    torchrun forwards SIGINT and SIGTERM to its workers, but a SIGKILL of torchrun itself (an
+    out-of-memory kill, ``kill -9``, a scheduler's hard stop) reaches nobody, and the workers
+    trained on as orphans. With this, each worker gets SIGTERM instead, which ``zeroinf train``
+    turns into a stop after the current step. Returns True where it is set (Linux with a C
+    library); False elsewhere, where nothing changes. A parent that died before the call is not
+    seen by the kernel, so that case sends the signal here at once.
+    """
+    if not sys.platform.startswith("linux"):
+        return False
+    import ctypes
+    import ctypes.util
+
+    parent = os.getppid()
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        pr_set_pdeathsig = 1  # <linux/prctl.h>
+        if libc.prctl(pr_set_pdeathsig, int(signal.SIGTERM), 0, 0, 0) != 0:
+            return False
+    except (OSError, AttributeError):
+        return False
+    if os.getppid() != parent:  # the launcher is gone already: re-parented before the call
+        os.kill(os.getpid(), signal.SIGTERM)
+    return True
+
+
 @dataclass
 class _Dist:
     rank: int = 0
@@ -58,6 +87,8 @@ class _Dist:
         """Ranks from torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK); gloo on CPU, NCCL on CUDA."""
         world = int(os.environ.get("WORLD_SIZE", "1"))
         d = cls(int(os.environ.get("RANK", "0")), world, int(os.environ.get("LOCAL_RANK", "0")))
+        if world > 1:
+            stop_with_launcher()
         if world > 1 and not torch.distributed.is_initialized():
             backend = "nccl" if torch.cuda.is_available() else "gloo"
             torch.distributed.init_process_group(backend=backend)
