@@ -50,9 +50,41 @@ def test_empty_and_no_parts_are_zero():
     assert grad_norm.combine([], math.inf) == 0.0 and grad_norm.combine([], 2.0) == 0.0
 
 
-def test_reduce_op_matches_combine():
-    assert grad_norm.reduce_op(math.inf) == torch.distributed.ReduceOp.MAX
-    assert grad_norm.reduce_op(2.0) == torch.distributed.ReduceOp.SUM
+@pytest.mark.parametrize("norm_type", [2.0, math.inf])
+@pytest.mark.parametrize("where", [0, 1, 2])
+def test_a_nan_part_anywhere_makes_the_value_nan(norm_type, where):
+    t = torch.ones(3, 4)
+    t[where, 1] = math.nan
+    parts = [grad_norm.norm_part(row, norm_type) for row in t]
+    assert math.isnan(grad_norm.combine(parts, norm_type))
+    assert not math.isfinite(grad_norm.finish(grad_norm.combine(parts, norm_type), norm_type))
+    # torch agrees: the total norm of these gradients is NaN
+    assert math.isnan(_torch_total_norm(list(t), norm_type))
+
+
+def _ranks_worker(rank, tmp, values, norm_type, results):
+    import torch.distributed as dist
+    dist.init_process_group("gloo", init_method=f"file://{tmp}/rdzv", rank=rank, world_size=len(values))
+    try:
+        got = grad_norm.all_ranks(values[rank], norm_type)
+    finally:
+        dist.destroy_process_group()
+    torch.save(got, f"{tmp}/rank{rank}.pt")
+
+
+@pytest.mark.parametrize("norm_type,values,expected", [
+    (2.0, [1.5, 2.5], 4.0),
+    (math.inf, [1.5, 2.5], 2.5),
+    (math.inf, [3.0, math.nan], math.nan),
+    (math.inf, [math.nan, 3.0], math.nan),
+    (2.0, [math.nan, 3.0], math.nan),
+])
+def test_all_ranks_combines_as_combine_does(tmp_path, norm_type, values, expected):
+    import torch.multiprocessing as mp
+    mp.spawn(_ranks_worker, args=(str(tmp_path), values, norm_type, None), nprocs=len(values), join=True)
+    for r in range(len(values)):
+        got = torch.load(tmp_path / f"rank{r}.pt")
+        assert (math.isnan(got) if math.isnan(expected) else got == expected), (r, got)
 
 
 def test_no_other_module_computes_a_norm():

@@ -14,7 +14,6 @@ import warnings
 from typing import Any, Dict, Iterator, Optional
 
 import torch
-import torch.distributed as dist
 
 from . import grad_norm
 
@@ -407,9 +406,7 @@ class StepDriver:
             value, partitioned = local, True
         if self.world_size > 1 and partitioned:
             # on the compute device: NCCL reduces only CUDA tensors (gloo takes either)
-            t = torch.tensor([value], dtype=torch.float64, device=self.params.device)
-            dist.all_reduce(t, op=grad_norm.reduce_op(norm_type))
-            value = float(t[0])
+            value = grad_norm.all_ranks(value, norm_type, device=self.params.device)
         norm = grad_norm.finish(value, norm_type)
         if self.loss_scaler is not None:
             norm = norm / self.loss_scaler.scale

@@ -5,8 +5,9 @@ The global p-norm of the gradient is assembled in three steps, each written once
 1. :func:`norm_part` of each gradient partition a rank holds: ``sum |g|^p`` (or ``max |g|`` for
    the inf norm), the power taken in float64 on an fp32 norm so that partitions of any size add
    without losing digits;
-2. :func:`combine` of a rank's parts (a sum, or the max for inf), and the same op across ranks
-   (:func:`reduce_op`, for ``torch.distributed.all_reduce``);
+2. :func:`combine` of a rank's parts (a sum, or the max for inf), and the same across ranks
+   (:func:`all_ranks`); a NaN part stays NaN through both, so a NaN gradient is never applied
+   as if finite;
 3. :func:`finish` of the global value: its ``1/p``-th power (nothing for inf).
 
 Stages 0-2 compute the parts at the step from their flat gradients; stage 3 computes them where
@@ -22,7 +23,7 @@ from typing import Iterable
 import torch
 import torch.distributed as dist
 
-__all__ = ["norm_part", "combine", "reduce_op", "finish"]
+__all__ = ["norm_part", "combine", "all_ranks", "finish"]
 
 
 def norm_part(t: torch.Tensor, norm_type: float) -> float:
@@ -35,15 +36,32 @@ def norm_part(t: torch.Tensor, norm_type: float) -> float:
 
 def combine(parts: Iterable[float], norm_type: float) -> float:
     """One value from parts made by :func:`norm_part`: their max for the inf norm, else their
-    sum; 0.0 for no parts."""
-    if math.isinf(norm_type):
-        return max(parts, default=0.0)
-    return sum(parts)
+    sum; 0.0 for no parts. A NaN part makes the value NaN, as torch's ``max`` and ``sum`` do
+    (Python's ``max`` keeps whichever value came first when compared with NaN, and a NaN
+    gradient would then pass for finite and be applied)."""
+    if not math.isinf(norm_type):
+        return sum(parts)
+    out = 0.0
+    for p in parts:
+        if math.isnan(p):
+            return math.nan
+        out = max(out, p)
+    return out
 
 
-def reduce_op(norm_type: float):
-    """The ``torch.distributed.ReduceOp`` that combines ranks' values as :func:`combine` does."""
-    return dist.ReduceOp.MAX if math.isinf(norm_type) else dist.ReduceOp.SUM
+def all_ranks(value: float, norm_type: float, group=None, device=None) -> float:
+    """:func:`combine` of every rank's ``value`` (each rank's own combined parts), through one
+    ``all_reduce`` of float64 on ``device`` (NCCL reduces only CUDA tensors). For the inf norm a
+    NaN on any rank gives NaN on all: the reduction is a MAX over (value, is-NaN), since how a
+    backend's MAX treats NaN is not specified."""
+    if not math.isinf(norm_type):
+        t = torch.tensor([value], dtype=torch.float64, device=device)
+        dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
+        return float(t[0])
+    nan = math.isnan(value)
+    t = torch.tensor([-1.0 if nan else value, 1.0 if nan else 0.0], dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return math.nan if float(t[1]) > 0 else float(t[0])
 
 
 def finish(value: float, norm_type: float) -> float:
