@@ -63,3 +63,81 @@ def test_an_engine_stepping_in_the_backward_walks_the_phases(tmp_path):
         assert engine.optimizer_steps == 1
     finally:
         engine.close()
+
+
+def _tiny_stage3(in_backward: bool):
+    import torch
+    import zeroinf
+
+    torch.manual_seed(0)
+    d, v = 16, 23
+    blocks = [torch.nn.Sequential(torch.nn.Linear(d, 2 * d), torch.nn.Tanh(), torch.nn.Linear(2 * d, d))
+              for _ in range(3)]
+    model = torch.nn.Sequential(torch.nn.Embedding(v, d), *blocks, torch.nn.Linear(d, v, bias=False))
+    cfg = {"train_micro_batch_size_per_gpu": 4, "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+           "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0,
+                                 "offload_param": {"device": "cpu"}, "offload_optimizer": {"device": "cpu"}},
+           "zeroinf": {"optimizer_in_backward": in_backward}}
+    engine, *_ = zeroinf.initialize(model=model, config=cfg)
+    return engine, v
+
+
+def _loss(engine, v, seed):
+    import torch
+    import torch.nn.functional as F
+
+    g = torch.Generator().manual_seed(seed)
+    x, y = torch.randint(0, v, (4, 6), generator=g), torch.randint(0, v, (4, 6), generator=g)
+    return F.cross_entropy(engine(x).flatten(0, 1), y.flatten())
+
+
+@pytest.mark.parametrize("in_backward", [False, True])
+@pytest.mark.parametrize("block", [1, 3])  # the first block (the backward's last unit) and the last
+def test_close_inside_a_backward_hook_is_named_in_the_error(block, in_backward):
+    engine, v = _tiny_stage3(in_backward)
+    try:
+        def hook(mod, grad_in, grad_out):
+            try:
+                engine.close()
+            except Exception:  # with the optimizer in backward, close may report the aborted update
+                pass
+
+        engine.module[block].register_full_backward_hook(hook)
+        with pytest.raises(RuntimeError, match=r"engine.close\(\) was called during this engine.backward"):
+            engine.backward(_loss(engine, v, 1))
+    finally:
+        try:
+            engine.close()
+        except Exception:
+            pass
+
+
+@pytest.mark.parametrize("in_backward", [False, True])
+def test_a_failed_update_is_named_by_every_later_call(in_backward):
+    from zeroinf.runtime.stage3.overlap import StepFailedError
+
+    engine, v = _tiny_stage3(in_backward)
+    step, calls = engine.sub_optimizer.step, [0]
+
+    def failing(*a, **k):
+        calls[0] += 1
+        if calls[0] == 2:
+            raise OSError(5, "injected EIO")
+        return step(*a, **k)
+
+    engine.sub_optimizer.step = failing
+    messages = []
+    for s in range(3):
+        try:
+            engine.backward(_loss(engine, v, s))
+            engine.step()
+        except Exception as exc:
+            messages.append(exc)
+    try:
+        engine.close()
+    except Exception as exc:
+        messages.append(exc)
+    assert len(messages) >= 2, messages
+    for exc in messages:
+        assert isinstance(exc, StepFailedError), repr(exc)
+        assert "OSError: [Errno 5] injected EIO" in str(exc), str(exc)

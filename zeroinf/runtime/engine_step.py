@@ -174,6 +174,12 @@ class StepDriver:
                 self.params.abort_backward_step(exc)
             elif not self._in_bwd:
                 self._drop_partial_gradients(exc)
+            if self._closed and isinstance(exc, Exception):
+                # close() ran inside this backward (a hook, a signal handler): what failed next is
+                # a consequence (at stage 3 autograd met released placeholders), and says so
+                raise RuntimeError("zeroinf: engine.close() was called during this engine.backward (from a hook or "
+                                   "a signal handler), so the backward could not finish; close the engine after "
+                                   f"engine.backward returns ({type(exc).__name__}: {exc})") from exc
             raise
         t1 = time.perf_counter()
         self._step_stats["backward_s"] += t1 - t0

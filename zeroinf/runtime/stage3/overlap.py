@@ -97,9 +97,12 @@ class StepGate:
             self._cv.notify_all()
 
     def fail(self, exc: BaseException) -> None:
-        """The step failed: wake every waiter with ``exc``."""
+        """The step failed: wake every waiter with ``exc``. The first failure is kept: a later one
+        is its consequence (the backward that feeds a step in the backward fails because the step
+        did, or the worker stops because the backward did), and every later wait names the cause."""
         with self._cv:
-            self._error = exc
+            if self._error is None:
+                self._error = exc
             self._pending.clear()
             self._cv.notify_all()
 
