@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 #: attribute of a meta tensor from :func:`lazy_state_dict`: ``(file path, name in the file)``
-SOURCE = "_zeroinf_source"
+SOURCE = "_zeroinf_file_slice"
 
 
 def _active() -> bool:
