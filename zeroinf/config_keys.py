@@ -170,8 +170,9 @@ _RECORDS: Tuple[Key, ...] = (
         "reduce_bucket_size", "allgather_bucket_size", "reduce_scatter",
         "stage3_param_persistence_threshold", "stage3_gather_16bit_weights_on_model_save")),
     Key("zero_optimization.stage3_prefetch_bucket_size", S, "0: nothing is prefetched, as in DeepSpeed"),
-    Key("zero_optimization.stage3_max_live_parameters", S, "bounds every gathered unit (DeepSpeed: prefetching "
-        "only), so a value below the root plus the largest unit is raised to that sum with a warning; 0, as in "
+    Key("zero_optimization.stage3_max_live_parameters", S, "bounds every unit the engine gathers on its own "
+        "(DeepSpeed: prefetching only), so a value below the root plus the largest unit is raised to that sum with "
+        "a warning; gathered_parameters blocks go over it, as DeepSpeed's GatheredParameters does; 0, as in "
         "DeepSpeed: no prefetch and no bound"),
     Key("zero_optimization.stage3_max_reuse_distance", S, "0: no unit stays gathered for reuse, as in DeepSpeed"),
     *(Key(f"zero_optimization.{k}", S, "accepted; changes no result (gradients always reduce into contiguous "

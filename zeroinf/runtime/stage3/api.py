@@ -79,8 +79,7 @@ def _gathered(params, modifier_rank: Optional[int], loading: bool = False) -> It
             if not was:
                 with m.busy():
                     with collective("zeroinf.gathered_parameters (it all-gathers the partitions)", m.rank, m.world_size):
-                        m._make_room(u, hint=", or gather fewer parameters per zeroinf.gathered_parameters block "
-                                          "(every unit it names stays gathered until the block ends)")
+                        m._make_room(u, for_block=True)  # [Note: the live limit and gathered_parameters]
                         m._complete(u)
             u.user_holds += 1
             held.append(u)

@@ -368,9 +368,16 @@ class FetchMixin:
                 for s in changed:
                     s.version, s.data_read, s.data_seen = s.param._version, False, None
 
-    def _make_room(self, unit: Unit, hint: str = "") -> None:
-        """Release prefetched and kept units until ``unit`` fits under max_live_parameters;
-        ``hint`` is added to the error's advice."""
+    def _make_room(self, unit: Unit, for_block: bool = False) -> None:
+        """Release prefetched and kept units until ``unit`` fits under max_live_parameters.
+
+        [Note: the live limit and gathered_parameters] The limit bounds what the engine gathers
+        on its own. A ``gathered_parameters`` block is the user's explicit request: DeepSpeed's
+        ``GatheredParameters`` gathers whatever it names whatever the limit (TRL's generation
+        gathers a whole model that way). So the block's own gathers (``for_block``), and any
+        gather that finds no room only because blocks hold units, go ahead over the limit after
+        releasing what may be released; ``live_over_limit`` counts them. Otherwise no room
+        raises RuntimeError, naming the units in use."""
         limit = self.options.max_live_parameters
         if unit.persistent or unit.state is not UnitState.RELEASED or self._live + unit.numel <= limit:
             return
@@ -382,9 +389,13 @@ class FetchMixin:
                 if releasable(u) and u.index not in self._derived_holds:
                     self.release(u)
         if self._live + unit.numel > limit:
+            if for_block or any(u.user_holds for u in self.units):
+                self.stats.add("live_over_limit")
+                return
+            hint = ""
             if self._derived_holds:
-                hint += (" (a backward run with create_graph=True keeps every unit it used gathered until the "
-                         "backward through its graph ends)")
+                hint = (" (a backward run with create_graph=True keeps every unit it used gathered until the "
+                        "backward through its graph ends)")
             live = [u.name for u in self.units if u.state is not UnitState.RELEASED and not u.persistent]
             raise RuntimeError(f"zeroinf stage 3: gathering unit '{unit.name}' ({unit.numel} elements) would exceed "
                                f"zero_optimization.stage3_max_live_parameters={limit}; in use: {live} "
