@@ -21,6 +21,7 @@ _COUNTERS = (
     "foreign_gathers",      # units gathered because another module read their weights
     "reduces",              # unit gradient reductions
     "releases",
+    "live_over_limit",      # gathers that went over stage3_max_live_parameters for gathered_parameters blocks
     "forward_changes_kept", # parameters a forward changed, written into their partitions ([Note: changes in a forward])
     "host_cache_hits",      # NVMe partition reads served by the max_in_cpu host cache
     "bytes_nvme_read", "bytes_nvme_written",
