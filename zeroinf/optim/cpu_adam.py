@@ -207,7 +207,7 @@ class CPUAdam(torch.optim.Optimizer):
         for gi, group in enumerate(self.param_groups):  # every check before any group is stepped
             _check_group(gi, group)
             for pi, p in enumerate(group["params"]):
-                if p.grad is not None:
+                if p.grad is not None and not _steppable(p):
                     _check_param(p, f"param_groups[{gi}]['params'][{pi}]")
         self._step_all()
         return loss
@@ -222,11 +222,11 @@ class CPUAdam(torch.optim.Optimizer):
             groups.append(AdamHyper(float(group["lr"]), beta1, beta2, float(group["eps"]),
                                     float(group["weight_decay"]), bool(group["adamw_mode"]),
                                     bool(group["bias_correction"])))
-            for pi, p in enumerate(group["params"]):
+            maximize = bool(group["maximize"])
+            for p in group["params"]:
                 if p.grad is None:
                     continue
-                master, out, grad, state = self._prepare(p, f"param_groups[{gi}]['params'][{pi}]",
-                                                         bool(group["maximize"]))
+                master, out, grad, state = self._prepare(p, maximize)
                 steps.append(int(state["step"].item()) + 1)  # stored only once the step succeeded
                 step_tensors.append(state["step"])
                 group_of.append(gi)
@@ -267,7 +267,7 @@ class CPUAdam(torch.optim.Optimizer):
                 if p.grad is not None and p.dtype != torch.float32:
                     self._written[p] = (p._version, p.data_ptr())
 
-    def _prepare(self, p: torch.Tensor, where: str, maximize: bool):
+    def _prepare(self, p: torch.Tensor, maximize: bool):
         """Create one checked parameter's state, return (fp32 master, 16-bit out or None, grad, state)."""
         grad = p.grad
         state = self.state[p]
@@ -322,6 +322,14 @@ def _shared_16bit_memory(named) -> Optional[Tuple[str, str, torch.dtype]]:
                         return where2, where, p.dtype
             open_spans.append((lo, hi, where, p))
     return None
+
+
+def _steppable(p: torch.Tensor) -> bool:
+    """Whether CPUAdam can step ``p`` and its gradient (CPU, dense, a supported dtype): the
+    per-step test, which builds no message; :func:`_check_param` says what is wrong when not."""
+    grad = p.grad
+    return (p.device.type == "cpu" and p.dtype in _PARAM_DTYPES and grad.layout is torch.strided
+            and grad.device.type == "cpu" and grad.dtype in _PARAM_DTYPES)
 
 
 def _check_param(p: torch.Tensor, where: str) -> None:
