@@ -48,7 +48,7 @@ class ParamSlot:
         offset, numel: where it lies in ``group``'s flat buffer, in elements.
         shape: its full shape (``numel`` elements), gathered or not.
         group: the :class:`FlatGroup` whose flat buffer holds it (set by the group).
-        unit: the :class:`Unit` gathered and released with it (set by the unit).
+        unit: the :class:`Unit` gathered and released with it (a property: its group's).
         status: the unit's :class:`UnitState` (a property).
     """
 
@@ -70,9 +70,13 @@ class ParamSlot:
     #: buffer's device (None where the gathered buffer is the partition itself): what the
     #: release compares with, instead of reading the partition back from its tier
     data_seen: Optional[torch.Tensor] = None
-    # back-references, set once when the group and the unit are built; out of repr (they hold the slot)
+    #: back-reference, set once when the group is built; out of repr (the group holds the slot)
     group: Optional["FlatGroup"] = field(default=None, repr=False)
-    unit: Optional["Unit"] = field(default=None, repr=False)
+
+    @property
+    def unit(self) -> "Unit":
+        """The unit gathered and released with it: its group's."""
+        return self.group.unit
 
     @property
     def status(self) -> UnitState:
@@ -166,8 +170,6 @@ class Unit:
         self._numel = sum(g.padded_numel for g in self.groups)
         for g in self.groups:
             g.unit = self
-            for s in g.slots:
-                s.unit = self
 
     @property
     def numel(self) -> int:
