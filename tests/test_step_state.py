@@ -3,6 +3,7 @@ every phase, and an engine with ``optimizer_in_backward`` going through them."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from zeroinf.runtime.step_state import StepPhase, StepState
 
@@ -41,7 +42,6 @@ def test_questions_the_engine_asks():
 
 
 def test_an_engine_stepping_in_the_backward_walks_the_phases(tmp_path):
-    torch = pytest.importorskip("torch")
     import zeroinf
 
     torch.manual_seed(0)
@@ -65,36 +65,29 @@ def test_an_engine_stepping_in_the_backward_walks_the_phases(tmp_path):
         engine.close()
 
 
-def _tiny_stage3(in_backward: bool):
-    import torch
+def _tiny_stage3(tmp_path, in_backward: bool):
+    """A TinyLM engine at stage 3, parameters and optimizer on the CPU."""
     import zeroinf
+    from stage3_engine_helpers import _config
+    from stage3_models import TinyLM
 
     torch.manual_seed(0)
-    d, v = 16, 23
-    blocks = [torch.nn.Sequential(torch.nn.Linear(d, 2 * d), torch.nn.Tanh(), torch.nn.Linear(2 * d, d))
-              for _ in range(3)]
-    model = torch.nn.Sequential(torch.nn.Embedding(v, d), *blocks, torch.nn.Linear(d, v, bias=False))
-    cfg = {"train_micro_batch_size_per_gpu": 4, "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
-           "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0,
-                                 "offload_param": {"device": "cpu"}, "offload_optimizer": {"device": "cpu"}},
-           "zeroinf": {"optimizer_in_backward": in_backward}}
-    engine, *_ = zeroinf.initialize(model=model, config=cfg)
-    return engine, v
+    cfg = _config("cpu", "cpu", tmp_path)
+    cfg["zeroinf"] = {"optimizer_in_backward": in_backward}
+    return zeroinf.initialize(model=TinyLM(), config=cfg)[0]
 
 
-def _loss(engine, v, seed):
-    import torch
-    import torch.nn.functional as F
+def _loss(engine, seed):
+    from stage3_models import batch, loss_fn
 
-    g = torch.Generator().manual_seed(seed)
-    x, y = torch.randint(0, v, (4, 6), generator=g), torch.randint(0, v, (4, 6), generator=g)
-    return F.cross_entropy(engine(x).flatten(0, 1), y.flatten())
+    x, y = batch(seed)
+    return loss_fn(engine(x), y)
 
 
 @pytest.mark.parametrize("in_backward", [False, True])
-@pytest.mark.parametrize("block", [1, 3])  # the first block (the backward's last unit) and the last
-def test_close_inside_a_backward_hook_is_named_in_the_error(block, in_backward):
-    engine, v = _tiny_stage3(in_backward)
+@pytest.mark.parametrize("block", [0, 3])  # the first block (the backward's last unit) and the last
+def test_close_inside_a_backward_hook_is_named_in_the_error(tmp_path, block, in_backward):
+    engine = _tiny_stage3(tmp_path, in_backward)
     try:
         def hook(mod, grad_in, grad_out):
             try:
@@ -102,9 +95,9 @@ def test_close_inside_a_backward_hook_is_named_in_the_error(block, in_backward):
             except Exception:  # with the optimizer in backward, close may report the aborted update
                 pass
 
-        engine.module[block].register_full_backward_hook(hook)
+        engine.module.blocks[block].register_full_backward_hook(hook)
         with pytest.raises(RuntimeError, match=r"engine.close\(\) was called during this engine.backward"):
-            engine.backward(_loss(engine, v, 1))
+            engine.backward(_loss(engine, 1))
     finally:
         try:
             engine.close()
@@ -113,10 +106,10 @@ def test_close_inside_a_backward_hook_is_named_in_the_error(block, in_backward):
 
 
 @pytest.mark.parametrize("in_backward", [False, True])
-def test_a_failed_update_is_named_by_every_later_call(in_backward):
+def test_a_failed_update_is_named_by_every_later_call(tmp_path, in_backward):
     from zeroinf.runtime.stage3.overlap import StepFailedError
 
-    engine, v = _tiny_stage3(in_backward)
+    engine = _tiny_stage3(tmp_path, in_backward)
     step, calls = engine.sub_optimizer.step, [0]
 
     def failing(*a, **k):
@@ -129,7 +122,7 @@ def test_a_failed_update_is_named_by_every_later_call(in_backward):
     messages = []
     for s in range(3):
         try:
-            engine.backward(_loss(engine, v, s))
+            engine.backward(_loss(engine, s))
             engine.step()
         except Exception as exc:
             messages.append(exc)
