@@ -62,7 +62,7 @@ def test_a_nan_part_anywhere_makes_the_value_nan(norm_type, where):
     assert math.isnan(_torch_total_norm(list(t), norm_type))
 
 
-def _ranks_worker(rank, tmp, values, norm_type, results):
+def _ranks_worker(rank, tmp, values, norm_type):
     import torch.distributed as dist
     dist.init_process_group("gloo", init_method=f"file://{tmp}/rdzv", rank=rank, world_size=len(values))
     try:
@@ -81,7 +81,7 @@ def _ranks_worker(rank, tmp, values, norm_type, results):
 ])
 def test_all_ranks_combines_as_combine_does(tmp_path, norm_type, values, expected):
     import torch.multiprocessing as mp
-    mp.spawn(_ranks_worker, args=(str(tmp_path), values, norm_type, None), nprocs=len(values), join=True)
+    mp.spawn(_ranks_worker, args=(str(tmp_path), values, norm_type), nprocs=len(values), join=True)
     for r in range(len(values)):
         got = torch.load(tmp_path / f"rank{r}.pt")
         assert (math.isnan(got) if math.isnan(expected) else got == expected), (r, got)
