@@ -53,7 +53,12 @@ def all_ranks(value: float, norm_type: float, group=None, device=None) -> float:
     """:func:`combine` of every rank's ``value`` (each rank's own combined parts), through one
     ``all_reduce`` of float64 on ``device`` (NCCL reduces only CUDA tensors). For the inf norm a
     NaN on any rank gives NaN on all: the reduction is a MAX over (value, is-NaN), since how a
-    backend's MAX treats NaN is not specified."""
+    backend's MAX treats NaN is not specified. ``group``: the process group (None: the world);
+    ``device``: None is the CPU. Collective: every rank of ``group`` calls it.
+
+    Raises:
+        RuntimeError: from ``torch.distributed`` (no initialized process group, a failed
+            collective)."""
     if not math.isinf(norm_type):
         t = torch.tensor([value], dtype=torch.float64, device=device)
         dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
