@@ -131,3 +131,85 @@ def test_adam_step_groups_equals_one_adam_step_per_tensor():
         zo.adam_step_groups(mine[0], grads, mine[1], mine[2], steps=steps, groups=groups,
                             group_of=group_of[:4] + [3] + group_of[5:])
     assert all(torch.equal(t, b) for t, b in zip(mine[0], before)), "nothing written before the check failed"
+
+
+def _counted_case(seed):
+    """Buffers for step_counted over SIZES: fp32 params, bf16 grads, half with a bf16 output."""
+    torch.manual_seed(seed)
+    ps = [torch.randn(s) for s in SIZES]
+    outs = [torch.zeros(s, dtype=torch.bfloat16) if i % 2 else None for i, s in enumerate(SIZES)]
+    return ps, [torch.rand(s) for s in SIZES], [torch.rand(s) for s in SIZES], outs
+
+
+def test_step_counted_steps_with_each_count_plus_one_then_counts():
+    """step_counted reads each tensor's torch-style step count, steps with count + 1 and stores
+    the new counts: the same bits as adam_step_groups given those step numbers."""
+    from zeroinf.optim.functional import step_counted
+    groups = [zo.AdamHyper(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01),
+              zo.AdamHyper(lr=3e-2, beta1=0.8, beta2=0.99, eps=1e-6, weight_decay=0.1, adamw_mode=False)]
+    k = len(SIZES)
+    group_of = [i % 2 for i in range(k)]
+    counts = [torch.tensor(float(i % 5)) for i in range(k)]
+    grads = [torch.randn(s).to(torch.bfloat16) for s in SIZES]
+    mine, ref = _counted_case(6), _counted_case(6)
+    assert step_counted(mine[0], grads, mine[1], mine[2], mine[3], counts, group_of, groups)
+    zo.adam_step_groups(ref[0], grads, ref[1], ref[2], steps=[1 + i % 5 for i in range(k)], group_of=group_of,
+                        groups=groups, params_outs=ref[3])
+    for a, b in zip(mine, ref):
+        assert all((x is None and y is None) or torch.equal(x, y) for x, y in zip(a, b))
+    assert [c.item() for c in counts] == [float(1 + i % 5) for i in range(k)]
+
+
+@pytest.mark.parametrize("bad, match", [
+    (lambda c: c.__setitem__(3, torch.tensor(2.5)), r"step_counts\[3\] is 2.5; a step count is a whole number"),
+    (lambda c: c.__setitem__(4, torch.tensor(-1.0)), r"step_counts\[4\] is -1"),
+    (lambda c: c.__setitem__(5, torch.tensor(2, dtype=torch.int64)), r"step_counts\[5\] must be a one-element float32"),
+    (lambda c: c.__setitem__(6, torch.zeros(2)), r"step_counts\[6\] must be a one-element float32"),
+])
+def test_step_counted_refuses_a_bad_count_before_writing_anything(bad, match):
+    from zeroinf.optim.functional import step_counted
+    k = len(SIZES)
+    counts = [torch.tensor(1.0) for _ in range(k)]
+    bad(counts)
+    ps, ms, vs, outs = _counted_case(7)
+    before = [t.clone() for t in ps + ms + vs]
+    kept = [c.clone() for c in counts]
+    with pytest.raises(ValueError, match=match):
+        step_counted(ps, [torch.randn(s) for s in SIZES], ms, vs, outs, counts, [0] * k,
+                     [zo.AdamHyper(1e-2, 0.9, 0.999, 1e-8, 0.0)])
+    assert all(torch.equal(a, b) for a, b in zip(ps + ms + vs, before))
+    assert all(torch.equal(a, b) for a, b in zip(counts, kept))
+
+
+def test_step_counted_leaves_a_list_with_a_strided_buffer_to_the_caller():
+    """A non-contiguous buffer anywhere in the list: nothing stepped, no count moved, False."""
+    from zeroinf.optim.functional import step_counted
+    k = len(SIZES)
+    ps, ms, vs, outs = _counted_case(8)
+    ps[-1] = torch.randn(SIZES[-1] * 2)[::2]
+    counts = [torch.tensor(3.0) for _ in range(k)]
+    before = [t.clone() for t in ps + ms + vs]
+    assert not step_counted(ps, [torch.randn(s) for s in SIZES], ms, vs, outs, counts, [0] * k,
+                            [zo.AdamHyper(1e-2, 0.9, 0.999, 1e-8, 0.0)])
+    assert all(torch.equal(a, b) for a, b in zip(ps + ms + vs, before))
+    assert all(c.item() == 3.0 for c in counts)
+
+
+def test_cpu_adam_with_one_transposed_parameter_matches_torch_and_counts_every_step():
+    """One strided parameter sends the whole step down the general path: the same result as
+    torch.optim.AdamW, and every parameter's step count still advances once per step."""
+    torch.manual_seed(9)
+    mine = [torch.nn.Parameter(torch.randn(6, 4).t()), torch.nn.Parameter(torch.randn(300)),
+            torch.nn.Parameter(torch.randn(17))]
+    ref = [torch.nn.Parameter(p.detach().clone()) for p in mine]
+    assert not mine[0].is_contiguous()
+    opt = zo.CPUAdam(mine, lr=1e-2, weight_decay=0.01)
+    ref_opt = torch.optim.AdamW(ref, lr=1e-2, weight_decay=0.01, foreach=False)
+    for _ in range(3):
+        for p, q in zip(mine, ref):
+            q.grad = torch.randn(q.shape)
+            p.grad = q.grad.clone()
+        opt.step()
+        ref_opt.step()
+    assert max((a - b).abs().max().item() for a, b in zip(mine, ref)) <= TOL
+    assert [opt.state[p]["step"].item() for p in mine] == [3.0, 3.0, 3.0]

@@ -43,11 +43,21 @@ za::DType to_dtype(at::ScalarType t) {
   }
 }
 
-void check_buffer(const at::Tensor& t, const std::string& name, int64_t numel) {
-  TORCH_CHECK_VALUE(t.device().is_cpu(), name, " must be a CPU tensor, got device ", t.device());
-  TORCH_CHECK_VALUE(t.is_contiguous(), name, " must be contiguous (the update is written in place; "
+// The index suffix of an argument name in messages: nothing for the single-tensor form, "[3]" for
+// element 3 of the list form. Streamed only when a check fails, so passing checks build no strings.
+struct Sfx {
+  int64_t i = -1;
+};
+std::ostream& operator<<(std::ostream& os, const Sfx& s) {
+  if (s.i >= 0) os << '[' << s.i << ']';
+  return os;
+}
+
+void check_buffer(const at::Tensor& t, const char* name, Sfx sfx, int64_t numel) {
+  TORCH_CHECK_VALUE(t.device().is_cpu(), name, sfx, " must be a CPU tensor, got device ", t.device());
+  TORCH_CHECK_VALUE(t.is_contiguous(), name, sfx, " must be contiguous (the update is written in place; "
                     "a contiguous copy would lose it)");
-  TORCH_CHECK_VALUE(t.numel() == numel, name, " has ", t.numel(), " elements, params has ", numel);
+  TORCH_CHECK_VALUE(t.numel() == numel, name, sfx, " has ", t.numel(), " elements, params has ", numel);
 }
 
 struct Checked {
@@ -55,28 +65,26 @@ struct Checked {
   void* out;
 };
 
-// `sfx` is appended to each argument name in messages ("" or "[3]" for the list form).
 Checked check_all(const at::Tensor& params, const at::Tensor& grads, const at::Tensor& exp_avg,
-                  const at::Tensor& exp_avg_sq, const c10::optional<at::Tensor>& params_out,
-                  const std::string& sfx = "") {
+                  const at::Tensor& exp_avg_sq, const c10::optional<at::Tensor>& params_out, Sfx sfx = {}) {
   const int64_t n = params.numel();
-  check_buffer(params, "params" + sfx, n);
+  check_buffer(params, "params", sfx, n);
   TORCH_CHECK_VALUE(params.scalar_type() == at::kFloat, "params", sfx, " must be float32, got ",
                     params.scalar_type());
-  check_buffer(grads, "grads" + sfx, n);
+  check_buffer(grads, "grads", sfx, n);
   Checked c{to_dtype(grads.scalar_type()), za::DType::kNone, to_dtype(exp_avg.scalar_type()), nullptr};
   TORCH_CHECK_VALUE(c.gt != za::DType::kNone, "grads", sfx, " must be float32, bfloat16 or float16, got ",
                     grads.scalar_type());
-  check_buffer(exp_avg, "exp_avg" + sfx, n);
+  check_buffer(exp_avg, "exp_avg", sfx, n);
   TORCH_CHECK_VALUE(c.mt == za::DType::kF32 || c.mt == za::DType::kBF16, "exp_avg", sfx,
                     " must be float32 or bfloat16, got ", exp_avg.scalar_type());
-  check_buffer(exp_avg_sq, "exp_avg_sq" + sfx, n);
+  check_buffer(exp_avg_sq, "exp_avg_sq", sfx, n);
   TORCH_CHECK_VALUE(exp_avg_sq.scalar_type() == exp_avg.scalar_type(), "exp_avg_sq", sfx, " must have exp_avg",
                     sfx, "'s dtype ", exp_avg.scalar_type(), ", got ", exp_avg_sq.scalar_type());
   TORCH_CHECK_VALUE(c.mt == za::DType::kF32 || n < (int64_t{1} << 32), "exp_avg", sfx, ": bf16 moments allow "
                     "fewer than 2^32 elements per tensor, got ", n);
   if (params_out.has_value()) {
-    check_buffer(*params_out, "params_out" + sfx, n);
+    check_buffer(*params_out, "params_out", sfx, n);
     c.ot = to_dtype(params_out->scalar_type());
     TORCH_CHECK_VALUE(c.ot == za::DType::kBF16 || c.ot == za::DType::kF16,
                       "params_out", sfx, " must be bfloat16 or float16, got ", params_out->scalar_type());
@@ -86,7 +94,7 @@ Checked check_all(const at::Tensor& params, const at::Tensor& grads, const at::T
 }
 
 za::Hyper make_hyper(int64_t step, double lr, double beta1, double beta2, double eps, double weight_decay,
-                     bool adamw_mode, bool bias_correction, double grad_scale, const std::string& sfx = "") {
+                     bool adamw_mode, bool bias_correction, double grad_scale, Sfx sfx = {}) {
   TORCH_CHECK_VALUE(step >= 1, "step", sfx, " must be >= 1 (the step number after increment), got ", step);
   TORCH_CHECK_VALUE(std::isfinite(grad_scale) && grad_scale > 0, "grad_scale must be finite and > 0, got ",
                     grad_scale);
@@ -137,28 +145,25 @@ void adam_step(at::Tensor params, at::Tensor grads, at::Tensor exp_avg, at::Tens
 // One param group's hyper-parameters: (lr, beta1, beta2, eps, weight_decay, adamw_mode, bias_correction).
 using GroupHyper = std::tuple<double, double, double, double, double, bool, bool>;
 
-// The list form: one call, and one parallel region, for many tensors of several param groups.
-// Tensor i is stepped with step number steps[i] and the hyper-parameters groups[group_of[i]].
-// Every tensor is checked before any is written.
-void adam_step_list(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& grads,
-                    const std::vector<at::Tensor>& exp_avgs, const std::vector<at::Tensor>& exp_avg_sqs,
-                    const std::vector<c10::optional<at::Tensor>>& params_outs, const std::vector<int64_t>& steps,
-                    const std::vector<int64_t>& group_of, const std::vector<GroupHyper>& groups,
-                    double grad_scale, const std::string& isa) {
+// The list form's buffers and hyper-parameters: tensor i with step number steps[i] and the
+// hyper-parameters groups[group_of[i]]; tensors of one group with one step number share a Hyper
+// (the usual case: one per group). Checks every tensor before returning; throws ValueError
+// naming the first bad one by its index.
+void collect_list(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& grads,
+                  const std::vector<at::Tensor>& exp_avgs, const std::vector<at::Tensor>& exp_avg_sqs,
+                  const std::vector<c10::optional<at::Tensor>>& params_outs, const std::vector<int64_t>& steps,
+                  const std::vector<int64_t>& group_of, const std::vector<GroupHyper>& groups, double grad_scale,
+                  std::vector<za::Buffers>& bufs, std::vector<za::Hyper>& hypers) {
   const size_t k = params.size();
   TORCH_CHECK_VALUE(grads.size() == k && exp_avgs.size() == k && exp_avg_sqs.size() == k &&
                         params_outs.size() == k && steps.size() == k && group_of.size() == k,
                     "params, grads, exp_avgs, exp_avg_sqs, params_outs, steps and group_of must have the same "
                     "length; got ", k, ", ", grads.size(), ", ", exp_avgs.size(), ", ", exp_avg_sqs.size(), ", ",
                     params_outs.size(), ", ", steps.size(), ", ", group_of.size());
-  std::vector<za::Buffers> bufs;
-  std::vector<za::Hyper> hypers;
   bufs.reserve(k);
-  hypers.reserve(k);
-  // Tensors of one group with one step number share a Hyper (the usual case: one per group).
   std::map<std::pair<int64_t, int64_t>, int32_t> index;
   for (size_t i = 0; i < k; ++i) {
-    const std::string sfx = "[" + std::to_string(i) + "]";
+    const Sfx sfx{static_cast<int64_t>(i)};
     const Checked c = check_all(params[i], grads[i], exp_avgs[i], exp_avg_sqs[i], params_outs[i], sfx);
     TORCH_CHECK_VALUE(c.mt == za::DType::kF32, "exp_avgs", sfx, " must be float32 in the list form (bf16 "
                       "moments are stepped one tensor at a time, with adam_step and its sr_seed)");
@@ -172,10 +177,64 @@ void adam_step_list(const std::vector<at::Tensor>& params, const std::vector<at:
     }
     bufs.push_back(buffers(params[i], grads[i], exp_avgs[i], exp_avg_sqs[i], c, it->second));
   }
+}
+
+// The list form: one call, and one parallel region, for many tensors of several param groups
+// (see collect_list). Every tensor is checked before any is written.
+void adam_step_list(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& grads,
+                    const std::vector<at::Tensor>& exp_avgs, const std::vector<at::Tensor>& exp_avg_sqs,
+                    const std::vector<c10::optional<at::Tensor>>& params_outs, const std::vector<int64_t>& steps,
+                    const std::vector<int64_t>& group_of, const std::vector<GroupHyper>& groups,
+                    double grad_scale, const std::string& isa) {
+  std::vector<za::Buffers> bufs;
+  std::vector<za::Hyper> hypers;
+  collect_list(params, grads, exp_avgs, exp_avg_sqs, params_outs, steps, group_of, groups, grad_scale, bufs, hypers);
   const za::Isa path = parse_isa(isa);
   const int threads = at::get_num_threads();
   py::gil_scoped_release no_gil;
   za::adam_update(path, bufs, hypers, threads);
+}
+
+// The list form with torch.optim's step counters: step_counts[i] is tensor i's count of steps
+// taken (a one-element float32 CPU tensor holding a whole number >= 0, as torch.optim.AdamW keeps
+// state["step"]); tensor i is stepped with step number count + 1, and every count is incremented
+// once all tensors are stepped. Returns -1 then. Returns the index of the first tensor with a
+// buffer that is not contiguous, stepping nothing and leaving the counts as they are: the caller
+// steps such lists through contiguous copies. Throws ValueError for any other bad argument, before
+// anything is written.
+int64_t adam_step_counted(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& grads,
+                          const std::vector<at::Tensor>& exp_avgs, const std::vector<at::Tensor>& exp_avg_sqs,
+                          const std::vector<c10::optional<at::Tensor>>& params_outs,
+                          const std::vector<at::Tensor>& step_counts, const std::vector<int64_t>& group_of,
+                          const std::vector<GroupHyper>& groups, double grad_scale, const std::string& isa) {
+  const size_t k = params.size();
+  TORCH_CHECK_VALUE(step_counts.size() == k, "step_counts has ", step_counts.size(), " tensors, params ", k);
+  std::vector<int64_t> steps(k);
+  for (size_t i = 0; i < k; ++i) {
+    for (const at::Tensor* t : {&params[i], &grads[i], &exp_avgs[i], &exp_avg_sqs[i]})
+      if (!t->is_contiguous()) return static_cast<int64_t>(i);
+    if (params_outs[i].has_value() && !params_outs[i]->is_contiguous()) return static_cast<int64_t>(i);
+    const at::Tensor& c = step_counts[i];
+    TORCH_CHECK_VALUE(c.device().is_cpu() && c.scalar_type() == at::kFloat && c.numel() == 1, "step_counts[", i,
+                      "] must be a one-element float32 CPU tensor, got ", c.scalar_type(), " with ", c.numel(),
+                      " elements on ", c.device());
+    const float count = *c.data_ptr<float>();
+    TORCH_CHECK_VALUE(count >= 0.0f && count < 16777216.0f && count == std::floor(count), "step_counts[", i,
+                      "] is ", count, "; a step count is a whole number in [0, 2^24)");
+    steps[i] = static_cast<int64_t>(count) + 1;
+  }
+  std::vector<za::Buffers> bufs;
+  std::vector<za::Hyper> hypers;
+  collect_list(params, grads, exp_avgs, exp_avg_sqs, params_outs, steps, group_of, groups, grad_scale, bufs, hypers);
+  const za::Isa path = parse_isa(isa);
+  const int threads = at::get_num_threads();
+  {
+    py::gil_scoped_release no_gil;
+    za::adam_update(path, bufs, hypers, threads);
+  }
+  // a counter shared by several tensors (one state for tied entries) counts once per step
+  for (size_t i = 0; i < k; ++i) *step_counts[i].data_ptr<float>() = static_cast<float>(steps[i]);
+  return -1;
 }
 
 void stream_rmw(at::Tensor params, at::Tensor grads, at::Tensor exp_avg, at::Tensor exp_avg_sq,
@@ -191,9 +250,9 @@ void stream_rmw(at::Tensor params, at::Tensor grads, at::Tensor exp_avg, at::Ten
 
 // dst = src rounded to bf16 stochastically, with the bits adam_step uses for exp_avg at (sr_seed, step).
 void round_bf16_stochastic(at::Tensor src, at::Tensor dst, int64_t sr_seed, int64_t step, const std::string& isa) {
-  check_buffer(src, "src", src.numel());
+  check_buffer(src, "src", {}, src.numel());
   TORCH_CHECK_VALUE(src.scalar_type() == at::kFloat, "src must be float32, got ", src.scalar_type());
-  check_buffer(dst, "dst", src.numel());
+  check_buffer(dst, "dst", {}, src.numel());
   TORCH_CHECK_VALUE(dst.scalar_type() == at::kBFloat16, "dst must be bfloat16, got ", dst.scalar_type());
   TORCH_CHECK_VALUE(src.numel() < (int64_t{1} << 32), "src: fewer than 2^32 elements allowed, got ", src.numel());
   const za::Isa path = parse_isa(isa);
@@ -259,6 +318,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "are (lr, beta1, beta2, eps, weight_decay, adamw_mode, bias_correction) tuples)",
         py::arg("params"), py::arg("grads"), py::arg("exp_avgs"), py::arg("exp_avg_sqs"),
         py::arg("params_outs"), py::arg("steps"), py::arg("group_of"), py::arg("groups"),
+        py::arg("grad_scale"), py::arg("isa"));
+  m.def("adam_step_counted", &adam_step_counted,
+        "adam_step_list with torch.optim's step counters: steps with each count + 1, then increments the counts; "
+        "returns -1, or the index of the first tensor with a non-contiguous buffer (nothing stepped)",
+        py::arg("params"), py::arg("grads"), py::arg("exp_avgs"), py::arg("exp_avg_sqs"),
+        py::arg("params_outs"), py::arg("step_counts"), py::arg("group_of"), py::arg("groups"),
         py::arg("grad_scale"), py::arg("isa"));
   m.def("stream_rmw", &stream_rmw, "Bandwidth roof: the Adam step's loads and stores, one add each",
         py::arg("params"), py::arg("grads"), py::arg("exp_avg"), py::arg("exp_avg_sq"),

@@ -6,7 +6,7 @@ from typing import Any, Callable, Dict, Iterable, Optional, Tuple
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
-from .functional import AdamHyper, adam_step_groups, load_adam_op
+from .functional import AdamHyper, adam_step_groups, load_adam_op, step_counted
 
 __all__ = ["CPUAdam"]
 
@@ -216,7 +216,9 @@ class CPUAdam(torch.optim.Optimizer):
         """Step every parameter with a gradient, all param groups in one op call where possible."""
         keys = ("params", "grads", "exp_avgs", "exp_avg_sqs", "params_outs")
         bufs = {k: [] for k in keys}
-        steps, group_of, step_tensors, groups = [], [], [], []
+        step_tensors, group_of, groups, low = [], [], [], []
+        masters, grads, exp_avgs, exp_avg_sqs, outs = bufs.values()
+        states, f32 = self.state, torch.float32
         for gi, group in enumerate(self.param_groups):
             beta1, beta2 = (float(b) for b in group["betas"])
             groups.append(AdamHyper(float(group["lr"]), beta1, beta2, float(group["eps"]),
@@ -224,23 +226,46 @@ class CPUAdam(torch.optim.Optimizer):
                                     bool(group["bias_correction"])))
             maximize = bool(group["maximize"])
             for p in group["params"]:
-                if p.grad is None:
+                grad = p.grad
+                if grad is None:
                     continue
-                master, out, grad, state = self._prepare(p, maximize)
-                steps.append(int(state["step"].item()) + 1)  # stored only once the step succeeded
-                step_tensors.append(state["step"])
+                state = states[p]
+                step = state.get("step")
+                # the common case, an fp32 parameter with torch's state: the parameter is the master
+                if p.dtype is f32 and not maximize and type(step) is torch.Tensor and step.dtype is f32:
+                    master, out = p, None
+                else:
+                    master, out, grad, state = self._prepare(p, maximize)
+                    step = state["step"]
+                    if out is not None:
+                        low.append(p)
+                step_tensors.append(step)
                 group_of.append(gi)
-                for k, t in zip(keys, (master, grad, state["exp_avg"], state["exp_avg_sq"], out)):
-                    bufs[k].append(t)
-        if not steps:
+                masters.append(master)
+                grads.append(grad)
+                exp_avgs.append(state["exp_avg"])
+                exp_avg_sqs.append(state["exp_avg_sq"])
+                outs.append(out)
+        if not step_tensors:
             return
-        # One op call steps a run of contiguous tensors (of any groups) as one parallel region;
-        # the op steps tensors over overlapping memory one after the other, in list order. Buffers
-        # that are not contiguous (a transposed parameter, a state tensor loaded with another
-        # layout) are stepped through contiguous copies in a call of their own, copied back right
-        # after it, so a parameter stepped later over the same storage reads the new values, as
-        # torch's parameter-by-parameter step does. The op takes any contiguous shape (it checks
-        # numel), so no flattening views are needed.
+        if not step_counted(*bufs.values(), step_tensors, group_of, groups):
+            self._step_strided(keys, bufs, step_tensors, group_of, groups)
+        for p in low:
+            self._written[p] = (p._version, p.data_ptr())
+
+    @staticmethod
+    def _step_strided(keys, bufs, step_tensors, group_of, groups) -> None:
+        """The general step, for lists with buffers that are not contiguous (or without the op).
+
+        One op call steps a run of contiguous tensors (of any groups) as one parallel region;
+        the op steps tensors over overlapping memory one after the other, in list order. Buffers
+        that are not contiguous (a transposed parameter, a state tensor loaded with another
+        layout) are stepped through contiguous copies in a call of their own, copied back right
+        after it, so a parameter stepped later over the same storage reads the new values, as
+        torch's parameter-by-parameter step does. The op takes any contiguous shape (it checks
+        numel), so no flattening views are needed.
+        """
+        steps = [int(t.item()) + 1 for t in step_tensors]  # stored only once the step succeeded
         n = len(steps)
         strided = [not all(t is None or t.is_contiguous() for t in row) for row in zip(*bufs.values())]
         lo = 0
@@ -262,10 +287,6 @@ class CPUAdam(torch.optim.Optimizer):
                     dst.copy_(seg[k])
             lo = hi
         torch._foreach_add_(step_tensors, 1.0)
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is not None and p.dtype != torch.float32:
-                    self._written[p] = (p._version, p.data_ptr())
 
     def _prepare(self, p: torch.Tensor, maximize: bool):
         """Create one checked parameter's state, return (fp32 master, 16-bit out or None, grad, state)."""
@@ -328,8 +349,8 @@ def _steppable(p: torch.Tensor) -> bool:
     """Whether CPUAdam can step ``p`` and its gradient (CPU, dense, a supported dtype): the
     per-step test, which builds no message; :func:`_check_param` says what is wrong when not."""
     grad = p.grad
-    return (p.device.type == "cpu" and p.dtype in _PARAM_DTYPES and grad.layout is torch.strided
-            and grad.device.type == "cpu" and grad.dtype in _PARAM_DTYPES)
+    return (p.is_cpu and grad.is_cpu and grad.layout is torch.strided and p.dtype in _PARAM_DTYPES
+            and grad.dtype in _PARAM_DTYPES)
 
 
 def _check_param(p: torch.Tensor, where: str) -> None:

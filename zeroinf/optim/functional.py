@@ -228,6 +228,31 @@ def adam_step_groups(params: Sequence[torch.Tensor], grads: Sequence[torch.Tenso
                             grad_scale=grad_scale, params_out=outs[i], **groups[group_of[i]]._asdict())
 
 
+def step_counted(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], exp_avgs: Sequence[torch.Tensor],
+                 exp_avg_sqs: Sequence[torch.Tensor], params_outs: Sequence[Optional[torch.Tensor]],
+                 step_counts: Sequence[torch.Tensor], group_of: Sequence[int], groups: Sequence[AdamHyper]) -> bool:
+    """:func:`adam_step_groups` in one op call with ``torch.optim``'s step counters, when it can.
+
+    ``step_counts[i]`` is tensor ``i``'s ``state["step"]`` (a one-element float32 CPU tensor
+    holding the whole number of steps taken); tensor ``i`` is stepped with that count + 1 and the
+    counts are incremented after every tensor is stepped, all inside the op, so a step of many
+    small tensors costs no Python per tensor beyond building the lists.
+
+    Returns:
+        True when stepped and counted; False, with nothing stepped or counted, when the C++ op is
+        unavailable or a buffer is not contiguous: the caller then steps the lists its general way.
+
+    Raises:
+        ValueError: a bad buffer, count or group index, named by its list index, before anything
+            is written; ``ZEROINF_ADAM_ISA`` names a path this CPU cannot run.
+    """
+    op = try_load_op("adam", _FALLBACK)
+    if op is None:
+        return False
+    return op.adam_step_counted(params, grads, exp_avgs, exp_avg_sqs, params_outs, step_counts, group_of,
+                                groups, 1.0, _forced_isa()) < 0
+
+
 @torch.no_grad()
 def adam_step_reference(params: torch.Tensor, grads: torch.Tensor, exp_avg: torch.Tensor,
                         exp_avg_sq: torch.Tensor, *, step: int, lr: float, beta1: float, beta2: float,
