@@ -60,7 +60,11 @@ static inline void roof_vec(float* p, const G* g, M* m, M* v, O* out, const Hype
 // they matter: bf16 moments).
 template <class G, class O, class M, bool kRoof>
 static void range(float* p, const void* g_, void* m_, void* v_, void* out_, int64_t n, uint32_t idx0, uint32_t key,
-                  const Hyper& h) {
+                  const Hyper& hyper) {
+  // A local copy: the stores through p, m and v may alias the caller's floats as far as the
+  // compiler knows, which would reload and re-broadcast every coefficient in every iteration;
+  // nothing aliases a local, so they stay in registers.
+  const Hyper h = hyper;
   const G* g = static_cast<const G*>(g_);
   M* m = static_cast<M*>(m_);
   M* v = static_cast<M*>(v_);

@@ -266,25 +266,29 @@ void run(bool roof, Isa isa, const std::vector<Buffers>& bufs, const std::vector
   // streams through one run of memory as a static split does (what the hardware prefetcher and
   // the DRAM pages favour); a thread done with its own range takes items one by one from the back
   // of the others', so a thread whose core is shared with other work (I/O threads, another rank)
-  // does not hold the whole step back. A barrier ends each phase.
-  std::vector<ItemRange> ranges(static_cast<size_t>(threads));
+  // does not hold the whole step back. Every phase's ranges are set before the region starts, so
+  // a thread starts on its range without waiting for the others to arrive; a barrier ends each
+  // phase but the last (the region's own join ends that one).
+  std::vector<ItemRange> ranges(static_cast<size_t>(threads * phases));
+  for (int64_t k = 0; k < phases; ++k) {
+    const int64_t lo = w.phase_start[k], count = w.phase_start[k + 1] - lo;
+    for (int t = 0; t < threads; ++t)
+      ranges[k * threads + t].reset(lo + count * t / threads, lo + count * (t + 1) / threads);
+  }
 #pragma omp parallel num_threads(threads) if (threads > 1)
   {
     const int me = omp_get_thread_num();
     for (int64_t k = 0; k < phases; ++k) {
-#pragma omp single
-      {
-        const int64_t lo = w.phase_start[k], count = w.phase_start[k + 1] - lo;
-        for (int t = 0; t < threads; ++t)
-          ranges[t].reset(lo + count * t / threads, lo + count * (t + 1) / threads);
-      }  // the implicit barrier of `single` publishes the ranges
+      ItemRange* phase = &ranges[k * threads];
       int64_t j;
-      while (ranges[me].take_front(j)) run_item(j);
+      while (phase[me].take_front(j)) run_item(j);
       for (int d = 1; d < threads; ++d) {
-        ItemRange& other = ranges[(me + d) % threads];
+        ItemRange& other = phase[(me + d) % threads];
         while (other.take_back(j)) run_item(j);
       }
+      if (k + 1 < phases) {
 #pragma omp barrier
+      }
     }
   }
 }
