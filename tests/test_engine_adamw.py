@@ -3,6 +3,7 @@ PyTorch + torch.optim.AdamW (foreach=False) does, fp32, 1e-6 per parameter unles
 accumulation and its boundaries, no_sync, tied weights, clipping, bf16, Adam's L2 decay, client
 torch optimizers, DeepSpeed's backward/step keywords, parameters left out of the optimizer."""
 import math
+import warnings
 
 import pytest
 import torch
@@ -319,3 +320,22 @@ def test_trainable_parameters_left_out_of_the_optimizer_warn_and_stay(stage):
     # their gradients did not pile up over the micro-batches (stages 0-2 kept summing them in .grad)
     assert model[2].weight.grad is None and model[2].bias.grad is None
     engine.close()
+
+
+@pytest.mark.parametrize("fast", [True, False])
+def test_bf16_on_a_cpu_without_fast_bf16_matmuls_warns_once_naming_fp32(fast, monkeypatch, tmp_path):
+    """On a CPU without oneDNN's bf16 (an AVX2-only x86), torch's bf16 matmuls fall back to a
+    scalar loop (88x slower than fp32 measured there): initialize says so and names fp32; on a CPU
+    with them, and in fp32, it says nothing."""
+    import zeroinf.runtime.engine as engine_mod
+    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: fast, raising=False)
+    assert engine_mod.slow_cpu_compute(torch.float32) is None
+    cfg = {**config(2, "none", tmp_path), "bf16": {"enabled": True}}
+    with warnings.catch_warnings(record=True) as rec:
+        warnings.simplefilter("always")
+        engine, *_ = zeroinf.initialize(make_mlp(), config=cfg)
+    engine.close()
+    slow = [w for w in rec if "no fast bf16 matmuls" in str(w.message)]
+    assert len(slow) == (0 if fast else 1)
+    if not fast:  # pointed at the caller's line
+        assert "train in fp32 here" in str(slow[0].message) and slow[0].filename == __file__
