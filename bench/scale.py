@@ -32,7 +32,11 @@ Reported, all measured in this process:
   (read_bytes + write_bytes) / io_floor_s;
 * ``io_floor_s`` = read_bytes / read_gbps + write_bytes / write_gbps: reads and writes do not
   overlap, because on the VMs measured they share one device bandwidth (docs/performance.md);
-* ``compute_floor_s``: forward + backward of the same blocks held resident in bf16 (plain
+``--dtype fp32`` builds and trains the model in fp32 instead (fp32 partitions, which are the
+master weights, and fp32 gradients): for CPUs whose bf16 matmuls run through torch's scalar
+fallback (no AVX-512), where a bf16 step of 1B parameters takes over ten minutes.
+
+* ``compute_floor_s``: forward + backward of the same blocks held resident in the model's dtype (plain
   PyTorch, same batch), timed with 0 and with ``--floor-blocks`` blocks (the fastest of
   ``--floor-repeat`` interleaved rounds each, after the steps with the engine open and idle: a
   floor, so the rounds other jobs slowed are dropped) and scaled: t(0) + L * (t(k) - t(0)) / k
@@ -48,7 +52,7 @@ Chrome/Perfetto trace (``engine.trace``).
 
     python bench/scale.py --params 1B [--json FILE] [--nvme-path DIR] [--steps 3] [--seq 256]
                           [--micro-batch 1] [--disk-bytes 2GiB] [--trace FILE] [--optimizer-in-backward]
-                          [--state-dtype bf16]
+                          [--state-dtype bf16] [--dtype fp32]
 
 Needs about 20 bytes per parameter of free disk under ``--nvme-path`` (bf16 partitions 2,
 gradient partitions 6, fp32 masters and moments 12; Init's bf16 copy, 2, is removed before the
@@ -81,17 +85,22 @@ import zeroinf  # noqa: E402
 
 VOCAB = 256
 ADAMW = {"lr": 1e-4, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.01}
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 AIO = {"block_size": 1 << 20, "queue_depth": 8, "intra_op_parallelism": 1, "single_submit": False,
        "overlap_events": True}
 
 
-def disk_bytes_per_param(state_dtype: str, optimizer_in_backward: bool) -> int:
+def disk_bytes_per_param(state_dtype: str, optimizer_in_backward: bool, dtype: str = "bf16") -> int:
     """Bytes per parameter on disk at the run's peak. The bf16 partition (2) stays; the gradient
     partitions (fp32 accumulated 4 + bf16 2) exist unless the optimizer steps in the backward;
     zeroinf.Init's bf16 copy (2) is there while initialize writes those and is gone before the
-    optimizer's files are made (fp32 master and two moments: 12, or 8 with bf16 moments)."""
-    grads = 0 if optimizer_in_backward else 4 + 2
+    optimizer's files are made (fp32 master and two moments: 12, or 8 with bf16 moments). In fp32
+    (``dtype``) the partition (4) and the gradient (4) are fp32, counted here beside a full
+    optimizer file as an upper bound."""
     optimizer = {"fp32": 12, "bf16": 8}[state_dtype]
+    if dtype == "fp32":
+        return 4 + (0 if optimizer_in_backward else 4) + optimizer
+    grads = 0 if optimizer_in_backward else 4 + 2
     return max(2 + 2 + grads, 2 + grads + optimizer)
 
 
@@ -177,7 +186,7 @@ def engine_config(args, width: int, nvme: str) -> dict:
     unit = block_params(width)  # the largest unit's partition, elements
     return {
         "train_micro_batch_size_per_gpu": args.micro_batch, "optimizer": {"type": "AdamW", "params": ADAMW},
-        "bf16": {"enabled": True}, "aio": dict(AIO),
+        "bf16": {"enabled": args.dtype == "bf16"}, "aio": dict(AIO),
         "zeroinf": {"optimizer_in_backward": args.optimizer_in_backward},
         "zero_optimization": {
             "stage": 3, "sub_group_size": 20_000_000, "stage3_max_reuse_distance": 0,
@@ -196,7 +205,7 @@ def train(args, blocks: int, width: int, nvme: str) -> dict:
     torch.manual_seed(0)
     t0 = time.perf_counter()
     default = torch.get_default_dtype()
-    torch.set_default_dtype(torch.bfloat16)  # built in bf16, as from_pretrained(torch_dtype=bf16)
+    torch.set_default_dtype(DTYPES[args.dtype])  # built in its dtype, as from_pretrained(torch_dtype=...)
     try:
         with zeroinf.Init(config=cfg):
             model = GPT(blocks, width, args.seq)
@@ -274,11 +283,11 @@ def trace_summary(path: str) -> dict:
 
 def block_times(args, blocks: int, width: int) -> dict:
     """Fastest forward + backward seconds, over ``args.floor_repeat`` interleaved rounds, of the
-    model held resident in bf16 with 0 and with k = min(``--floor-blocks``, blocks) blocks:
+    model held resident in the model's dtype with 0 and with k = min(``--floor-blocks``, blocks) blocks:
     ``{0: seconds, k: seconds}``."""
     k = max(1, min(args.floor_blocks, blocks))
     x = torch.randint(0, VOCAB, (args.micro_batch, args.seq), generator=torch.Generator().manual_seed(1))
-    models = {n: GPT(n, width, args.seq).to(torch.bfloat16) for n in (0, k)}
+    models = {n: GPT(n, width, args.seq).to(DTYPES[args.dtype]) for n in (0, k)}
 
     def fwd_bwd(m):
         m.zero_grad(set_to_none=True)
@@ -316,6 +325,8 @@ def main() -> int:
     p.add_argument("--state-dtype", choices=("fp32", "bf16"), default="fp32",
                    help="offload_optimizer.state_dtype: bf16 Adam moments (8 bytes of optimizer state "
                         "per parameter instead of 12; default fp32)")
+    p.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16",
+                   help="model and training dtype (default bf16; fp32 where bf16 matmuls are slow on this CPU)")
     p.add_argument("--disk-bytes", type=parse_count, default=2 << 30,
                    help="bytes written then read to measure the disk (default 2GiB)")
     p.add_argument("--floor-blocks", type=int, default=2, help="resident blocks timed for the compute floor")
@@ -330,12 +341,12 @@ def main() -> int:
     blocks, width = shape_for(args.params, args.seq)
     n = blocks * block_params(width) + other_params(width, args.seq)
     os.makedirs(args.nvme_path, exist_ok=True)
-    need = disk_bytes_per_param(args.state_dtype, args.optimizer_in_backward) * n + args.disk_bytes
+    need = disk_bytes_per_param(args.state_dtype, args.optimizer_in_backward, args.dtype) * n + args.disk_bytes
     free = shutil.disk_usage(args.nvme_path).free
     if free < need:
         p.error(f"--nvme-path {args.nvme_path}: {free / 1e9:.1f} GB free, the run needs about {need / 1e9:.1f} GB")
     print(machine_line())
-    print(f"model: {n:,} parameters ({blocks} blocks x width {width}, {width // 64} heads), bf16, "
+    print(f"model: {n:,} parameters ({blocks} blocks x width {width}, {width // 64} heads), {args.dtype}, "
           f"{args.micro_batch} x {args.seq} tokens; torch threads {torch.get_num_threads()}", flush=True)
     # the disk is measured before and after training and the faster of each direction kept: on a
     # shared machine either moment can be slowed by other jobs, and a floor is a best case
@@ -360,7 +371,7 @@ def main() -> int:
            "peak_rss_bytes": peak_rss,
            "params": n, "blocks": blocks, "width": width, "seq": args.seq, "micro_batch": args.micro_batch,
            "steps_timed": args.steps - 1, "optimizer_in_backward": args.optimizer_in_backward,
-           "state_dtype": args.state_dtype,
+           "state_dtype": args.state_dtype, "dtype": args.dtype,
            "disk_read_gbps": read_gbps, "disk_write_gbps": write_gbps,
            "disk_method": f"AsyncIOHandle O_DIRECT, {args.disk_bytes // chunk * chunk} bytes, "
                           f"{chunk >> 20} MiB requests",
@@ -379,7 +390,7 @@ def main() -> int:
     print(f"{'io floor':<16} {io_floor:9.3f} {'':>8} {'':>8}  disk read {read_gbps:.2f} GB/s, write "
           f"{write_gbps:.2f} GB/s ({out['disk_method']}; before/after training, write/read: "
           + ", ".join(f"{w:.2f}/{r:.2f}" for w, r in bandwidths) + ")")
-    print(f"{'compute floor':<16} {floor_c:9.3f} {'':>8} {'':>8}  resident bf16: 0 blocks {t0:.3f} s, "
+    print(f"{'compute floor':<16} {floor_c:9.3f} {'':>8} {'':>8}  resident {args.dtype}: 0 blocks {t0:.3f} s, "
           f"{k} blocks {tk:.3f} s, scaled to {blocks}")
     print(f"ratio {out['ratio']:.2f} (step / max(floors)); peak RSS {peak_rss / 2**30:.2f} GiB; "
           f"build {run['build_s']:.1f} s; losses {', '.join(f'{v:.4f}' for v in run['losses'])}")
