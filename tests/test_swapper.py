@@ -181,6 +181,32 @@ def test_a_file_of_the_same_size_never_written_is_not_called_stale(tmp_path):
         b.swap_in([("grad", torch.zeros(224))])
 
 
+def test_discard_stale_removes_only_stale_files_and_warns_once(tmp_path):
+    """A caller that registers each key at its first write discards the stale files of all its
+    keys first: those of other sizes go (one warning counting them), an adoptable file and one
+    of the same size never written stay, and a registered key is not touched."""
+    a = TensorSwapper(tmp_path)
+    for k in ("old0", "old1", "same"):
+        a.register(k, 100, torch.float32)
+        a.swap_out([(k, torch.full((100,), 5.0))], async_op=False)
+    a.register("unwritten", 100, torch.float32)
+    a.close()
+    b = TensorSwapper(tmp_path)
+    b.register("old1", 300, torch.float32)  # registered first: reset by register, reported with the others
+    with pytest.warns(RuntimeWarning, match=r"^2 stale swap file\(s\) in "):
+        n = b.discard_stale([(k, 200 if k.startswith("old") else 100, torch.float32)
+                             for k in ("old0", "old1", "same", "unwritten", "new")])
+    assert n == 1 and not b.path_for("old0").exists() and b.path_for("old1").stat().st_size == 1200
+    assert b.path_for("unwritten").stat().st_size == 400
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        b.register("same", 100, torch.float32)
+    dst = torch.zeros(100)
+    b.swap_in([("same", dst)], async_op=False)
+    assert torch.equal(dst, torch.full((100,), 5.0))
+    b.close()
+
+
 def test_two_live_swappers_on_one_folder_do_not_share_files(tmp_path):
     """Two engines with one config and one nvme_path (an actor and a reference model) used the
     same swap files, and the first one's weights changed silently (helper-39,

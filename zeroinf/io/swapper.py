@@ -11,7 +11,8 @@ swapper per folder]).
 [Note: stale files] A file is read as weights only when its manifest entry says it was written
 for this key with the same numel/dtype/shape *and* the file has exactly that many bytes. Files
 left by another config are reset and reported by one ``RuntimeWarning`` per batch of
-registrations, counting them and naming the folder (see :meth:`register`);
+registrations, counting them and naming the folder (see :meth:`register`; a caller that
+registers each key only at its first write removes them all first, :meth:`discard_stale`);
 reading a key that was never written, or whose file was truncated or removed since, raises
 :class:`~zeroinf.io.errors.StaleSwapFileError`.
 
@@ -26,6 +27,7 @@ carry CRC-32Cs then, or it is stale.
 """
 from __future__ import annotations
 
+import contextlib
 import errno
 import hashlib
 import json
@@ -265,32 +267,70 @@ class TensorSwapper:
             prod *= s
         if prod != numel:
             raise ValueError(f"{key}: shape {tuple(shape)} holds {prod} elements, not numel={numel}")
-        nbytes = numel * torch.empty((), dtype=dtype).element_size()
-        want = _Entry(key, numel, _dtype_name(dtype), shape, nbytes)
+        want = _Entry(key, numel, _dtype_name(dtype), shape, numel * torch.empty((), dtype=dtype).element_size())
         old = self._entries.get(key)
         if old is not None:
             if (old.numel, old.dtype, old.shape) != (want.numel, want.dtype, want.shape):
                 raise ValueError(f"{key}: already registered as {old.numel} x {old.dtype} {tuple(old.shape)}")
             return self.path_for(key)
         path = self.path_for(key)
-        on_disk = self._load_entry(key)
-        size = path.stat().st_size if path.exists() else None
-        same = (on_disk is not None and size == nbytes and
-                (on_disk.key, on_disk.numel, on_disk.dtype, on_disk.shape) == (key, numel, want.dtype, shape))
-        verifiable = (on_disk is not None and isinstance(on_disk.crc32c, list)
-                      and len(on_disk.crc32c) == -(-nbytes // CHUNK_BYTES))
-        if same and on_disk.written and (verifiable or not self.checksum):
+        on_disk, stale = self._on_disk(want)
+        if on_disk is not None:
             self._entries[key] = on_disk
             return path
-        if size is not None and (not same or on_disk.written):  # same sizes never written: nothing stale
-            why = ("no manifest entry" if on_disk is None else
-                   f"manifest says {on_disk.numel} x {on_disk.dtype} {tuple(on_disk.shape)}, written={on_disk.written}"
-                   + ("" if not same else ", no CRC-32Cs to verify it"))
-            self._stale.append((path, f"key {key!r}: {size} bytes, {why}; expected {nbytes} bytes of {want.dtype}"))
-        self._preallocate(path, nbytes)
+        if stale is not None:
+            self._stale.append((path, stale))
+        self._preallocate(path, want.nbytes)
         self._save_entry(want)
         self._entries[key] = want
         return path
+
+    def _on_disk(self, want: _Entry) -> Tuple[Optional[_Entry], Optional[str]]:
+        """What the folder holds for ``want``'s key: (its manifest entry, None) when the file
+        holds that key's data and can be adopted; (None, why) when a file is there that is stale
+        ([Note: stale files]); (None, None) when there is no file, or one of the same size never
+        written (nothing stale in it)."""
+        key, nbytes = want.key, want.nbytes
+        path = self.path_for(key)
+        on_disk = self._load_entry(key)
+        size = path.stat().st_size if path.exists() else None
+        same = (on_disk is not None and size == nbytes and
+                (on_disk.key, on_disk.numel, on_disk.dtype, on_disk.shape) == (key, want.numel, want.dtype, want.shape))
+        verifiable = (on_disk is not None and isinstance(on_disk.crc32c, list)
+                      and len(on_disk.crc32c) == -(-nbytes // CHUNK_BYTES))
+        if same and on_disk.written and (verifiable or not self.checksum):
+            return on_disk, None
+        if size is None or (same and not on_disk.written):
+            return None, None
+        why = ("no manifest entry" if on_disk is None else
+               f"manifest says {on_disk.numel} x {on_disk.dtype} {tuple(on_disk.shape)}, written={on_disk.written}"
+               + ("" if not same else ", no CRC-32Cs to verify it"))
+        return None, f"key {key!r}: {size} bytes, {why}; expected {nbytes} bytes of {want.dtype}"
+
+    def discard_stale(self, keys: Iterable[Tuple[str, int, torch.dtype]]) -> int:
+        """Remove the stale files ([Note: stale files]) of keys not registered yet, given as
+        ``(key, numel, dtype)``, and report them in one ``RuntimeWarning`` as :meth:`register`
+        does; returns how many it removed. A caller that registers each key only before its first
+        write (so its file takes disk space only from then on) calls this first for all of them:
+        the stale files are reported together and their space is free at once. Files that
+        :meth:`register` would adopt, and those of the same size never written, stay.
+
+        Raises:
+            AIOError: a stale file cannot be removed.
+        """
+        n = 0
+        for key, numel, dtype in keys:
+            if key in self._entries:
+                continue
+            want = _Entry(key, numel, _dtype_name(dtype), [numel], numel * torch.empty((), dtype=dtype).element_size())
+            _entry, stale = self._on_disk(want)
+            if stale is None:
+                continue
+            self._unlink(key)
+            self._stale.append((self.path_for(key), stale))
+            n += 1
+        self.report_stale()
+        return n
 
     def remove(self, key: str) -> None:
         """Delete ``key``'s swap file and manifest entry and forget the key (its disk space is
@@ -306,6 +346,10 @@ class TensorSwapper:
         if any(k == key for _, k, _, _ in self._pending):
             raise RuntimeError(f"swap key {key!r} has a swap queued; wait() before removing it")
         del self._entries[key]
+        self._unlink(key)
+
+    def _unlink(self, key: str) -> None:
+        """Delete ``key``'s swap file and manifest entry, if there (AIOError when one stays)."""
         for path in (self.path_for(key), self._meta_path(key)):
             try:
                 path.unlink()
@@ -330,6 +374,9 @@ class TensorSwapper:
                         raise
                     os.ftruncate(fd, nbytes)  # no fallocate here: a sparse file of the right size
         except OSError as exc:
+            if fd is not None:  # a file being reset: it goes, with whatever fallocate allocated
+                with contextlib.suppress(OSError):
+                    path.unlink()
             raise make_error(exc.errno or errno.EIO, f"cannot preallocate swap file {path} ({nbytes} bytes)",
                              str(path), 0, nbytes, 0) from exc
         finally:

@@ -318,6 +318,7 @@ class ZeroEngine(StepDriver, EngineState, EngineInfo):
     def _check_disk_room(self, files, freed: Dict[str, int]) -> None:
         from zeroinf.io.probe import dir_problem
         from zeroinf.io.swapper import reusable_bytes
+        from zeroinf.runtime.stage3.swap_plan import INIT_MASTERS
 
         by_dev: Dict[int, Dict[str, Any]] = {}
         for key, path, folder, nbytes, what in files:
@@ -326,8 +327,19 @@ class ZeroEngine(StepDriver, EngineState, EngineInfo):
                 raise ConfigError(key, f"{path!r} {problem}")
             e = by_dev.setdefault(os.stat(path).st_dev, {"key": key, "path": path, "need": 0, "first": 0,
                                                          "folders": set(), "first_folders": set(), "what": [],
-                                                         "freed": 0})
-            e["need"] += nbytes
+                                                         "freed": 0, "masters": 0, "optimizer": 0})
+            # [Note: Init masters on disk] stage 3's fp32 initial values (INIT_MASTERS) are written
+            # with the partitions and leave as the optimizer's files come: the engine takes a flat
+            # group's values (its file goes) before the first of the group's optimizer files is
+            # allocated ([Note: swap files on first write] in optimizer.py), and those files hold
+            # at least 8 bytes per element to the values' 4. On a file system holding both, the
+            # disk holds at most the larger of the two at once, beside the partitions.
+            if what == INIT_MASTERS:
+                e["masters"] += nbytes
+            else:
+                e["need"] += nbytes
+            if key == "zero_optimization.offload_optimizer.nvme_path":
+                e["optimizer"] += nbytes
             # the partitions are written first: while Init's files are still there, and before an
             # earlier run's optimizer files are overwritten (counted free for them, initialize then
             # ran out of space half-way)
@@ -341,6 +353,7 @@ class ZeroEngine(StepDriver, EngineState, EngineInfo):
             if e is not None:
                 e["freed"] += nbytes
         for e in by_dev.values():
+            e["need"] += max(0, e["masters"] - e["optimizer"])  # [Note: Init masters on disk]
             free = shutil.disk_usage(e["path"]).free
             have = free + sum(reusable_bytes(f) for f in e["folders"])
             have_first = free + sum(reusable_bytes(f) for f in e["first_folders"])

@@ -120,6 +120,7 @@ class _Record:
     state: Optional[Tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None
     initialised: bool = False
     buffer: Optional[int] = None
+    registered: bool = False  # NVMe: its swap file exists ([Note: swap files on first write])
 
 
 @dataclass
@@ -221,17 +222,27 @@ class SubGroupOptimizer:
         if aio is not None and not isinstance(aio, Mapping):
             aio = aio.as_dict()
         handle = AsyncIOHandle.from_config(dict(aio or {}))
-        from zeroinf.progress import counting
-
         self._swapper = TensorSwapper(swap_dir, handle)
-        # one file per sub-group: [master | exp_avg | exp_avg_sq] or [exp_avg | exp_avg_sq]
-        for s in counting(self.specs, "zeroinf: allocating optimizer swap files", unit="file"):
-            self._swapper.register(self._file_key(s), self._elem_bytes // 4 * s.numel, torch.float32)
+        # [Note: swap files on first write] one file per sub-group, [master | exp_avg | exp_avg_sq]
+        # or [exp_avg | exp_avg_sq], allocated by the sub-group's first load_state, not here:
+        # stage 3 keeps the fp32 initial values of a zeroinf.Init model in swap files until each
+        # sub-group's init_master takes them, and both at once need 4 bytes per parameter more
+        # disk than training. step, prefetch and state read only initialised sub-groups, whose
+        # files load_state made. Stale files under these keys go now, reported together.
+        self._swapper.discard_stale((self._file_key(s), self._elem_bytes // 4 * s.numel, torch.float32)
+                                    for s in self.specs)
         max_numel = max((s.numel for s in self.specs), default=1)
         count = optimizer_buffer_count(buffer_count, self.pipeline_read, self.pipeline_write, len(self.specs))
         self._pool = self.host.pool(count, self._elem_bytes * max_numel)
         self._buffers = [self._pool.acquire() for _ in range(count)]
         self._free = list(range(count))
+
+    def _register(self, rec: _Record) -> None:
+        """Allocate ``rec``'s swap file unless it exists ([Note: swap files on first write]);
+        raises the swapper's AIOError (e.g. DiskFullError, naming the file) when it cannot."""
+        if not rec.registered:
+            self._swapper.register(self._file_key(rec.spec), self._elem_bytes // 4 * rec.spec.numel, torch.float32)
+            rec.registered = True
 
     def _file_key(self, spec: SubGroupSpec) -> str:
         name = "adam_state" if self.master_io is None else "adam_moments"
@@ -268,6 +279,8 @@ class SubGroupOptimizer:
         Raises:
             ValueError: a numel mismatch, or ``storage`` that is not a contiguous fp32 CPU tensor of
                 that numel (or given with device "nvme").
+            AIOError: with device "nvme", the swap file cannot be allocated (e.g. DiskFullError,
+                naming it) or written (see :meth:`load_state`).
         """
         rec = self._records[index]
         if values is None:
@@ -291,8 +304,14 @@ class SubGroupOptimizer:
                    exp_avg_sq: Optional[torch.Tensor]) -> None:
         """Overwrite sub-group ``index``'s state (moments None → zeros). For NVMe the data is
         written to the swap files before this returns (the master through ``master_io.write``
-        with ``master_io``, where None keeps the caller's master). Raises ValueError on a numel
-        mismatch, or a None master without ``master_io``."""
+        with ``master_io``, where None keeps the caller's master); the sub-group's file is
+        allocated by its first call ([Note: swap files on first write]).
+
+        Raises:
+            ValueError: a numel mismatch, or a None master without ``master_io``.
+            AIOError: with device "nvme", the swap file cannot be allocated (e.g. DiskFullError,
+                naming the file) or written; the sub-group is then as initialised as before.
+        """
         if master is None and self.master_io is None:
             raise ValueError(f"load_state: master of sub-group {self._records[index].spec.key!r} is None")
         rec = self._records[index]
@@ -302,6 +321,7 @@ class SubGroupOptimizer:
                                  f"expected {rec.spec.numel}")
         if self.device == "nvme":
             self._settle()  # a prefetched copy would be stale once this is written
+            self._register(rec)
             rec.buffer = self._free.pop()
             dst = self._views(rec.buffer, rec.spec.numel)
         else:
@@ -397,6 +417,8 @@ class SubGroupOptimizer:
             self._ahead.append(i)
 
     def _check_initialised(self, rec: _Record) -> None:
+        """Raise RuntimeError unless ``rec`` was written: every read of its swap file comes after
+        this check, so no file is read before load_state registered it."""
         if not rec.initialised:
             raise RuntimeError(f"SubGroupOptimizer: sub-group {rec.spec.key!r} was never initialised "
                                "(call init_master or load_state first)")

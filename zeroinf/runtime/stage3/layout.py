@@ -163,14 +163,15 @@ class LayoutMixin:
 
         [Note: Init masters] ``zeroinf.Init`` holds values as constructed (fp32); a model cast to
         bf16/fp16 afterwards has partitions in that dtype. Rounding them would make the engine's
-        fp32 master weights start rounded, so for such groups this rank's partition is also kept
-        in fp32 (4 bytes per partition element) until :meth:`take_init_master` hands it to the
-        engine: in a swap file beside the parameters' when they are on NVMe (host memory then
-        holds one partition at a time, whatever the model's size), else in host memory."""
+        fp32 master weights start rounded, so for such groups the optimizer steps this rank's
+        partition is also kept in fp32 (4 bytes per partition element) until
+        :meth:`take_init_master` hands it to the engine: in a swap file beside the parameters'
+        when they are on NVMe (host memory then holds one partition at a time, whatever the
+        model's size), else in host memory. A frozen group has no master: nothing is kept."""
         from .held import init_dtype, take_init_values
         for u in progress.counting(self.units, "zeroinf: partitioning parameters", unit="unit"):
             for g in u.groups:
-                wide = g.dtype != torch.float32 and g.dtype.is_floating_point and any(
+                wide = g.optimized and g.dtype != torch.float32 and g.dtype.is_floating_point and any(
                     s.param in shapes and init_dtype(s.param) == torch.float32 for s in g.slots)
                 flat = torch.zeros(g.padded_numel, dtype=torch.float32 if wide else g.dtype, device=self.device)
                 for s in g.slots:

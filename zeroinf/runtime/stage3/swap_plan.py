@@ -14,7 +14,11 @@ from zeroinf.model_sizes import resident_units
 
 from .options import Stage3Options
 
-__all__ = ["all_fp32", "grads_on_nvme", "group_index", "master_in_partitions", "swap_file_bytes", "unit_tiers"]
+__all__ = ["INIT_MASTERS", "all_fp32", "grads_on_nvme", "group_index", "master_in_partitions", "swap_file_bytes",
+           "unit_tiers"]
+
+#: what :func:`swap_file_bytes` calls the fp32 initial values kept until the optimizer takes them
+INIT_MASTERS = "fp32 initial values (until the optimizer takes them)"
 
 
 def group_index(groups: Sequence[Sequence[torch.nn.Parameter]]) -> Dict[torch.nn.Parameter, int]:
@@ -69,7 +73,9 @@ def swap_file_bytes(model: torch.nn.Module, cfg, groups: Sequence[Sequence[torch
     element (fp32 master, exp_avg, exp_avg_sq; ``offload_optimizer.device: nvme``), 8 when the
     partitions are the masters (:func:`master_in_partitions`), 4 bytes less with bf16 moments
     (``offload_optimizer.state_dtype``); and the fp32 values that ``zeroinf.Init`` made of
-    partitions cast to bf16/fp16 since, until the optimizer takes them ([Note: Init masters]).
+    trainable partitions cast to bf16/fp16 since, until the optimizer takes them ([Note: Init
+    masters]; ``what`` is :data:`INIT_MASTERS`: the disk check counts them as replaced by the
+    optimizer's files, [Note: Init masters on disk] in ``zeroinf/runtime/engine.py``).
     """
     from .held import init_dtype, init_shapes
     from .units import build_units, find_unit_modules
@@ -87,13 +93,14 @@ def swap_file_bytes(model: torch.nn.Module, cfg, groups: Sequence[Sequence[torch
         on_nvme = [g for u, tier in zip(units, unit_tiers(units, opts)) if tier == "nvme" for g in u.groups]
         out.append((key, path, folder, sum(g.shard_numel * g.dtype.itemsize for g in on_nvme),
                     "parameter partitions"))
-        # [Note: Init masters]: fp32 values of partitions cast since zeroinf.Init, kept in swap
-        # files until the optimizer's initial state takes them (each removed as it is taken)
+        # [Note: Init masters]: fp32 values of trainable partitions cast since zeroinf.Init, kept
+        # in swap files until the optimizer's initial state takes them (each removed as it is
+        # taken, before the optimizer's files of its flat group are made)
         wide = [g for g in parts if g.dtype != torch.float32 and g.dtype.is_floating_point
+                and any(s.param in trainable for s in g.slots)
                 and any(init_dtype(s.param) == torch.float32 for s in g.slots)]
         if wide:
-            out.append((key, path, folder, 4 * sum(g.shard_numel for g in wide),
-                        "fp32 initial values (until the optimizer takes them)"))
+            out.append((key, path, folder, 4 * sum(g.shard_numel for g in wide), INIT_MASTERS))
         if grads_on_nvme(cfg):
             # fp32 (accumulated) and, for bf16/fp16 training, one micro-batch's in the training
             # dtype; none for groups the optimizer does not step (the manager makes no file for them)
