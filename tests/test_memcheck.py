@@ -181,7 +181,8 @@ def test_train_3b_without_offload_is_refused_in_one_message_before_the_model_is_
     err = proc.stderr
     assert proc.returncode == 2, err
     assert "Traceback" not in err and proc.stdout == ""
-    lines = err.strip().splitlines()
+    # a loaded machine can take over LOADING_NOTICE_S to import torch: the notice may come first
+    lines = [line for line in err.strip().splitlines() if line != "zeroinf train: loading torch ..."]
     # fp32 stage 0 on the CPU: 16 B per parameter of Llama 3b with byte tokens: 42 layers of
     # q, k, v, o (4 h^2), gate/up/down (3 h i) and two norms (2h), embedding and head (2 x 256 h), final norm
     h, i = 2560, 6912
