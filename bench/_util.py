@@ -107,12 +107,15 @@ def time_median(fn: Callable[[], object], *, repeat: int = 10, warmup: int = 3,
 
 
 def time_interleaved(fns: Dict[str, Callable[[], object]], *, repeat: int = 10, warmup: int = 3,
-                     sync: Optional[Callable[[], object]] = None) -> Dict[str, float]:
+                     sync: Optional[Callable[[], object]] = None,
+                     before: Optional[Callable[[], object]] = None) -> Dict[str, float]:
     """Median wall time in seconds of each function, timed in round-robin rounds.
 
     Each round calls every function once, in order, so slow drift of a shared machine (other
     jobs starting, memory bandwidth changing) falls on all of them alike instead of on whichever
-    was timed last. ``warmup`` untimed rounds come first.
+    was timed last. ``warmup`` untimed rounds come first. ``before``, if given, runs untimed
+    before every call (e.g. :func:`evict_caches`, so no function finds the data the one before
+    it left in cache).
 
     Returns:
         ``{name: median seconds over `repeat` rounds}``, same keys as ``fns``.
@@ -125,6 +128,8 @@ def time_interleaved(fns: Dict[str, Callable[[], object]], *, repeat: int = 10, 
     times: Dict[str, List[float]] = {name: [] for name in fns}
     for rnd in range(warmup + repeat):
         for name, fn in fns.items():
+            if before is not None:
+                before()
             t0 = time.perf_counter()
             fn()
             if sync is not None:
@@ -132,6 +137,18 @@ def time_interleaved(fns: Dict[str, Callable[[], object]], *, repeat: int = 10, 
             if rnd >= warmup:
                 times[name].append(time.perf_counter() - t0)
     return {name: statistics.median(ts) for name, ts in times.items()}
+
+
+_EVICT: List = []
+
+
+def evict_caches(nbytes: int = 256 << 20) -> None:
+    """Read and write ``nbytes`` (default 256 MiB, several times a server's last-level cache) of a
+    buffer of its own, so whatever data the caller touched last is out of the CPU caches."""
+    import torch
+    if not _EVICT or _EVICT[0].numel() * 4 != nbytes:
+        _EVICT[:] = [torch.zeros(nbytes // 4)]
+    _EVICT[0].add_(1.0)
 
 
 def machine_line() -> str:

@@ -16,7 +16,9 @@ with those same loads and stores per parameter over ONE flat buffer of each kind
 parameters, in one parallel region (zeroinf.optim.stream_rmw): the bandwidth ceiling of the
 layout-free pass, measured in the same run; no per-tensor cost enters it. Within a workload and layout the implementations are timed
 in round-robin rounds (bench/_util.time_interleaved), so a shared machine's drift falls on all
-alike. Ratios (``x torch-fused``, ``x roof``, and the summary's zeroinf over the
+alike; before every call a 256 MiB buffer is rewritten (untimed), so each starts with its
+data out of cache whatever ran before it (at 1M parameters, 28 MB, the data fits a 32 MiB L3,
+and a step found the parameters and gradients its predecessor had left there). Ratios (``x torch-fused``, ``x roof``, and the summary's zeroinf over the
 fastest peer) are same-run ratios; only those are comparable across machines.
 
     python bench/cpu_adam.py [--n 100000000] [--tensors 100] [--json out.json]
@@ -30,7 +32,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _util import Row, bench_parser, machine_line, print_table, time_interleaved, write_json  # noqa: E402
+from _util import Row, bench_parser, evict_caches, machine_line, print_table, time_interleaved, write_json  # noqa: E402
 
 import zeroinf.optim as zo  # noqa: E402
 
@@ -63,7 +65,7 @@ def _peer_makers(ds_cls):
 
 
 def _rows(fns, workload, layout, n, args):
-    secs = time_interleaved(fns, repeat=args.repeat, warmup=args.warmup)
+    secs = time_interleaved(fns, repeat=args.repeat, warmup=args.warmup, before=evict_caches)
     return [Row(name, workload, layout, 1e3 * s, BYTES_PER_PARAM * n / s / 1e9, {"params_per_s": n / s})
             for name, s in secs.items()]
 
