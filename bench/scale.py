@@ -52,7 +52,7 @@ Chrome/Perfetto trace (``engine.trace``).
 
     python bench/scale.py --params 1B [--json FILE] [--nvme-path DIR] [--steps 3] [--seq 256]
                           [--micro-batch 1] [--disk-bytes 2GiB] [--trace FILE] [--optimizer-in-backward]
-                          [--state-dtype bf16] [--dtype fp32]
+                          [--state-dtype bf16] [--dtype fp32] [--no-checksums]
 
 Needs about 20 bytes per parameter of free disk under ``--nvme-path`` (bf16 partitions 2,
 gradient partitions 6, fp32 masters and moments 12; Init's bf16 copy, 2, is removed before the
@@ -186,7 +186,7 @@ def engine_config(args, width: int, nvme: str) -> dict:
     unit = block_params(width)  # the largest unit's partition, elements
     return {
         "train_micro_batch_size_per_gpu": args.micro_batch, "optimizer": {"type": "AdamW", "params": ADAMW},
-        "bf16": {"enabled": args.dtype == "bf16"}, "aio": dict(AIO),
+        "bf16": {"enabled": args.dtype == "bf16"}, "aio": {**AIO, "verify_checksums": not args.no_checksums},
         "zeroinf": {"optimizer_in_backward": args.optimizer_in_backward},
         "zero_optimization": {
             "stage": 3, "sub_group_size": 20_000_000, "stage3_max_reuse_distance": 0,
@@ -327,6 +327,8 @@ def main() -> int:
                         "per parameter instead of 12; default fp32)")
     p.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16",
                    help="model and training dtype (default bf16; fp32 where bf16 matmuls are slow on this CPU)")
+    p.add_argument("--no-checksums", action="store_true",
+                   help="aio.verify_checksums false: no CRC-32C of the swap files (to measure what they cost)")
     p.add_argument("--disk-bytes", type=parse_count, default=2 << 30,
                    help="bytes written then read to measure the disk (default 2GiB)")
     p.add_argument("--floor-blocks", type=int, default=2, help="resident blocks timed for the compute floor")
@@ -371,7 +373,7 @@ def main() -> int:
            "peak_rss_bytes": peak_rss,
            "params": n, "blocks": blocks, "width": width, "seq": args.seq, "micro_batch": args.micro_batch,
            "steps_timed": args.steps - 1, "optimizer_in_backward": args.optimizer_in_backward,
-           "state_dtype": args.state_dtype, "dtype": args.dtype,
+           "state_dtype": args.state_dtype, "dtype": args.dtype, "checksums": not args.no_checksums,
            "disk_read_gbps": read_gbps, "disk_write_gbps": write_gbps,
            "disk_method": f"AsyncIOHandle O_DIRECT, {args.disk_bytes // chunk * chunk} bytes, "
                           f"{chunk >> 20} MiB requests",

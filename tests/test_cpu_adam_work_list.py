@@ -163,6 +163,7 @@ def test_step_counted_steps_with_each_count_plus_one_then_counts():
 @pytest.mark.parametrize("bad, match", [
     (lambda c: c.__setitem__(3, torch.tensor(2.5)), r"step_counts\[3\] is 2.5; a step count is a whole number"),
     (lambda c: c.__setitem__(4, torch.tensor(-1.0)), r"step_counts\[4\] is -1"),
+    (lambda c: c.__setitem__(2, torch.tensor(float("inf"))), r"step_counts\[2\] is inf"),
     (lambda c: c.__setitem__(5, torch.tensor(2, dtype=torch.int64)), r"step_counts\[5\] must be a one-element float32"),
     (lambda c: c.__setitem__(6, torch.zeros(2)), r"step_counts\[6\] must be a one-element float32"),
 ])
@@ -179,6 +180,26 @@ def test_step_counted_refuses_a_bad_count_before_writing_anything(bad, match):
                      [zo.AdamHyper(1e-2, 0.9, 0.999, 1e-8, 0.0)])
     assert all(torch.equal(a, b) for a, b in zip(ps + ms + vs, before))
     assert all(torch.equal(a, b) for a, b in zip(counts, kept))
+
+
+def test_step_counts_from_2_24_stay_as_torch_adamw_keeps_them():
+    """A float32 count of 2^24 cannot grow by one: it stays (torch.optim.AdamW's state["step"]
+    does the same), and the step is taken, not refused."""
+    torch.manual_seed(10)
+    mine, ref = torch.nn.Parameter(torch.randn(40)), None
+    ref = torch.nn.Parameter(mine.detach().clone())
+    opt = zo.CPUAdam([mine], lr=1e-2)
+    ref_opt = torch.optim.AdamW([ref], lr=1e-2, foreach=False)
+    for o, p in ((opt, mine), (ref_opt, ref)):
+        p.grad = torch.ones(40)
+        o.step()
+        o.state[p]["step"].fill_(2.0 ** 24)
+    for _ in range(2):
+        mine.grad, ref.grad = torch.full((40,), 0.5), torch.full((40,), 0.5)
+        opt.step()
+        ref_opt.step()
+    assert opt.state[mine]["step"].item() == ref_opt.state[ref]["step"].item() == 2.0 ** 24
+    assert (mine - ref).abs().max().item() <= TOL
 
 
 def test_step_counted_leaves_a_list_with_a_strided_buffer_to_the_caller():

@@ -219,8 +219,10 @@ int64_t adam_step_counted(const std::vector<at::Tensor>& params, const std::vect
                       "] must be a one-element float32 CPU tensor, got ", c.scalar_type(), " with ", c.numel(),
                       " elements on ", c.device());
     const float count = *c.data_ptr<float>();
-    TORCH_CHECK_VALUE(count >= 0.0f && count < 16777216.0f && count == std::floor(count), "step_counts[", i,
-                      "] is ", count, "; a step count is a whole number in [0, 2^24)");
+    // from 2^24 on, count + 1 rounds back to count in float32: the count stays there, as
+    // torch.optim.AdamW's float32 state["step"] does (the bias corrections are 1 by then)
+    TORCH_CHECK_VALUE(count >= 0.0f && count < 0x1p62f && count == std::floor(count), "step_counts[", i,
+                      "] is ", count, "; a step count is a whole number in [0, 2^62)");
     steps[i] = static_cast<int64_t>(count) + 1;
   }
   std::vector<za::Buffers> bufs;
