@@ -186,10 +186,10 @@ def test_step_counts_from_2_24_stay_as_torch_adamw_keeps_them():
     """A float32 count of 2^24 cannot grow by one: it stays (torch.optim.AdamW's state["step"]
     does the same), and the step is taken, not refused."""
     torch.manual_seed(10)
-    mine, ref = torch.nn.Parameter(torch.randn(40)), None
+    mine = torch.nn.Parameter(torch.randn(40))
     ref = torch.nn.Parameter(mine.detach().clone())
-    opt = zo.CPUAdam([mine], lr=1e-2)
-    ref_opt = torch.optim.AdamW([ref], lr=1e-2, foreach=False)
+    opt = zo.CPUAdam([mine], lr=1e-2, weight_decay=0.01)
+    ref_opt = torch.optim.AdamW([ref], lr=1e-2, weight_decay=0.01, foreach=False)
     for o, p in ((opt, mine), (ref_opt, ref)):
         p.grad = torch.ones(40)
         o.step()
