@@ -234,3 +234,52 @@ def test_cpu_adam_with_one_transposed_parameter_matches_torch_and_counts_every_s
         ref_opt.step()
     assert max((a - b).abs().max().item() for a, b in zip(mine, ref)) <= TOL
     assert [opt.state[p]["step"].item() for p in mine] == [3.0, 3.0, 3.0]
+
+
+def _two_params(strided: bool):
+    """Two 3x4 fp32 parameters; the second a transposed 4x3 one (not contiguous) if ``strided``."""
+    torch.manual_seed(11)
+    second = torch.randn(4, 3).t() if strided else torch.randn(3, 4)
+    return [torch.nn.Parameter(torch.randn(3, 4)), torch.nn.Parameter(second)]
+
+
+@pytest.mark.parametrize("strided", [False, True])
+def test_a_bad_step_count_is_refused_naming_its_parameter_before_anything_is_stepped(strided):
+    """Both paths (one op call; contiguous copies when a buffer is strided) check every count
+    first and name the parameter; a half-applied step would step the others twice on a retry."""
+    ps = _two_params(strided)
+    opt = zo.CPUAdam(ps, lr=1e-2, weight_decay=0.0)
+    for p in ps:
+        p.grad = torch.ones_like(p)
+    opt.step()
+    for bad, match in ((torch.tensor(-1.0), r"is -1.0; a step count is a whole number"),
+                       (torch.tensor(2.5), r"is 2.5"), (torch.tensor(float("nan")), r"is nan"),
+                       (torch.zeros(2), r"must be a one-element float32 CPU tensor")):
+        opt.state[ps[1]]["step"] = bad
+        before = [p.detach().clone() for p in ps]
+        with pytest.raises(ValueError, match=r"CPUAdam: state\['step'\] of param_groups\[0\]\['params'\]\[1\] " + match):
+            opt.step()
+        assert all(torch.equal(p, b) for p, b in zip(ps, before)) and opt.state[ps[0]]["step"].item() == 1.0
+
+
+@pytest.mark.parametrize("strided", [False, True])
+def test_shared_and_inference_mode_step_counters_count_once_per_step_on_both_paths(strided):
+    """A counter shared by two parameters advances once per step, whichever path steps, and a
+    counter made under torch.inference_mode advances too (both were once the general path's
+    _foreach_add_: twice per step, and a raise after the parameters were stepped)."""
+    ps = _two_params(strided)
+    opt = zo.CPUAdam(ps, lr=1e-2, weight_decay=0.0)
+    for p in ps:
+        p.grad = torch.ones_like(p)
+    opt.step()
+    shared = torch.tensor(1.0)
+    for p in ps:
+        opt.state[p]["step"] = shared
+    opt.step()
+    assert shared.item() == 2.0
+    with torch.inference_mode():
+        counts = [torch.tensor(2.0), torch.tensor(2.0)]
+    for p, c in zip(ps, counts):
+        opt.state[p]["step"] = c
+    opt.step()
+    assert [c.item() for c in counts] == [3.0, 3.0]

@@ -1,6 +1,7 @@
 """``CPUAdam``: a ``torch.optim.Optimizer`` drop-in for ``torch.optim.AdamW`` on CPU parameters."""
 from __future__ import annotations
 
+import math
 from typing import Any, Callable, Dict, Iterable, Optional, Tuple
 
 import torch
@@ -248,7 +249,13 @@ class CPUAdam(torch.optim.Optimizer):
                 outs.append(out)
         if not step_tensors:
             return
-        if not step_counted(*bufs.values(), step_tensors, group_of, groups):
+        try:
+            stepped = step_counted(*bufs.values(), step_tensors, group_of, groups)
+        except ValueError:
+            self._check_counts(step_tensors)  # names the parameter of a bad count
+            raise
+        if not stepped:
+            self._check_counts(step_tensors)
             self._step_strided(keys, bufs, step_tensors, group_of, groups)
         for p in low:
             self._written[p] = (p._version, p.data_ptr())
@@ -265,7 +272,7 @@ class CPUAdam(torch.optim.Optimizer):
         torch's parameter-by-parameter step does. The op takes any contiguous shape (it checks
         numel), so no flattening views are needed.
         """
-        steps = [int(t.item()) + 1 for t in step_tensors]  # stored only once the step succeeded
+        steps = [int(t.item()) + 1 for t in step_tensors]  # checked by _check_counts; stored once all are stepped
         n = len(steps)
         strided = [not all(t is None or t.is_contiguous() for t in row) for row in zip(*bufs.values())]
         lo = 0
@@ -286,7 +293,28 @@ class CPUAdam(torch.optim.Optimizer):
                 if k != "grads" and dst is not None and dst is not seg[k]:
                     dst.copy_(seg[k])
             lo = hi
-        torch._foreach_add_(step_tensors, 1.0)
+        # as the op stores them: each count becomes its step number (a counter shared by several
+        # parameters counts once per step), also into a tensor made under torch.inference_mode
+        with torch.inference_mode():
+            for t, s in zip(step_tensors, steps):
+                t.fill_(float(s))
+
+    def _check_counts(self, step_tensors) -> None:
+        """Raise ValueError naming the parameter whose ``state["step"]`` the op refuses (what
+        :func:`~zeroinf.optim.functional.step_counted` checks), before anything is stepped."""
+        for t in step_tensors:
+            if not (isinstance(t, torch.Tensor) and t.is_cpu and t.dtype == torch.float32 and t.numel() == 1):
+                why = ("must be a one-element float32 CPU tensor (torch.optim.AdamW's layout), got "
+                       + (f"{t.dtype} with {t.numel()} elements on {t.device}" if isinstance(t, torch.Tensor)
+                          else type(t).__name__))
+            else:
+                count = t.item()
+                if 0.0 <= count < 2.0 ** 62 and count == math.floor(count):
+                    continue
+                why = f"is {count}; a step count is a whole number in [0, 2^62)"
+            where = next(f"param_groups[{gi}]['params'][{pi}]" for gi, g in enumerate(self.param_groups)
+                         for pi, p in enumerate(g["params"]) if self.state.get(p, {}).get("step") is t)
+            raise ValueError(f"CPUAdam: state['step'] of {where} {why}")
 
     def _prepare(self, p: torch.Tensor, maximize: bool):
         """Create one checked parameter's state, return (fp32 master, 16-bit out or None, grad, state)."""
