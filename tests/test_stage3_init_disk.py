@@ -266,3 +266,27 @@ def test_a_rerun_adopts_nothing_unwritten_and_warns_once_for_stale_files(tmp_pat
             assert torch.equal(master, torch.full((SIZES[0],), 7.0))
     finally:
         again.close()
+
+
+def test_a_rerun_with_fewer_sub_groups_removes_the_files_it_has_no_key_for(tmp_path):
+    """The disk check counts every file in the optimizer's folder as free for a rerun
+    (reusable_bytes): the files of sub-groups the rerun does not have go at construction, with
+    the stale ones in the one warning, so the folder ends with the rerun's files alone."""
+    first = _opt(tmp_path)
+    for i, n in enumerate(SIZES):
+        first.init_master(i, torch.full((n,), float(i)))
+    folder = first._swapper.directory
+    first.close()
+    assert len(list(folder.glob("*.swp"))) == len(SIZES)
+    specs = [SubGroupSpec("g0/s0", SIZES[0])]
+    with pytest.warns(RuntimeWarning, match=rf"^{len(SIZES) - 1} stale swap file\(s\) in .*a key this run does not use"):
+        again = SubGroupOptimizer(specs, device="nvme", swap_dir=str(tmp_path), buffer_count=2, pipeline_read=True)
+    try:
+        assert again._swapper.directory == folder
+        assert sorted(f.name for f in folder.glob("*.swp")) == [again._swapper.path_for(again._file_key(specs[0])).name]
+        assert sorted(f.suffix for f in folder.iterdir() if f.suffix in (".swp", ".json")) == [".json", ".swp"]
+        again.init_master(0, torch.full((SIZES[0],), 5.0))
+        with again.state(0) as (master, _m, _v):
+            assert torch.equal(master, torch.full((SIZES[0],), 5.0))
+    finally:
+        again.close()

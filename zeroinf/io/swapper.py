@@ -307,7 +307,7 @@ class TensorSwapper:
                + ("" if not same else ", no CRC-32Cs to verify it"))
         return None, f"key {key!r}: {size} bytes, {why}; expected {nbytes} bytes of {want.dtype}"
 
-    def discard_stale(self, keys: Iterable[Tuple[str, int, torch.dtype]]) -> int:
+    def discard_stale(self, keys: Iterable[Tuple[str, int, torch.dtype]], *, only_these: bool = False) -> int:
         """Remove the stale files ([Note: stale files]) of keys not registered yet, given as
         ``(key, numel, dtype)``, and report them in one ``RuntimeWarning`` as :meth:`register`
         does; returns how many it removed. A caller that registers each key only before its first
@@ -315,10 +315,24 @@ class TensorSwapper:
         the stale files are reported together and their space is free at once. Files that
         :meth:`register` would adopt, and those of the same size never written, stay.
 
+        ``only_these``: ``keys`` (with those registered already) are every key this swapper will
+        ever hold, so the files of any other key in its folder are an earlier run's that nothing
+        reads or overwrites: they go too. A disk check counts all of the folder's files as free
+        (:func:`reusable_bytes`), which holds only once they are gone.
+
         Raises:
             AIOError: a stale file cannot be removed.
         """
+        keys = list(keys)
         n = 0
+        if only_these:
+            mine = {self.file_stem(k) for k, _, _ in keys} | {self.file_stem(k) for k in self._entries}
+            for f in sorted(self.directory.glob("*.swp")):
+                if f.stem not in mine:
+                    size = f.stat().st_size
+                    self._unlink_stem(f.stem)
+                    self._stale.append((f, f"{size} bytes of a key this run does not use"))
+                    n += 1
         for key, numel, dtype in keys:
             if key in self._entries:
                 continue
@@ -350,13 +364,17 @@ class TensorSwapper:
 
     def _unlink(self, key: str) -> None:
         """Delete ``key``'s swap file and manifest entry, if there (AIOError when one stays)."""
-        for path in (self.path_for(key), self._meta_path(key)):
+        self._unlink_stem(self.file_stem(key))
+
+    def _unlink_stem(self, stem: str) -> None:
+        """Delete the swap file and manifest entry named ``stem``, if there (AIOError when one stays)."""
+        for path in (self.directory / (stem + ".swp"), self.directory / (stem + ".json")):
             try:
                 path.unlink()
             except FileNotFoundError:
                 pass
             except OSError as exc:
-                raise make_error(exc.errno or errno.EIO, f"cannot remove the swap file of key {key!r}",
+                raise make_error(exc.errno or errno.EIO, f"cannot remove swap file {path}",
                                  str(path), 0, 0, 0) from exc
 
     @staticmethod

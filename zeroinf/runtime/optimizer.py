@@ -228,9 +228,10 @@ class SubGroupOptimizer:
         # stage 3 keeps the fp32 initial values of a zeroinf.Init model in swap files until each
         # sub-group's init_master takes them, and both at once need 4 bytes per parameter more
         # disk than training. step, prefetch and state read only initialised sub-groups, whose
-        # files load_state made. Stale files under these keys go now, reported together.
-        self._swapper.discard_stale((self._file_key(s), self._elem_bytes // 4 * s.numel, torch.float32)
-                                    for s in self.specs)
+        # files load_state made. Stale files under these keys, and the files of keys this
+        # optimizer does not have (the folder is its own), go now, reported together.
+        self._swapper.discard_stale([(self._file_key(s), self._elem_bytes // 4 * s.numel, torch.float32)
+                                     for s in self.specs], only_these=True)
         max_numel = max((s.numel for s in self.specs), default=1)
         count = optimizer_buffer_count(buffer_count, self.pipeline_read, self.pipeline_write, len(self.specs))
         self._pool = self.host.pool(count, self._elem_bytes * max_numel)
