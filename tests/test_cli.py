@@ -179,3 +179,21 @@ def test_every_file_the_readme_and_docs_link_to_is_in_the_repository():
             if "://" not in target and not target.startswith("mailto:") and not (md.parent / target).exists():
                 missing.append(f"{md.relative_to(REPO)}: {target}")
     assert not missing
+
+
+def test_zeroinf_warnings_print_as_their_own_line_in_the_command(monkeypatch):
+    """A command's zeroinf warning is its one line on stderr, not Python's "file:line:
+    UserWarning: ..." and the library source line; another library's keeps Python's format."""
+    import warnings
+
+    monkeypatch.setattr(warnings, "formatwarning", warnings.formatwarning)  # restored after the test
+    monkeypatch.setattr(cli, "COMMANDS", {"warn": ("zeroinf_cli_warn_probe", "probe")})
+    mod = type(sys)("zeroinf_cli_warn_probe")
+    mod.add_arguments = lambda parser: None
+    mod.main = lambda args: 0
+    monkeypatch.setitem(sys.modules, "zeroinf_cli_warn_probe", mod)
+    assert cli.main(["warn"]) == 0
+    ours = warnings.formatwarning(UserWarning("zeroinf: one line for the user"), UserWarning, "/lib/x.py", 3, "src")
+    theirs = warnings.formatwarning(DeprecationWarning("old"), DeprecationWarning, "/lib/y.py", 7, "src")
+    assert ours == "zeroinf: one line for the user\n"
+    assert theirs.startswith("/lib/y.py:7: DeprecationWarning: old")

@@ -15,6 +15,7 @@ import os
 import re
 import sys
 import threading
+import warnings
 from typing import List, Optional
 
 #: subcommand -> (module, one-line help)
@@ -110,7 +111,20 @@ class _Parser(argparse.ArgumentParser):
         (file or sys.stdout).write(self.format_help())
 
 
+def _format_warning(message, category, filename, lineno, line=None) -> str:
+    """zeroinf's own warnings (their text starts with "zeroinf") as their one line, without the
+    library file, line and source that Python prints by default and that mean nothing to a user
+    of the command; other libraries' warnings as Python formats them."""
+    if str(message).startswith("zeroinf"):
+        return f"{message}\n"
+    return _python_format_warning(message, category, filename, lineno, line)
+
+
+_python_format_warning = warnings.formatwarning
+
+
 def _run(argv: Optional[List[str]]) -> int:
+    warnings.formatwarning = _format_warning
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = _Parser(prog="zeroinf", description="ZeRO-Infinity offload engine for PyTorch")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
