@@ -205,7 +205,7 @@ class ZeroEngine(StepDriver, EngineState, EngineInfo):
                           "get gradients but are never updated; set requires_grad=False on them to freeze them "
                           "without computing those gradients", stacklevel=4)  # the caller of zeroinf.initialize
         dtype = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}[cfg.precision]
-        slow = slow_cpu_compute(dtype) if _compute_device().type == "cpu" and rank == 0 else None
+        slow = slow_cpu_compute(dtype) if rank == 0 and not torch.cuda.is_available() else None  # CPU compute
         if slow:
             warnings.warn(slow, stacklevel=4)  # the caller of zeroinf.initialize
         fp32_copies = None
