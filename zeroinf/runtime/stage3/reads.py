@@ -74,6 +74,15 @@ class _Staged:
         self.bufs, self.views, self.future = bufs, views, None
 
 
+def _one_compute_thread() -> None:
+    """Cap the torch ops run on the I/O thread (staging copies, casts, norm parts) at one CPU
+    thread. Uncapped, each ran an OpenMP team as wide as the process's on the cores the forward
+    and backward compute on, and a matmul whose team lost a core waited at its barrier for the
+    whole copy. Without the C++ ops (``ZEROINF_DISABLE_OPS=1``) there is no per-thread cap."""
+    from ...optim import limit_thread_parallelism
+    limit_thread_parallelism(1)
+
+
 class _IOThread(ThreadPoolExecutor):
     """The stage-3 I/O thread ([Note: I/O thread]). At interpreter exit, concurrent.futures stops
     its workers before ``atexit`` hooks run, and a checkpoint saved from one (stage 3 with NVMe)
@@ -85,7 +94,7 @@ class _IOThread(ThreadPoolExecutor):
     executor's own lock, which ``submit`` holds: so that lock is re-entrant here."""
 
     def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
+        super().__init__(*args, initializer=_one_compute_thread, **kwargs)
         if hasattr(self, "_shutdown_lock"):  # CPython's ThreadPoolExecutor: a plain Lock
             self._shutdown_lock = threading.RLock()
 
