@@ -205,11 +205,6 @@ class CPUAdam(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        for gi, group in enumerate(self.param_groups):  # every check before any group is stepped
-            _check_group(gi, group)
-            for pi, p in enumerate(group["params"]):
-                if p.grad is not None and not _steppable(p):
-                    _check_param(p, f"param_groups[{gi}]['params'][{pi}]")
         self._step_all()
         return loss
 
@@ -217,36 +212,44 @@ class CPUAdam(torch.optim.Optimizer):
         """Step every parameter with a gradient, all param groups in one op call where possible."""
         keys = ("params", "grads", "exp_avgs", "exp_avg_sqs", "params_outs")
         bufs = {k: [] for k in keys}
-        step_tensors, group_of, groups, low = [], [], [], []
+        step_tensors, group_of, groups, low, new = [], [], [], [], []
         masters, grads, exp_avgs, exp_avg_sqs, outs = bufs.values()
         states, f32 = self.state, torch.float32
+        # One pass checks and gathers: every check comes before anything changes (a parameter
+        # whose state needs making or mending is left to _prepare, after the pass).
         for gi, group in enumerate(self.param_groups):
+            _check_group(gi, group)
             beta1, beta2 = (float(b) for b in group["betas"])
             groups.append(AdamHyper(float(group["lr"]), beta1, beta2, float(group["eps"]),
                                     float(group["weight_decay"]), bool(group["adamw_mode"]),
                                     bool(group["bias_correction"])))
             maximize = bool(group["maximize"])
-            for p in group["params"]:
+            for pi, p in enumerate(group["params"]):
                 grad = p.grad
                 if grad is None:
                     continue
-                state = states[p]
-                step = state.get("step")
+                if not _steppable(p):
+                    _check_param(p, f"param_groups[{gi}]['params'][{pi}]")
+                state = states.get(p)
+                step = state.get("step") if state else None
+                group_of.append(gi)
                 # the common case, an fp32 parameter with torch's state: the parameter is the master
                 if p.dtype is f32 and not maximize and type(step) is torch.Tensor and step.dtype is f32:
-                    master, out = p, None
+                    step_tensors.append(step)
+                    masters.append(p)
+                    grads.append(grad)
+                    exp_avgs.append(state["exp_avg"])
+                    exp_avg_sqs.append(state["exp_avg_sq"])
+                    outs.append(None)
                 else:
-                    master, out, grad, state = self._prepare(p, maximize)
-                    step = state["step"]
-                    if out is not None:
-                        low.append(p)
-                step_tensors.append(step)
-                group_of.append(gi)
-                masters.append(master)
-                grads.append(grad)
-                exp_avgs.append(state["exp_avg"])
-                exp_avg_sqs.append(state["exp_avg_sq"])
-                outs.append(out)
+                    new.append((len(masters), p, maximize))
+                    for row in (step_tensors, masters, grads, exp_avgs, exp_avg_sqs, outs):
+                        row.append(None)
+        for i, p, maximize in new:
+            masters[i], outs[i], grads[i], state = self._prepare(p, maximize)
+            step_tensors[i], exp_avgs[i], exp_avg_sqs[i] = state["step"], state["exp_avg"], state["exp_avg_sq"]
+            if outs[i] is not None:
+                low.append(p)
         if not step_tensors:
             return
         try:
