@@ -186,10 +186,10 @@ void adam_step_list(const std::vector<at::Tensor>& params, const std::vector<at:
                     const std::vector<c10::optional<at::Tensor>>& params_outs, const std::vector<int64_t>& steps,
                     const std::vector<int64_t>& group_of, const std::vector<GroupHyper>& groups,
                     double grad_scale, const std::string& isa) {
+  const za::Isa path = parse_isa(isa);
   std::vector<za::Buffers> bufs;
   std::vector<za::Hyper> hypers;
   collect_list(params, grads, exp_avgs, exp_avg_sqs, params_outs, steps, group_of, groups, grad_scale, bufs, hypers);
-  const za::Isa path = parse_isa(isa);
   const int threads = at::get_num_threads();
   py::gil_scoped_release no_gil;
   za::adam_update(path, bufs, hypers, threads);
@@ -225,15 +225,7 @@ int64_t adam_step_counted(const std::vector<at::Tensor>& params, const std::vect
                       "] is ", count, "; a step count is a whole number in [0, 2^62)");
     steps[i] = static_cast<int64_t>(count) + 1;
   }
-  std::vector<za::Buffers> bufs;
-  std::vector<za::Hyper> hypers;
-  collect_list(params, grads, exp_avgs, exp_avg_sqs, params_outs, steps, group_of, groups, grad_scale, bufs, hypers);
-  const za::Isa path = parse_isa(isa);
-  const int threads = at::get_num_threads();
-  {
-    py::gil_scoped_release no_gil;
-    za::adam_update(path, bufs, hypers, threads);
-  }
+  adam_step_list(params, grads, exp_avgs, exp_avg_sqs, params_outs, steps, group_of, groups, grad_scale, isa);
   // a counter shared by several tensors (one state for tied entries) counts once per step
   for (size_t i = 0; i < k; ++i) *step_counts[i].data_ptr<float>() = static_cast<float>(steps[i]);
   return -1;

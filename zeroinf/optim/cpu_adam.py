@@ -315,8 +315,8 @@ class CPUAdam(torch.optim.Optimizer):
                 if 0.0 <= count < 2.0 ** 62 and count == math.floor(count):
                     continue
                 why = f"is {count}; a step count is a whole number in [0, 2^62)"
-            where = next(f"param_groups[{gi}]['params'][{pi}]" for gi, g in enumerate(self.param_groups)
-                         for pi, p in enumerate(g["params"]) if self.state.get(p, {}).get("step") is t)
+            where = next((f"param_groups[{gi}]['params'][{pi}]" for gi, g in enumerate(self.param_groups)
+                          for pi, p in enumerate(g["params"]) if self.state.get(p, {}).get("step") is t), "a parameter")
             raise ValueError(f"CPUAdam: state['step'] of {where} {why}")
 
     def _prepare(self, p: torch.Tensor, maximize: bool):
