@@ -173,3 +173,40 @@ def test_one_engine_s_parts_share_one_allocator_that_stats_read(tmp_path, stage)
     engine.close()
     if not torch.cuda.is_available():  # the pools are closed; the parts' tensors pin nothing
         assert engine.host.nbytes == 0
+
+
+def test_a_pool_buffer_held_past_close_stays_readable_and_writable():
+    """``PinnedBufferPool.close()`` unlocks the buffers and drops the pool's own references; a
+    buffer the caller still holds stays valid. The CPU pool's mapping was unmapped under it and
+    the next write crashed the process (a subprocess here, so a crash fails this test)."""
+    import subprocess
+    import sys
+    code = ("import torch\nfrom zeroinf.io import PinnedBufferPool\n"
+            "p = PinnedBufferPool(3, 1 << 20)\nb = p.acquire()\nb.fill_(7)\np.close()\n"
+            "b[: 1 << 19].fill_(9)\nprint(int(b.sum()))\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, (r.returncode, r.stderr[-2000:])
+    assert r.stdout.split()[-1] == str(9 * (1 << 19) + 7 * (1 << 19))
+
+
+def test_pool_replace_leaves_the_old_buffer_to_its_reader_and_frees_a_new_one():
+    from zeroinf.io import PinnedBufferPool
+    with PinnedBufferPool(2, 8192) as p:
+        a = p.acquire()
+        a.fill_(5)
+        kept = a[100:200]
+        old = {b.data_ptr() for b in p.buffers()}
+        p.replace(a)
+        assert p.free_count() == 2
+        new = [b for b in p.buffers() if b.data_ptr() not in old]
+        assert len(new) == 1 and new[0].numel() == 8192 and new[0].data_ptr() % 4096 == 0
+        got = [p.acquire(), p.acquire()]  # neither is the replaced buffer
+        assert a.data_ptr() not in {b.data_ptr() for b in got}
+        for b in got:
+            b.fill_(1)
+        assert torch.equal(kept, torch.full((100,), 5, dtype=torch.uint8))
+        with pytest.raises(ValueError, match="does not start at one of this pool's buffers"):
+            p.replace(a)
+        p.release(got[0])
+        with pytest.raises(ValueError, match="is free"):
+            p.replace(got[0])

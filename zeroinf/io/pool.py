@@ -241,6 +241,29 @@ class PinnedBufferPool:
                 raise ValueError(f"release(): buffer {idx} is already free (released twice?)")
             self._free.append(idx)
 
+    def replace(self, buffer: torch.Tensor) -> None:
+        """Give up an acquired buffer that something still reads (``buffer`` or a view starting
+        at its first byte): it stays valid for its readers and is never handed out again; its
+        place in the pool gets a new aligned buffer of the same size, which is free. The new
+        buffer is not page-locked (on CUDA, it is pinned); :attr:`pinned_bytes` is unchanged.
+
+        Raises:
+            ValueError: the tensor is not one of this pool's buffers, or it is already free.
+        """
+        idx = self._ptrs.get(buffer.data_ptr()) if isinstance(buffer, torch.Tensor) else None
+        if idx is None:
+            raise ValueError("replace(): the tensor does not start at one of this pool's buffers")
+        raw = torch.empty(self.buffer_size + self.alignment, dtype=torch.uint8, pin_memory=self._cuda)
+        skip = (-raw.data_ptr()) % self.alignment
+        new = raw[skip:skip + self.buffer_size]
+        with self._lock:
+            if idx in self._free:
+                raise ValueError(f"replace(): buffer {idx} is free (released already?)")
+            del self._ptrs[self._buffers[idx].data_ptr()]
+            self._buffers[idx] = new
+            self._ptrs[new.data_ptr()] = idx
+            self._free.append(idx)
+
     @staticmethod
     def view(buffer: torch.Tensor, dtype: torch.dtype, numel: int, shape=None) -> torch.Tensor:
         """The first ``numel`` elements of ``buffer`` as ``dtype`` (optionally reshaped to ``shape``).
@@ -260,12 +283,9 @@ class PinnedBufferPool:
         if self._addr:
             _munlock(self._addr, self.pinned_bytes)
             self._addr = 0
-        if self._mmap is not None:
-            try:
-                self._mmap.close()
-            except BufferError:
-                pass  # tensors still view it; the mapping goes when they do
-            self._mmap = None
+        # the buffers' storage holds the mmap object: dropping this reference unmaps it once no
+        # tensor views it (mmap.close() would unmap it under buffers still held, which then crash)
+        self._mmap = None
 
     def close(self) -> None:
         """Unlock and drop the buffers. Tensors still held by the caller stay valid (unlocked)."""
