@@ -393,6 +393,45 @@ def test_nvme_partitions_read_ahead_into_staging_buffers(tmp_path):
     assert mgr._pool is None and mgr.host.nbytes == 0
 
 
+def test_one_rank_gathers_read_ahead_units_in_their_staging_buffers(tmp_path):
+    """On the CPU with one rank a read-ahead's staging buffer becomes the unit's gathered
+    buffer (no copy): a weight kept from inside the forward lies in a pool buffer; the pool
+    keeps its on-demand reserve at every unit; the kept buffer is left to its viewer with its
+    values, and the pool gets every buffer back (one new) once the units are released."""
+    ref = TinyLM()
+    model = copy.deepcopy(ref)
+    mgr = Stage3ParameterManager(model, _opts(offload_param_device="nvme", nvme_path=str(tmp_path), buffer_count=4,
+                                              buffer_size=4096, max_in_cpu=0, prefetch_bucket_size=2200,
+                                              max_reuse_distance=0, max_live_parameters=6000))
+    adopted, kept = [], {}
+
+    def check(mod, args):
+        pool_ptrs = {b.data_ptr() for b in mgr._pool.buffers()}
+        mgr.submit_io(lambda: None).result()  # its reads on demand hold a buffer only while they run
+        assert mgr._pool.free_count() >= max(len(u.groups) for u in mgr.units)  # reads on demand still fit
+        for u in mgr.units:
+            if u.state is UnitState.GATHERED:
+                adopted.extend(g.full.data_ptr() for g in u.groups if g.full.data_ptr() in pool_ptrs)
+        w = mod.ff[0].weight
+        if not kept and any(b.data_ptr() <= w.data_ptr() < b.data_ptr() + b.numel() for b in mgr._pool.buffers()):
+            kept["w"] = mod.ff[0].weight.detach()
+            kept["values"] = kept["w"].clone()
+    hooks = [b.register_forward_pre_hook(check) for b in model.blocks]
+    for seed in range(3):
+        x, y = batch(seed)
+        loss_fn(model(x), y).backward()
+        loss_fn(ref(x), y).backward()
+    for h in hooks:
+        h.remove()
+    assert adopted and kept  # gathered in place, a kept weight among them
+    _assert_close(_grads_of(mgr), {n: p.grad for n, p in ref.named_parameters()}, what="gathered in place")
+    assert torch.equal(kept["w"], kept["values"])
+    mgr.drop_staged()
+    assert mgr._pool.free_count() == 4
+    assert not any(b.data_ptr() <= kept["w"].data_ptr() < b.data_ptr() + b.numel() for b in mgr._pool.buffers())
+    mgr.close()
+
+
 def test_units_by_size_when_no_block_class_is_found():
     ref = torch.nn.Sequential(*[torch.nn.Linear(32, 32) for _ in range(10)],
                               torch.nn.Sequential(torch.nn.Linear(32, 4), torch.nn.Linear(4, 4)))

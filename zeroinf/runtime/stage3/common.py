@@ -36,6 +36,16 @@ def _sole_owner(t: torch.Tensor) -> bool:
     return use_count(t.untyped_storage()._cdata) <= 2  # t, and the temporary storage object here
 
 
+def pool_tensor(buf: torch.Tensor, dtype: torch.dtype, numel: int) -> torch.Tensor:
+    """The first ``numel`` elements of ``dtype`` of ``buf`` (a uint8 staging buffer of a
+    ``PinnedBufferPool``) as a tensor with a storage of its own, which keeps ``buf`` alive.
+    The pool's buffers share one storage, so only a storage of its own tells (by its use
+    count, :func:`_sole_owner`) whether a view of it survives."""
+    with torch.inference_mode(False):
+        raw = torch.from_numpy(buf[: numel * dtype.itemsize].numpy())
+        return raw.view(dtype)
+
+
 def views_its_slot(p: torch.Tensor, s: ParamSlot, base: int, size: int) -> bool:
     """Whether parameter ``p`` is still the contiguous view of its slot ``s`` in a gathered
     buffer whose first element is at address ``base`` (``size`` bytes per element); not after

@@ -9,7 +9,7 @@ import torch.distributed as dist
 from .passes import GradState
 from .released import mark_gathered, mark_released
 from .units import FlatGroup, ParamSlot, Unit, UnitState
-from .common import _finished, _sole_owner, views_its_slot
+from .common import _finished, _sole_owner, pool_tensor, views_its_slot
 from .reads import _Staged, _io_delay
 from .. import collectives
 
@@ -41,8 +41,15 @@ class FetchMixin:
         if not unit.persistent:
             self._live += unit.numel
             self.stats.live(self._live)
-        for g in unit.groups:
-            g.full = self.host.take(g.padded_numel, g.dtype, self.device)
+        staged = self._staged.pop(unit.index, None)
+        if staged is not None and self._adopts_staging(unit):
+            # [Note: staged buffers adopted] the read-ahead's buffers become g.full: no copy
+            for g, buf in zip(unit.groups, staged.bufs):
+                g.full, g.full_in_pool = pool_tensor(buf, g.dtype, g.padded_numel), True
+            staged.bufs = []  # the groups own them now: release() gives them back
+        else:
+            for g in unit.groups:
+                g.full = self.host.take(g.padded_numel, g.dtype, self.device)
         after = self.transfers.mark()  # [Note: CUDA streams]: earlier kernels may still use g.full's block
         unit.state = UnitState.FETCHING
         # [Note: snapshots of held units] a unit the forward gathers and the backward finds still
@@ -53,7 +60,6 @@ class FetchMixin:
         snapshot = self.snapshot_partitions and (for_backward or self._in_backward
                                                  or unit.index in self._held_into_backward)
         self.stats.add("gathers")
-        staged = self._staged.pop(unit.index, None)
         if staged is not None:
             self.stats.add("read_ahead_hits")
         if self._io is not None and self.unit_tier(unit) == "nvme":
@@ -61,6 +67,33 @@ class FetchMixin:
         else:
             ready = self._read_partitions(unit, None, after, snapshot)
             unit.future = None if ready is None else _finished(ready)  # _complete waits for it
+
+    # [Note: staged buffers adopted] On the CPU with one rank a unit's full buffer is its
+    # partition, byte for byte, so a read-ahead's staging buffer becomes ``g.full`` itself
+    # instead of being copied into a host buffer (a pass over every byte read, on the cores
+    # the forward and backward compute on). The buffer stays out of the pool until the unit is
+    # released; stage() keeps the on-demand reserve free whatever units hold, so reads on
+    # demand and write-backs always find a buffer. A buffer something still views at release
+    # (a user kept ``p.data``) is left to the viewer and the pool gets a new one in its place.
+    def _adopts_staging(self, unit: Unit) -> bool:
+        """Whether a staged read of ``unit`` is gathered in place (see [Note: staged buffers
+        adopted]): host compute without side streams, one rank, no empty group."""
+        return (self.world_size == 1 and self.device.type == "cpu" and not self.transfers.side_streams
+                and all(g.padded_numel == g.shard_numel > 0 for g in unit.groups))
+
+    def _give_back_full(self, g: FlatGroup, full: torch.Tensor) -> None:
+        """Return ``g``'s released full buffer to where :meth:`issue` took it from."""
+        in_pool, g.full_in_pool = g.full_in_pool, False
+        if not in_pool:
+            if _sole_owner(full):
+                self.host.give(full)  # no view of it is left (a user's or autograd's keeps it alive)
+            return
+        if self._pool is None or self._pool.closed:
+            return
+        if _sole_owner(full):
+            self._pool.release(full)
+        else:
+            self._pool.replace(full)
 
     # [Note: read-ahead] NVMe partitions can be read into pinned staging buffers further ahead
     # than units are gathered: staging does not count as live parameters (nothing is on the
@@ -269,8 +302,8 @@ class FetchMixin:
                 mark_released(s.param)
                 s.data_read, s.data_seen = False, None
             full, g.full = g.full, None
-            if full is not None and _sole_owner(full):
-                self.host.give(full)  # no view of it is left (a user's or autograd's keeps it alive)
+            if full is not None:
+                self._give_back_full(g, full)
         if unit.persistent:
             self._persistent_stale = True
         else:

@@ -144,11 +144,16 @@ class ReadsMixin:
         t0 = self.tracer.now()
         nbytes = 0
         if staged is not None:  # the NVMe read is done (earlier on this thread): copy and free
+            copied = False
             for g, view in zip(unit.groups, staged.views):
+                if g.full_in_pool:
+                    continue  # g.full is the staging buffer ([Note: staged buffers adopted])
                 lo, hi = self._shard_range(g)
                 g.full[lo:hi].copy_(view)
+                copied = True
             self._free_staged(staged)
-            self.tracer.span(f"copy {unit.name}", "transfer", t0, self.tracer.now(), thread="io")
+            if copied:
+                self.tracer.span(f"copy {unit.name}", "transfer", t0, self.tracer.now(), thread="io")
         else:
             for g in unit.groups:
                 lo, hi = self._shard_range(g)

@@ -112,6 +112,9 @@ class FlatGroup:
     shard_numel: int
     store: object = None
     full: Optional[torch.Tensor] = None
+    #: ``full`` lies in a staging buffer of the NVMe pool, not in host scratch memory
+    #: ([Note: staged buffers adopted] in fetch.py)
+    full_in_pool: bool = False
     grad_full: Optional[torch.Tensor] = None
     grad_written: Optional[set] = None  # indices of slots whose gradient is in grad_full (the rest is garbage)
     grad_shard: Optional[torch.Tensor] = None
