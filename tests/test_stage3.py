@@ -432,6 +432,37 @@ def test_one_rank_gathers_read_ahead_units_in_their_staging_buffers(tmp_path):
     mgr.close()
 
 
+def test_nvme_partitions_are_read_and_written_in_place_without_staging_copies(tmp_path):
+    """Reads on demand land straight in the gathered buffer and a partition of the group's own
+    layout is written from where it lies: no staging buffer is taken. Another dtype still goes
+    through one, converted; the bytes read back are the values written either way."""
+    ref = TinyLM()
+    model = copy.deepcopy(ref)
+    mgr = Stage3ParameterManager(model, _opts(offload_param_device="nvme", nvme_path=str(tmp_path), buffer_count=2,
+                                              buffer_size=4096, max_in_cpu=0, prefetch_bucket_size=0))
+    taken = []
+    acquire = mgr._pool.acquire
+    mgr._pool.acquire = lambda: taken.append(1) or acquire()
+    for seed in range(2):
+        x, y = batch(seed)
+        loss_fn(model(x), y).backward()
+        loss_fn(ref(x), y).backward()
+    assert not taken and mgr.stats_dict()["bytes_nvme_read"] > 0
+    _assert_close(_grads_of(mgr), {n: p.grad for n, p in ref.named_parameters()}, what="read in place")
+    g = mgr.units[2].groups[0]
+    new = torch.randn(g.shard_numel, dtype=torch.float32)
+    mgr.write_param_shard(g, new)
+    assert not taken
+    back = torch.empty(g.shard_numel, dtype=torch.float32)
+    g.store.read_into(back)
+    assert torch.equal(back, new)
+    mgr.write_param_shard(g, new.double() + 1)  # another dtype: converted in a staging buffer
+    assert len(taken) == 1
+    g.store.read_into(back)
+    assert torch.equal(back, new + 1)
+    mgr.close()
+
+
 def test_units_by_size_when_no_block_class_is_found():
     ref = torch.nn.Sequential(*[torch.nn.Linear(32, 32) for _ in range(10)],
                               torch.nn.Sequential(torch.nn.Linear(32, 4), torch.nn.Linear(4, 4)))

@@ -123,7 +123,8 @@ class HostCache:
 
 
 class NvmeStore:
-    """Partition in an NVMe swap file, read through a pinned staging buffer.
+    """Partition in an NVMe swap file, read and written in place from host tensors of its
+    layout, through a pinned staging buffer otherwise.
 
     Args:
         swapper: a ``zeroinf.io.TensorSwapper``; the partition is registered under ``key``.
@@ -168,6 +169,8 @@ class NvmeStore:
             if hit is not None:
                 dst.copy_(hit)
                 return 0
+        if self._direct(dst):
+            return self.read_raw(dst)
         buf, view = self._staging()
         try:
             self.swapper.swap_in([(self.key, view)], async_op=False)
@@ -177,6 +180,14 @@ class NvmeStore:
         finally:
             self.pool.release(buf)
         return self.nbytes
+
+    def _direct(self, t: torch.Tensor) -> bool:
+        """Whether ``t`` is the partition's exact host layout (CPU, contiguous, its dtype and
+        size), so the swapper reads or writes it in place: the handle itself bounces a buffer
+        that is not 4096-aligned, and a staging copy would be one more pass over every byte on
+        the cores the compute uses."""
+        return (t.device.type == "cpu" and t.dtype == self.dtype and t.numel() == self.numel
+                and t.is_contiguous())
 
     def write_raw(self, src: torch.Tensor) -> int:
         """Write ``src``, a pinned staging view of the partition's size, straight to the swap
@@ -190,7 +201,10 @@ class NvmeStore:
         return self.nbytes
 
     def write_from(self, src: torch.Tensor) -> int:
-        """:meth:`write_raw` from any host tensor, through a staging buffer."""
+        """:meth:`write_raw` from any host tensor: in place when it has the partition's layout,
+        else through a staging buffer (another dtype is converted there)."""
+        if self._direct(src):
+            return self.write_raw(src)
         buf, view = self._staging()
         try:
             view.copy_(src)
