@@ -10,7 +10,8 @@ Every host buffer the runtime keeps comes from it, in three kinds:
   the bytes of those that really are pinned (``Tensor.is_pinned()``) for as long as their storage
   lives: a buffer dropped by its owner, and by every view of it, stops counting.
 * Recycled scratch (:meth:`HostMemory.take`, :meth:`HostMemory.give`): unit-sized, 4096-aligned
-  CPU tensors kept for reuse by (numel, dtype); never pinned, never counted.
+  CPU tensors kept for reuse by (numel, dtype), from 2 MiB on in transparent huge pages; never
+  pinned, never counted.
 * I/O staging pools (:meth:`HostMemory.pool`): :class:`zeroinf.io.PinnedBufferPool`, page-locked
   on any host, counted from creation until ``close()``.
 
@@ -19,6 +20,7 @@ Every host buffer the runtime keeps comes from it, in three kinds:
 """
 from __future__ import annotations
 
+import mmap
 import threading
 import weakref
 from typing import Optional
@@ -26,6 +28,24 @@ from typing import Optional
 import torch
 
 __all__ = ["HostMemory"]
+
+from zeroinf.io.pool import HUGE_PAGE  # noqa: E402  (bytes; x86-64 and arm64)
+
+
+def _huge_paged(nbytes: int) -> torch.Tensor:
+    """``nbytes`` of fresh anonymous memory (uint8, contents zero) whose start is aligned to
+    :data:`HUGE_PAGE` and which is advised for transparent huge pages (``MADV_HUGEPAGE``; the
+    hosts' usual THP mode is ``madvise``). O_DIRECT reads and writes of a 143 MB buffer ran at
+    2.7-3.5 and 1.9-2.7 GB/s from 4 KiB pages against 3.9-4.6 and 3.0-3.3 GB/s from huge ones,
+    with a third of the kernel time; a first touch faults once per 2 MiB. The mapping is
+    unmapped when the last tensor viewing it is freed (the storage holds the mmap object)."""
+    m = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    whole = torch.frombuffer(m, dtype=torch.uint8)
+    skip = (-whole.data_ptr()) % HUGE_PAGE
+    huge = nbytes // HUGE_PAGE * HUGE_PAGE
+    if huge and hasattr(mmap, "MADV_HUGEPAGE"):
+        m.madvise(mmap.MADV_HUGEPAGE, skip, huge)
+    return whole[skip:skip + nbytes]
 
 
 class HostMemory:
@@ -45,7 +65,7 @@ class HostMemory:
 
     def __init__(self, keep: int = 6, max_free_bytes: int = 512 << 20):
         self.keep = int(keep)
-        self.max_free_bytes = int(max_free_bytes)
+        self.max_free_bytes = self._base_free_bytes = int(max_free_bytes)
         self._count_lock = threading.Lock()  # guards _bytes; held without allocating (finalizers take it)
         self._bytes = 0
         # guards _pools and the free scratch; re-entered by close() from a signal handler
@@ -128,9 +148,24 @@ class HostMemory:
                 return t
         nbytes = numel * dtype.itemsize
         with torch.inference_mode(False):
+            if nbytes >= HUGE_PAGE:
+                return _huge_paged(nbytes).view(dtype)
             raw = torch.empty(nbytes + self.ALIGN, dtype=torch.uint8)
             off = (-raw.data_ptr()) % self.ALIGN
             return raw[off:off + nbytes].view(dtype)
+
+    def fit_units(self, unit_bytes: int) -> None:
+        """Let the free scratch hold :attr:`keep` buffers of ``unit_bytes`` (the largest unit
+        buffer a caller takes and gives back every step) beyond the budget it was made with, up
+        to an eighth of the host's RAM.
+        Below that, the buffers a step cycles through did not fit the default budget: at 1B
+        parameters in fp32 (143 MB units) 11 of them were dropped and allocated afresh per step,
+        1.6 GB of page faults and zero fill on the cores the compute uses. Only buffers that were
+        in use at once are kept, so the peak resident memory does not grow."""
+        import psutil
+        cap = psutil.virtual_memory().total // 8
+        with self._lock:
+            self.max_free_bytes = max(self.max_free_bytes, min(self._base_free_bytes + self.keep * int(unit_bytes), cap))
 
     def give(self, t: torch.Tensor) -> None:
         """Return a tensor from :meth:`take`; the caller must hold no view of it any more.

@@ -213,6 +213,8 @@ class Stage3ParameterManager(LayoutMixin, HooksMixin, ReadsMixin, FetchMixin, Sa
                 for s in g.slots:
                     self._slots[s.param] = s
         self._check_limits()
+        # the unit buffers a step cycles through (gathered, gradient, fp32 partition copies)
+        self.host.fit_units(max((g.padded_numel * max(g.dtype.itemsize, 4) for g in self.groups()), default=0))
         self._io: Optional[ThreadPoolExecutor] = None
         self._swapper = None
         self._pool = None
