@@ -19,6 +19,9 @@ Reported, all measured in this process:
   warm-up to the last but one, as a long run's steps do; ``drain_s``, printed apart, is the wait
   for the last one (``engine.synchronize()``). With ``--optimizer-in-backward`` each step's
   optimizer runs inside its own backward instead;
+* ``cpu_s``: CPU seconds of the process (user + system, all threads) per timed step, over the
+  same window: on a box whose cores the compute fills, work moved off the critical path shows
+  here when the wall time hides it;
 * ``read_bytes`` / ``write_bytes``: NVMe bytes per step from the engine's own counters
   (optimizer swaps, ``engine.stats()["nvme_*_bytes"]``, plus stage 3's parameter and gradient
   partitions, ``engine.stats()["stage3"]["bytes_nvme_*"]``), the mean over the timed steps (a
@@ -219,7 +222,7 @@ def train(args, blocks: int, width: int, nvme: str) -> dict:
     try:
         for i in range(args.steps):
             if i == 1:  # the warm-up's optimizer step runs behind this forward, as every step's does
-                io0, t_start = proc_io(), time.perf_counter()
+                io0, t_start, cpu0 = proc_io(), time.perf_counter(), os.times()
             t1 = time.perf_counter()
             logits = engine(x)
             loss = F.cross_entropy(logits.flatten(0, 1).float(), x.flatten())
@@ -240,7 +243,7 @@ def train(args, blocks: int, width: int, nvme: str) -> dict:
                 "backward_s": st["backward_s"], "optimizer_s": st["optimizer_s"], "adam_s": st["adam_s"],
                 "optimizer_io_wait_s": st["io_wait_s"], "pinned_bytes": st["pinned_bytes"]})
             print(f"step {i}{' (warm-up)' if i == 0 else ''}: {t4 - t1:.2f} s, loss {losses[-1]:.4f}", flush=True)
-        t_end, io1 = time.perf_counter(), proc_io()
+        t_end, io1, cpu1 = time.perf_counter(), proc_io(), os.times()
         engine.synchronize()  # the last step's optimizer step, which no next forward hides
         drain_s = time.perf_counter() - t_end
         peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
@@ -256,7 +259,9 @@ def train(args, blocks: int, width: int, nvme: str) -> dict:
     finally:
         engine.close()
     timed = args.steps - 1
-    return {"build_s": build_s, "step_s": (t_end - t_start) / timed, "drain_s": drain_s, "peak_rss": peak_rss,
+    cpu_s = (cpu1.user + cpu1.system - cpu0.user - cpu0.system) / timed
+    return {"build_s": build_s, "step_s": (t_end - t_start) / timed, "cpu_s": cpu_s, "drain_s": drain_s,
+            "peak_rss": peak_rss,
             "block_times": times, "losses": losses, "per_step": per_step, "trace_s": trace_s,
             "read_bytes": statistics.mean(s["read_bytes"] for s in per_step[1:]),
             "write_bytes": statistics.mean(s["write_bytes"] for s in per_step[1:]),
@@ -366,7 +371,7 @@ def main() -> int:
     write_gbps, read_gbps = (max(b[i] for b in bandwidths) for i in (0, 1))
     # reads and writes share the device, so their times add (see the module docstring)
     io_floor = run["read_bytes"] / (read_gbps * 1e9) + run["write_bytes"] / (write_gbps * 1e9)
-    out = {"step_s": run["step_s"], "io_floor_s": io_floor, "compute_floor_s": floor_c,
+    out = {"step_s": run["step_s"], "cpu_s": run["cpu_s"], "io_floor_s": io_floor, "compute_floor_s": floor_c,
            "ratio": run["step_s"] / max(io_floor, floor_c),
            "read_bytes": run["read_bytes"], "write_bytes": run["write_bytes"],
            "disk_gbps": (run["read_bytes"] + run["write_bytes"]) / io_floor / 1e9,
@@ -386,7 +391,7 @@ def main() -> int:
     print(f"{'':<16} {'seconds':>9} {'read GB':>8} {'write GB':>8}  note")
     print(f"{'step':<16} {out['step_s']:9.3f} {out['read_bytes'] / 1e9:8.2f} {out['write_bytes'] / 1e9:8.2f}  "
           f"engine counters, per step ({out['steps_timed']} timed; then {run['drain_s']:.2f} s for the last "
-          "optimizer step)")
+          f"optimizer step; {out['cpu_s']:.1f} CPU s per step, all threads)")
     print(f"{'  /proc/self/io':<16} {'':>9} {out['proc_read_bytes'] / 1e9:8.2f} {out['proc_write_bytes'] / 1e9:8.2f}  "
           "the kernel's count, per step")
     print(f"{'io floor':<16} {io_floor:9.3f} {'':>8} {'':>8}  disk read {read_gbps:.2f} GB/s, write "
