@@ -110,3 +110,39 @@ def test_failed_read_ahead_is_raised_not_used(tmp_path):
     finally:
         m._stage_read = read
     assert failed, "no read-ahead ran: the test did not exercise the staged path"
+
+
+def test_a_failed_read_ahead_gives_its_staging_buffers_back_to_the_pool(tmp_path):
+    """On one CPU rank a read-ahead's staging buffers become the unit's gathered buffers as the
+    unit is issued, before the read is known to have failed. The failure hands them back to the
+    pool (the unit keeps host buffers, as any failed read): the unit, stuck on its error, held
+    one pool buffer for good, and every later read-ahead and read on demand had one fewer."""
+    from stage3_models import TinyLM, batch, loss_fn
+    from zeroinf.runtime.stage3 import Stage3Options, Stage3ParameterManager
+    model = TinyLM()
+    mgr = Stage3ParameterManager(model, Stage3Options(
+        param_persistence_threshold=20, offload_param_device="nvme", nvme_path=str(tmp_path), buffer_count=4,
+        buffer_size=4096, max_in_cpu=0, prefetch_bucket_size=2200, max_reuse_distance=0, max_live_parameters=6000))
+    for seed in range(2):  # the second iteration reads ahead along the recorded trace
+        x, y = batch(seed)
+        loss_fn(model(x), y).backward()
+    read, failed = mgr._stage_read, []
+
+    def broken(unit, st):
+        read(unit, st)
+        failed.append(unit)
+        raise OSError(5, "injected read-ahead error")
+    mgr._stage_read = broken
+    x, y = batch(2)
+    with pytest.raises(OSError, match="injected read-ahead error"):
+        loss_fn(model(x), y).backward()
+    mgr._stage_read = read
+    assert failed
+    try:
+        mgr.drop_staged()  # frees every staged buffer, then raises a failed read-ahead's error
+    except OSError:
+        pass
+    for u in failed:
+        assert not any(g.full_in_pool for g in u.groups)
+    held = sum(g.full_in_pool for u in mgr.units for g in u.groups if u.state.value != "released")
+    assert mgr._pool.free_count() + held == 4

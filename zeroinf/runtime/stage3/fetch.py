@@ -77,8 +77,11 @@ class FetchMixin:
     # (a user kept ``p.data``) is left to the viewer and the pool gets a new one in its place.
     def _adopts_staging(self, unit: Unit) -> bool:
         """Whether a staged read of ``unit`` is gathered in place (see [Note: staged buffers
-        adopted]): host compute without side streams, one rank, no empty group."""
-        return (self.world_size == 1 and self.device.type == "cpu" and not self.transfers.side_streams
+        adopted]): host compute without side streams, one rank, no empty group, and not the
+        persistent unit, which stays gathered through whole iterations (its buffer would be
+        out of the pool all that time)."""
+        return (not unit.persistent and self.world_size == 1 and self.device.type == "cpu"
+                and not self.transfers.side_streams
                 and all(g.padded_numel == g.shard_numel > 0 for g in unit.groups))
 
     def _give_back_full(self, g: FlatGroup, full: torch.Tensor) -> None:
