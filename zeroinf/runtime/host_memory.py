@@ -35,10 +35,11 @@ from zeroinf.io.pool import HUGE_PAGE  # noqa: E402  (bytes; x86-64 and arm64)
 def _huge_paged(nbytes: int) -> torch.Tensor:
     """``nbytes`` of fresh anonymous memory (uint8, contents zero) whose start is aligned to
     :data:`HUGE_PAGE` and which is advised for transparent huge pages (``MADV_HUGEPAGE``; the
-    hosts' usual THP mode is ``madvise``). O_DIRECT reads and writes of a 143 MB buffer ran at
-    2.7-3.5 and 1.9-2.7 GB/s from 4 KiB pages against 3.9-4.6 and 3.0-3.3 GB/s from huge ones,
-    with a third of the kernel time; a first touch faults once per 2 MiB. The mapping is
-    unmapped when the last tensor viewing it is freed (the storage holds the mmap object)."""
+    hosts' usual THP mode is ``madvise``). On a virtio disk O_DIRECT reads and writes of a 143 MB
+    buffer run at 2.6-3.5 and 1.9-2.7 GB/s from 4 KiB pages against 3.6-4.6 and 2.8-3.3 GB/s from
+    huge ones, with a third of the kernel time (bench/io_pages.py); a first touch faults once
+    per 2 MiB. The mapping is unmapped when the last tensor viewing it is freed (the storage
+    holds the mmap object)."""
     m = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     whole = torch.frombuffer(m, dtype=torch.uint8)
     skip = (-whole.data_ptr()) % HUGE_PAGE
@@ -158,10 +159,12 @@ class HostMemory:
         """Let the free scratch hold :attr:`keep` buffers of ``unit_bytes`` (the largest unit
         buffer a caller takes and gives back every step) beyond the budget it was made with, up
         to an eighth of the host's RAM.
-        Below that, the buffers a step cycles through did not fit the default budget: at 1B
-        parameters in fp32 (143 MB units) 11 of them were dropped and allocated afresh per step,
-        1.6 GB of page faults and zero fill on the cores the compute uses. Only buffers that were
-        in use at once are kept, so the peak resident memory does not grow."""
+
+        At the default budget a 1B-parameter fp32 model (143 MB units) drops 11 such buffers a
+        step and faults them in afresh (1.6 GB of page faults and zero fill on the cores the
+        compute uses). Only buffers that were in use at once are kept, so the peak resident
+        memory does not grow.
+        """
         import psutil
         cap = psutil.virtual_memory().total // 8
         with self._lock:
