@@ -146,3 +146,49 @@ def test_a_failed_read_ahead_gives_its_staging_buffers_back_to_the_pool(tmp_path
         assert not any(g.full_in_pool for g in u.groups)
     held = sum(g.full_in_pool for u in mgr.units for g in u.groups if u.state.value != "released")
     assert mgr._pool.free_count() + held == 4
+
+
+def test_a_unit_whose_read_failed_reads_again_at_its_next_gather(tmp_path):
+    """A read that fails (here a transient EIO of a read-ahead) raises at the gather that needed
+    it, and the unit goes back to released: the next iteration reads it afresh and trains on.
+    The unit stayed FETCHING with its error, so every later forward raised it again, for good."""
+    import copy
+    from stage3_models import TinyLM, batch, loss_fn
+    from zeroinf.runtime.stage3 import Stage3Options, Stage3ParameterManager
+    from zeroinf.runtime.stage3.units import UnitState
+    ref = TinyLM()
+    model = copy.deepcopy(ref)
+    mgr = Stage3ParameterManager(model, Stage3Options(
+        param_persistence_threshold=20, offload_param_device="nvme", nvme_path=str(tmp_path), buffer_count=4,
+        buffer_size=4096, max_in_cpu=0, prefetch_bucket_size=2200, max_reuse_distance=0, max_live_parameters=6000))
+    for seed in range(2):
+        x, y = batch(seed)
+        loss_fn(model(x), y).backward()
+        loss_fn(ref(x), y).backward()
+    read, failed = mgr._stage_read, []
+
+    def once(unit, st):
+        read(unit, st)
+        if not failed:
+            failed.append(unit)
+            raise OSError(5, "injected transient read error")
+    mgr._stage_read = once
+    with pytest.raises(OSError, match="injected transient read error"):
+        x, y = batch(2)
+        loss_fn(model(x), y).backward()
+    assert failed and failed[0].state is UnitState.RELEASED
+    mgr._stage_read = read
+    try:
+        mgr.drop_staged()
+    except OSError:
+        pass
+    for seed in (3, 4):
+        x, y = batch(seed)
+        loss_fn(model(x), y).backward()
+        loss_fn(ref(x), y).backward()
+    for g in mgr.groups():  # gradients of iterations 0, 1, 3 and 4 on both sides
+        for sl in g.slots:
+            want = dict(ref.named_parameters())[sl.name].grad
+            got = g.grad_shard[sl.offset:sl.offset + sl.numel].view(sl.shape)
+            assert torch.allclose(got, want, atol=1e-6, rtol=0), sl.name
+    mgr.close()

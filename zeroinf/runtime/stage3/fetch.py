@@ -201,6 +201,13 @@ class FetchMixin:
             return
         t0 = self.tracer.now()
         done = unit.future.done()
+        failed = unit.future.exception()  # waits; an interrupt here leaves the read in flight untouched
+        if failed is not None:
+            # released again, so the next gather reads afresh (a transient error then passes; a
+            # damaged swap file raises again) instead of every later gather raising this one
+            unit.future = None
+            self.release(unit)
+            raise failed
         self.transfers.stream_wait(unit.future.result())  # [Note: CUDA streams]
         unit.future = None
         t1 = self.tracer.now()
@@ -282,13 +289,19 @@ class FetchMixin:
         """Drop the unit's full buffers; parameters become empty placeholders. A no-op while a
         ``gathered_parameters`` block holds the unit (``user_holds``): a forward run inside the
         block (of the model or of a submodule: [Note: entry modules]) released what the block
-        had gathered."""
+        had gathered.
+
+        Raises:
+            OSError: the unit's tier read failed (raised after the unit is released, so its next
+                gather reads again).
+        """
         if unit.state is UnitState.RELEASED or unit.user_holds:
             return
         if unit.gather_works is not None:  # gloo/NCCL still write into g.full
             self._wait_allgather(unit, used=False)
+        failed = None
         if unit.future is not None:  # a read still writes into the buffer
-            unit.future.result()
+            failed = unit.future.exception()
             unit.future = None
         gathered = unit.state is UnitState.GATHERED
         if gathered and not self._closed and (self._ctx is not None or (self._in_backward and self.grad_sink is None)):
@@ -314,6 +327,8 @@ class FetchMixin:
         unit.state = UnitState.RELEASED
         self.scheduler.unit_released(unit)
         self.stats.add("releases")
+        if failed is not None:  # its read failed: released all the same, then its error
+            raise failed
 
     # [Note: changes in a forward] A forward may change its weights: an in-place op under
     # no_grad (a max-norm clamp_, nn.Embedding(max_norm=...)'s renorm) or ``p.data = t``. In plain
