@@ -15,14 +15,14 @@ from __future__ import annotations
 import mmap
 import threading
 import warnings
-from typing import Dict
+from typing import Dict, Tuple
 
 import torch
 
 from .pool import HUGE_PAGE, PinnedMemoryError, _available_bytes, _locked_bytes, _memlock_limit, _mlock, _munlock
 
-__all__ = ["HUGE_PAGE", "free_locked_cpu_tensor", "huge_page_bytes", "is_locked_cpu_tensor", "locked_cpu_tensor",
-           "locked_cpu_tensor_bytes"]
+__all__ = ["HUGE_PAGE", "free_locked_cpu_tensor", "huge_page_bytes", "huge_paged_bytes", "is_locked_cpu_tensor",
+           "locked_cpu_tensor", "locked_cpu_tensor_bytes"]
 
 _THP_ENABLED = "/sys/kernel/mm/transparent_hugepage/enabled"
 _THP_WARNED = False
@@ -41,6 +41,30 @@ def _thp_mode() -> str:
         return ""
     start, end = text.find("["), text.find("]")
     return text[start + 1:end] if 0 <= start < end else ""
+
+
+def _huge_page_mapping(nbytes: int, advise: bool = True) -> Tuple[mmap.mmap, torch.Tensor]:
+    """A fresh anonymous mapping and a uint8 tensor of its first ``nbytes`` bytes from a
+    :data:`HUGE_PAGE`-aligned start (contents zero); the whole huge pages among them advised
+    ``MADV_HUGEPAGE`` when ``advise``. Over-mapped by one huge page so that start exists; the
+    slack is never touched (no RSS). The tensor's storage holds the mapping, which is unmapped
+    when the last view of it is freed."""
+    m = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    whole = torch.frombuffer(m, dtype=torch.uint8)
+    skip = (-whole.data_ptr()) % HUGE_PAGE
+    huge = nbytes // HUGE_PAGE * HUGE_PAGE
+    if advise and huge and hasattr(mmap, "MADV_HUGEPAGE"):
+        m.madvise(mmap.MADV_HUGEPAGE, skip, huge)
+    return m, whole[skip:skip + nbytes]
+
+
+def huge_paged_bytes(nbytes: int) -> torch.Tensor:
+    """``nbytes`` (>= 1) bytes of fresh, unlocked memory as a 1-D uint8 CPU tensor whose start is
+    :data:`HUGE_PAGE`-aligned and whose whole huge pages are advised ``MADV_HUGEPAGE``, so with
+    the kernel's usual THP mode ("madvise") they are 2 MiB pages: O_DIRECT to and from them
+    reaches the rate of :func:`locked_cpu_tensor` buffers (bench/io_pages.py), and a first touch
+    faults once per 2 MiB. Contents are zero. Unmapped when the last view of it is freed."""
+    return _huge_page_mapping(nbytes)[1]
 
 
 def locked_cpu_tensor_bytes(num_elem: int, dtype: torch.dtype = torch.uint8, huge_pages: bool = True) -> int:
@@ -95,13 +119,8 @@ def locked_cpu_tensor(num_elem: int, dtype: torch.dtype = torch.uint8, huge_page
         _THP_WARNED = True
         warnings.warn(f"transparent huge pages are disabled ({_THP_ENABLED} is 'never'): locked buffers use "
                       "4 KiB pages, which can cap O_DIRECT device requests near 1 MiB", RuntimeWarning, stacklevel=2)
-    # Over-map by one huge page so an aligned start exists; the slack is never touched (no RSS).
-    m = mmap.mmap(-1, total + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    whole = torch.frombuffer(m, dtype=torch.uint8)  # holds a reference to the mapping
-    skip = (-whole.data_ptr()) % HUGE_PAGE
-    if huge_pages:
-        m.madvise(mmap.MADV_HUGEPAGE, skip, total)
-    addr = whole.data_ptr() + skip
+    m, whole = _huge_page_mapping(total, advise=huge_pages)
+    addr = whole.data_ptr()
     try:
         _mlock(addr, total)
     except PinnedMemoryError as exc:
@@ -111,7 +130,7 @@ def locked_cpu_tensor(num_elem: int, dtype: torch.dtype = torch.uint8, huge_page
     with _LOCKED_MU:
         _LOCKED[addr] = total
     nbytes = num_elem * torch.empty((), dtype=dtype).element_size()
-    return whole[skip:skip + nbytes].view(dtype)
+    return whole[:nbytes].view(dtype)
 
 
 def free_locked_cpu_tensor(tensor: torch.Tensor) -> bool:

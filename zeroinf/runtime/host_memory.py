@@ -20,33 +20,15 @@ Every host buffer the runtime keeps comes from it, in three kinds:
 """
 from __future__ import annotations
 
-import mmap
 import threading
 import weakref
 from typing import Optional
 
 import torch
 
+from zeroinf.io.locked import HUGE_PAGE, huge_paged_bytes
+
 __all__ = ["HostMemory"]
-
-from zeroinf.io.pool import HUGE_PAGE  # noqa: E402  (bytes; x86-64 and arm64)
-
-
-def _huge_paged(nbytes: int) -> torch.Tensor:
-    """``nbytes`` of fresh anonymous memory (uint8, contents zero) whose start is aligned to
-    :data:`HUGE_PAGE` and which is advised for transparent huge pages (``MADV_HUGEPAGE``; the
-    hosts' usual THP mode is ``madvise``). On a virtio disk O_DIRECT reads and writes of a 143 MB
-    buffer run at 2.6-3.5 and 1.9-2.7 GB/s from 4 KiB pages against 3.6-4.6 and 2.8-3.3 GB/s from
-    huge ones, with a third of the kernel time (bench/io_pages.py); a first touch faults once
-    per 2 MiB. The mapping is unmapped when the last tensor viewing it is freed (the storage
-    holds the mmap object)."""
-    m = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    whole = torch.frombuffer(m, dtype=torch.uint8)
-    skip = (-whole.data_ptr()) % HUGE_PAGE
-    huge = nbytes // HUGE_PAGE * HUGE_PAGE
-    if huge and hasattr(mmap, "MADV_HUGEPAGE"):
-        m.madvise(mmap.MADV_HUGEPAGE, skip, huge)
-    return whole[skip:skip + nbytes]
 
 
 class HostMemory:
@@ -149,16 +131,16 @@ class HostMemory:
                 return t
         nbytes = numel * dtype.itemsize
         with torch.inference_mode(False):
-            if nbytes >= HUGE_PAGE:
-                return _huge_paged(nbytes).view(dtype)
+            if nbytes >= HUGE_PAGE:  # 2 MiB pages: O_DIRECT at full rate, one fault per 2 MiB
+                return huge_paged_bytes(nbytes).view(dtype)
             raw = torch.empty(nbytes + self.ALIGN, dtype=torch.uint8)
             off = (-raw.data_ptr()) % self.ALIGN
             return raw[off:off + nbytes].view(dtype)
 
     def fit_units(self, unit_bytes: int) -> None:
-        """Let the free scratch hold :attr:`keep` buffers of ``unit_bytes`` (the largest unit
-        buffer a caller takes and gives back every step) beyond the budget it was made with, up
-        to an eighth of the host's RAM.
+        """Let the free scratch hold :attr:`keep` buffers of ``unit_bytes`` bytes (the largest
+        unit buffer a caller takes and gives back every step) beyond the budget it was made with,
+        up to an eighth of the host's RAM. Never lowers :attr:`max_free_bytes`; raises nothing.
 
         At the default budget a 1B-parameter fp32 model (143 MB units) drops 11 such buffers a
         step and faults them in afresh (1.6 GB of page faults and zero fill on the cores the
