@@ -114,9 +114,9 @@ def test_failed_read_ahead_is_raised_not_used(tmp_path):
 
 def test_a_failed_read_ahead_gives_its_staging_buffers_back_to_the_pool(tmp_path):
     """On one CPU rank a read-ahead's staging buffers become the unit's gathered buffers as the
-    unit is issued, before the read is known to have failed. The failure hands them back to the
-    pool (the unit keeps host buffers, as any failed read): the unit, stuck on its error, held
-    one pool buffer for good, and every later read-ahead and read on demand had one fewer."""
+    unit is issued, before the read is known to have failed. The gather that meets the failure
+    releases the unit, which hands them back to the pool: the unit, stuck on its error, held one
+    pool buffer for good, and every later read-ahead and read on demand had one fewer."""
     from stage3_models import TinyLM, batch, loss_fn
     from zeroinf.runtime.stage3 import Stage3Options, Stage3ParameterManager
     model = TinyLM()

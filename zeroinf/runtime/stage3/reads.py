@@ -137,11 +137,9 @@ class ReadsMixin:
         failed = staged.future.exception() if staged is not None else None
         if failed is not None:
             # the read-ahead failed: its buffers hold partial data; raise its error, never copy them
+            # (buffers the unit adopted go back to the pool when the gather or a release that
+            # meets this error releases the unit)
             self._free_staged(staged)
-            for g in unit.groups:  # adopted ones go back to the pool; the unit keeps host buffers
-                if g.full_in_pool:
-                    full, g.full = g.full, self.host.take(g.padded_numel, g.dtype, self.device)
-                    self._give_back_full(g, full)
             raise failed
         if self.transfers.side_streams and self.unit_tier(unit) != "none":
             return self._h2d_partitions(unit, staged, after)
