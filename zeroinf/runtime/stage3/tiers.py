@@ -164,13 +164,13 @@ class NvmeStore:
         return self.nbytes
 
     def read_into(self, dst: torch.Tensor) -> int:
+        if self._direct(dst):
+            return self.read_raw(dst)  # the cache is asked there
         if self.cache is not None:
             hit = self.cache.get(self.key)
             if hit is not None:
                 dst.copy_(hit)
                 return 0
-        if self._direct(dst):
-            return self.read_raw(dst)
         buf, view = self._staging()
         try:
             self.swapper.swap_in([(self.key, view)], async_op=False)
