@@ -34,6 +34,39 @@ def test_cpuadam_bf16_params_keep_fp32_master():
 
 
 
+def test_cpuadam_steady_16bit_steps_skip_the_per_parameter_preparation(monkeypatch):
+    """A 16-bit parameter left as the optimizer wrote it is stepped straight from its kept master,
+    as an fp32 one is from itself: only a first step or a changed parameter is prepared (in
+    Python, per parameter). The updates still equal torch.optim.AdamW's on fp32 copies."""
+    prepared = []
+    real = zo.CPUAdam._prepare
+    monkeypatch.setattr(zo.CPUAdam, "_prepare", lambda self, p, maximize: prepared.append(p) or real(self, p, maximize))
+    torch.manual_seed(0)
+    inits = [torch.randn(n) for n in (7, 64, 300)]
+    ps = [torch.nn.Parameter(x.to(torch.bfloat16)) for x in inits]
+    qs = [torch.nn.Parameter(x.to(torch.bfloat16).float()) for x in inits]
+    opt = zo.CPUAdam(ps, lr=1e-3, weight_decay=0.01)
+    ref = torch.optim.AdamW(qs, lr=1e-3, weight_decay=0.01, foreach=False)
+    counts = []
+    for i in range(4):
+        if i == 2:
+            with torch.no_grad():
+                ps[1].mul_(0.5)
+                qs[1].copy_(ps[1].float())
+        for p, q in zip(ps, qs):
+            g = torch.randn(p.shape).to(torch.bfloat16)
+            p.grad, q.grad = g, g.float()
+        opt.step()
+        ref.step()
+        counts.append(len(prepared))
+        prepared.clear()
+    assert counts == [3, 0, 1, 0]
+    for p, q in zip(ps, qs):
+        master = opt.state[p]["master_param"]
+        assert (master - q.detach()).abs().max().item() <= TOL
+        assert torch.equal(p.detach().view(torch.int16), master.to(torch.bfloat16).view(torch.int16))
+
+
 @pytest.mark.parametrize("change", ["load_state_dict", "init", "no_grad", "replace_data"])
 def test_cpuadam_16bit_params_changed_between_steps_are_stepped_from_the_new_value(change):
     """The fp32 master was never re-read, so the next step undid a change made to a bf16 parameter

@@ -5,7 +5,6 @@ import math
 from typing import Any, Callable, Dict, Iterable, Optional, Tuple
 
 import torch
-from torch.utils.weak import WeakIdKeyDictionary
 
 from .functional import AdamHyper, adam_step_groups, load_adam_op, step_counted
 
@@ -84,8 +83,10 @@ class CPUAdam(torch.optim.Optimizer):
                         decoupled_weight_decay=adamw_mode, foreach=None, capturable=False,
                         differentiable=False, fused=None)
         super().__init__(params, defaults)
-        # 16-bit parameters: (version, data_ptr) right after this optimizer last wrote them
-        self._written: "WeakIdKeyDictionary[torch.Tensor, Tuple[int, int]]" = WeakIdKeyDictionary()
+        # 16-bit parameters: (version, data_ptr) right after this optimizer last wrote them. Keyed
+        # by the parameter itself, as torch's ``self.state`` is (identity lookup, a strong
+        # reference the param groups hold anyway), which a step reads once per parameter.
+        self._written: Dict[torch.Tensor, Tuple[int, int]] = {}
         load_adam_op()  # the first-use build happens here, not in the first step
 
     def add_param_group(self, param_group: Dict[str, Any]) -> None:
@@ -125,7 +126,7 @@ class CPUAdam(torch.optim.Optimizer):
 
     def __setstate__(self, state: Dict[str, Any]) -> None:
         super().__setstate__(state)
-        self.__dict__.setdefault("_written", WeakIdKeyDictionary())
+        self.__dict__.setdefault("_written", {})
         for group in self.param_groups:
             # A state dict from torch.optim.AdamW/Adam has no adamw_mode: take its decoupled flag.
             group.setdefault("adamw_mode", group.get("decoupled_weight_decay", True))
@@ -214,7 +215,7 @@ class CPUAdam(torch.optim.Optimizer):
         bufs = {k: [] for k in keys}
         step_tensors, group_of, groups, low, new = [], [], [], [], []
         masters, grads, exp_avgs, exp_avg_sqs, outs = bufs.values()
-        states, f32 = self.state, torch.float32
+        states, written, f32 = self.state, self._written, torch.float32
         # One pass checks and gathers: every check comes before anything changes (a parameter
         # whose state needs making or mending is left to _prepare, after the pass).
         for gi, group in enumerate(self.param_groups):
@@ -233,18 +234,26 @@ class CPUAdam(torch.optim.Optimizer):
                 state = states.get(p)
                 step = state.get("step") if state else None
                 group_of.append(gi)
-                # the common case, an fp32 parameter with torch's state: the parameter is the master
-                if p.dtype is f32 and not maximize and type(step) is torch.Tensor and step.dtype is f32:
-                    step_tensors.append(step)
-                    masters.append(p)
-                    grads.append(grad)
-                    exp_avgs.append(state["exp_avg"])
-                    exp_avg_sqs.append(state["exp_avg_sq"])
-                    outs.append(None)
-                else:
-                    new.append((len(masters), p, maximize))
-                    for row in (step_tensors, masters, grads, exp_avgs, exp_avg_sqs, outs):
-                        row.append(None)
+                # the common cases: an fp32 parameter with torch's state (the parameter is the
+                # master), and a 16-bit one left as this optimizer wrote it (its master is whole)
+                if not maximize and type(step) is torch.Tensor and step.dtype is f32:
+                    if p.dtype is f32:
+                        master, out = p, None
+                    elif written.get(p) == (p._version, p.data_ptr()):
+                        master, out = state.get("master_param"), p
+                    else:
+                        master = None
+                    if master is not None:
+                        step_tensors.append(step)
+                        masters.append(master)
+                        grads.append(grad)
+                        exp_avgs.append(state["exp_avg"])
+                        exp_avg_sqs.append(state["exp_avg_sq"])
+                        outs.append(out)
+                        continue
+                new.append((len(masters), p, maximize))
+                for row in (step_tensors, masters, grads, exp_avgs, exp_avg_sqs, outs):
+                    row.append(None)
         for i, p, maximize in new:
             masters[i], outs[i], grads[i], state = self._prepare(p, maximize)
             step_tensors[i], exp_avgs[i], exp_avg_sqs[i] = state["step"], state["exp_avg"], state["exp_avg_sq"]
