@@ -45,8 +45,17 @@ fallback (no AVX-512), where a bf16 step of 1B parameters takes over ten minutes
   floor, so the rounds other jobs slowed are dropped) and scaled: t(0) + L * (t(k) - t(0)) / k
   for L blocks;
 * ``ratio`` = step_s / max(io_floor_s, compute_floor_s);
+* with ``--paired-floor``, the floor is timed after every timed step instead (one
+  ``--floor-repeat`` set of rounds each, the model's resident blocks built for it and freed after),
+  each step first synchronized (``engine.synchronize()``: its optimizer work ends inside its own
+  window, so a step's time holds all of its work and none of the next one's), and: ``step_s``,
+  ``cpu_s`` and the bytes count the steps' windows only; ``compute_floor_s`` is the median of the
+  per-step floors and ``ratio`` the median of the per-step ratios (``per_step_compute_floor_s``,
+  ``per_step_ratio``), so a step and its floor share the machine's state: on a shared VM the
+  floor timed once after the steps moved 10-15 s at 1B between runs of the same build;
 * ``peak_rss_bytes``: the process's peak resident set (``ru_maxrss``) read right after the steps,
-  before the resident blocks are timed.
+  before the resident blocks are timed (``--paired-floor``: the peak ``VmHWM`` of the build and
+  warm-up and of each timed step, reset after each floor's blocks are freed).
 
 Also printed per timed step, to show where the time goes: the engine's backward, optimizer
 (Adam compute, I/O wait) and stage-3 gather-wait and I/O-busy seconds, and the last step's
@@ -218,11 +227,13 @@ def train(args, blocks: int, width: int, nvme: str) -> dict:
     build_s = time.perf_counter() - t0
     print(f"built under zeroinf.Init and initialized in {build_s:.1f} s", flush=True)
     x = torch.randint(0, VOCAB, (args.micro_batch, args.seq), generator=torch.Generator().manual_seed(1))
-    per_step, losses = [], []
+    per_step, losses, paired = [], [], []
+    window = {"s": 0.0, "cpu": 0.0, "read": 0, "write": 0}  # --paired-floor: the steps' own time
     try:
         for i in range(args.steps):
             if i == 1:  # the warm-up's optimizer step runs behind this forward, as every step's does
                 io0, t_start, cpu0 = proc_io(), time.perf_counter(), os.times()
+            io_a, cpu_a = proc_io(), os.times()
             t1 = time.perf_counter()
             logits = engine(x)
             loss = F.cross_entropy(logits.flatten(0, 1).float(), x.flatten())
@@ -242,11 +253,28 @@ def train(args, blocks: int, width: int, nvme: str) -> dict:
                 "gather_wait_s": s3["wait_io_s"], "param_io_busy_s": s3["io_busy_s"],
                 "backward_s": st["backward_s"], "optimizer_s": st["optimizer_s"], "adam_s": st["adam_s"],
                 "optimizer_io_wait_s": st["io_wait_s"], "pinned_bytes": st["pinned_bytes"]})
+            if args.paired_floor:
+                engine.synchronize()  # this step's optimizer work ends inside its own window
+                t5, io_b, cpu_b = time.perf_counter(), proc_io(), os.times()
+                per_step[-1]["synchronize_s"] = t5 - t4
+                if i == 0:
+                    first_peak = vm_hwm()
+                    reset_vm_hwm()
+                else:
+                    window["s"] += t5 - t1
+                    window["cpu"] += cpu_b.user + cpu_b.system - cpu_a.user - cpu_a.system
+                    window["read"] += io_b[0] - io_a[0]
+                    window["write"] += io_b[1] - io_a[1]
+                    paired.append({"step_s": t5 - t1, "peak_rss": vm_hwm(),
+                                   "block_times": block_times(args, blocks, width)})
+                    reset_vm_hwm()  # the resident blocks are freed: their pages count in no step
             print(f"step {i}{' (warm-up)' if i == 0 else ''}: {t4 - t1:.2f} s, loss {losses[-1]:.4f}", flush=True)
         t_end, io1, cpu1 = time.perf_counter(), proc_io(), os.times()
         engine.synchronize()  # the last step's optimizer step, which no next forward hides
         drain_s = time.perf_counter() - t_end
         peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
+        if paired:  # the build and warm-up's peak (ru_maxrss is not reset), then each timed step's
+            peak_rss = max([first_peak] + [p["peak_rss"] for p in paired])
         trace = args.trace or os.path.join(nvme, "trace.json")
         engine.trace(trace)
         trace_s = trace_summary(trace)
@@ -255,14 +283,17 @@ def train(args, blocks: int, width: int, nvme: str) -> dict:
         # time in this process before an engine was opened or after it closed as while one was
         # open, and as with OMP_WAIT_POLICY=PASSIVE (OpenMP workers spin-waiting for a
         # descheduled peer, unless an open engine's threads make them sleep instead)
-        times = block_times(args, blocks, width)
+        times = None if paired else block_times(args, blocks, width)
     finally:
         engine.close()
     timed = args.steps - 1
     cpu_s = (cpu1.user + cpu1.system - cpu0.user - cpu0.system) / timed
+    if paired:  # the steps' own windows, without the resident blocks timed between them
+        t_end, t_start, cpu_s = window["s"], 0.0, window["cpu"] / timed
+        io0, io1 = (0, 0), (window["read"], window["write"])
     return {"build_s": build_s, "step_s": (t_end - t_start) / timed, "cpu_s": cpu_s, "drain_s": drain_s,
             "peak_rss": peak_rss,
-            "block_times": times, "losses": losses, "per_step": per_step, "trace_s": trace_s,
+            "block_times": times, "paired": paired, "losses": losses, "per_step": per_step, "trace_s": trace_s,
             "read_bytes": statistics.mean(s["read_bytes"] for s in per_step[1:]),
             "write_bytes": statistics.mean(s["write_bytes"] for s in per_step[1:]),
             "proc_read_bytes": (io1[0] - io0[0]) / timed, "proc_write_bytes": (io1[1] - io0[1]) / timed}
@@ -284,6 +315,22 @@ def trace_summary(path: str) -> dict:
         key = f"{threads.get(e['tid'], e['tid'])} {kind}"
         out[key] = out.get(key, 0.0) + e["dur"] / 1e6  # microseconds
     return out
+
+
+def vm_hwm() -> int:
+    """The process's peak resident set since start or the last :func:`reset_vm_hwm`, bytes
+    (``VmHWM`` of /proc/self/status)."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024  # kB
+    raise RuntimeError("/proc/self/status has no VmHWM line")
+
+
+def reset_vm_hwm() -> None:
+    """Set ``VmHWM`` to the current resident set (writing 5 to /proc/self/clear_refs)."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
 
 
 def block_times(args, blocks: int, width: int) -> dict:
@@ -339,6 +386,9 @@ def main() -> int:
     p.add_argument("--floor-blocks", type=int, default=2, help="resident blocks timed for the compute floor")
     p.add_argument("--floor-repeat", type=int, default=3,
                    help="timed rounds of the compute floor (fastest kept; default 3)")
+    p.add_argument("--paired-floor", action="store_true",
+                   help="time the compute floor after every timed step (each step synchronized first) "
+                        "and report the median of the per-step ratios")
     p.add_argument("--trace", metavar="FILE", default=None, help="keep the last step's Perfetto trace in FILE")
     args = p.parse_args()
     if args.steps < 2:
@@ -366,13 +416,23 @@ def main() -> int:
     finally:
         shutil.rmtree(nvme, ignore_errors=True)
     peak_rss = run["peak_rss"]
-    floor_c = compute_floor(run["block_times"], blocks)
-    (_, t0), (k, tk) = sorted(run["block_times"].items())
     write_gbps, read_gbps = (max(b[i] for b in bandwidths) for i in (0, 1))
     # reads and writes share the device, so their times add (see the module docstring)
     io_floor = run["read_bytes"] / (read_gbps * 1e9) + run["write_bytes"] / (write_gbps * 1e9)
+    if run["paired"]:  # each step against the floor timed right after it; the medians reported
+        floors = [compute_floor(p["block_times"], blocks) for p in run["paired"]]
+        ratios = [p["step_s"] / max(io_floor, f) for p, f in zip(run["paired"], floors)]
+        floor_c, ratio = statistics.median(floors), statistics.median(ratios)
+        k = max(run["paired"][0]["block_times"])
+        t0, tk = (statistics.median(p["block_times"][n] for p in run["paired"]) for n in (0, k))
+    else:
+        floor_c = compute_floor(run["block_times"], blocks)
+        (_, t0), (k, tk) = sorted(run["block_times"].items())
+        floors, ratios, ratio = [floor_c], [], run["step_s"] / max(io_floor, floor_c)
     out = {"step_s": run["step_s"], "cpu_s": run["cpu_s"], "io_floor_s": io_floor, "compute_floor_s": floor_c,
-           "ratio": run["step_s"] / max(io_floor, floor_c),
+           "ratio": ratio, "paired_floor": bool(run["paired"]),
+           "per_step_compute_floor_s": floors if run["paired"] else [], "per_step_ratio": ratios,
+           "per_step_s": [p["step_s"] for p in run["paired"]],
            "read_bytes": run["read_bytes"], "write_bytes": run["write_bytes"],
            "disk_gbps": (run["read_bytes"] + run["write_bytes"]) / io_floor / 1e9,
            "peak_rss_bytes": peak_rss,
@@ -399,7 +459,10 @@ def main() -> int:
           + ", ".join(f"{w:.2f}/{r:.2f}" for w, r in bandwidths) + ")")
     print(f"{'compute floor':<16} {floor_c:9.3f} {'':>8} {'':>8}  resident {args.dtype}: 0 blocks {t0:.3f} s, "
           f"{k} blocks {tk:.3f} s, scaled to {blocks}")
-    print(f"ratio {out['ratio']:.2f} (step / max(floors)); peak RSS {peak_rss / 2**30:.2f} GiB; "
+    if run["paired"]:
+        print("paired, per timed step: step s / compute floor s / ratio: " + ", ".join(
+            f"{p['step_s']:.2f} / {f:.2f} / {r:.2f}" for p, f, r in zip(run["paired"], floors, ratios)))
+    print(f"ratio {out['ratio']:.2f} ({'median of the per-step ' if run['paired'] else ''}step / max(floors)); peak RSS {peak_rss / 2**30:.2f} GiB; "
           f"build {run['build_s']:.1f} s; losses {', '.join(f'{v:.4f}' for v in run['losses'])}")
     print("per step: forward / backward / step() call s | gather wait, param I/O busy | optimizer, Adam, "
           "optimizer I/O wait s (the previous step's, overlapped)")

@@ -76,3 +76,30 @@ def test_scale_json_tiny(tmp_path, state_dtype):
     assert len(d["losses"]) == 2 and all(math.isfinite(v) for v in d["losses"])
     assert not any((tmp_path / "nvme").iterdir())  # the swap folder is removed
     assert "ratio" in proc.stdout and "io floor" in proc.stdout
+
+
+def test_scale_paired_floor_tiny(tmp_path):
+    """--paired-floor: a floor timed after each timed step; step, floor and ratio medians agree
+    with the per-step lists, and the step time is the steps' own windows."""
+    out = tmp_path / "scale.json"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "scale.py"), "--params", "5M", "--steps", "4",
+                           "--seq", "32", "--disk-bytes", "32MiB", "--floor-repeat", "1", "--paired-floor",
+                           "--nvme-path", str(tmp_path / "nvme"), "--json", str(out)],
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    d = json.loads(out.read_text())
+    assert d["paired_floor"] is True
+    steps, floors, ratios = d["per_step_s"], d["per_step_compute_floor_s"], d["per_step_ratio"]
+    assert len(steps) == len(floors) == len(ratios) == 3
+    assert all(f > 0 for f in floors)
+    for s, f, r in zip(steps, floors, ratios):
+        assert r == pytest.approx(s / max(d["io_floor_s"], f), rel=1e-9)
+    assert d["ratio"] == pytest.approx(sorted(ratios)[1], rel=1e-9)
+    assert d["compute_floor_s"] == pytest.approx(sorted(floors)[1], rel=1e-9)
+    assert d["step_s"] == pytest.approx(sum(steps) / 3, rel=1e-9)
+    # each step's window holds its own optimizer work: the forward, backward, step() and the wait
+    for s, p in zip(steps, d["per_step"][1:]):
+        assert s >= p["forward_s"] + p["backward_call_s"] + p["step_call_s"] + p["synchronize_s"] - 1e-6
+    assert 0 < d["peak_rss_bytes"] < 4 << 30
+    assert "paired, per timed step" in proc.stdout
