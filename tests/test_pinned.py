@@ -210,3 +210,43 @@ def test_pool_replace_leaves_the_old_buffer_to_its_reader_and_frees_a_new_one():
         p.release(got[0])
         with pytest.raises(ValueError, match="is free"):
             p.replace(got[0])
+
+
+def test_pool_acquire_leaving_takes_all_or_nothing_and_keeps_the_margin():
+    from zeroinf.io.pool import PinnedBufferPool
+    with PinnedBufferPool(5, 4096) as p:
+        assert p.acquire_leaving(4, keep_free=2) is None and p.free_count() == 5  # nothing taken
+        two = p.acquire_leaving(2, keep_free=3)
+        assert len(two) == 2 and p.free_count() == 3
+        assert len({b.data_ptr() for b in two}) == 2
+        assert p.acquire_leaving(1, keep_free=3) is None and p.free_count() == 3
+        for b in two:
+            p.release(b)
+        with pytest.raises(ValueError, match="count"):
+            p.acquire_leaving(0, keep_free=0)
+
+
+def test_pool_acquire_leaving_keeps_the_margin_between_threads():
+    """Two threads taking buffers under margins (the read-ahead and the optimizer's staged
+    write-backs) never leave fewer free buffers than the larger margin asked."""
+    import threading
+    from zeroinf.io.pool import PinnedBufferPool
+    with PinnedBufferPool(8, 4096) as p:
+        lowest, stop = [8], threading.Event()
+        lock = threading.Lock()
+
+        def worker(count, keep):
+            for _ in range(3000):
+                got = p.acquire_leaving(count, keep_free=keep)
+                if got is not None:
+                    with lock:
+                        lowest[0] = min(lowest[0], p.free_count())
+                    for b in got:
+                        p.release(b)
+        threads = [threading.Thread(target=worker, args=(3, 2)), threading.Thread(target=worker, args=(1, 3)),
+                   threading.Thread(target=worker, args=(2, 2))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert lowest[0] >= 2 and p.free_count() == 8

@@ -227,6 +227,21 @@ class PinnedBufferPool:
                                          "are in use; release one first or enlarge buffer_count")
             return self._buffers[self._free.pop()]
 
+    def acquire_leaving(self, count: int, keep_free: int) -> Optional[List[torch.Tensor]]:
+        """Take ``count`` free buffers only if ``keep_free`` stay free after, in one step under the
+        pool's lock (a check of :meth:`free_count` followed by :meth:`acquire` calls lets another
+        thread take buffers in between); None, taking nothing, otherwise.
+
+        Raises:
+            ValueError: ``count`` < 1 or ``keep_free`` < 0.
+        """
+        if count < 1 or keep_free < 0:
+            raise ValueError(f"acquire_leaving(): count must be >= 1 and keep_free >= 0, got {count}, {keep_free}")
+        with self._lock:
+            if len(self._free) - count < keep_free:
+                return None
+            return [self._buffers[self._free.pop()] for _ in range(count)]
+
     def release(self, buffer: torch.Tensor) -> None:
         """Return a buffer obtained from :meth:`acquire` (or a view starting at its first byte).
 

@@ -109,10 +109,9 @@ class FetchMixin:
         if (self.unit_tier(unit) != "nvme" or unit.state is not UnitState.RELEASED or unit.index in self._staged
                 or not unit.groups or self.step_gate.pending(g.key for g in unit.groups)):
             return False
-        reserve = max(len(u.groups) for u in self.units)
-        if self._pool.free_count() - len(unit.groups) < reserve:
+        bufs = self._pool.acquire_leaving(len(unit.groups), keep_free=max(len(u.groups) for u in self.units))
+        if bufs is None:
             return False
-        bufs = [self._pool.acquire() for _ in unit.groups]
         views = [b.view(torch.uint8)[: g.store.nbytes].view(g.dtype) for b, g in zip(bufs, unit.groups)]
         st = _Staged(bufs, views)
         st.future = self._io.submit(self._stage_read, unit, st)

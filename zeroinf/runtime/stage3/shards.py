@@ -80,12 +80,15 @@ class ShardsMixin:
         The background optimizer step stores its partitions through this."""
         unit = g.unit
         reserve = max(len(u.groups) for u in self.units)
-        if (self.unit_tier(unit) != "nvme" or len(unit.groups) != 1 or unit.index in self._staged
-                or unit.state is not UnitState.RELEASED or self._pool.free_count() < reserve + 2):
+        bufs = None
+        if (self.unit_tier(unit) == "nvme" and len(unit.groups) == 1 and unit.index not in self._staged
+                and unit.state is UnitState.RELEASED):
+            bufs = self._pool.acquire_leaving(1, keep_free=reserve + 1)
+        if bufs is None:
             self.write_param_shard(g, src)
             return
         t0 = self.tracer.now()
-        buf = self._pool.acquire()
+        buf = bufs[0]
         try:
             view = buf.view(torch.uint8)[: g.store.nbytes].view(g.dtype)
             view.copy_(src)
