@@ -428,10 +428,10 @@ def main() -> int:
     else:
         floor_c = compute_floor(run["block_times"], blocks)
         (_, t0), (k, tk) = sorted(run["block_times"].items())
-        floors, ratios, ratio = [floor_c], [], run["step_s"] / max(io_floor, floor_c)
+        floors, ratios, ratio = [], [], run["step_s"] / max(io_floor, floor_c)
     out = {"step_s": run["step_s"], "cpu_s": run["cpu_s"], "io_floor_s": io_floor, "compute_floor_s": floor_c,
            "ratio": ratio, "paired_floor": bool(run["paired"]),
-           "per_step_compute_floor_s": floors if run["paired"] else [], "per_step_ratio": ratios,
+           "per_step_compute_floor_s": floors, "per_step_ratio": ratios,
            "per_step_s": [p["step_s"] for p in run["paired"]],
            "read_bytes": run["read_bytes"], "write_bytes": run["write_bytes"],
            "disk_gbps": (run["read_bytes"] + run["write_bytes"]) / io_floor / 1e9,
