@@ -205,3 +205,51 @@ def test_cpuadam_refuses_16bit_parameters_over_the_same_memory(dtype):
     with pytest.raises(ValueError, match="same memory"):
         opt.add_param_group({"params": [torch.nn.Parameter(wide[2:4])]})
     assert len(opt.param_groups) == 1  # the refused group is not kept
+
+
+def test_cpuadam_a_strided_16bit_parameter_stays_on_the_steady_path(monkeypatch):
+    """A transposed bf16 parameter is stepped by the general (torch-op) path, whose write bumps
+    its version: the record of the write is refreshed, so the next steps are not prepared again."""
+    prepared = []
+    real = zo.CPUAdam._prepare
+    monkeypatch.setattr(zo.CPUAdam, "_prepare", lambda self, p, maximize: prepared.append(p) or real(self, p, maximize))
+    torch.manual_seed(1)
+    init = torch.randn(12, 20)
+    p = torch.nn.Parameter(init.to(torch.bfloat16).t())
+    q = torch.nn.Parameter(init.to(torch.bfloat16).float().t())
+    assert not p.is_contiguous()
+    opt = zo.CPUAdam([p], lr=1e-3, weight_decay=0.0)
+    ref = torch.optim.AdamW([q], lr=1e-3, weight_decay=0.0, foreach=False)
+    counts = []
+    for _ in range(4):
+        g = torch.randn(p.shape).to(torch.bfloat16)
+        p.grad, q.grad = g, g.float()
+        opt.step()
+        ref.step()
+        counts.append(len(prepared))
+        prepared.clear()
+    assert counts == [1, 0, 0, 0]
+    master = opt.state[p]["master_param"]
+    assert (master - q.detach()).abs().max().item() <= TOL
+    assert torch.equal(p.detach().contiguous().view(torch.int16), master.to(torch.bfloat16).view(torch.int16))
+
+
+def test_cpuadam_keeps_no_removed_16bit_parameter_alive():
+    """The optimizer's record of its 16-bit writes holds no parameter: once a parameter leaves
+    the param groups and the state, it is freed, and its entry with it."""
+    import gc
+    import weakref
+    model = torch.nn.ModuleList([torch.nn.Linear(50, 50).to(torch.bfloat16) for _ in range(3)])
+    opt = zo.CPUAdam(model.parameters(), lr=1e-3)
+    for p in model.parameters():
+        p.grad = torch.randn_like(p)
+    opt.step()
+    refs = [weakref.ref(p) for p in model.parameters()]
+    assert len(opt._written) == 6
+    opt.param_groups.clear()
+    opt.state.clear()
+    opt.add_param_group({"params": list(torch.nn.Linear(4, 4).to(torch.bfloat16).parameters())})
+    del model, p
+    gc.collect()
+    assert [r() for r in refs] == [None] * 6
+    assert len(opt._written) == 0

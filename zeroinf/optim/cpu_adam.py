@@ -1,7 +1,9 @@
 """``CPUAdam``: a ``torch.optim.Optimizer`` drop-in for ``torch.optim.AdamW`` on CPU parameters."""
 from __future__ import annotations
 
+import functools
 import math
+import weakref
 from typing import Any, Callable, Dict, Iterable, Optional, Tuple
 
 import torch
@@ -39,9 +41,12 @@ class CPUAdam(torch.optim.Optimizer):
     to such a parameter between steps (``model.load_state_dict``, ``torch.nn.init``, an in-place
     op under ``torch.no_grad()``, ``p.data = t``) is seen through the parameter's version counter
     and pointer: the master's elements that no longer round to the parameter's value take it, as
-    ``torch.optim.AdamW`` would step them; the others keep their fp32 bits. An
-    in-place op on ``p.data`` (``p.data.clamp_(...)``) bumps no version counter and is not seen:
-    make it on ``p`` under ``torch.no_grad()``, or on ``state["master_param"]`` too.
+    ``torch.optim.AdamW`` would step them; the others keep their fp32 bits. A change made
+    through another tensor over the parameter's memory bumps no version counter of the parameter
+    and is not seen: an in-place op on ``p.data`` (``p.data.clamp_(...)``), a write through a numpy
+    view, or ``p.data = buf`` with the very buffer the parameter held at the last step, written
+    meanwhile. Make such changes on ``p`` under ``torch.no_grad()``, or on
+    ``state["master_param"]`` too.
 
     Parameters on an accelerator are not supported: ``step`` raises ``ValueError`` naming the
     parameter. Use ``torch.optim.AdamW(fused=True)`` for them, or keep the parameters on CPU
@@ -83,10 +88,12 @@ class CPUAdam(torch.optim.Optimizer):
                         decoupled_weight_decay=adamw_mode, foreach=None, capturable=False,
                         differentiable=False, fused=None)
         super().__init__(params, defaults)
-        # 16-bit parameters: (version, data_ptr) right after this optimizer last wrote them. Keyed
-        # by the parameter itself, as torch's ``self.state`` is (identity lookup, a strong
-        # reference the param groups hold anyway), which a step reads once per parameter.
-        self._written: Dict[torch.Tensor, Tuple[int, int]] = {}
+        # 16-bit parameters: id(p) -> (weak reference to p, p._version, p.data_ptr()) right after
+        # this optimizer last wrote p. Keyed by id with the reference checked, not by the tensor
+        # (torch's Tensor.__hash__ is Python code, and a weak-keyed map pays it twice per
+        # parameter and step); the reference holds nothing, and its callback drops the entry
+        # when p is freed.
+        self._written: Dict[int, Tuple[weakref.ref, int, int]] = {}
         load_adam_op()  # the first-use build happens here, not in the first step
 
     def add_param_group(self, param_group: Dict[str, Any]) -> None:
@@ -187,7 +194,7 @@ class CPUAdam(torch.optim.Optimizer):
                     self.state[p][k] = v.detach().to(device="cpu", dtype=torch.float32, copy=True).contiguous()
             # the loaded master may not be this parameter's value (weights loaded from elsewhere,
             # before or after): the next step compares them
-            self._written.pop(p, None)
+            self._written.pop(id(p), None)
 
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], Any]] = None):
@@ -213,7 +220,7 @@ class CPUAdam(torch.optim.Optimizer):
         """Step every parameter with a gradient, all param groups in one op call where possible."""
         keys = ("params", "grads", "exp_avgs", "exp_avg_sqs", "params_outs")
         bufs = {k: [] for k in keys}
-        step_tensors, group_of, groups, low, new = [], [], [], [], []
+        step_tensors, group_of, groups, low, kept, new = [], [], [], [], [], []
         masters, grads, exp_avgs, exp_avg_sqs, outs = bufs.values()
         states, written, f32 = self.state, self._written, torch.float32
         # One pass checks and gathers: every check comes before anything changes (a parameter
@@ -239,8 +246,9 @@ class CPUAdam(torch.optim.Optimizer):
                 if not maximize and type(step) is torch.Tensor and step.dtype is f32:
                     if p.dtype is f32:
                         master, out = p, None
-                    elif written.get(p) == (p._version, p.data_ptr()):
+                    elif _unchanged(written.get(id(p)), p):
                         master, out = state.get("master_param"), p
+                        kept.append(p)
                     else:
                         master = None
                     if master is not None:
@@ -269,8 +277,10 @@ class CPUAdam(torch.optim.Optimizer):
         if not stepped:
             self._check_counts(step_tensors)
             self._step_strided(keys, bufs, step_tensors, group_of, groups)
-        for p in low:
-            self._written[p] = (p._version, p.data_ptr())
+        # the op writes through pointers, so the version of a parameter whose record was current
+        # stays so; the general step writes with torch ops, which bump it
+        for p in low if stepped else low + kept:
+            _record(written, p)
 
     @staticmethod
     def _step_strided(keys, bufs, step_tensors, group_of, groups) -> None:
@@ -340,7 +350,7 @@ class CPUAdam(torch.optim.Optimizer):
             state["step"] = torch.tensor(float(state["step"]), dtype=torch.float32)
         if p.dtype != torch.float32 and "master_param" not in state:
             state["master_param"] = p.detach().to(torch.float32, copy=True).contiguous()
-        elif p.dtype != torch.float32 and self._written.get(p) != (p._version, p.data_ptr()):
+        elif p.dtype != torch.float32 and not _unchanged(self._written.get(id(p)), p):
             # changed since this optimizer wrote it, or never written by it (a loaded master): step
             # from the parameter's value (the master kept exact when it is only the master rounded,
             # e.g. a checkpoint's weights loaded beside its masters)
@@ -355,6 +365,26 @@ class CPUAdam(torch.optim.Optimizer):
         if p.dtype == torch.float32:
             return p.detach(), None, grad, state
         return state["master_param"], p.detach(), grad, state
+
+
+def _unchanged(record: Optional[Tuple[weakref.ref, int, int]], p: torch.Tensor) -> bool:
+    """Whether ``record`` (an entry of ``CPUAdam._written``) is ``p``'s and ``p`` has the version
+    and data pointer it had when the optimizer last wrote it."""
+    return record is not None and record[1] == p._version and record[2] == p.data_ptr() and record[0]() is p
+
+
+def _record(written: Dict[int, Tuple[weakref.ref, int, int]], p: torch.Tensor) -> None:
+    """Note in ``written`` that the optimizer has just written ``p``."""
+    key, old = id(p), written.get(id(p))
+    ref = old[0] if old is not None and old[0]() is p else weakref.ref(p, functools.partial(_forget, written, key))
+    written[key] = (ref, p._version, p.data_ptr())
+
+
+def _forget(written: Dict[int, Tuple[weakref.ref, int, int]], key: int, ref: weakref.ref) -> None:
+    """Weak-reference callback: drop a freed parameter's entry (unless its id has a new one)."""
+    entry = written.get(key)
+    if entry is not None and entry[0] is ref:
+        del written[key]
 
 
 def _shared_16bit_memory(named) -> Optional[Tuple[str, str, torch.dtype]]:
