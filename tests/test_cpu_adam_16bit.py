@@ -14,7 +14,7 @@ def test_cpuadam_bf16_params_keep_fp32_master():
     p = torch.nn.Parameter(init.to(torch.bfloat16))
     opt = zo.CPUAdam([p], lr=1e-3)
     q = torch.nn.Parameter(init.to(torch.bfloat16).float())
-    ref = torch.optim.AdamW([q], lr=1e-3, weight_decay=0.0, foreach=False)
+    ref = torch.optim.AdamW([q], lr=1e-3, foreach=False)  # both at their default weight decay
     for _ in range(20):
         g = torch.randn(n).to(torch.bfloat16)
         p.grad, q.grad = g.clone(), g.float()

@@ -125,7 +125,7 @@ def test_cpuadam_closure_zero_grad_and_noncontiguous_param():
     w_ref = torch.nn.Parameter(w.detach().clone())
     x = torch.randn(5, 6)
     opt = zo.CPUAdam([w], lr=1e-2)
-    ref = torch.optim.AdamW([w_ref], lr=1e-2, weight_decay=0.0, foreach=False)
+    ref = torch.optim.AdamW([w_ref], lr=1e-2, foreach=False)  # both at their default weight decay
     for _ in range(3):
         for o, param in ((opt, w), (ref, w_ref)):
             def closure(param=param, o=o):
@@ -231,3 +231,21 @@ def test_per_group_adam_or_adamw_and_duplicate_parameters():
         zo.CPUAdam([w[0], w[1], w[0]])
     with pytest.raises(ValueError, match="more than one parameter group"):  # torch's own check
         zo.CPUAdam([{"params": [w[0]]}, {"params": [w[0]]}])
+
+
+def test_cpuadam_defaults_are_torch_adamw_s():
+    """A drop-in for torch.optim.AdamW with no other change: the same defaults (weight decay
+    1e-2, not DeepSpeedCPUAdam's 0), so `CPUAdam(params, lr=...)` steps as `AdamW(params, lr=...)`."""
+    import inspect
+    ours, torch_s = (inspect.signature(c).parameters for c in (zo.CPUAdam, torch.optim.AdamW))
+    for name in ("lr", "betas", "eps", "weight_decay", "amsgrad", "maximize"):
+        assert ours[name].default == torch_s[name].default, name
+    a = torch.nn.Parameter(torch.randn(33) * 3)
+    b = torch.nn.Parameter(a.detach().clone())
+    opt, ref = zo.CPUAdam([a], lr=1e-2), torch.optim.AdamW([b], lr=1e-2, foreach=False)
+    for _ in range(5):
+        g = torch.randn(33)
+        a.grad, b.grad = g.clone(), g.clone()
+        opt.step()
+        ref.step()
+    assert (a - b).abs().max().item() <= 1e-6

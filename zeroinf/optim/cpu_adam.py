@@ -57,7 +57,8 @@ class CPUAdam(torch.optim.Optimizer):
         lr: learning rate (float, or a 0-dim tensor read with ``float()`` at every step).
         betas: ``(beta1, beta2)``, each in [0, 1).
         eps: added to the denominator, > 0 usually; must be >= 0.
-        weight_decay: decoupled (``adamw_mode=True``) or L2 (``False``) weight decay, >= 0.
+        weight_decay: decoupled (``adamw_mode=True``) or L2 (``False``) weight decay, >= 0;
+            default 1e-2, ``torch.optim.AdamW``'s (DeepSpeedCPUAdam's default is 0).
         amsgrad: must be False; AMSGrad is not implemented (raises ``ValueError``).
         maximize: maximize the objective (the gradient is negated), as in torch.
         foreach, fused: accepted for ``torch.optim.AdamW``'s signature and ignored (the step is
@@ -75,7 +76,7 @@ class CPUAdam(torch.optim.Optimizer):
     """
 
     def __init__(self, params: Iterable, lr: float = 1e-3, betas: Tuple[float, float] = (0.9, 0.999),
-                 eps: float = 1e-8, weight_decay: float = 0.0, amsgrad: bool = False, *, maximize: bool = False,
+                 eps: float = 1e-8, weight_decay: float = 1e-2, amsgrad: bool = False, *, maximize: bool = False,
                  foreach: Optional[bool] = None, capturable: bool = False, differentiable: bool = False,
                  fused: Optional[bool] = None, adamw_mode: bool = True, bias_correction: bool = True):
         if capturable or differentiable:
