@@ -376,7 +376,8 @@ def _unchanged(record: Optional[Tuple[weakref.ref, int, int]], p: torch.Tensor) 
 
 def _record(written: Dict[int, Tuple[weakref.ref, int, int]], p: torch.Tensor) -> None:
     """Note in ``written`` that the optimizer has just written ``p``."""
-    key, old = id(p), written.get(id(p))
+    key = id(p)
+    old = written.get(key)
     ref = old[0] if old is not None and old[0]() is p else weakref.ref(p, functools.partial(_forget, written, key))
     written[key] = (ref, p._version, p.data_ptr())
 
