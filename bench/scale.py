@@ -287,11 +287,13 @@ def train(args, blocks: int, width: int, nvme: str) -> dict:
     finally:
         engine.close()
     timed = args.steps - 1
-    cpu_s = (cpu1.user + cpu1.system - cpu0.user - cpu0.system) / timed
     if paired:  # the steps' own windows, without the resident blocks timed between them
-        t_end, t_start, cpu_s = window["s"], 0.0, window["cpu"] / timed
+        step_s, cpu_s = window["s"] / timed, window["cpu"] / timed
         io0, io1 = (0, 0), (window["read"], window["write"])
-    return {"build_s": build_s, "step_s": (t_end - t_start) / timed, "cpu_s": cpu_s, "drain_s": drain_s,
+    else:
+        step_s = (t_end - t_start) / timed
+        cpu_s = (cpu1.user + cpu1.system - cpu0.user - cpu0.system) / timed
+    return {"build_s": build_s, "step_s": step_s, "cpu_s": cpu_s, "drain_s": drain_s,
             "peak_rss": peak_rss,
             "block_times": times, "paired": paired, "losses": losses, "per_step": per_step, "trace_s": trace_s,
             "read_bytes": statistics.mean(s["read_bytes"] for s in per_step[1:]),

@@ -8,6 +8,15 @@ import zeroinf.optim as zo
 from cpu_adam_helpers import TOL, _save_load
 
 
+@pytest.fixture
+def prepared(monkeypatch):
+    """The parameters CPUAdam._prepare is called with, in call order (the Python preparation a
+    first step or a changed 16-bit parameter goes through); the test clears it between steps."""
+    calls = []
+    real = zo.CPUAdam._prepare
+    monkeypatch.setattr(zo.CPUAdam, "_prepare", lambda self, p, maximize: calls.append(p) or real(self, p, maximize))
+    return calls
+
 def test_cpuadam_bf16_params_keep_fp32_master():
     n = 513
     init = torch.randn(n)
@@ -34,13 +43,10 @@ def test_cpuadam_bf16_params_keep_fp32_master():
 
 
 
-def test_cpuadam_steady_16bit_steps_skip_the_per_parameter_preparation(monkeypatch):
+def test_cpuadam_steady_16bit_steps_skip_the_per_parameter_preparation(prepared):
     """A 16-bit parameter left as the optimizer wrote it is stepped straight from its kept master,
     as an fp32 one is from itself: only a first step or a changed parameter is prepared (in
     Python, per parameter). The updates still equal torch.optim.AdamW's on fp32 copies."""
-    prepared = []
-    real = zo.CPUAdam._prepare
-    monkeypatch.setattr(zo.CPUAdam, "_prepare", lambda self, p, maximize: prepared.append(p) or real(self, p, maximize))
     torch.manual_seed(0)
     inits = [torch.randn(n) for n in (7, 64, 300)]
     ps = [torch.nn.Parameter(x.to(torch.bfloat16)) for x in inits]
@@ -207,12 +213,9 @@ def test_cpuadam_refuses_16bit_parameters_over_the_same_memory(dtype):
     assert len(opt.param_groups) == 1  # the refused group is not kept
 
 
-def test_cpuadam_a_strided_16bit_parameter_stays_on_the_steady_path(monkeypatch):
+def test_cpuadam_a_strided_16bit_parameter_stays_on_the_steady_path(prepared):
     """A transposed bf16 parameter is stepped by the general (torch-op) path, whose write bumps
     its version: the record of the write is refreshed, so the next steps are not prepared again."""
-    prepared = []
-    real = zo.CPUAdam._prepare
-    monkeypatch.setattr(zo.CPUAdam, "_prepare", lambda self, p, maximize: prepared.append(p) or real(self, p, maximize))
     torch.manual_seed(1)
     init = torch.randn(12, 20)
     p = torch.nn.Parameter(init.to(torch.bfloat16).t())

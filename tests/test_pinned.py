@@ -232,7 +232,7 @@ def test_pool_acquire_leaving_keeps_the_margin_between_threads():
     import threading
     from zeroinf.io.pool import PinnedBufferPool
     with PinnedBufferPool(8, 4096) as p:
-        lowest, stop = [8], threading.Event()
+        lowest = [8]
         lock = threading.Lock()
 
         def worker(count, keep):

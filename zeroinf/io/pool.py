@@ -230,7 +230,8 @@ class PinnedBufferPool:
     def acquire_leaving(self, count: int, keep_free: int) -> Optional[List[torch.Tensor]]:
         """Take ``count`` free buffers only if ``keep_free`` stay free after, in one step under the
         pool's lock (a check of :meth:`free_count` followed by :meth:`acquire` calls lets another
-        thread take buffers in between); None, taking nothing, otherwise.
+        thread take buffers in between). Returns the buffers (each as from :meth:`acquire`: uint8,
+        ``buffer_size`` bytes), or None, taking nothing, when fewer than ``count + keep_free`` are free.
 
         Raises:
             ValueError: ``count`` < 1 or ``keep_free`` < 0.

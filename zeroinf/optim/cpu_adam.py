@@ -249,10 +249,11 @@ class CPUAdam(torch.optim.Optimizer):
                         master, out = p, None
                     elif _unchanged(written.get(id(p)), p):
                         master, out = state.get("master_param"), p
-                        kept.append(p)
                     else:
                         master = None
                     if master is not None:
+                        if out is not None:
+                            kept.append(p)
                         step_tensors.append(step)
                         masters.append(master)
                         grads.append(grad)
